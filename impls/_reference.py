@@ -1,0 +1,68 @@
+"""Attention the way eager PyTorch writes it, in chunks of query rows so that memory stays bounded.
+
+``attention_ref(..., upcast=True)`` is the oracle: every operation in float64. ``upcast=False`` is standard
+attention in the input dtype (matmuls in the input dtype, softmax in float32, probabilities cast back for
+``P @ V``), i.e. flash-attention's ``attention_ref`` without upcast: its error against the oracle is the
+yardstick of the suite's tolerance rule.
+
+Conventions of the contract, which every implementation is checked against:
+- GQA: query head ``h`` reads key/value head ``h // (Hq // Hkv)``.
+- Causal with ``Sq != Skv`` is aligned bottom-right: query ``i`` sees keys ``j <= i + (Skv - Sq)``.
+- A query row that sees no key (causal with ``Sq > Skv``) outputs zeros, as flash-attn does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from impls._validate import validate_attention_inputs
+
+
+def causal_visible(sq: int, skv: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Boolean ``(Sq, Skv)`` matrix: True where query ``i`` may see key ``j`` (bottom-right aligned)."""
+    rows = torch.arange(sq, device=device)[:, None]
+    cols = torch.arange(skv, device=device)[None, :]
+    return cols <= rows + (skv - sq)
+
+
+def score_bytes(q: torch.Tensor, k: torch.Tensor, rows: int | None = None) -> int:
+    """Bytes that the score matrices of ``rows`` query rows take (input dtype + float32 softmax + probs)."""
+    b, hq, sq, _ = q.shape
+    rows = sq if rows is None else rows
+    return b * hq * rows * k.shape[2] * (2 * q.element_size() + 4)
+
+
+def attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    upcast: bool = True,
+    chunk_bytes: int | None = 1 << 30,
+) -> torch.Tensor:
+    """Standard attention; ``chunk_bytes=None`` materialises all ``Sq x Skv`` scores at once."""
+    scale = validate_attention_inputs(q, k, v, scale)
+    out_dtype = q.dtype
+    if upcast:
+        q, k, v = q.double(), k.double(), v.double()
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    sq, skv = q.shape[2], k.shape[2]
+    softmax_dtype = torch.float64 if upcast else torch.float32
+    rows = sq if chunk_bytes is None else max(1, min(sq, chunk_bytes // max(1, score_bytes(q, k, 1))))
+    visible = causal_visible(sq, skv, q.device) if causal else None
+    out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
+    for start in range(0, sq, rows):
+        stop = min(sq, start + rows)
+        scores = torch.matmul(q[:, :, start:stop], k.transpose(-1, -2)) * scale
+        if visible is not None:
+            scores = scores.masked_fill(~visible[start:stop], float("-inf"))
+        probs = torch.softmax(scores.to(softmax_dtype), dim=-1)
+        if visible is not None:
+            # Rows that see no key: softmax of all -inf is NaN; the contract says zeros.
+            probs = probs.masked_fill(~visible[start:stop].any(dim=-1, keepdim=True), 0.0)
+        out[:, :, start:stop] = torch.matmul(probs.to(v.dtype), v).to(out_dtype)
+    return out

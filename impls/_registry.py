@@ -1,0 +1,206 @@
+"""The adapter contract and the registry every implementation joins with one decorator.
+
+An implementation is a *prepare* function::
+
+    @register("my-kernel", family="triton", dtypes=HALF, devices=("cuda",))
+    def my_kernel(q, k, v, *, causal: bool, scale: float) -> Prepared | Callable[[], Tensor]:
+        ...  # layout changes, descriptors, autotuning: everything that is not the kernel
+        return Prepared(lambda: launch(...), config={"BLOCK_M": 128})
+
+``q`` is ``(B, Hq, Sq, D)``, ``k`` and ``v`` are ``(B, Hkv, Skv, D)``; the returned callable computes
+``o (B, Hq, Sq, D)`` in q's dtype and is the only thing a benchmark times. The registry validates the
+inputs (``impls._validate``) and the declared capabilities before calling the prepare function, so an
+adapter only raises :class:`Unsupported` for what is particular to it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from typing import Any, Protocol
+
+import torch
+
+from impls._validate import validate_attention_inputs
+
+Runner = Callable[[], torch.Tensor]
+
+HALF = (torch.float16, torch.bfloat16)
+FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class Unsupported(ValueError):
+    """This implementation cannot run this case here; the message is the human reason."""
+
+
+@dataclass
+class Prepared:
+    """What a prepare function returns: the timed call, plus the configuration it chose."""
+
+    run: Runner
+    config: dict[str, Any] = field(default_factory=dict)
+
+    def __call__(self) -> torch.Tensor:
+        return self.run()
+
+
+class PrepareFn(Protocol):
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float
+    ) -> Prepared | Runner: ...
+
+
+@dataclass(frozen=True)
+class Impl:
+    name: str
+    family: str
+    prepare_fn: PrepareFn
+    dtypes: tuple[torch.dtype, ...] = FLOATS
+    devices: tuple[str, ...] = ("cpu", "cuda")
+    head_dims: tuple[int, ...] | None = None
+    requires: Callable[[str], str | None] | None = None
+    description: str = ""
+
+    def availability(self, device: str) -> str | None:
+        """``None`` when this implementation can run on ``device`` at all, else the reason it cannot."""
+        device = torch.device(device).type
+        if device not in self.devices:
+            return f"runs on {' or '.join(self.devices)}, not {device}"
+        if device == "cuda" and not torch.cuda.is_available():
+            return "no CUDA device"
+        return self.requires(device) if self.requires else None
+
+    def support_reason(self, dtype: torch.dtype, device: str, head_dim: int) -> str | None:
+        """``None`` when the declared capabilities cover this dtype, device and head dim."""
+        reason = self.availability(device)
+        if reason:
+            return reason
+        if dtype not in self.dtypes:
+            names = ", ".join(str(d).removeprefix("torch.") for d in self.dtypes)
+            return f"dtype {str(dtype).removeprefix('torch.')} not supported (supports {names})"
+        if self.head_dims is not None and head_dim not in self.head_dims:
+            return f"head dim {head_dim} not supported (supports {', '.join(map(str, self.head_dims))})"
+        return None
+
+    def prepare(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        causal: bool = False,
+        scale: float | None = None,
+    ) -> Prepared:
+        """Validate, check support, and run the setup that stays outside any timed region."""
+        scale = validate_attention_inputs(q, k, v, scale)
+        reason = self.support_reason(q.dtype, q.device.type, q.shape[-1])
+        if reason:
+            raise Unsupported(f"{self.name}: {reason}")
+        prepared = self.prepare_fn(q, k, v, causal=bool(causal), scale=scale)
+        return prepared if isinstance(prepared, Prepared) else Prepared(prepared)
+
+    def __call__(self, q, k, v, *, causal: bool = False, scale: float | None = None) -> torch.Tensor:
+        return self.prepare(q, k, v, causal=causal, scale=scale)()
+
+
+REGISTRY: dict[str, Impl] = {}
+
+
+def register(
+    name: str,
+    *,
+    family: str,
+    dtypes: Iterable[torch.dtype] = FLOATS,
+    devices: Iterable[str] = ("cpu", "cuda"),
+    head_dims: Iterable[int] | None = None,
+    requires: Callable[[str], str | None] | None = None,
+    description: str = "",
+) -> Callable[[PrepareFn], PrepareFn]:
+    """Decorator: add a prepare function to the registry under ``name``."""
+
+    def decorate(fn: PrepareFn) -> PrepareFn:
+        if name in REGISTRY:
+            raise ValueError(f"implementation {name!r} is registered twice")
+        REGISTRY[name] = Impl(
+            name=name,
+            family=family,
+            prepare_fn=fn,
+            dtypes=tuple(dtypes),
+            devices=tuple(devices),
+            head_dims=None if head_dims is None else tuple(head_dims),
+            requires=requires,
+            description=description or (fn.__doc__ or "").strip().split("\n")[0],
+        )
+        return fn
+
+    return decorate
+
+
+def probe(call: Runner, *errors: type[BaseException]) -> Runner:
+    """Run ``call`` once; a library's refusal (one of ``errors``) becomes :class:`Unsupported`.
+
+    For libraries that decide per input whether they can run (PyTorch's SDPA backends, flash-attn):
+    the first call is also the warm-up, so nothing is lost.
+    """
+    try:
+        call()
+    except errors as exc:
+        first = " ".join(str(exc).split())[:300] or type(exc).__name__
+        raise Unsupported(first) from exc
+    return call
+
+
+def unregister(name: str) -> None:
+    REGISTRY.pop(name, None)
+
+
+def module_available(module: str, hint: str) -> Callable[[str], str | None]:
+    """A ``requires`` check: the module can be imported, else ``"<module> not installed (<hint>)"``."""
+
+    def check(device: str) -> str | None:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        return None if found else f"{module} not installed ({hint})"
+
+    check.__name__ = f"requires_{module.replace('.', '_')}"
+    return check
+
+
+@functools.cache
+def load_all() -> dict[str, Impl]:
+    """Import every module of the ``impls`` package once, so that their ``@register`` lines run."""
+    import pkgutil
+
+    import impls
+
+    for info in sorted(pkgutil.iter_modules(impls.__path__), key=lambda m: m.name):
+        if not info.name.startswith("_"):
+            importlib.import_module(f"impls.{info.name}")
+    return REGISTRY
+
+
+def select(patterns: Iterable[str] | None = None) -> list[Impl]:
+    """Registered implementations whose names match any glob in ``patterns`` (all when empty)."""
+    load_all()
+    patterns = list(patterns or [])
+    if not patterns:
+        return list(REGISTRY.values())
+    chosen = [impl for impl in REGISTRY.values() if any(fnmatchcase(impl.name, p) for p in patterns)]
+    unmatched = [p for p in patterns if not any(fnmatchcase(name, p) for name in REGISTRY)]
+    if unmatched:
+        raise ValueError(f"no implementation matches {', '.join(unmatched)}; known: {', '.join(REGISTRY)}")
+    return chosen
+
+
+def get(name: str) -> Impl:
+    load_all()
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"unknown implementation {name!r}; known: {', '.join(REGISTRY)}") from None

@@ -1,0 +1,55 @@
+"""One input validation for every implementation: each problem gets an error that names it."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)
+
+
+def validate_attention_inputs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
+) -> float:
+    """Check the contract's shapes, dtypes and devices; return the softmax scale to use.
+
+    Raises ``TypeError`` for a wrong type or dtype and ``ValueError`` for a wrong shape, device or scale,
+    with the offending argument named in the message.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            layout = "(B, Hq, Sq, D)" if name == "q" else "(B, Hkv, Skv, D)"
+            raise ValueError(f"{name} must be 4-D {layout}, got shape {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if q.device != k.device or q.device != v.device:
+        raise ValueError(f"q, k and v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
+    (b, hq, sq, d), (bk, hkv, skv, dk) = q.shape, k.shape
+    if b != bk:
+        raise ValueError(f"batch size of q ({b}) and k/v ({bk}) differ")
+    if d != dk:
+        raise ValueError(f"head dim of q ({d}) and k/v ({dk}) differ")
+    if min(b, hq, hkv, d) == 0:
+        raise ValueError(f"empty tensor: q {tuple(q.shape)}, k/v {tuple(k.shape)}")
+    if sq == 0 or skv == 0:
+        raise ValueError(f"empty sequence: Sq={sq}, Skv={skv} (both must be at least 1)")
+    if hq % hkv != 0:
+        raise ValueError(
+            f"GQA ratio: query heads Hq={hq} must be a multiple of key/value heads Hkv={hkv}"
+        )
+    if scale is None:
+        return default_scale(d)
+    if isinstance(scale, bool) or not isinstance(scale, int | float):
+        raise TypeError(f"scale must be a real number, got {type(scale).__name__}")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return float(scale)

@@ -1,0 +1,65 @@
+"""The flash-attn package, whichever generation is importable (each is its own entry).
+
+- ``flash-attn2``: ``flash_attn.flash_attn_func`` (FlashAttention-2, sm_80+)
+- ``flash-attn3``: ``flash_attn_interface.flash_attn_func`` (FlashAttention-3, Hopper)
+- ``flash-attn4``: ``flash_attn.cute.flash_attn_func`` (FlashAttention-4, CuTe DSL, sm_90/sm_100)
+
+All take ``(B, S, H, D)`` tensors, do GQA natively (Hq a multiple of Hkv) and align causal masks
+bottom-right, which is the contract's convention; the adapter only changes the layout (in prepare, outside
+the timed call) and maps ``scale`` to ``softmax_scale``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+import torch
+
+from impls._registry import HALF, probe, register
+
+# entry name -> (module, attribute, what to install)
+GENERATIONS: dict[str, tuple[str, str, str]] = {
+    "flash-attn2": ("flash_attn", "flash_attn_func", "pip install flash-attn"),
+    "flash-attn3": ("flash_attn_interface", "flash_attn_func", "build hopper/ of flash-attention"),
+    "flash-attn4": ("flash_attn.cute", "flash_attn_func", "pip install flash-attn-4"),
+}
+# Errors through which flash-attn says "not this input" (head dim, dtype, architecture).
+REFUSALS = (RuntimeError, ValueError, AssertionError, NotImplementedError, TypeError)
+
+
+def load_function(module: str, attribute: str) -> Callable:
+    return getattr(importlib.import_module(module), attribute)
+
+
+def _requires(module: str, attribute: str, hint: str) -> Callable[[str], str | None]:
+    def check(device: str) -> str | None:
+        try:
+            load_function(module, attribute)
+        except (ImportError, AttributeError, OSError) as exc:
+            return f"{module}.{attribute} not importable ({hint}): {type(exc).__name__}: {exc}"[:300]
+        return None
+
+    return check
+
+
+def _first_output(result):
+    """FA3 and FA4 return ``(out, lse)`` (FA3 only in some versions); FA2 returns ``out``."""
+    return result[0] if isinstance(result, tuple | list) else result
+
+
+def _make(name: str, module: str, attribute: str, hint: str) -> None:
+    @register(name, family="flash-attn", dtypes=HALF, devices=("cuda",),
+              requires=_requires(module, attribute, hint), description=f"{module}.{attribute}")
+    def prepare(q, k, v, *, causal: bool, scale: float):
+        func = load_function(module, attribute)
+        qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))  # (B, S, H, D)
+
+        def call() -> torch.Tensor:
+            return _first_output(func(qt, kt, vt, softmax_scale=scale, causal=causal)).transpose(1, 2)
+
+        return probe(call, *REFUSALS)
+
+
+for _name, (_module, _attribute, _hint) in GENERATIONS.items():
+    _make(_name, _module, _attribute, _hint)

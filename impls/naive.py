@@ -1,0 +1,29 @@
+"""Standard attention that materialises the full score matrix: the baseline flash kernels are measured against."""
+
+from __future__ import annotations
+
+import torch
+
+from impls._reference import attention_ref, score_bytes
+from impls._registry import Unsupported, register
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as meminfo:
+        fields = dict(line.split(":", 1) for line in meminfo)
+    return int(fields["MemAvailable"].split()[0]) * 1024
+
+
+@register("naive", family="naive", description="softmax(QK^T)V with the full Sq x Skv matrix, eager PyTorch")
+def naive(q, k, v, *, causal: bool, scale: float):
+    group = q.shape[1] // k.shape[1]
+    needed = score_bytes(q, k) + (2 * k.numel() * k.element_size() * group if group > 1 else 0)
+    free = free_memory_bytes(q.device)
+    if needed > 0.8 * free:
+        raise Unsupported(
+            f"needs {needed / 2**30:.1f} GiB for the {q.shape[2]}x{k.shape[2]} score matrices "
+            f"({needed} bytes); {free / 2**30:.1f} GiB free on {q.device.type}"
+        )
+    return lambda: attention_ref(q, k, v, causal=causal, scale=scale, upcast=False, chunk_bytes=None)

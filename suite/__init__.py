@@ -1,0 +1,1 @@
+"""The correctness and benchmark suite: ``pytest suite -k correctness``, ``pytest suite --benchmark-only``."""

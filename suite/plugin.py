@@ -1,0 +1,259 @@
+"""pytest plugin of the suite: options, the implementation x case parametrisation, shared fixtures, and
+the records (outcomes, unavailable implementations, machine) that go into pytest-benchmark's JSON."""
+
+from __future__ import annotations
+
+import platform
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import impls
+from impls import Impl, Prepared, Unsupported
+from suite import cases as grid
+from suite.cases import Case
+from suite.checks import CheckResult, Oracle
+
+DEFAULT_GRIDS = {  # phase -> (without a GPU, with one)
+    "correctness": ("cpu", "gpu"),
+    "benchmark": ("cpu-bench", "blog"),
+}
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("fmha", "fmha-bench")
+    group.addoption("--impl", action="append", default=[], metavar="GLOB",
+                    help="implementations to run (repeatable, globs like 'sdpa-*'); default all")
+    group.addoption("--grid", action="append", default=[], metavar="PRESET",
+                    help=f"case presets (repeatable): {', '.join(grid.PRESETS)}; "
+                         "default cpu/gpu for correctness, cpu-bench/blog for benchmarks")
+    group.addoption("--device", default=None, choices=("cpu", "cuda"),
+                    help="where to run; default cuda when available")
+    group.addoption("--rounds", type=int, default=None, help="timed rounds per benchmark (default 20 GPU, 5 CPU)")
+    group.addoption("--warmup-rounds", type=int, default=3, help="untimed rounds before timing (default 3)")
+    group.addoption("--round-ms", type=float, default=None,
+                    help="target length of a round; calls per round follow from it (default 20 GPU, 50 CPU)")
+    group.addoption("--cold-l2", action="store_true",
+                    help="flush the L2 cache before every round (one call per round; flush not timed)")
+    group.addoption("--report", metavar="HTML", default=None,
+                    help="write the HTML comparison report at the end of the session")
+    group.addoption("--baseline", default="sdpa", help="implementation speedups are relative to (report)")
+
+
+@dataclass
+class RunState:
+    device: torch.device
+    impls: list[Impl]
+    unavailable: dict[str, str]
+    outcomes: list[dict[str, Any]] = field(default_factory=list)
+    presets: dict[str, list[str]] = field(default_factory=dict)
+    cases: dict[str, dict] = field(default_factory=dict)
+
+
+STATE_KEY = pytest.StashKey[RunState]()
+
+
+def run_state(config: pytest.Config) -> RunState:
+    return config.stash[STATE_KEY]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    requested = config.getoption("--device")
+    device = torch.device(requested or ("cuda" if torch.cuda.is_available() else "cpu"))
+    selected = impls.select(config.getoption("--impl"))
+    unavailable = {i.name: r for i in selected if (r := i.availability(device.type))}
+    config.stash[STATE_KEY] = RunState(
+        device=device, impls=[i for i in selected if i.name not in unavailable], unavailable=unavailable
+    )
+    if device.type == "cuda" and config.getoption("benchmark_timer", None) == "time.perf_counter":
+        config.option.benchmark_timer = "suite.timing.cuda_clock"
+    if config.getoption("--report") and not config.getoption("benchmark_json", None):
+        Path("results").mkdir(exist_ok=True)
+        config.option.benchmark_json = Path("results") / "benchmark.json"
+
+
+def grids_for(config: pytest.Config, phase: str) -> list[str]:
+    return config.getoption("--grid") or [DEFAULT_GRIDS[phase][run_state(config).device.type == "cuda"]]
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if not {"impl", "case"} <= set(metafunc.fixturenames):
+        return
+    state = run_state(metafunc.config)
+    phase = "benchmark" if "benchmark" in metafunc.fixturenames else "correctness"
+    params = []
+    for preset, case in grid.cases(grids_for(metafunc.config, phase)):
+        if case.id not in state.cases:
+            state.cases[case.id] = {**case.as_dict(), "preset": preset}
+            state.presets.setdefault(preset, []).append(case.id)
+        params += [pytest.param(impl, case, id=f"{impl.name}-{case.id}") for impl in state.impls]
+    metafunc.parametrize(("impl", "case"), params)
+
+
+@pytest.fixture(scope="session")
+def device(pytestconfig: pytest.Config) -> torch.device:
+    return run_state(pytestconfig).device
+
+
+class Problem:
+    """One case's inputs on the device and, on first use, its oracle."""
+
+    def __init__(self, case: Case, device: torch.device) -> None:
+        self.case = case
+        self.device = device
+        self.q, self.k, self.v = case.make_inputs(device)
+
+    @cached_property
+    def oracle(self) -> Oracle:
+        return Oracle(self.q, self.k, self.v, causal=self.case.causal)
+
+    def prepare(self, impl: Impl) -> Prepared:
+        return impl.prepare(self.q, self.k, self.v, causal=self.case.causal)
+
+    def check(self, out: torch.Tensor) -> CheckResult:
+        return self.oracle.check(out, self.q)
+
+
+_last_problem: list[Problem] = []  # tests run case-major, so one cached case serves all implementations
+
+
+@pytest.fixture
+def problem(case: Case, device: torch.device) -> Problem:
+    if not _last_problem or _last_problem[0].case != case or _last_problem[0].device != device:
+        _last_problem.clear()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        _last_problem.append(Problem(case, device))
+    return _last_problem[0]
+
+
+class Recorder:
+    def __init__(self, state: RunState, impl: Impl, case: Case, phase: str) -> None:
+        self._state, self._impl, self._case, self._phase = state, impl, case, phase
+
+    def __call__(self, status: str, message: str = "", **extra: Any) -> None:
+        self._state.outcomes.append({
+            "impl": self._impl.name, "family": self._impl.family, "case": self._case.id,
+            "phase": self._phase, "status": status, "message": message, **extra,
+        })
+
+    def prepare(self, problem: Problem) -> Prepared:
+        """Prepare ``impl`` on the problem; an unsupported case is recorded and skipped with its reason."""
+        try:
+            return problem.prepare(self._impl)
+        except Unsupported as exc:
+            self("unsupported", str(exc))
+            pytest.skip(f"unsupported: {exc}")
+
+    def check(self, problem: Problem, prepared: Prepared) -> CheckResult:
+        result = problem.check(prepared())
+        if not result.passed:
+            self("failed", **result.as_dict())
+        return result
+
+
+@pytest.fixture
+def record(request: pytest.FixtureRequest, impl: Impl, case: Case) -> Recorder:
+    phase = "benchmark" if "benchmark" in request.fixturenames else "correctness"
+    return Recorder(run_state(request.config), impl, case, phase)
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    state = config.stash.get(STATE_KEY, None)
+    if state and state.unavailable:
+        terminalreporter.section("unavailable implementations")
+        for name, reason in state.unavailable.items():
+            terminalreporter.write_line(f"{name}: {reason}")
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    """Versions and, on a GPU, the device's identity: what a reader needs to place the numbers."""
+    from importlib import metadata
+
+    def version(dist: str) -> str | None:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return None
+
+    from suite.metrics import device_peak_tflops
+
+    info: dict[str, Any] = {
+        "device": device.type,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda_runtime": torch.version.cuda,
+        "triton": version("triton"),
+        "cuda-tile": version("cuda-tile"),
+        "flash-attn": version("flash-attn") or version("flash-attn-4") or version("flash_attn_3"),
+    }
+    peak, source = device_peak_tflops(device)
+    info.update(peak_tflops=peak, peak_source=source)
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(
+            gpu=props.name,
+            sm_count=props.multi_processor_count,
+            compute_capability=f"{props.major}.{props.minor}",
+            memory_gib=round(props.total_memory / 2**30, 1),
+            l2_mib=round(getattr(props, "L2_cache_size", 0) / 2**20, 1),
+            driver=_nvidia_smi("driver_version"),
+            sm_clock_max_mhz=_nvidia_smi("clocks.max.sm"),
+            mem_clock_max_mhz=_nvidia_smi("clocks.max.mem"),
+        )
+    else:
+        info["cpu"] = platform.processor() or platform.machine()
+    return info
+
+
+def _nvidia_smi(query: str) -> str | None:
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.strip().splitlines()[0] if out.strip() else None
+
+
+def pytest_benchmark_update_machine_info(config: pytest.Config, machine_info: dict) -> None:
+    machine_info["fmha"] = environment(run_state(config).device)
+
+
+def fmha_record(config: pytest.Config) -> dict[str, Any]:
+    """The suite's own block in the JSON: outcomes of every check, unavailable implementations, cases."""
+    state = run_state(config)
+    return {
+        "schema": 1,
+        "device": state.device.type,
+        "baseline": config.getoption("--baseline"),
+        "presets": state.presets,
+        "cases": state.cases,
+        "impls": {i.name: {"family": i.family, "description": i.description} for i in state.impls},
+        "unavailable": state.unavailable,
+        "outcomes": state.outcomes,
+    }
+
+
+def pytest_benchmark_update_json(config: pytest.Config, benchmarks, output_json: dict) -> None:
+    output_json["fmha"] = fmha_record(config)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    # pytest-benchmark writes its JSON in a wrapper around this hook, so the file exists here.
+    report = session.config.getoption("--report")
+    results = session.config.getoption("benchmark_json", None)
+    if not report:
+        return
+    if not results or not Path(results).exists():
+        session.config.get_terminal_writer().line(f"fmha-bench: no benchmark results, {report} not written")
+        return
+    from reports.build import write_report
+
+    write_report([Path(results)], Path(report), baseline=session.config.getoption("--baseline"))
+    session.config.get_terminal_writer().line(f"fmha-bench: report written to {report}")

@@ -1,0 +1,12 @@
+"""Every available implementation against the float64 oracle, over the selected grid presets."""
+
+from impls import Impl
+from suite.cases import Case
+from suite.plugin import Problem, Recorder
+
+
+def test_correctness(impl: Impl, case: Case, problem: Problem, record: Recorder) -> None:
+    prepared = record.prepare(problem)
+    result = record.check(problem, prepared)
+    assert result.passed, f"{impl.name} on {case.id}: {result.message}"
+    record("passed", **result.as_dict())
