@@ -1,0 +1,93 @@
+"""Our Triton FlashAttention-2 kernel (``kernel.py``), registered as ``triton``.
+
+Autotuned over tile shape, warps and pipeline depth, keyed on the shape class (sequence-length buckets,
+head dim, causal, GQA group, dtype); the chosen config is reported with every benchmark. Under
+``TRITON_INTERPRET=1`` (CPU) the autotuner, which times on a GPU, is bypassed for one fixed config, and the
+dots run in float32 because the interpreter computes half-precision ``tl.dot`` wrongly.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from impls._registry import FLOATS, Prepared, module_available, register
+
+INTERPRETER_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1}
+# (BLOCK_M, BLOCK_N, num_warps, num_stages): a small space; each config costs a compile per shape class.
+SEARCH_SPACE = [
+    (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 128, 8, 2),
+    (128, 32, 4, 4), (64, 64, 4, 3), (64, 64, 4, 4), (64, 32, 4, 4),
+]
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def requires(device: str) -> str | None:
+    missing = module_available("triton", "pip install triton")(device)
+    if missing:
+        return missing
+    if device == "cpu" and not interpreting():
+        return "Triton needs a GPU on this machine; set TRITON_INTERPRET=1 to run its interpreter on CPU"
+    return None
+
+
+@functools.cache
+def _kernels():
+    import triton
+
+    from impls.triton_fa.kernel import attention_fwd
+
+    configs = [
+        triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in SEARCH_SPACE
+    ]
+    key = ["q_len_class", "kv_len_class", "HEAD_DIM", "CAUSAL", "GROUP"]
+    return attention_fwd, triton.autotune(configs=configs, key=key)(attention_fwd)
+
+
+def _bucket(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@register("triton", family="triton", dtypes=FLOATS, head_dims=(16, 32, 64, 128, 256), requires=requires,
+          description="our FlashAttention-2 Triton kernel, autotuned")
+def prepare(q, k, v, *, causal: bool, scale: float) -> Prepared:
+    import triton
+
+    plain, tuned = _kernels()
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    batch, heads, q_len, head_dim = q.shape
+    kv_len = k.shape[2]
+    out = torch.empty_like(q)
+    interp = interpreting()
+    args = (
+        q, k, v, out, scale * 1.4426950408889634,  # scale in log2 units: exp(x * s) == exp2(x * s * log2 e)
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+        heads, q_len, kv_len, _bucket(q_len), _bucket(kv_len),
+    )
+    meta = {"GROUP": heads // k.shape[1], "HEAD_DIM": head_dim, "CAUSAL": causal,
+            "DOT_FP32": interp or q.dtype == torch.float32}
+
+    def grid(cfg):
+        return (triton.cdiv(q_len, cfg["BLOCK_M"]), batch * heads)
+
+    if interp:
+        def run():
+            plain[grid](*args, **meta, **INTERPRETER_CONFIG)
+            return out
+    else:
+        def run():
+            tuned[grid](*args, **meta)
+            return out
+
+    run()  # compiles and, on a GPU, autotunes this shape class: outside any timed region
+    config = dict(INTERPRETER_CONFIG) if interp else _describe(tuned.best_config)
+    return Prepared(run, config=config)
+
+
+def _describe(cfg) -> dict:
+    return {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}

@@ -1,0 +1,134 @@
+"""FlashAttention-2 forward in Triton.
+
+One program computes one BLOCK_M tile of query rows of one (batch, query head). It streams the key/value
+tiles of its kv head through an online softmax in base 2 (the softmax scale folded into log2 units, so
+each score costs one multiply and one ``exp2``), accumulates ``P @ V`` in float32, and normalises once
+at the end.
+
+The key loop is split in two, as in the NVIDIA cuTile blog:
+1. key tiles entirely visible to every row of the query tile: no mask at all;
+2. the tiles at the causal diagonal and the ragged tail of Skv: masked.
+Tiles entirely in the future are never visited. Causal is aligned bottom-right (query i sees keys
+j <= i + Skv - Sq); a row that sees no key keeps l == 0 and is written as zeros.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2_E = 1.4426950408889634
+
+
+@triton.jit
+def _scores(q, k_ptrs, kv_len, start_n, offs_n, MASK_N: tl.constexpr, DOT_FP32: tl.constexpr):
+    """``q @ k^T`` for one key tile, in float32. ``k_ptrs`` address the tile transposed (D x BLOCK_N)."""
+    if MASK_N:
+        k = tl.load(k_ptrs, mask=(start_n + offs_n)[None, :] < kv_len, other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+    if DOT_FP32:  # Triton's interpreter computes half-precision dots wrongly; see launch()
+        k = k.to(tl.float32)
+    return tl.dot(q, k, input_precision="ieee" if DOT_FP32 else None)
+
+
+@triton.jit
+def _attend_tiles(
+    acc, l_i, m_i, q, K_head, V_head, stride_kn, stride_vn, kv_len, causal_offset,
+    offs_m, offs_d, lo, hi,
+    qk_scale, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """Online softmax over key tiles [lo, hi); masks (causal and bounds) only when MASKED."""
+    offs_n = tl.arange(0, BLOCK_N)
+    k_ptrs = K_head + offs_n[None, :] * stride_kn + offs_d[:, None] + lo * stride_kn
+    v_ptrs = V_head + offs_n[:, None] * stride_vn + offs_d[None, :] + lo * stride_vn
+    for start_n in range(lo, hi, BLOCK_N):
+        qk = _scores(q, k_ptrs, kv_len, start_n, offs_n, MASKED, DOT_FP32) * qk_scale
+        if MASKED:
+            keys = (start_n + offs_n)[None, :]
+            visible = keys < kv_len
+            if CAUSAL:
+                visible = visible & (keys <= offs_m[:, None] + causal_offset)
+            qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        if MASKED:  # a row that has seen no key yet has m == -inf: subtract 0 instead of NaN-ing
+            m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new_safe = m_new
+        p = tl.math.exp2(qk - m_new_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_new_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if MASKED:
+            v = tl.load(v_ptrs, mask=(start_n + offs_n)[:, None] < kv_len, other=0.0)
+        else:
+            v = tl.load(v_ptrs)
+        acc = acc * alpha[:, None]
+        if DOT_FP32:
+            acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+        k_ptrs += BLOCK_N * stride_kn
+        v_ptrs += BLOCK_N * stride_vn
+    return acc, l_i, m_i
+
+
+@triton.jit
+def attention_fwd(
+    Q, K, V, Out, qk_scale,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_om,
+    num_heads, q_len, kv_len,
+    q_len_class, kv_len_class,  # autotuning key only: the sequence lengths' power-of-two bucket
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    # Causal: heaviest query tiles (most keys) first, so the last wave is made of short programs.
+    num_m_tiles = tl.cdiv(q_len, BLOCK_M)
+    tile_m = num_m_tiles - 1 - tl.program_id(0) if CAUSAL else tl.program_id(0)
+    bh = tl.program_id(1)
+    batch = (bh // num_heads).to(tl.int64)  # 64-bit: batch * stride can exceed 2**31
+    head = (bh % num_heads).to(tl.int64)
+    kv_head = head // GROUP  # GQA by index: K/V are never repeated in memory
+
+    offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_ptrs = Q + batch * stride_qb + head * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=offs_m[:, None] < q_len, other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    K_head = K + batch * stride_kb + kv_head * stride_kh
+    V_head = V + batch * stride_vb + kv_head * stride_vh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    # Key ranges. Causal: query row i sees keys j <= i + causal_offset (bottom-right alignment).
+    causal_offset = kv_len - q_len
+    full_tiles_end = (kv_len // BLOCK_N) * BLOCK_N  # past this, the tile is ragged: bounds mask needed
+    if CAUSAL:
+        # Keys every row of this tile sees, and the keys any row of it sees.
+        seen_by_all = tile_m * BLOCK_M + causal_offset + 1
+        seen_by_any = tl.minimum(kv_len, (tile_m + 1) * BLOCK_M + causal_offset)
+        unmasked_end = tl.minimum(tl.maximum(seen_by_all, 0) // BLOCK_N * BLOCK_N, full_tiles_end)
+        masked_end = tl.maximum(seen_by_any, 0)
+    else:
+        unmasked_end = full_tiles_end
+        masked_end = kv_len
+
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q, K_head, V_head, stride_kn, stride_vn, kv_len, causal_offset,
+        offs_m, offs_d, 0, unmasked_end, qk_scale, BLOCK_N, False, CAUSAL, DOT_FP32)
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q, K_head, V_head, stride_kn, stride_vn, kv_len, causal_offset,
+        offs_m, offs_d, unmasked_end, masked_end, qk_scale, BLOCK_N, True, CAUSAL, DOT_FP32)
+
+    # Rows that saw no key have l == 0: write zeros rather than 0/0.
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    o_ptrs = Out + batch * stride_ob + head * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :]
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=offs_m[:, None] < q_len)
