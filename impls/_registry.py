@@ -154,6 +154,14 @@ def probe(call: Runner, *errors: type[BaseException]) -> Runner:
     return call
 
 
+LENGTH_CLASSES = (128, 1024, 8192)
+
+
+def length_class(n: int) -> int:
+    """Autotuning bucket of a sequence length: configs are tuned once per bucket, not per length."""
+    return next((c for c in LENGTH_CLASSES if n <= c), LENGTH_CLASSES[-1] * 8)
+
+
 def unregister(name: str) -> None:
     REGISTRY.pop(name, None)
 

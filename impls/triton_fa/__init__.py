@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from impls._registry import FLOATS, Prepared, module_available, register
+from impls._registry import FLOATS, Prepared, length_class, module_available, register
 
 INTERPRETER_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1}
 # (BLOCK_M, BLOCK_N, num_warps, num_stages): a small space; each config costs a compile per shape class.
@@ -45,12 +45,8 @@ def _kernels():
     configs = [
         triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in SEARCH_SPACE
     ]
-    key = ["q_len_class", "kv_len_class", "HEAD_DIM", "CAUSAL", "GROUP"]
+    key = ["q_len_class", "kv_len_class", "group", "HEAD_DIM", "CAUSAL"]
     return attention_fwd, triton.autotune(configs=configs, key=key)(attention_fwd)
-
-
-def _bucket(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 @register("triton", family="triton", dtypes=FLOATS, head_dims=(16, 32, 64, 128, 256), requires=requires,
@@ -67,9 +63,9 @@ def prepare(q, k, v, *, causal: bool, scale: float) -> Prepared:
     args = (
         q, k, v, out, scale * 1.4426950408889634,  # scale in log2 units: exp(x * s) == exp2(x * s * log2 e)
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-        heads, q_len, kv_len, _bucket(q_len), _bucket(kv_len),
+        heads, q_len, kv_len, length_class(q_len), length_class(kv_len), heads // k.shape[1],
     )
-    meta = {"GROUP": heads // k.shape[1], "HEAD_DIM": head_dim, "CAUSAL": causal,
+    meta = {"HEAD_DIM": head_dim, "CAUSAL": causal,
             "DOT_FP32": interp or q.dtype == torch.float32}
 
     def grid(cfg):

@@ -82,8 +82,9 @@ def attention_fwd(
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_om,
     num_heads, q_len, kv_len,
-    q_len_class, kv_len_class,  # autotuning key only: the sequence lengths' power-of-two bucket
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
+    q_len_class, kv_len_class,  # autotuning key only: the sequence lengths' buckets
+    group,
+    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     # Causal: heaviest query tiles (most keys) first, so the last wave is made of short programs.
@@ -92,7 +93,7 @@ def attention_fwd(
     bh = tl.program_id(1)
     batch = (bh // num_heads).to(tl.int64)  # 64-bit: batch * stride can exceed 2**31
     head = (bh % num_heads).to(tl.int64)
-    kv_head = head // GROUP  # GQA by index: K/V are never repeated in memory
+    kv_head = head // group  # GQA by index: K/V are never repeated in memory
 
     offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)

@@ -1,0 +1,189 @@
+"""Our cuTile FMHA kernel (``kernel.py``): the NVIDIA blog's optimisation ladder and the autotuned kernel.
+
+- ``cutile-1-baseline`` ... ``cutile-5-remap``: the blog's steps, each a :class:`Variant` of one kernel;
+- ``cutile``: every optimisation on, tile shape and occupancy chosen by ``cuda.tile.tune.exhaustive_search``
+  from a per-architecture search space, once per shape class, cached for the process.
+
+A variant's hints (occupancy, num_ctas) are applied by ``Variant.kernel()``, the one object both the launch
+and the cubin export use (``tests/test_cutile_export.py`` checks that they reach the compiler).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import asdict, dataclass, replace
+
+import torch
+
+from impls._registry import HALF, Prepared, Unsupported, length_class, module_available, register
+
+HEAD_DIMS = (64, 128)
+COMPILE_TIMEOUT_S = 120  # per config while tuning: a config that compiles longer is dropped
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One compiled form of the kernel: tile shape, the ladder's switches and the compiler hints."""
+
+    tile_m: int
+    tile_n: int
+    fast_math: bool = True
+    loop_split: bool = True
+    reverse_order: bool = True
+    occupancy: int | None = None
+    num_ctas: int | None = None
+    num_worker_warps: int | None = None
+
+    def hints(self) -> dict:
+        """The compiler hints this variant sets (unset ones are left to the compiler)."""
+        names = ("occupancy", "num_ctas", "num_worker_warps")
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+
+    def kernel(self):
+        return _kernel_with_hints(tuple(sorted(self.hints().items())))
+
+    def constants(self, *, head_dim: int, causal: bool, kv_len: int) -> tuple:
+        """The kernel's compile-time arguments, in its parameter order (after the runtime ones)."""
+        return (head_dim, self.tile_m, self.tile_n, causal, kv_len % self.tile_n == 0,
+                self.fast_math, self.loop_split, self.reverse_order)
+
+    def arguments(self, q, k, v, out, *, causal: bool, scale: float) -> tuple:
+        """Everything ``fmha_fwd`` takes, in order."""
+        heads, q_len, head_dim = q.shape[1:]
+        kv_len = k.shape[2]
+        return (q, k, v, out, scale, kv_len - q_len, heads, heads // k.shape[1],
+                *self.constants(head_dim=head_dim, causal=causal, kv_len=kv_len))
+
+    def grid(self, q) -> tuple[int, int, int]:
+        return (math.ceil(q.shape[2] / self.tile_m), q.shape[0] * q.shape[1], 1)
+
+    def describe(self) -> dict:
+        return asdict(self)
+
+
+@functools.cache
+def _kernel_with_hints(hints: tuple[tuple[str, int], ...]):
+    """One kernel object per set of hints: each has its own JIT cache, so it is made once."""
+    from impls.cutile.kernel import fmha_fwd
+
+    return fmha_fwd.replace_hints(**dict(hints)) if hints else fmha_fwd
+
+
+# The blog's ladder (B200 study): each step adds one change to the one before.
+LADDER: dict[str, tuple[Variant, str]] = {}
+_step = Variant(64, 64, fast_math=False, loop_split=False, reverse_order=False, occupancy=2)
+LADDER["cutile-1-baseline"] = (_step, "64x64 tiles, occupancy 2, precise math, every tile masked")
+_step = replace(_step, tile_m=256, tile_n=128, occupancy=1)
+LADDER["cutile-2-large-tiles"] = (_step, "256x128 tiles, occupancy 1 (the blog's 'trap')")
+_step = replace(_step, fast_math=True)
+LADDER["cutile-3-fast-math"] = (_step, "+ flush-to-zero exp2 and approximate division (the 'rescue')")
+_step = replace(_step, loop_split=True)
+LADDER["cutile-4-loop-split"] = (_step, "+ K-loop split: mask only the diagonal and ragged tiles")
+_step = replace(_step, reverse_order=True)
+LADDER["cutile-5-remap"] = (_step, "+ causal blocks in reverse order (heaviest first)")
+
+
+def search_space(capability: tuple[int, int]) -> list[Variant]:
+    """Candidates for the autotuner, per architecture (all optimisations on)."""
+    if capability[0] == 12:  # RTX 50 / DGX Spark: few SMs, small tiles
+        shapes = [(64, 64, 2), (128, 64, 1)]
+    elif capability[0] == 10:  # B200/B300: the blog's three
+        shapes = [(64, 64, 2), (128, 128, 2), (256, 128, 1)]
+    elif capability[0] == 9:
+        # Hopper: with one warpgroup a 128-row tile spills (cuobjdump: 304 B of stack at 128x64, 6000 B at
+        # 256x128, the blog's "trap" made worse); eight worker warps split the rows and the spills go.
+        return [Variant(64, 64, occupancy=2), Variant(128, 64, occupancy=2),
+                Variant(128, 64, occupancy=1, num_worker_warps=8),
+                Variant(128, 128, occupancy=1, num_worker_warps=8),
+                Variant(256, 128, occupancy=1, num_worker_warps=8)]
+    else:
+        shapes = [(64, 64, 2), (128, 64, 1), (128, 128, 1)]
+    return [Variant(m, n, occupancy=occ) for m, n, occ in shapes]
+
+
+def requires(device: str) -> str | None:
+    return module_available("cuda.tile", 'pip install "cuda-tile[tileiras]"')(device)
+
+
+def check_shape(q: torch.Tensor, variant: Variant | None = None) -> None:
+    head_dim = q.shape[-1]
+    if head_dim not in HEAD_DIMS:
+        raise Unsupported(f"head dim {head_dim} not supported: cuTile tiles are powers of two "
+                          f"and this kernel is built for {', '.join(map(str, HEAD_DIMS))}")
+
+
+def launch(variant: Variant, q, k, v, out, *, causal: bool, scale: float) -> None:
+    import cuda.tile as ct
+
+    ct.launch(torch.cuda.current_stream(), variant.grid(q), variant.kernel(),
+              variant.arguments(q, k, v, out, causal=causal, scale=scale))
+
+
+def _contiguous(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tuple(t.contiguous() for t in tensors)  # a no-op for the contract's usual layout
+
+
+def _prepare_fixed(variant: Variant):
+    def prepare(q, k, v, *, causal: bool, scale: float) -> Prepared:
+        check_shape(q)
+        q, k, v = _contiguous(q, k, v)
+        out = torch.empty_like(q)
+
+        def run() -> torch.Tensor:
+            launch(variant, q, k, v, out, causal=causal, scale=scale)
+            return out
+
+        run()  # compile outside any timed region
+        return Prepared(run, config=variant.describe())
+
+    return prepare
+
+
+for _name, (_variant, _what) in LADDER.items():
+    register(_name, family="cutile", dtypes=HALF, devices=("cuda",), head_dims=HEAD_DIMS,
+             requires=requires, description=_what)(_prepare_fixed(_variant))
+
+
+_TUNED: dict[tuple, Variant] = {}  # shape class -> best variant: tune once per process
+
+
+def shape_class(q: torch.Tensor, k: torch.Tensor, causal: bool) -> tuple:
+    return (torch.cuda.get_device_name(q.device), q.dtype, q.shape[-1], causal, q.shape[1] // k.shape[1],
+            length_class(q.shape[2]), length_class(k.shape[2]))
+
+
+def tune(q, k, v, out, *, causal: bool, scale: float) -> Variant:
+    key = shape_class(q, k, causal)
+    if key not in _TUNED:
+        import cuda.tile as ct
+        from cuda.tile.tune import exhaustive_search
+
+        space = search_space(torch.cuda.get_device_capability(q.device))
+        with ct.compiler_timeout(COMPILE_TIMEOUT_S):
+            result = exhaustive_search(
+                space,
+                torch.cuda.current_stream(),
+                grid_fn=lambda var: var.grid(q),
+                kernel=lambda var: var.kernel(),  # the hints travel with the kernel object
+                args_fn=lambda var: var.arguments(q, k, v, out, causal=causal, scale=scale),
+                quiet=True,
+            )
+        _TUNED[key] = result.best.config
+    return _TUNED[key]
+
+
+@register("cutile", family="cutile", dtypes=HALF, devices=("cuda",), head_dims=HEAD_DIMS, requires=requires,
+          description="our cuTile kernel, all optimisations, tile shape and occupancy autotuned")
+def prepare_tuned(q, k, v, *, causal: bool, scale: float) -> Prepared:
+    check_shape(q)
+    q, k, v = _contiguous(q, k, v)
+    out = torch.empty_like(q)
+    variant = tune(q, k, v, out, causal=causal, scale=scale)
+
+    def run() -> torch.Tensor:
+        launch(variant, q, k, v, out, causal=causal, scale=scale)
+        return out
+
+    run()
+    return Prepared(run, config=variant.describe())

@@ -1,0 +1,127 @@
+"""FlashAttention forward in cuTile (``cuda.tile``), after NVIDIA's "Tuning Flash Attention in CUDA Tile".
+
+One block computes one TILE_M tile of query rows of one (batch, query head): it loads that Q tile once,
+streams the K/V tiles of the matching kv head (GQA by index) through an online softmax in base 2, and
+normalises the float32 accumulator once at the end.
+
+Every step of the blog's optimisation ladder is a compile-time switch of this one kernel:
+- FAST_MATH:     exp2 with denormals flushed to zero, approximate final division;
+- LOOP_SPLIT:    key tiles that every query row sees run without any mask; only the tiles at the causal
+                 diagonal and the ragged end of Skv are masked (otherwise every tile is masked);
+- REVERSE_ORDER: causal blocks run heaviest first (last query tile first), which evens out the last wave;
+- tile shape:    TILE_M x TILE_N; occupancy and num_ctas are compiler hints set at launch.
+
+Conventions (the suite's contract): causal is aligned bottom-right, i.e. query row i sees keys
+j <= i + causal_offset with causal_offset = Skv - Sq (the blog's ``input_pos``); a row that sees no key
+is written as zeros.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cuda.tile as ct
+
+ConstInt = ct.Constant[int]
+ConstBool = ct.Constant[bool]
+
+INV_LOG_2 = 1.0 / math.log(2)  # exp(x) == exp2(x * INV_LOG_2)
+K_LATENCY = 2  # K is needed first in each iteration: prefetch it two iterations ahead
+V_LATENCY = 4  # V is needed after the softmax: it can be issued earlier still
+ZERO_PAD = ct.PaddingMode.ZERO  # ragged K/V tiles read zeros (0 * garbage could be NaN)
+
+
+def attend_tiles(acc, l_i, m_i, q, K, V, batch, kv_head, offs_m, lo, hi, kv_len, causal_offset,
+                 qk_scale_log2, TILE_M, TILE_N, TILE_D, MASKED, CAUSAL, EVEN_N, FAST_MATH):
+    """Online softmax over key tiles [lo, hi); masks only when MASKED."""
+    offs_n_tile = ct.arange(TILE_N, dtype=ct.int32)[None, :]
+    for j in range(lo, hi):
+        # K is loaded transposed through the load's dimension order: (D, TILE_N), no permute.
+        k = ct.load(K, index=(batch, kv_head, 0, j), shape=(1, 1, TILE_D, TILE_N), order=(0, 1, 3, 2),
+                    latency=K_LATENCY, padding_mode=ZERO_PAD).reshape((TILE_D, TILE_N))
+        qk = ct.mma(q, k, ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32))
+
+        if MASKED:
+            offs_n = j * TILE_N + offs_n_tile
+            visible = ct.full((TILE_M, TILE_N), True, dtype=ct.bool_)
+            if not EVEN_N:
+                visible = visible & (offs_n < kv_len)
+            if CAUSAL:
+                visible = visible & (offs_m + causal_offset >= offs_n)
+            qk = ct.where(visible, qk, -math.inf)
+
+        # Running max in log2 units; the scale multiplies the row max once, not the whole tile twice.
+        m_new = ct.maximum(m_i, ct.max(qk, axis=-1, keepdims=True) * qk_scale_log2)
+        if MASKED:  # a row that has seen no key yet keeps m == -inf: subtract 0, not -inf (NaN)
+            m_new = ct.where(m_new == -math.inf, 0.0, m_new)
+        p = ct.exp2(qk * qk_scale_log2 - m_new, flush_to_zero=FAST_MATH)
+        alpha = ct.exp2(m_i - m_new, flush_to_zero=FAST_MATH)
+        l_i = l_i * alpha + ct.sum(p, axis=-1, keepdims=True)
+        acc = acc * alpha
+
+        v = ct.load(V, index=(batch, kv_head, j, 0), shape=(1, 1, TILE_N, TILE_D),
+                    latency=V_LATENCY, padding_mode=ZERO_PAD).reshape((TILE_N, TILE_D))
+        acc = ct.mma(p.astype(q.dtype), v, acc)  # tensor cores take P in the input dtype
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@ct.kernel
+def fmha_fwd(
+    Q, K, V, Out,
+    qk_scale: float,
+    causal_offset: int,
+    num_heads: int,
+    group: int,
+    TILE_D: ConstInt,
+    TILE_M: ConstInt, TILE_N: ConstInt,
+    CAUSAL: ConstBool, EVEN_N: ConstBool,
+    FAST_MATH: ConstBool, LOOP_SPLIT: ConstBool, REVERSE_ORDER: ConstBool,
+):
+    if CAUSAL and REVERSE_ORDER:
+        tile_m = ct.num_blocks(0) - 1 - ct.bid(0)
+    else:
+        tile_m = ct.bid(0)
+    batch = ct.bid(1) // num_heads
+    head = ct.bid(1) % num_heads
+    kv_head = head // group  # GQA by index: K/V are never repeated in memory
+
+    qk_scale_log2 = qk_scale * INV_LOG_2
+    offs_m = (tile_m * TILE_M + ct.arange(TILE_M, dtype=ct.int32))[:, None]
+    m_i = ct.full((TILE_M, 1), -math.inf, dtype=ct.float32)
+    l_i = ct.full((TILE_M, 1), 0.0, dtype=ct.float32)
+    acc = ct.full((TILE_M, TILE_D), 0.0, dtype=ct.float32)
+    q = ct.load(Q, index=(batch, head, tile_m, 0), shape=(1, 1, TILE_M, TILE_D)).reshape((TILE_M, TILE_D))
+
+    kv_len = K.shape[2]
+    if CAUSAL:
+        # Keys any row of this tile sees: the rest lie in the future and are never visited.
+        seen_by_any = min(kv_len, (tile_m + 1) * TILE_M + causal_offset)
+        num_tiles = ct.cdiv(max(seen_by_any, 0), TILE_N)
+        # Tiles every row of this tile sees entirely: no mask needed there.
+        unmasked_tiles = max(tile_m * TILE_M + causal_offset + 1, 0) // TILE_N
+    else:
+        num_tiles = ct.cdiv(kv_len, TILE_N)
+        unmasked_tiles = num_tiles
+    if not EVEN_N:
+        unmasked_tiles = min(unmasked_tiles, kv_len // TILE_N)  # the ragged last tile needs its mask
+
+    needs_mask = CAUSAL or not EVEN_N
+    if LOOP_SPLIT:
+        mask_start = min(unmasked_tiles, num_tiles)
+    else:
+        mask_start = 0
+    acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, K, V, batch, kv_head, offs_m, 0, mask_start, kv_len,
+                                 causal_offset, qk_scale_log2, TILE_M, TILE_N, TILE_D, False, CAUSAL,
+                                 EVEN_N, FAST_MATH)
+    acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, K, V, batch, kv_head, offs_m, mask_start, num_tiles,
+                                 kv_len, causal_offset, qk_scale_log2, TILE_M, TILE_N, TILE_D, needs_mask,
+                                 CAUSAL, EVEN_N, FAST_MATH)
+
+    l_i = ct.where(l_i == 0.0, 1.0, l_i)  # rows that saw no key: 0 / 1 = 0
+    if FAST_MATH:
+        acc = ct.truediv(acc, l_i, flush_to_zero=True, rounding_mode=ct.RoundingMode.APPROX)
+    else:
+        acc = ct.truediv(acc, l_i)
+    out = acc.reshape((1, 1, TILE_M, TILE_D)).astype(Out.dtype)
+    ct.store(Out, index=(batch, head, tile_m, 0), tile=out)

@@ -1,0 +1,103 @@
+"""Explore configurations on a GPU: TFLOPS of every candidate config of our kernels next to SDPA.
+
+    python scripts/sweep.py --seqlens 1024 4096 16384 --out sweep.json
+
+Times with ``triton.testing.do_bench`` (median, L2 flushed) after checking each output against the
+float64 oracle; prints a table and writes JSON. Used to choose the autotuners' search spaces.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import itertools
+
+import torch
+import triton
+
+import impls
+from suite.cases import Case
+from suite.checks import Oracle
+from suite.metrics import flops
+
+
+def cutile_candidates():
+    from impls.cutile import LADDER, Variant, launch
+
+    extra = [Variant(64, 64, occupancy=2), Variant(64, 64, occupancy=1), Variant(64, 64, occupancy=3),
+             Variant(128, 64, occupancy=2), Variant(128, 64, occupancy=1, num_worker_warps=8),
+             Variant(128, 128, occupancy=1, num_worker_warps=8), Variant(256, 128, occupancy=1, num_worker_warps=8),
+             Variant(64, 128, occupancy=1), Variant(128, 64, occupancy=1), Variant(64, 64, occupancy=2, num_ctas=2)]
+    named = [(name, v) for name, (v, _) in LADDER.items()] + [(f"cutile:{v.tile_m}x{v.tile_n}:{v.hints()}", v)
+                                                             for v in extra]
+    for name, v in named:
+        def make(q, k, v_, out, causal, scale, _v=v):
+            return lambda: launch(_v, q, k, v_, out, causal=causal, scale=scale)
+        yield name, make
+
+
+def triton_candidates():
+    from impls.triton_fa import SEARCH_SPACE, _kernels
+    plain, _ = _kernels()
+    for m, n, w, s in SEARCH_SPACE + [(128, 128, 8, 4), (64, 128, 4, 3), (128, 64, 8, 4), (128, 64, 8, 2)]:
+        def make(q, k, v, out, causal, scale, cfg=(m, n, w, s)):
+            b, h, sq, d = q.shape
+            args = (q, k, v, out, scale * 1.4426950408889634, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+                    *out.stride()[:3], h, sq, k.shape[2], 0, 0, h // k.shape[1])
+            grid = (triton.cdiv(sq, cfg[0]), b * h)
+            return lambda: plain[grid](*args, HEAD_DIM=d, CAUSAL=causal, DOT_FP32=False, BLOCK_M=cfg[0],
+                                       BLOCK_N=cfg[1], num_warps=cfg[2], num_stages=cfg[3])
+        yield f"triton:{m}x{n}:w{w}s{s}", make
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 16384])
+    p.add_argument("--causal", choices=["both", "causal", "full"], default="both")
+    p.add_argument("--d", type=int, default=128)
+    p.add_argument("--which", nargs="+", default=["sdpa", "cutile", "triton"])
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    causal_opts = {"both": [True, False], "causal": [True], "full": [False]}[a.causal]
+    rows = []
+    for causal, s in itertools.product(causal_opts, a.seqlens):
+        case = Case(4, 32, 32, s, s, a.d, "fp16", causal)
+        q, k, v = case.make_inputs("cuda")
+        oracle = Oracle(q, k, v, causal=causal)
+        scale = a.d ** -0.5
+        cands = []
+        if "sdpa" in a.which:
+            for name in ("sdpa-cudnn", "sdpa-flash", "flash-attn4"):
+                impl = impls.get(name)
+                if impl.availability("cuda") is None:
+                    cands.append((name, lambda q, k, v_, out, c, sc, impl=impl: impl.prepare(q, k, v_, causal=c, scale=sc)))
+        if "cutile" in a.which:
+            cands += list(cutile_candidates())
+        if "triton" in a.which:
+            cands += list(triton_candidates())
+        for name, make in cands:
+            out = torch.empty_like(q)
+            try:
+                fn = make(q, k, v, out, causal, scale)
+                res = fn()
+                res = out if res is None else res
+                torch.cuda.synchronize()
+                chk = oracle.check(res, q)
+                ms = triton.testing.do_bench(fn, warmup=100, rep=400, return_mode="median") if chk.passed else None
+            except Exception as e:  # noqa: BLE001 - a sweep records every failure and goes on
+                chk, ms = None, None
+                print(f"{case.id} {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            tf = flops(case) / (ms * 1e-3) / 1e12 if ms else None
+            rows.append({"case": case.id, "seq": s, "causal": causal, "name": name, "ms": ms, "tflops": tf,
+                         "passed": chk.passed if chk else False, "err": chk.max_error if chk else None})
+            print(f"{case.id:40s} {name:55s} {'%.1f' % tf if tf else 'FAIL':>8} "
+                  f"{'' if chk is None else chk.message[:50]}", flush=True)
+        del q, k, v, oracle
+        torch.cuda.empty_cache()
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
