@@ -69,7 +69,8 @@ class Impl:
         """``None`` when this implementation can run on ``device`` at all, else the reason it cannot."""
         device = torch.device(device).type
         if device not in self.devices:
-            return f"runs on {' or '.join(self.devices)}, not {device}"
+            why = " (no CUDA device here)" if "cuda" in self.devices and not torch.cuda.is_available() else ""
+            return f"runs on {' or '.join(self.devices)} only, this run is on {device}{why}"
         if device == "cuda" and not torch.cuda.is_available():
             return "no CUDA device"
         return self.requires(device) if self.requires else None

@@ -9,8 +9,8 @@ float64 oracle; prints a table and writes JSON. Used to choose the autotuners' s
 from __future__ import annotations
 
 import argparse
-import json
 import itertools
+import json
 
 import torch
 import triton
@@ -39,7 +39,7 @@ def cutile_candidates():
 def triton_candidates():
     from impls.triton_fa import SEARCH_SPACE, _kernels
     plain, _ = _kernels()
-    for m, n, w, s in SEARCH_SPACE + [(128, 128, 8, 4), (64, 128, 4, 3), (128, 64, 8, 4), (128, 64, 8, 2)]:
+    for m, n, w, s in [*SEARCH_SPACE, (128, 128, 8, 4), (64, 128, 4, 3), (128, 64, 8, 4), (128, 64, 8, 2)]:
         def make(q, k, v, out, causal, scale, cfg=(m, n, w, s)):
             b, h, sq, d = q.shape
             args = (q, k, v, out, scale * 1.4426950408889634, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
@@ -70,7 +70,9 @@ def main() -> None:
             for name in ("sdpa-cudnn", "sdpa-flash", "flash-attn4"):
                 impl = impls.get(name)
                 if impl.availability("cuda") is None:
-                    cands.append((name, lambda q, k, v_, out, c, sc, impl=impl: impl.prepare(q, k, v_, causal=c, scale=sc)))
+                    def make(q, k, v_, out, c, sc, impl=impl):
+                        return impl.prepare(q, k, v_, causal=c, scale=sc)
+                    cands.append((name, make))
         if "cutile" in a.which:
             cands += list(cutile_candidates())
         if "triton" in a.which:
@@ -84,13 +86,13 @@ def main() -> None:
                 torch.cuda.synchronize()
                 chk = oracle.check(res, q)
                 ms = triton.testing.do_bench(fn, warmup=100, rep=400, return_mode="median") if chk.passed else None
-            except Exception as e:  # noqa: BLE001 - a sweep records every failure and goes on
+            except Exception as e:
                 chk, ms = None, None
                 print(f"{case.id} {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
             tf = flops(case) / (ms * 1e-3) / 1e12 if ms else None
             rows.append({"case": case.id, "seq": s, "causal": causal, "name": name, "ms": ms, "tflops": tf,
                          "passed": chk.passed if chk else False, "err": chk.max_error if chk else None})
-            print(f"{case.id:40s} {name:55s} {'%.1f' % tf if tf else 'FAIL':>8} "
+            print(f"{case.id:40s} {name:55s} {f'{tf:.1f}' if tf else 'FAIL':>8} "
                   f"{'' if chk is None else chk.message[:50]}", flush=True)
         del q, k, v, oracle
         torch.cuda.empty_cache()

@@ -1,0 +1,88 @@
+import pytest
+import torch
+
+import impls
+from impls import Prepared, Unsupported, register, select, unregister
+
+
+@pytest.fixture
+def toy():
+    """A throwaway implementation registered for one test only; its setup counts its calls."""
+    calls = {"prepare": 0, "run": 0}
+
+    @register("toy-impl", family="toy", dtypes=(torch.float32,), head_dims=(16,), devices=("cpu",))
+    def toy_impl(q, k, v, *, causal, scale):
+        calls["prepare"] += 1
+        if causal:
+            raise Unsupported("no causal here")
+
+        def run():
+            calls["run"] += 1
+            return torch.zeros_like(q)
+
+        return Prepared(run, config={"tile": 1})
+
+    yield impls.get("toy-impl"), calls
+    unregister("toy-impl")
+
+
+def inputs(dtype=torch.float32, d=16):
+    q = torch.randn(1, 2, 4, d, dtype=dtype)
+    return q, torch.randn(1, 1, 4, d, dtype=dtype), torch.randn(1, 1, 4, d, dtype=dtype)
+
+
+def test_prepare_runs_setup_once_outside_the_timed_call(toy):
+    impl, calls = toy
+    prepared = impl.prepare(*inputs())
+    assert calls == {"prepare": 1, "run": 0}
+    for _ in range(3):
+        prepared()
+    assert calls == {"prepare": 1, "run": 3}
+    assert prepared.config == {"tile": 1}
+
+
+def test_declared_capabilities_are_checked_before_prepare(toy):
+    impl, calls = toy
+    with pytest.raises(Unsupported, match="dtype float16 not supported"):
+        impl.prepare(*inputs(torch.float16))
+    with pytest.raises(Unsupported, match="head dim 32 not supported"):
+        impl.prepare(*inputs(d=32))
+    with pytest.raises(Unsupported, match="no causal here"):
+        impl.prepare(*inputs(), causal=True)
+    assert impl.availability("cuda").startswith("runs on cpu only")
+    assert calls["prepare"] == 1  # only the causal call reached the prepare function
+
+
+def test_select_globs_and_unknown_names(toy):
+    assert {i.name for i in select(["sdpa-*"])} >= {"sdpa-math", "sdpa-flash", "sdpa-cudnn"}
+    assert [i.name for i in select(["toy-*"])] == ["toy-impl"]
+    with pytest.raises(ValueError, match="no implementation matches nope"):
+        select(["nope"])
+
+
+def test_double_registration_is_refused(toy):
+    with pytest.raises(ValueError, match="registered twice"):
+        register("toy-impl", family="toy")(lambda q, k, v, *, causal, scale: None)
+
+
+def test_every_family_is_registered():
+    families = {i.family for i in select()}
+    assert {"naive", "sdpa", "flash-attn", "triton", "cutile"} <= families
+    names = {i.name for i in select()}
+    assert {"cutile-1-baseline", "cutile-2-large-tiles", "cutile-3-fast-math", "cutile-4-loop-split",
+            "cutile-5-remap", "cutile", "triton", "flash-attn2", "flash-attn3", "flash-attn4"} <= names
+
+
+def test_cutile_says_why_it_cannot_run_without_a_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert impls.get("cutile").availability("cpu") == "runs on cuda only, this run is on cpu (no CUDA device here)"
+    assert impls.get("cutile").availability("cuda") == "no CUDA device"
+
+
+def test_naive_declines_what_does_not_fit(monkeypatch):
+    import impls.naive as naive
+
+    monkeypatch.setattr(naive, "free_memory_bytes", lambda device: 1000)
+    with pytest.raises(Unsupported, match=r"needs .* GiB for the 4x4 score matrices \(\d+ bytes\)"):
+        impls.get("naive").prepare(*inputs())

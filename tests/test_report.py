@@ -1,0 +1,118 @@
+"""The report: built from real suite output, escaped, strict about its input, and clean in a browser."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from reports.build import ReportError, load_run, render, write_report
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> Path:
+    """A real benchmark run of the suite (CPU, two implementations, tiny cases)."""
+    out = tmp_path_factory.mktemp("bench") / "bench.json"
+    cmd = [sys.executable, "-m", "pytest", "suite", "--benchmark-only", "-q", "-p", "no:cacheprovider",
+           "--impl", "naive", "--impl", "sdpa-math", "--grid", "cpu-bench", "--rounds", "2",
+           "--round-ms", "1", f"--benchmark-json={out}"]
+    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)
+    return out
+
+
+def test_report_has_every_section(results, tmp_path):
+    html = write_report([results], tmp_path / "r.html").read_text()
+    for marker in ('id="env-table"', 'class="leaderboard"', 'class="case"', 'class="matrix"', "<svg"):
+        assert marker in html, marker
+    assert "naive" in html and "sdpa-math" in html
+    assert "<script" not in html
+    assert not re.search(r"""(src|href)=["']?(https?:)?//""", html), "the report must not fetch anything"
+
+
+def test_two_runs_side_by_side(results, tmp_path):
+    other = tmp_path / "other.json"
+    other.write_text(results.read_text())
+    html = write_report([results, other], tmp_path / "r.html").read_text()
+    assert "(bench)" in html and "(other)" in html
+
+
+def test_names_and_messages_from_the_json_are_escaped(results, tmp_path):
+    data = json.loads(results.read_text())
+    evil = '<script>alert("x")</script><img src=x onerror=alert(1)>'
+    data["benchmarks"][0]["extra_info"]["impl"] = evil
+    data["fmha"]["outcomes"].append({"impl": evil, "case": data["fmha"]["presets"]["cpu-bench"][0],
+                                     "status": "failed", "message": evil})
+    data["fmha"]["unavailable"][evil] = evil
+    path = tmp_path / "evil.json"
+    path.write_text(json.dumps(data))
+    html = render([load_run(path)])
+    assert "<script>" not in html and "<img" not in html
+    assert "&lt;script&gt;" in html
+
+
+@pytest.mark.parametrize(
+    ("content", "words"),
+    [
+        ('{"benchmarks": [', "not valid JSON (truncated?)"),
+        ("[]", "top level is not a JSON object"),
+        ('{"machine_info": {}}', "no 'benchmarks' list"),
+        ('{"benchmarks": []}', "no 'fmha' block"),
+        ('{"benchmarks": [{"stats": {}, "extra_info": {}}], "fmha": {"outcomes": [], "unavailable": {}, '
+         '"presets": {}, "cases": {}}}', "benchmark #0"),
+    ],
+)
+def test_malformed_input_is_refused_with_the_file_and_the_problem(tmp_path, content, words):
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    with pytest.raises(ReportError, match=re.escape(words)) as info:
+        load_run(path)
+    assert str(path) in str(info.value)
+
+
+def test_cli_exit_code_and_message(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    proc = subprocess.run([sys.executable, "-m", "reports", str(bad), "-o", str(tmp_path / "r.html")],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 2 and "bad.json: not valid JSON" in proc.stderr
+
+
+def _chromium() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.browser
+def test_report_renders_in_headless_chromium(results, tmp_path):
+    if os.environ.get("CI"):
+        from playwright.sync_api import sync_playwright  # in CI a missing browser fails, never skips
+    else:
+        sync_playwright = pytest.importorskip("playwright.sync_api").sync_playwright
+        if not _chromium():
+            pytest.skip("chromium not installed (apt-get install chromium)")
+    report = write_report([results], tmp_path / "report.html")
+    errors: list[str] = []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=_chromium(), args=[
+            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--no-first-run"])
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        page.on("requestfailed", lambda req: errors.append(f"request failed: {req.url}"))
+        page.goto(report.as_uri())
+        assert page.locator("table.leaderboard").count() >= 1
+        assert page.locator("table.case").count() >= 2
+        assert page.locator("table.matrix td.passed").count() >= 4
+        assert page.locator("figure.chart svg").count() >= 1
+        box = page.locator("figure.chart svg").first.bounding_box()
+        assert box and box["width"] > 100 and box["height"] > 100
+        shot = ROOT / "results" / "report-screenshot.png"
+        shot.parent.mkdir(exist_ok=True)
+        page.screenshot(path=str(shot), full_page=True)
+        browser.close()
+    assert errors == []
