@@ -24,12 +24,15 @@ from suite.metrics import flops
 def cutile_candidates():
     from impls.cutile import LADDER, Variant, launch
 
-    extra = [Variant(64, 64, occupancy=2), Variant(64, 64, occupancy=1), Variant(64, 64, occupancy=3),
-             Variant(128, 64, occupancy=2), Variant(128, 64, occupancy=1, num_worker_warps=8),
-             Variant(128, 128, occupancy=1, num_worker_warps=8), Variant(256, 128, occupancy=1, num_worker_warps=8),
-             Variant(64, 128, occupancy=1), Variant(128, 64, occupancy=1), Variant(64, 64, occupancy=2, num_ctas=2)]
-    named = [(name, v) for name, (v, _) in LADDER.items()] + [(f"cutile:{v.tile_m}x{v.tile_n}:{v.hints()}", v)
-                                                             for v in extra]
+    extra = [Variant(64, 64, occupancy=2), Variant(128, 64, occupancy=2),
+             Variant(128, 64, occupancy=1, num_worker_warps=8), Variant(128, 128, occupancy=1, num_worker_warps=8),
+             Variant(128, 128, occupancy=1, num_worker_warps=8, k_latency=1, v_latency=2),
+             Variant(128, 128, occupancy=1, num_worker_warps=8, k_latency=3, v_latency=6),
+             Variant(128, 128, occupancy=1, num_worker_warps=8, k_latency=4, v_latency=4),
+             Variant(128, 64, occupancy=2, k_latency=3, v_latency=6),
+             Variant(128, 64, occupancy=1, num_worker_warps=8, k_latency=3, v_latency=6)]
+    named = [(name, v) for name, (v, _) in LADDER.items()] + [
+        (f"cutile:{v.tile_m}x{v.tile_n}:{v.hints()}:L{v.k_latency},{v.v_latency}", v) for v in extra]
     for name, v in named:
         def make(q, k, v_, out, causal, scale, _v=v):
             return lambda: launch(_v, q, k, v_, out, causal=causal, scale=scale)

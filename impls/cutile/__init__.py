@@ -34,6 +34,8 @@ class Variant:
     occupancy: int | None = None
     num_ctas: int | None = None
     num_worker_warps: int | None = None
+    k_latency: int = 2
+    v_latency: int = 4
 
     def hints(self) -> dict:
         """The compiler hints this variant sets (unset ones are left to the compiler)."""
@@ -46,7 +48,7 @@ class Variant:
     def constants(self, *, head_dim: int, causal: bool, kv_len: int) -> tuple:
         """The kernel's compile-time arguments, in its parameter order (after the runtime ones)."""
         return (head_dim, self.tile_m, self.tile_n, causal, kv_len % self.tile_n == 0,
-                self.fast_math, self.loop_split, self.reverse_order)
+                self.fast_math, self.loop_split, self.reverse_order, self.k_latency, self.v_latency)
 
     def arguments(self, q, k, v, out, *, causal: bool, scale: float) -> tuple:
         """Everything ``fmha_fwd`` takes, in order."""

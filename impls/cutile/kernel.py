@@ -9,7 +9,9 @@ Every step of the blog's optimisation ladder is a compile-time switch of this on
 - LOOP_SPLIT:    key tiles that every query row sees run without any mask; only the tiles at the causal
                  diagonal and the ragged end of Skv are masked (otherwise every tile is masked);
 - REVERSE_ORDER: causal blocks run heaviest first (last query tile first), which evens out the last wave;
-- tile shape:    TILE_M x TILE_N; occupancy and num_ctas are compiler hints set at launch.
+- tile shape:    TILE_M x TILE_N; occupancy, num_ctas and num_worker_warps are compiler hints set at launch;
+- latencies:     how far ahead K and V loads are issued (the blog uses 2 for K, needed first in an iteration,
+                 and 4 for V, needed only after the softmax).
 
 Conventions (the suite's contract): causal is aligned bottom-right, i.e. query row i sees keys
 j <= i + causal_offset with causal_offset = Skv - Sq (the blog's ``input_pos``); a row that sees no key
@@ -26,13 +28,11 @@ ConstInt = ct.Constant[int]
 ConstBool = ct.Constant[bool]
 
 INV_LOG_2 = 1.0 / math.log(2)  # exp(x) == exp2(x * INV_LOG_2)
-K_LATENCY = 2  # K is needed first in each iteration: prefetch it two iterations ahead
-V_LATENCY = 4  # V is needed after the softmax: it can be issued earlier still
 ZERO_PAD = ct.PaddingMode.ZERO  # ragged K/V tiles read zeros (0 * garbage could be NaN)
 
 
 def attend_tiles(acc, l_i, m_i, q, K, V, batch, kv_head, offs_m, lo, hi, kv_len, causal_offset,
-                 qk_scale_log2, TILE_M, TILE_N, TILE_D, MASKED, CAUSAL, EVEN_N, FAST_MATH):
+                 qk_scale_log2, TILE_M, TILE_N, TILE_D, MASKED, CAUSAL, EVEN_N, FAST_MATH, K_LATENCY, V_LATENCY):
     """Online softmax over key tiles [lo, hi); masks only when MASKED."""
     offs_n_tile = ct.arange(TILE_N, dtype=ct.int32)[None, :]
     for j in range(lo, hi):
@@ -77,6 +77,7 @@ def fmha_fwd(
     TILE_M: ConstInt, TILE_N: ConstInt,
     CAUSAL: ConstBool, EVEN_N: ConstBool,
     FAST_MATH: ConstBool, LOOP_SPLIT: ConstBool, REVERSE_ORDER: ConstBool,
+    K_LATENCY: ConstInt, V_LATENCY: ConstInt,
 ):
     if CAUSAL and REVERSE_ORDER:
         tile_m = ct.num_blocks(0) - 1 - ct.bid(0)
@@ -113,10 +114,10 @@ def fmha_fwd(
         mask_start = 0
     acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, K, V, batch, kv_head, offs_m, 0, mask_start, kv_len,
                                  causal_offset, qk_scale_log2, TILE_M, TILE_N, TILE_D, False, CAUSAL,
-                                 EVEN_N, FAST_MATH)
+                                 EVEN_N, FAST_MATH, K_LATENCY, V_LATENCY)
     acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, K, V, batch, kv_head, offs_m, mask_start, num_tiles,
                                  kv_len, causal_offset, qk_scale_log2, TILE_M, TILE_N, TILE_D, needs_mask,
-                                 CAUSAL, EVEN_N, FAST_MATH)
+                                 CAUSAL, EVEN_N, FAST_MATH, K_LATENCY, V_LATENCY)
 
     l_i = ct.where(l_i == 0.0, 1.0, l_i)  # rows that saw no key: 0 / 1 = 0
     if FAST_MATH:
