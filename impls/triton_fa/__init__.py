@@ -16,11 +16,10 @@ import torch
 from impls._registry import FLOATS, Prepared, length_class, module_available, register
 
 INTERPRETER_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1}
-# (BLOCK_M, BLOCK_N, num_warps, num_stages): a small space; each config costs a compile per shape class.
-SEARCH_SPACE = [
-    (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 128, 8, 2),
-    (128, 32, 4, 4), (64, 64, 4, 3), (64, 64, 4, 4), (64, 32, 4, 4),
-]
+# (BLOCK_M, BLOCK_N, num_warps, num_stages). Measured on an H200 (fp16, D=128, 2K/8K, causal and not):
+# 128x64 with 8 warps led (418-461 TFLOPS), 128x128/8 warps close behind; 4 warps on 128 rows fell to ~120.
+# 64-row tiles stay for short sequences and 32-row tiles for decode-like Sq.
+SEARCH_SPACE = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (64, 64, 4, 3), (64, 128, 4, 3), (32, 64, 4, 3)]
 
 
 def interpreting() -> bool:
