@@ -149,6 +149,8 @@ def probe(call: Runner, *errors: type[BaseException]) -> Runner:
     """
     try:
         call()
+    except torch.OutOfMemoryError:
+        raise  # not a refusal: the caller reports it as out of memory
     except errors as exc:
         first = " ".join(str(exc).split())[:300] or type(exc).__name__
         raise Unsupported(first) from exc

@@ -29,6 +29,16 @@ def _sdpa_kwargs(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -
     return kwargs
 
 
+def refusal_reason(messages: list[str]) -> str:
+    """PyTorch's warnings, minus its source locations and the bare "kernel not used because:" headers."""
+    reasons = []
+    for message in messages:
+        text = " ".join(message.split("(Triggered internally at")[0].split())
+        if text and not text.endswith("because:") and text not in reasons:
+            reasons.append(text)
+    return "; ".join(reasons)[:400]
+
+
 def _make(name: str, backend: SDPBackend | None, devices: tuple[str, ...]) -> None:
     what = "PyTorch's own backend choice" if backend is None else f"backend {backend.name}"
 
@@ -49,9 +59,7 @@ def _make(name: str, backend: SDPBackend | None, devices: tuple[str, ...]) -> No
             try:
                 return probe(call, RuntimeError)
             except Unsupported as exc:
-                reasons = [" ".join(str(w.message).split()) for w in caught if "backend" in str(w.message)
-                           or "not" in str(w.message) or "NaN" in str(w.message)]
-                raise Unsupported("; ".join(reasons[:3]) or str(exc)) from exc
+                raise Unsupported(refusal_reason([str(w.message) for w in caught]) or str(exc)) from exc
 
 
 for _name, (_backend, _devices) in BACKENDS.items():

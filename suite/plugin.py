@@ -3,7 +3,14 @@ the records (outcomes, unavailable implementations, machine) that go into pytest
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import json
+import os
 import platform
+import re
+import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -52,6 +59,8 @@ class RunState:
     outcomes: list[dict[str, Any]] = field(default_factory=list)
     presets: dict[str, list[str]] = field(default_factory=dict)
     cases: dict[str, dict] = field(default_factory=dict)
+    machine_info: dict | None = None
+    commit_info: dict | None = None
 
 
 STATE_KEY = pytest.StashKey[RunState]()
@@ -131,23 +140,56 @@ def problem(case: Case, device: torch.device) -> Problem:
     return _last_problem[0]
 
 
+def out_of_memory_message(exc: BaseException) -> str:
+    asked = re.search(r"Tried to allocate ([\d.]+ [KMGT]?i?B)", str(exc))
+    return f"out of memory (asked for {asked.group(1)})" if asked else "out of memory"
+
+
+def release_device_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 class Recorder:
+    """Records one implementation x case outcome: what the correctness matrix of the report shows."""
+
     def __init__(self, state: RunState, impl: Impl, case: Case, phase: str) -> None:
         self._state, self._impl, self._case, self._phase = state, impl, case, phase
+        self.recorded = False
 
     def __call__(self, status: str, message: str = "", **extra: Any) -> None:
+        self.recorded = True
         self._state.outcomes.append({
             "impl": self._impl.name, "family": self._impl.family, "case": self._case.id,
             "phase": self._phase, "status": status, "message": message, **extra,
         })
 
-    def prepare(self, problem: Problem) -> Prepared:
-        """Prepare ``impl`` on the problem; an unsupported case is recorded and skipped with its reason."""
+    @contextlib.contextmanager
+    def guard(self) -> Iterator[None]:
+        """Whatever the implementation does, the outcome is recorded and the run goes on.
+
+        Unsupported -> skipped with the reason; out of memory -> skipped as "out of memory (asked for N)",
+        memory released; any other error -> failed with the error (and re-raised for pytest).
+        """
         try:
-            return problem.prepare(self._impl)
+            yield
         except Unsupported as exc:
             self("unsupported", str(exc))
             pytest.skip(f"unsupported: {exc}")
+        except torch.OutOfMemoryError as exc:
+            message = out_of_memory_message(exc)
+            self("out of memory", message)
+            traceback.clear_frames(exc.__traceback__)  # drop the frames' references to big tensors
+            del exc
+            release_device_memory(self._state.device)
+            pytest.skip(message)
+        except (pytest.skip.Exception, pytest.fail.Exception):
+            raise
+        except Exception as exc:
+            if not self.recorded:
+                self("failed", f"{type(exc).__name__}: {exc}"[:500])
+            raise
 
     def check(self, problem: Problem, prepared: Prepared) -> CheckResult:
         result = problem.check(prepared())
@@ -242,6 +284,35 @@ def fmha_record(config: pytest.Config) -> dict[str, Any]:
 
 def pytest_benchmark_update_json(config: pytest.Config, benchmarks, output_json: dict) -> None:
     output_json["fmha"] = fmha_record(config)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    yield
+    checkpoint(item.config)
+
+
+def checkpoint(config: pytest.Config) -> None:
+    """Rewrite the results JSON after every test, atomically: a run killed part-way leaves a valid file
+    with everything that finished (pytest-benchmark writes the same file once more at the end)."""
+    path = config.getoption("benchmark_json", None)
+    bench_session = getattr(config, "_benchmarksession", None)  # pytest-benchmark keeps its results there
+    if not path or bench_session is None:
+        return
+    state = run_state(config)
+    if state.machine_info is None:
+        state.machine_info = bench_session.get_machine_info()
+        state.commit_info = config.hook.pytest_benchmark_generate_commit_info(config=config)
+    benchmarks = [b for b in bench_session.benchmarks if b and b.stats.rounds]
+    output = config.hook.pytest_benchmark_generate_json(
+        config=config, benchmarks=benchmarks, include_data=False,
+        machine_info=state.machine_info, commit_info=state.commit_info)
+    config.hook.pytest_benchmark_update_json(config=config, benchmarks=benchmarks, output_json=output)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(output, indent=1, default=str))
+    os.replace(partial, path)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

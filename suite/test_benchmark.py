@@ -24,7 +24,13 @@ def peak_memory_bytes(fn, device: torch.device) -> int | None:
 
 def test_benchmark(benchmark, impl: Impl, case: Case, problem: Problem, record: Recorder,
                    pytestconfig: pytest.Config) -> None:
-    prepared = record.prepare(problem)
+    with record.guard():
+        measure(benchmark, impl, case, problem, record, pytestconfig)
+
+
+def measure(benchmark, impl: Impl, case: Case, problem: Problem, record: Recorder,
+            pytestconfig: pytest.Config) -> None:
+    prepared = problem.prepare(impl)
     check = record.check(problem, prepared)
     if not check.passed:
         pytest.fail(f"not timed, output is wrong: {check.message}")

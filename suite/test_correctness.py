@@ -6,7 +6,7 @@ from suite.plugin import Problem, Recorder
 
 
 def test_correctness(impl: Impl, case: Case, problem: Problem, record: Recorder) -> None:
-    prepared = record.prepare(problem)
-    result = record.check(problem, prepared)
+    with record.guard():
+        result = record.check(problem, problem.prepare(impl))
     assert result.passed, f"{impl.name} on {case.id}: {result.message}"
     record("passed", **result.as_dict())
