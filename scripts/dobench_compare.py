@@ -25,7 +25,8 @@ def main() -> None:
     p.add_argument("--impl", action="append", default=[])
     p.add_argument("--out", default=None)
     a = p.parse_args()
-    data = json.load(open(a.results))
+    with open(a.results) as f:
+        data = json.load(f)
     rows = []
     for bench in data["benchmarks"]:
         info, median_ms = bench["extra_info"], bench["stats"]["median"] * 1e3
@@ -43,7 +44,8 @@ def main() -> None:
     worst = max((abs(r["diff_pct"]) for r in rows), default=0)
     print(f"{len(rows)} benchmarks compared; largest difference {worst:.1f}%")
     if a.out:
-        json.dump(rows, open(a.out, "w"), indent=1)
+        with open(a.out, "w") as f:
+            json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":
