@@ -15,7 +15,7 @@ from typing import Any
 import jinja2
 
 from reports import charts
-from reports.blog import BLOG_LADDER, BLOG_SEQLENS, ladder_notes
+from reports.blog import BLOG_LADDER, BLOG_SEQLENS, HOPPER_EVIDENCE, ladder_notes
 
 
 class ReportError(ValueError):
@@ -167,13 +167,14 @@ def chart_groups(run: Run, preset: str) -> dict[str, list[str]]:
 
 def series(runs: list[Run], preset: str, case_ids: list[str], value: str) -> dict[str, list[tuple[int, float]]]:
     out: dict[str, list[tuple[int, float]]] = defaultdict(list)
-    for run in runs:
+    holders = [run for run in runs if any(cid in run.by_case for cid in case_ids)]
+    for run in holders:
         for cid in case_ids:
             skv = run.cases.get(cid, {}).get("skv")
             for impl, m in run.by_case.get(cid, {}).items():
                 y = m.tflops if value == "tflops" else (m.peak_memory_bytes or 0) / 2**20
                 if y:
-                    label = impl if len(runs) == 1 else f"{impl} @ {run.label}"
+                    label = impl if len(holders) == 1 else f"{impl} @ {run.label}"
                     out[label].append((skv, y))
     return {k: sorted(v) for k, v in out.items()}
 
@@ -186,8 +187,9 @@ def ladder(run: Run) -> dict[str, Any] | None:
         return None
     here = {s: {seq: getattr(run.by_case.get(by_seq.get(seq, ""), {}).get(s), "tflops", None)
                 for seq in BLOG_SEQLENS} for s in steps}
+    hopper = str(run.env.get("compute_capability", "")).startswith("9.")
     return {"steps": steps, "seqlens": BLOG_SEQLENS, "here": here, "blog": BLOG_LADDER,
-            "notes": ladder_notes(here)}
+            "notes": ladder_notes(here), "evidence": HOPPER_EVIDENCE if hopper else []}
 
 
 def build_context(runs: list[Run], baseline: str) -> dict[str, Any]:
@@ -207,7 +209,7 @@ def build_context(runs: list[Run], baseline: str) -> dict[str, Any]:
                   for key, ids in groups.items() if len(ids) > 1 and series(runs, preset, ids, "memory")]
         sections.append({
             "preset": preset,
-            "leaderboards": [(r.label, leaderboard(r, preset)) for r in runs],
+            "leaderboards": [(r.label, board) for r in runs if (board := leaderboard(r, preset))],
             "charts": [c for c in charts_ if c["svg"]],
             "memory": [c for c in memory if c["svg"]],
             "tables": [(r.label, cid, case_table(r, cid, baseline)) for r in runs

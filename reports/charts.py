@@ -13,15 +13,22 @@ import matplotlib.pyplot as plt
 plt.rcParams.update({"svg.fonttype": "path", "svg.hashsalt": "fmha-bench", "font.size": 9})
 
 
+MARKERS = "os^vD<>p*h"
+LINE_STYLES = ["-", "--", ":"]
+
+
 def line_chart(series: dict[str, list[tuple[float, float]]], *, xlabel: str, ylabel: str, title: str,
                logy: bool = False) -> str:
     """One line per label; returns an ``<svg>`` element ('' when there is nothing to draw)."""
     if not series:
         return ""
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
-    for label, points in sorted(series.items()):
+    colors = plt.get_cmap("tab20").colors
+    for i, (label, points) in enumerate(sorted(series.items())):
         xs, ys = zip(*points, strict=True)
-        ax.plot(xs, ys, marker="o", markersize=3, label=label)
+        style = LINE_STYLES[(i // len(colors)) % len(LINE_STYLES)]
+        ax.plot(xs, ys, marker=MARKERS[i % len(MARKERS)], markersize=3, linestyle=style,
+                color=colors[i % len(colors)], label=label)
     ax.set_xscale("log", base=2)
     if logy:
         ax.set_yscale("log")

@@ -1,0 +1,44 @@
+"""Registers, stack (spills), shared memory and matrix instructions of each cuTile variant, without a GPU.
+
+    PATH=$PATH:$(python -c "import nvidia.cu13, os; print(os.path.dirname(nvidia.cu13.__file__))")/bin \\
+        python scripts/cutile_sass.py --arch sm_90
+
+Needs ``cuobjdump`` (PyPI ``nvidia-cuda-cuobjdump``). This is how the Hopper "trap" was diagnosed: the
+blog's 256x128 tile with one warpgroup needs 6000 bytes of stack per thread on sm_90.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import tempfile
+
+from impls.cutile import LADDER, search_space
+from impls.cutile.export import export_cubin
+
+
+def describe(cubin: bytes) -> dict[str, int]:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run(["cuobjdump", "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        res = subprocess.run(["cuobjdump", "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    usage = {k.lower(): int(v) for k, v in re.findall(r"(REG|STACK|SHARED):(\d+)", res)}
+    return {**usage, "hgmma": sass.count("HGMMA"), "hmma": sass.count(" HMMA"),
+            "spill_loads": sass.count("LDL"), "spill_stores": sass.count("STL")}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--arch", default="sm_90")
+    a = p.parse_args()
+    capability = (int(a.arch[3:-1]), int(a.arch[-1]))
+    named = [(name, v) for name, (v, _) in LADDER.items()]
+    named += [(f"search: {v.tile_m}x{v.tile_n} {v.hints()}", v) for v in search_space(capability)]
+    for name, variant in named:
+        print(f"{name:55s} {describe(export_cubin(variant, arch=a.arch))}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
