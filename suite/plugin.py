@@ -3,13 +3,16 @@ the records (outcomes, unavailable implementations, machine) that go into pytest
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import gc
 import json
 import os
 import platform
 import re
+import time
 import traceback
+from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -49,6 +52,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--report", metavar="HTML", default=None,
                     help="write the HTML comparison report at the end of the session")
     group.addoption("--baseline", default="sdpa", help="implementation speedups are relative to (report)")
+    group.addoption("--isolate", action="store_true",
+                    help="run each implementation in its own process: a crash, device fault or hang costs "
+                         "only that implementation's case (see suite/isolation.py)")
+    group.addoption("--case-timeout", type=float, default=300.0,
+                    help="with --isolate: seconds one test may run before its process is killed (default 300)")
+    group.addoption("--only-impl", default=None, help=argparse.SUPPRESS)  # set by --isolate for its children
+    group.addoption("--heartbeat", default=None, help=argparse.SUPPRESS)  # likewise
 
 
 @dataclass
@@ -74,13 +84,16 @@ def pytest_configure(config: pytest.Config) -> None:
     requested = config.getoption("--device")
     device = torch.device(requested or ("cuda" if torch.cuda.is_available() else "cpu"))
     selected = impls.select(config.getoption("--impl"))
+    if config.getoption("--only-impl"):
+        selected = [i for i in selected if i.name == config.getoption("--only-impl")]
     unavailable = {i.name: r for i in selected if (r := i.availability(device.type))}
     config.stash[STATE_KEY] = RunState(
         device=device, impls=[i for i in selected if i.name not in unavailable], unavailable=unavailable
     )
     if device.type == "cuda" and config.getoption("benchmark_timer", None) == "time.perf_counter":
         config.option.benchmark_timer = "suite.timing.cuda_clock"
-    if config.getoption("--report") and not config.getoption("benchmark_json", None):
+    wants_file = config.getoption("--report") or config.getoption("--isolate")
+    if wants_file and not config.getoption("benchmark_json", None):
         Path("results").mkdir(exist_ok=True)
         config.option.benchmark_json = Path("results") / "benchmark.json"
 
@@ -140,9 +153,19 @@ def problem(case: Case, device: torch.device) -> Problem:
     return _last_problem[0]
 
 
+def is_out_of_memory(exc: BaseException) -> bool:
+    """CUDA's OutOfMemoryError, or the CPU allocator's refusal (a plain RuntimeError)."""
+    return isinstance(exc, torch.OutOfMemoryError) or (
+        isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))
+
+
 def out_of_memory_message(exc: BaseException) -> str:
-    asked = re.search(r"Tried to allocate ([\d.]+ [KMGT]?i?B)", str(exc))
-    return f"out of memory (asked for {asked.group(1)})" if asked else "out of memory"
+    text = str(exc)
+    asked = re.search(r"Tried to allocate ([\d.]+ [KMGT]?i?B)", text)
+    if asked:
+        return f"out of memory (asked for {asked.group(1)})"
+    asked = re.search(r"tried to allocate (\d+) bytes", text)
+    return f"out of memory (asked for {int(asked.group(1))} bytes)" if asked else "out of memory"
 
 
 def release_device_memory(device: torch.device) -> None:
@@ -177,19 +200,17 @@ class Recorder:
         except Unsupported as exc:
             self("unsupported", str(exc))
             pytest.skip(f"unsupported: {exc}")
-        except torch.OutOfMemoryError as exc:
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                if not self.recorded:
+                    self("failed", f"{type(exc).__name__}: {exc}"[:500])
+                raise
             message = out_of_memory_message(exc)
             self("out of memory", message)
             traceback.clear_frames(exc.__traceback__)  # drop the frames' references to big tensors
             del exc
             release_device_memory(self._state.device)
             pytest.skip(message)
-        except (pytest.skip.Exception, pytest.fail.Exception):
-            raise
-        except Exception as exc:
-            if not self.recorded:
-                self("failed", f"{type(exc).__name__}: {exc}"[:500])
-            raise
 
     def check(self, problem: Problem, prepared: Prepared) -> CheckResult:
         result = problem.check(prepared())
@@ -286,10 +307,43 @@ def pytest_benchmark_update_json(config: pytest.Config, benchmarks, output_json:
     output_json["fmha"] = fmha_record(config)
 
 
+def _heartbeat(config: pytest.Config, event: str, nodeid: str) -> None:
+    path = config.getoption("--heartbeat")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"event": event, "nodeid": nodeid, "t": time.time()}) + "\n")
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    _heartbeat(item.config, "start", item.nodeid)
     yield
     checkpoint(item.config)
+    _heartbeat(item.config, "finish", item.nodeid)  # only once its results are on disk
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtestloop(session: pytest.Session) -> bool | None:
+    """With --isolate the parent runs nothing itself: it runs one child process per implementation."""
+    config = session.config
+    if not config.getoption("--isolate") or config.getoption("--only-impl") or not session.items:
+        return None
+    if config.getoption("collectonly"):
+        return None
+    from suite import isolation
+
+    results = isolation.run_isolated(config, session.items, isolation.workdir())
+    merged = isolation.merge(results, fmha_record(config))
+    path = Path(config.getoption("benchmark_json"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(merged, indent=1, default=str))
+    counts: dict[str, int] = defaultdict(int)
+    for outcome in merged["fmha"]["outcomes"]:
+        counts[outcome["status"]] += 1
+    session.testsfailed = counts["failed"] + counts["timed out"]
+    config.get_terminal_writer().line(
+        f"[isolate] {', '.join(f'{n} {status}' for status, n in sorted(counts.items()))}; results in {path}")
+    return True
 
 
 def checkpoint(config: pytest.Config) -> None:

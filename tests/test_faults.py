@@ -1,0 +1,93 @@
+"""One bad implementation must not cost the rest of the run: hangs, crashes, huge allocations, errors.
+
+Each test starts a real suite run in a subprocess with the broken implementations of ``broken_impls.py``
+loaded as a plugin, then reads the results JSON that run leaves behind.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from reports.build import load_run
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_suite(tmp_path: Path, *args: str, timeout: float = 300) -> tuple[subprocess.CompletedProcess, dict]:
+    results = tmp_path / "results.json"
+    cmd = [sys.executable, "-m", "pytest", "suite", "-p", "tests.broken_impls", "-p", "no:cacheprovider",
+           "--grid", os.environ.get("FMHA_FAULT_GRID", "cpu-bench"), "--rounds", "2", "--round-ms", "1",
+           f"--benchmark-json={results}", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert results.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc, json.loads(results.read_text())
+
+
+def statuses(data: dict, impl: str) -> Counter:
+    return Counter(o["status"] for o in data["fmha"]["outcomes"] if o["impl"] == impl)
+
+
+def test_a_hang_is_ended_by_the_case_timeout_and_the_run_goes_on(tmp_path):
+    proc, data = run_suite(tmp_path, "-k", "correctness", "--isolate", "--case-timeout", "10",
+                           "--impl", "naive", "--impl", "broken-hang")
+    assert statuses(data, "naive") == {"passed": 4}
+    assert statuses(data, "broken-hang") == {"passed": 3, "timed out": 1}
+    timed_out = next(o for o in data["fmha"]["outcomes"] if o["status"] == "timed out")
+    assert timed_out["case"] == "fp32-causal-h2:2-s256x256-d64" and "timed out after 10 s" in timed_out["message"]
+    assert proc.returncode == 1  # the timeout is a failure of the run, reported, not hidden
+
+
+def test_a_process_killing_fault_costs_only_that_case(tmp_path):
+    proc, data = run_suite(tmp_path, "--benchmark-only", "--isolate",
+                           "--impl", "naive", "--impl", "broken-crash")
+    assert statuses(data, "naive") == {"passed": 4}
+    assert statuses(data, "broken-crash") == {"passed": 3, "failed": 1}
+    died = next(o for o in data["fmha"]["outcomes"] if o["status"] == "failed")
+    assert "process died" in died["message"]
+    timed = Counter(b["extra_info"]["impl"] for b in data["benchmarks"])
+    assert timed == {"naive": 4, "broken-crash": 3}  # every number measured before and after survives
+    assert load_run(tmp_path / "results.json").measurements
+
+
+def test_a_killed_run_leaves_a_valid_json_of_what_finished(tmp_path):
+    proc, data = run_suite(tmp_path, "--benchmark-only", "--impl", "naive", "--impl", "broken-crash")
+    assert proc.returncode != 0  # the whole process died: no isolation here
+    run = load_run(tmp_path / "results.json")
+    assert len(run.measurements) >= 3  # the three cases before the last one, at least
+    assert {m.impl for m in run.measurements} >= {"broken-crash"}
+
+
+def test_out_of_memory_is_reported_with_the_bytes_and_the_run_goes_on(tmp_path):
+    proc, data = run_suite(tmp_path, "-k", "correctness", "--impl", "broken-alloc", "--impl", "naive")
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    ooms = [o for o in data["fmha"]["outcomes"] if o["impl"] == "broken-alloc"]
+    assert len(ooms) == 4
+    assert all(o["status"] == "out of memory" for o in ooms)
+    assert all(f"asked for {1 << 60} bytes" in o["message"] for o in ooms)
+    assert statuses(data, "naive") == {"passed": 4}
+
+
+def test_an_error_mid_run_fails_that_case_only(tmp_path):
+    proc, data = run_suite(tmp_path, "--benchmark-only", "--impl", "broken-raise", "--impl", "naive")
+    assert proc.returncode == 1
+    assert statuses(data, "broken-raise") == {"passed": 2, "failed": 2}
+    failed = [o for o in data["fmha"]["outcomes"] if o["status"] == "failed"]
+    assert all("kernel exploded mid-run" in o["message"] for o in failed)
+    timed = Counter(b["extra_info"]["impl"] for b in data["benchmarks"])
+    assert timed == {"naive": 4, "broken-raise": 2}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_device_side_fault_costs_only_that_implementation(tmp_path):
+    proc, data = run_suite(tmp_path, "-k", "correctness", "--isolate", "--impl", "broken-oob", "--impl", "naive")
+    assert statuses(data, "naive") == {"passed": 4}
+    bad = [o for o in data["fmha"]["outcomes"] if o["impl"] == "broken-oob"]
+    assert bad and all(o["status"] == "failed" for o in bad)
+    assert any("illegal memory access" in o["message"] or "process died" in o["message"] for o in bad)
