@@ -119,6 +119,11 @@ PRESETS: dict[str, list[Case]] = {
         batch=[4], heads=[(32, 8)], seqlens=[(sq, skv) for sq in (1, 16) for skv in (1024, 4096, 16384, 32768)],
         d=[128], causal=[True],
     ),
+    # Under compute-sanitizer (memcheck, racecheck): every code path, smallest sizes.
+    "sanitize": (
+        grid(heads=[(4, 4)], seqlens=[128, 200], d=[64])
+        + grid(heads=[(8, 2)], seqlens=[97, (1, 130), (64, 300), (150, 100)], d=[128], dtype=["bf16"])
+    ),
     # Benchmarks without a GPU: small enough for the Triton interpreter.
     "cpu-bench": grid(heads=[(2, 2)], seqlens=[128, 256], d=[64], dtype=["fp32"]),
 }

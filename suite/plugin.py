@@ -81,6 +81,7 @@ def run_state(config: pytest.Config) -> RunState:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "cases(*cases): run this test on these cases instead of the grid")
     requested = config.getoption("--device")
     device = torch.device(requested or ("cuda" if torch.cuda.is_available() else "cpu"))
     selected = impls.select(config.getoption("--impl"))
@@ -107,8 +108,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         return
     state = run_state(metafunc.config)
     phase = "benchmark" if "benchmark" in metafunc.fixturenames else "correctness"
+    marker = metafunc.definition.get_closest_marker("cases")  # a test that names its own cases
+    selected = [("properties", c) for c in marker.args] if marker else grid.cases(grids_for(metafunc.config, phase))
     params = []
-    for preset, case in grid.cases(grids_for(metafunc.config, phase)):
+    for preset, case in selected:
         if case.id not in state.cases:
             state.cases[case.id] = {**case.as_dict(), "preset": preset}
             state.presets.setdefault(preset, []).append(case.id)

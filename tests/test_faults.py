@@ -44,7 +44,7 @@ def test_a_hang_is_ended_by_the_case_timeout_and_the_run_goes_on(tmp_path):
 
 
 def test_a_process_killing_fault_costs_only_that_case(tmp_path):
-    proc, data = run_suite(tmp_path, "--benchmark-only", "--isolate",
+    _proc, data = run_suite(tmp_path, "--benchmark-only", "--isolate",
                            "--impl", "naive", "--impl", "broken-crash")
     assert statuses(data, "naive") == {"passed": 4}
     assert statuses(data, "broken-crash") == {"passed": 3, "failed": 1}
@@ -56,7 +56,7 @@ def test_a_process_killing_fault_costs_only_that_case(tmp_path):
 
 
 def test_a_killed_run_leaves_a_valid_json_of_what_finished(tmp_path):
-    proc, data = run_suite(tmp_path, "--benchmark-only", "--impl", "naive", "--impl", "broken-crash")
+    proc, _data = run_suite(tmp_path, "--benchmark-only", "--impl", "naive", "--impl", "broken-crash")
     assert proc.returncode != 0  # the whole process died: no isolation here
     run = load_run(tmp_path / "results.json")
     assert len(run.measurements) >= 3  # the three cases before the last one, at least
@@ -86,7 +86,7 @@ def test_an_error_mid_run_fails_that_case_only(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_device_side_fault_costs_only_that_implementation(tmp_path):
-    proc, data = run_suite(tmp_path, "-k", "correctness", "--isolate", "--impl", "broken-oob", "--impl", "naive")
+    _proc, data = run_suite(tmp_path, "-k", "correctness", "--isolate", "--impl", "broken-oob", "--impl", "naive")
     assert statuses(data, "naive") == {"passed": 4}
     bad = [o for o in data["fmha"]["outcomes"] if o["impl"] == "broken-oob"]
     assert bad and all(o["status"] == "failed" for o in bad)
