@@ -45,3 +45,19 @@ def test_hints_reach_the_compiler():
     # The kernel object the launcher uses compiles differently when only the hint differs.
     assert export_cubin(one, arch="sm_90") != export_cubin(two, arch="sm_90")
     assert export_cubin(Variant(128, 64, occupancy=1), arch="sm_90") != export_cubin(eight, arch="sm_90")
+
+
+def test_tensors_past_2_31_elements_get_the_64_bit_indexed_kernel():
+    import inspect
+
+    import cuda.tile as ct
+
+    from impls.cutile import needs_int64
+
+    variant = Variant(64, 64, occupancy=2)
+    wide = variant.kernel(int64=True)
+    params = inspect.signature(wide._pyfunc).parameters
+    assert all(params[name].annotation is ct.IndexedWithInt64 for name in ("Q", "K", "V", "Out"))
+    assert wide._compiler_options.occupancy == 2  # the hints survive
+    assert export_cubin(variant, arch="sm_90", int64=True)[:4] == b"\x7fELF"
+    assert needs_int64(torch.empty(1).expand(2**31)) and not needs_int64(torch.empty(2**10))

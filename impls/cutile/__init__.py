@@ -42,8 +42,9 @@ class Variant:
         names = ("occupancy", "num_ctas", "num_worker_warps")
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
-    def kernel(self):
-        return _kernel_with_hints(tuple(sorted(self.hints().items())))
+    def kernel(self, int64: bool = False):
+        """The kernel object to launch or export, with this variant's hints (64-bit indexing if asked)."""
+        return _kernel_with_hints(tuple(sorted(self.hints().items())), int64)
 
     def constants(self, *, head_dim: int, causal: bool, kv_len: int) -> tuple:
         """The kernel's compile-time arguments, in its parameter order (after the runtime ones)."""
@@ -65,11 +66,17 @@ class Variant:
 
 
 @functools.cache
-def _kernel_with_hints(hints: tuple[tuple[str, int], ...]):
+def _kernel_with_hints(hints: tuple[tuple[str, int], ...], int64: bool):
     """One kernel object per set of hints: each has its own JIT cache, so it is made once."""
-    from impls.cutile.kernel import fmha_fwd
+    from impls.cutile.kernel import fmha_fwd, fmha_fwd_int64
 
-    return fmha_fwd.replace_hints(**dict(hints)) if hints else fmha_fwd
+    base = fmha_fwd_int64 if int64 else fmha_fwd
+    return base.replace_hints(**dict(hints)) if hints else base
+
+
+def needs_int64(*tensors: torch.Tensor) -> bool:
+    """True when an offset into one of the tensors can reach 2**31 elements."""
+    return any(t.numel() >= 2**31 for t in tensors)
 
 
 # The blog's ladder (B200 study): each step adds one change to the one before.
@@ -120,7 +127,7 @@ def check_shape(q: torch.Tensor, variant: Variant | None = None) -> None:
 def launch(variant: Variant, q, k, v, out, *, causal: bool, scale: float) -> None:
     import cuda.tile as ct
 
-    ct.launch(torch.cuda.current_stream(), variant.grid(q), variant.kernel(),
+    ct.launch(torch.cuda.current_stream(), variant.grid(q), variant.kernel(int64=needs_int64(q, k, v)),
               variant.arguments(q, k, v, out, causal=causal, scale=scale))
 
 
@@ -169,7 +176,7 @@ def tune(q, k, v, out, *, causal: bool, scale: float) -> Variant:
                 space,
                 torch.cuda.current_stream(),
                 grid_fn=lambda var: var.grid(q),
-                kernel=lambda var: var.kernel(),  # the hints travel with the kernel object
+                kernel=lambda var: var.kernel(int64=needs_int64(q, k, v)),  # the hints travel with it
                 args_fn=lambda var: var.arguments(q, k, v, out, causal=causal, scale=scale),
                 quiet=True,
             )

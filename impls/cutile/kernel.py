@@ -21,6 +21,7 @@ is written as zeros.
 from __future__ import annotations
 
 import math
+import types
 
 import cuda.tile as ct
 
@@ -126,3 +127,20 @@ def fmha_fwd(
         acc = ct.truediv(acc, l_i)
     out = acc.reshape((1, 1, TILE_M, TILE_D)).astype(Out.dtype)
     ct.store(Out, index=(batch, head, tile_m, 0), tile=out)
+
+
+def with_int64_indexing(kernel: ct.kernel) -> ct.kernel:
+    """The same kernel with 64-bit shapes, strides and offsets for its four arrays.
+
+    cuTile indexes an array in 32 bits unless its parameter is annotated ``ct.IndexedWithInt64``; a tensor of
+    2**31 elements or more needs it (the launcher refuses it otherwise: "stride is too big"). The body is
+    shared: only the annotations of a copy of the function differ.
+    """
+    fn = kernel._pyfunc
+    wide = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    wide.__qualname__, wide.__module__, wide.__doc__ = fn.__qualname__, fn.__module__, fn.__doc__
+    wide.__annotations__ = {**fn.__annotations__, **dict.fromkeys(("Q", "K", "V", "Out"), ct.IndexedWithInt64)}
+    return ct.kernel(wide)
+
+
+fmha_fwd_int64 = with_int64_indexing(fmha_fwd)
