@@ -144,13 +144,15 @@ def case_table(run: Run, case_id: str, baseline: str) -> list[dict[str, Any]]:
 
 
 def correctness_matrix(run: Run) -> dict[str, Any]:
-    """impl x case -> the last recorded outcome (a benchmark's own check counts too)."""
+    """(impl, check) -> the last recorded outcome; a check is a case, or a case and a property
+    (non-finite inputs), in the order the run produced them. A benchmark's own check counts too."""
     cells: dict[tuple[str, str], dict] = {}
+    rows: dict[str, None] = {}
     for o in run.outcomes:
-        cells[(str(o.get("impl")), str(o.get("case")))] = o
-    impls = sorted({i for i, _ in cells})
-    cases = [c for ids in run.presets.values() for c in ids if any((i, c) in cells for i in impls)]
-    return {"impls": impls, "cases": list(dict.fromkeys(cases)), "cells": cells}
+        row = str(o.get("case")) + (f" · {o['property']}" if o.get("property") else "")
+        rows[row] = None
+        cells[(str(o.get("impl")), row)] = {**o, "css": str(o.get("status", "")).replace(" ", "-")}
+    return {"impls": sorted({i for i, _ in cells}), "cases": list(rows), "cells": cells}
 
 
 def chart_groups(run: Run, preset: str) -> dict[str, list[str]]:

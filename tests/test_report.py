@@ -116,3 +116,21 @@ def test_report_renders_in_headless_chromium(results, tmp_path):
         page.screenshot(path=str(shot), full_page=True)
         browser.close()
     assert errors == []
+
+
+def test_matrix_keeps_properties_apart_and_marks_every_status(results, tmp_path):
+    data = json.loads(results.read_text())
+    case = data["fmha"]["presets"]["cpu-bench"][0]
+    data["fmha"]["outcomes"] += [
+        {"impl": "naive", "case": case, "status": "passed", "message": "ok", "property": "nan-in-q"},
+        {"impl": "naive", "case": case, "status": "differs", "message": "3 rows", "property": "nan-in-k"},
+        {"impl": "slow", "case": case, "status": "timed out", "message": "timed out after 5 s"},
+        {"impl": "big", "case": case, "status": "out of memory", "message": "out of memory (asked for 8 GiB)"},
+    ]
+    path = tmp_path / "statuses.json"
+    path.write_text(json.dumps(data))
+    html = render([load_run(path)])
+    assert f"{case} · nan-in-q" in html and f"{case} · nan-in-k" in html
+    for css in ("differs", "timed-out", "out-of-memory"):
+        assert f'class="{css}"' in html
+    assert "asked for 8 GiB" in html
