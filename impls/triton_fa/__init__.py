@@ -1,4 +1,5 @@
-"""Our Triton FlashAttention-2 kernel (``kernel.py``), registered as ``triton``.
+"""Our Triton FlashAttention-2 kernel (``kernel.py``), registered as ``triton`` and, with its tiles moved
+through tensor descriptors (TMA on Hopper), as ``triton-tma``.
 
 Autotuned over tile shape, warps and pipeline depth, keyed on the shape class (sequence-length buckets,
 head dim, causal, GQA group, dtype); the chosen config is reported with every benchmark. Under
@@ -44,44 +45,72 @@ def _kernels():
     configs = [
         triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in SEARCH_SPACE
     ]
-    key = ["q_len_class", "kv_len_class", "group", "HEAD_DIM", "CAUSAL"]
+    key = ["q_len_class", "kv_len_class", "group", "HEAD_DIM", "CAUSAL", "USE_TMA"]
     return attention_fwd, triton.autotune(configs=configs, key=key)(attention_fwd)
 
 
-@register("triton", family="triton", dtypes=FLOATS, head_dims=(16, 32, 64, 128, 256), requires=requires,
-          description="our FlashAttention-2 Triton kernel, autotuned")
-def prepare(q, k, v, *, causal: bool, scale: float) -> Prepared:
+def requires_tma(device: str) -> str | None:
+    missing = requires(device)
+    if missing or device == "cpu":
+        return missing
+    import torch
+
+    major, minor = torch.cuda.get_device_capability()
+    return None if major >= 9 else f"tensor descriptors (TMA) need sm_90 or newer, this GPU is sm_{major}{minor}"
+
+
+@functools.cache
+def _install_descriptor_allocator() -> None:
+    """Device-side tensor descriptors need global scratch memory, which Triton asks its allocator for."""
     import triton
 
-    plain, tuned = _kernels()
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    batch, heads, q_len, head_dim = q.shape
-    kv_len = k.shape[2]
-    out = torch.empty_like(q)
-    interp = interpreting()
-    args = (
-        q, k, v, out, scale * 1.4426950408889634,  # scale in log2 units: exp(x * s) == exp2(x * s * log2 e)
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-        heads, q_len, kv_len, length_class(q_len), length_class(kv_len), heads // k.shape[1],
-    )
-    meta = {"HEAD_DIM": head_dim, "CAUSAL": causal,
-            "DOT_FP32": interp or q.dtype == torch.float32}
+    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
 
-    def grid(cfg):
-        return (triton.cdiv(q_len, cfg["BLOCK_M"]), batch * heads)
 
-    if interp:
-        def run():
-            plain[grid](*args, **meta, **INTERPRETER_CONFIG)
-            return out
-    else:
-        def run():
-            tuned[grid](*args, **meta)
-            return out
+def _make(name: str, use_tma: bool, description: str) -> None:
+    @register(name, family="triton", dtypes=FLOATS, head_dims=(16, 32, 64, 128, 256),
+              requires=requires_tma if use_tma else requires, description=description)
+    def prepare(q, k, v, *, causal: bool, scale: float) -> Prepared:
+        import triton
 
-    run()  # compiles and, on a GPU, autotunes this shape class: outside any timed region
-    config = dict(INTERPRETER_CONFIG) if interp else _describe(tuned.best_config)
-    return Prepared(run, config=config)
+        plain, tuned = _kernels()
+        if use_tma:  # descriptors address the contiguous (B*H, S, D) view
+            q, k, v = (t.contiguous() for t in (q, k, v))
+            if q.is_cuda:
+                _install_descriptor_allocator()
+        else:
+            q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+        batch, heads, q_len, head_dim = q.shape
+        kv_len = k.shape[2]
+        out = torch.empty_like(q)
+        interp = interpreting()
+        args = (
+            q, k, v, out, scale * 1.4426950408889634,  # scale in log2 units: exp(x * s) == exp2(x * s * log2 e)
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+            heads, q_len, kv_len, length_class(q_len), length_class(kv_len), heads // k.shape[1],
+        )
+        meta = {"HEAD_DIM": head_dim, "CAUSAL": causal, "DOT_FP32": interp or q.dtype == torch.float32,
+                "USE_TMA": use_tma}
+
+        def grid(cfg):
+            return (triton.cdiv(q_len, cfg["BLOCK_M"]), batch * heads)
+
+        if interp:
+            def run():
+                plain[grid](*args, **meta, **INTERPRETER_CONFIG)
+                return out
+        else:
+            def run():
+                tuned[grid](*args, **meta)
+                return out
+
+        run()  # compiles and, on a GPU, autotunes this shape class: outside any timed region
+        config = dict(INTERPRETER_CONFIG) if interp else _describe(tuned.best_config)
+        return Prepared(run, config=config)
+
+
+_make("triton", False, "our FlashAttention-2 Triton kernel, autotuned")
+_make("triton-tma", True, "the same kernel moving tiles through tensor descriptors (TMA on Hopper), autotuned")
 
 
 def _describe(cfg) -> dict:

@@ -10,6 +10,10 @@ The key loop is split in two, as in the NVIDIA cuTile blog:
 2. the tiles at the causal diagonal and the ragged tail of Skv: masked.
 Tiles entirely in the future are never visited. Causal is aligned bottom-right (query i sees keys
 j <= i + Skv - Sq); a row that sees no key keeps l == 0 and is written as zeros.
+
+USE_TMA: tiles move through tensor descriptors (Hopper's bulk tensor copy engine) over the contiguous
+(B*H, S, D) view of each tensor, instead of pointer arithmetic; ragged tiles read zeros and stores are
+clipped per head by the descriptor itself.
 """
 
 from __future__ import annotations
@@ -21,9 +25,12 @@ LOG2_E = 1.4426950408889634
 
 
 @triton.jit
-def _scores(q, k_ptrs, kv_len, start_n, offs_n, MASK_N: tl.constexpr, DOT_FP32: tl.constexpr):
+def _scores(q, k_ptrs, k_desc, kv_row, kv_len, start_n, offs_n, MASK_N: tl.constexpr, DOT_FP32: tl.constexpr,
+            USE_TMA: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
     """``q @ k^T`` for one key tile, in float32. ``k_ptrs`` address the tile transposed (D x BLOCK_N)."""
-    if MASK_N:
+    if USE_TMA:
+        k = tl.trans(k_desc.load([kv_row, start_n, 0]).reshape(BLOCK_N, HEAD_DIM))
+    elif MASK_N:
         k = tl.load(k_ptrs, mask=(start_n + offs_n)[None, :] < kv_len, other=0.0)
     else:
         k = tl.load(k_ptrs)
@@ -33,18 +40,30 @@ def _scores(q, k_ptrs, kv_len, start_n, offs_n, MASK_N: tl.constexpr, DOT_FP32: 
 
 
 @triton.jit
+def _values(v_ptrs, v_desc, kv_row, kv_len, start_n, offs_n, MASK_N: tl.constexpr, USE_TMA: tl.constexpr,
+            BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """One V tile (BLOCK_N x D); rows past kv_len read zeros."""
+    if USE_TMA:
+        return v_desc.load([kv_row, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+    if MASK_N:
+        return tl.load(v_ptrs, mask=(start_n + offs_n)[:, None] < kv_len, other=0.0)
+    return tl.load(v_ptrs)
+
+
+@triton.jit
 def _attend_tiles(
-    acc, l_i, m_i, q, K_head, V_head, stride_kn, stride_vn, kv_len, causal_offset,
+    acc, l_i, m_i, q, K_head, V_head, k_desc, v_desc, kv_row, stride_kn, stride_vn, kv_len, causal_offset,
     offs_m, offs_d, lo, hi,
-    qk_scale, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-    DOT_FP32: tl.constexpr,
+    qk_scale, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    DOT_FP32: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """Online softmax over key tiles [lo, hi); masks (causal and bounds) only when MASKED."""
     offs_n = tl.arange(0, BLOCK_N)
     k_ptrs = K_head + offs_n[None, :] * stride_kn + offs_d[:, None] + lo * stride_kn
     v_ptrs = V_head + offs_n[:, None] * stride_vn + offs_d[None, :] + lo * stride_vn
     for start_n in range(lo, hi, BLOCK_N):
-        qk = _scores(q, k_ptrs, kv_len, start_n, offs_n, MASKED, DOT_FP32) * qk_scale
+        qk = _scores(q, k_ptrs, k_desc, kv_row, kv_len, start_n, offs_n, MASKED, DOT_FP32, USE_TMA, BLOCK_N,
+                     HEAD_DIM) * qk_scale
         if MASKED:
             keys = (start_n + offs_n)[None, :]
             visible = keys < kv_len
@@ -59,10 +78,7 @@ def _attend_tiles(
         p = tl.math.exp2(qk - m_new_safe[:, None])
         alpha = tl.math.exp2(m_i - m_new_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if MASKED:
-            v = tl.load(v_ptrs, mask=(start_n + offs_n)[:, None] < kv_len, other=0.0)
-        else:
-            v = tl.load(v_ptrs)
+        v = _values(v_ptrs, v_desc, kv_row, kv_len, start_n, offs_n, MASKED, USE_TMA, BLOCK_N, HEAD_DIM)
         acc = acc * alpha[:, None]
         if DOT_FP32:
             acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
@@ -85,7 +101,7 @@ def attention_fwd(
     q_len_class, kv_len_class,  # autotuning key only: the sequence lengths' buckets
     group,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, USE_TMA: tl.constexpr = False,
 ):
     # Causal: heaviest query tiles (most keys) first, so the last wave is made of short programs.
     num_m_tiles = tl.cdiv(q_len, BLOCK_M)
@@ -97,8 +113,24 @@ def attention_fwd(
 
     offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    q_ptrs = Q + batch * stride_qb + head * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=offs_m[:, None] < q_len, other=0.0)
+    num_kv_heads = num_heads // group
+    kv_row = (batch * num_kv_heads + kv_head).to(tl.int32)  # row of the (B*Hkv, Skv, D) view (descriptors: i32)
+    if USE_TMA:  # descriptors over the contiguous (B*H, S, D) views; their bounds are per head
+        q_desc = tl.make_tensor_descriptor(Q, shape=[tl.num_programs(1), q_len, HEAD_DIM],
+                                           strides=[stride_qh, stride_qm, 1], block_shape=[1, BLOCK_M, HEAD_DIM])
+        kv_shape = [tl.num_programs(1) // group, kv_len, HEAD_DIM]
+        k_desc = tl.make_tensor_descriptor(K, shape=kv_shape, strides=[stride_kh, stride_kn, 1],
+                                           block_shape=[1, BLOCK_N, HEAD_DIM])
+        v_desc = tl.make_tensor_descriptor(V, shape=kv_shape, strides=[stride_vh, stride_vn, 1],
+                                           block_shape=[1, BLOCK_N, HEAD_DIM])
+        o_desc = tl.make_tensor_descriptor(Out, shape=[tl.num_programs(1), q_len, HEAD_DIM],
+                                           strides=[stride_oh, stride_om, 1], block_shape=[1, BLOCK_M, HEAD_DIM])
+        q = q_desc.load([bh, tile_m * BLOCK_M, 0]).reshape(BLOCK_M, HEAD_DIM)
+    else:
+        k_desc = None
+        v_desc = None
+        q_ptrs = Q + batch * stride_qb + head * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :]
+        q = tl.load(q_ptrs, mask=offs_m[:, None] < q_len, other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
     K_head = K + batch * stride_kb + kv_head * stride_kh
@@ -122,14 +154,17 @@ def attention_fwd(
         masked_end = kv_len
 
     acc, l_i, m_i = _attend_tiles(
-        acc, l_i, m_i, q, K_head, V_head, stride_kn, stride_vn, kv_len, causal_offset,
-        offs_m, offs_d, 0, unmasked_end, qk_scale, BLOCK_N, False, CAUSAL, DOT_FP32)
+        acc, l_i, m_i, q, K_head, V_head, k_desc, v_desc, kv_row, stride_kn, stride_vn, kv_len, causal_offset,
+        offs_m, offs_d, 0, unmasked_end, qk_scale, BLOCK_N, HEAD_DIM, False, CAUSAL, DOT_FP32, USE_TMA)
     acc, l_i, m_i = _attend_tiles(
-        acc, l_i, m_i, q, K_head, V_head, stride_kn, stride_vn, kv_len, causal_offset,
-        offs_m, offs_d, unmasked_end, masked_end, qk_scale, BLOCK_N, True, CAUSAL, DOT_FP32)
+        acc, l_i, m_i, q, K_head, V_head, k_desc, v_desc, kv_row, stride_kn, stride_vn, kv_len, causal_offset,
+        offs_m, offs_d, unmasked_end, masked_end, qk_scale, BLOCK_N, HEAD_DIM, True, CAUSAL, DOT_FP32, USE_TMA)
 
     # Rows that saw no key have l == 0: write zeros rather than 0/0.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    out = acc / l_safe[:, None]
-    o_ptrs = Out + batch * stride_ob + head * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :]
-    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=offs_m[:, None] < q_len)
+    out = (acc / l_safe[:, None]).to(Out.dtype.element_ty)
+    if USE_TMA:
+        o_desc.store([bh, tile_m * BLOCK_M, 0], out.reshape(1, BLOCK_M, HEAD_DIM))
+    else:
+        o_ptrs = Out + batch * stride_ob + head * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :]
+        tl.store(o_ptrs, out, mask=offs_m[:, None] < q_len)

@@ -1,0 +1,85 @@
+"""Compile the Triton kernel for a GPU architecture without a GPU, and read its resource usage.
+
+Triton compiles to a cubin for any ``GPUTarget`` with the ptxas it ships; its ``cuobjdump`` reads the result.
+This is how the pointer path's spills on sm_90 were found (see ``docs/``), and what CI checks. It needs the
+kernel as compiled code, so it refuses to run under ``TRITON_INTERPRET=1``; from such a process use
+``python -m impls.triton_fa.aot`` (which drops the variable):
+
+    python -m impls.triton_fa.aot --arch 90 --tma
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import subprocess
+import tempfile
+from pathlib import Path
+
+
+def compile_cubin(arch: int, *, dtype: str = "fp16", head_dim: int = 128, causal: bool = True,
+                  block_m: int = 128, block_n: int = 64, num_warps: int = 8, num_stages: int = 3,
+                  use_tma: bool = False) -> bytes:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from impls.triton_fa.kernel import attention_fwd as fn
+
+    if not isinstance(fn, triton.runtime.jit.JITFunction):
+        raise RuntimeError("the kernel was imported under TRITON_INTERPRET=1: run python -m impls.triton_fa.aot")
+    constants = {"HEAD_DIM": head_dim, "CAUSAL": causal, "BLOCK_M": block_m, "BLOCK_N": block_n,
+                 "DOT_FP32": dtype == "fp32", "USE_TMA": use_tma}
+    signature = {}
+    for name in fn.arg_names:
+        if name in constants:
+            signature[name] = "constexpr"
+        elif name in ("Q", "K", "V", "Out"):
+            signature[name] = f"*{dtype}"
+        else:
+            signature[name] = "fp32" if name == "qk_scale" else "i32"
+    source = ASTSource(fn=fn, signature=signature, constexprs=constants)
+    kernel = triton.compile(source, target=GPUTarget("cuda", arch, 32),
+                            options={"num_warps": num_warps, "num_stages": num_stages})
+    return kernel.asm["cubin"]
+
+
+def cuobjdump() -> str:
+    import triton
+
+    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
+
+
+def describe(cubin: bytes) -> dict[str, int]:
+    """Registers, stack bytes, and counts of matrix (HGMMA), TMA-load (UTMALDG) and spill-load (LDL) ops."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        res = subprocess.run([cuobjdump(), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([cuobjdump(), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    usage = {k.lower(): int(v) for k, v in re.findall(r"(REG|STACK):(\d+)", res)}
+    return {**usage, "hgmma": sass.count("HGMMA"), "utmaldg": sass.count("UTMALDG"), "ldl": sass.count("LDL")}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="compile the Triton kernel for an arch; print its resources")
+    parser.add_argument("--arch", type=int, default=90)
+    parser.add_argument("--tma", action="store_true")
+    parser.add_argument("--block", type=int, nargs=2, default=(128, 64), metavar=("M", "N"))
+    parser.add_argument("--warps", type=int, default=8)
+    parser.add_argument("--stages", type=int, default=3)
+    parser.add_argument("--d", type=int, default=128)
+    parser.add_argument("--full", action="store_true", help="non-causal (default causal)")
+    args = parser.parse_args(argv)
+    cubin = compile_cubin(args.arch, head_dim=args.d, causal=not args.full, block_m=args.block[0],
+                          block_n=args.block[1], num_warps=args.warps, num_stages=args.stages, use_tma=args.tma)
+    print(json.dumps(describe(cubin)))
+
+
+if __name__ == "__main__":
+    if os.environ.pop("TRITON_INTERPRET", "0") not in ("", "0"):  # must be gone before triton is imported
+        os.execv(sys.executable, [sys.executable, "-m", "impls.triton_fa.aot", *sys.argv[1:]])
+    main()
