@@ -14,8 +14,8 @@ import argparse
 import json
 import os
 import re
-import sys
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
