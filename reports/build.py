@@ -195,7 +195,9 @@ def ladder(run: Run) -> dict[str, Any] | None:
 
 
 def build_context(runs: list[Run], baseline: str) -> dict[str, Any]:
-    presets = list(dict.fromkeys(p for r in runs for p in r.presets))
+    # Presets with measurements (a correctness-only run, or the property checks, have none to chart).
+    presets = [p for p in dict.fromkeys(p for r in runs for p in r.presets)
+               if any(cid in r.by_case for r in runs for cid in r.presets.get(p, []))]
     sections = []
     for preset in presets:
         groups = chart_groups(runs[0], preset) if runs else {}
