@@ -44,3 +44,12 @@ def test_flops_and_bytes():
     assert metrics.flops(causal) == 4 * 2 * 8 * 64 * (128 * 129 // 2)
     # q and o over 8 query heads, k and v over 2 kv heads, 2 bytes each
     assert metrics.min_bytes(case) == 2 * 64 * 2 * (2 * 8 * 128 + 2 * 2 * 128)
+
+
+def test_iterations_fill_a_round_and_are_bounded():
+    from suite.timing import iterations_for
+
+    assert iterations_for(0.001, 0.02) == 20
+    assert iterations_for(0.5, 0.02) == 1  # a long call is timed one per round
+    assert iterations_for(1e-9, 0.02) == 1000  # capped
+    assert iterations_for(0.0, 0.02) == 1000
