@@ -30,11 +30,13 @@ def _sdpa_kwargs(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -
 
 
 def refusal_reason(messages: list[str]) -> str:
-    """PyTorch's warnings, minus its source locations and the bare "kernel not used because:" headers."""
+    """PyTorch's warnings, minus its source locations, the bare "kernel not used because:" headers and the
+    notes about the backends this entry switched off itself."""
     reasons = []
     for message in messages:
         text = " ".join(message.split("(Triggered internally at")[0].split())
-        if text and not text.endswith("because:") and text not in reasons:
+        noise = text.endswith("because:") or text.endswith("has been runtime disabled.")
+        if text and not noise and text not in reasons:
             reasons.append(text)
     return "; ".join(reasons)[:400]
 

@@ -86,3 +86,15 @@ def test_naive_declines_what_does_not_fit(monkeypatch):
     monkeypatch.setattr(naive, "free_memory_bytes", lambda device: 1000)
     with pytest.raises(Unsupported, match=r"needs .* GiB for the 4x4 score matrices \(\d+ bytes\)"):
         impls.get("naive").prepare(*inputs())
+
+
+def test_sdpa_refusal_keeps_pytorchs_reason_only():
+    from impls.sdpa import refusal_reason
+
+    reason = refusal_reason([
+        "Memory efficient kernel not used because: (Triggered internally at sdp_utils.cpp:986.)",
+        "For dense input, both fused kernels require query, key and value to have the same num_heads. "
+        "(Triggered internally at sdp_utils.cpp:100.)",
+        "Flash attention has been runtime disabled. (Triggered internally at sdp_utils.cpp:1.)",
+    ])
+    assert reason == "For dense input, both fused kernels require query, key and value to have the same num_heads."
