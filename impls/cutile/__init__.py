@@ -117,7 +117,7 @@ def requires(device: str) -> str | None:
     return module_available("cuda.tile", 'pip install "cuda-tile[tileiras]"')(device)
 
 
-def check_shape(q: torch.Tensor, variant: Variant | None = None) -> None:
+def check_shape(q: torch.Tensor) -> None:
     head_dim = q.shape[-1]
     if head_dim not in HEAD_DIMS:
         raise Unsupported(f"head dim {head_dim} not supported: cuTile tiles are powers of two "
