@@ -10,23 +10,10 @@ blog's 256x128 tile with one warpgroup needs 6000 bytes of stack per thread on s
 from __future__ import annotations
 
 import argparse
-import re
-import subprocess
-import tempfile
 
+from impls._sass import sass_summary
 from impls.cutile import LADDER, search_space
 from impls.cutile.export import export_cubin
-
-
-def describe(cubin: bytes) -> dict[str, int]:
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        sass = subprocess.run(["cuobjdump", "-sass", f.name], capture_output=True, text=True, check=True).stdout
-        res = subprocess.run(["cuobjdump", "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-    usage = {k.lower(): int(v) for k, v in re.findall(r"(REG|STACK|SHARED):(\d+)", res)}
-    return {**usage, "hgmma": sass.count("HGMMA"), "hmma": sass.count(" HMMA"),
-            "spill_loads": sass.count("LDL"), "spill_stores": sass.count("STL")}
 
 
 def main() -> None:
@@ -37,7 +24,7 @@ def main() -> None:
     named = [(name, v) for name, (v, _) in LADDER.items()]
     named += [(f"search: {v.tile_m}x{v.tile_n} {v.hints()}", v) for v in search_space(capability)]
     for name, variant in named:
-        print(f"{name:55s} {describe(export_cubin(variant, arch=a.arch))}", flush=True)
+        print(f"{name:55s} {sass_summary(export_cubin(variant, arch=a.arch))}", flush=True)
 
 
 if __name__ == "__main__":

@@ -40,13 +40,12 @@ def cutile_candidates():
 
 
 def triton_candidates():
-    from impls.triton_fa import SEARCH_SPACE, _kernels
+    from impls.triton_fa import SEARCH_SPACE, _kernels, kernel_arguments
     plain, _ = _kernels()
     for m, n, w, s in [*SEARCH_SPACE, (128, 128, 8, 4), (64, 128, 4, 3), (128, 64, 8, 4), (128, 64, 8, 2)]:
         def make(q, k, v, out, causal, scale, cfg=(m, n, w, s)):
             b, h, sq, d = q.shape
-            args = (q, k, v, out, scale * 1.4426950408889634, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-                    *out.stride()[:3], h, sq, k.shape[2], 0, 0, h // k.shape[1])
+            args = kernel_arguments(q, k, v, out, scale)
             grid = (triton.cdiv(sq, cfg[0]), b * h)
             return lambda: plain[grid](*args, HEAD_DIM=d, CAUSAL=causal, DOT_FP32=False, BLOCK_M=cfg[0],
                                        BLOCK_N=cfg[1], num_warps=cfg[2], num_stages=cfg[3])

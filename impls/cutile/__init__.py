@@ -135,18 +135,20 @@ def _contiguous(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(t.contiguous() for t in tensors)  # a no-op for the contract's usual layout
 
 
+def _prepared(variant: Variant, q, k, v, out, *, causal: bool, scale: float) -> Prepared:
+    def run() -> torch.Tensor:
+        launch(variant, q, k, v, out, causal=causal, scale=scale)
+        return out
+
+    run()  # compile outside any timed region
+    return Prepared(run, config=variant.describe())
+
+
 def _prepare_fixed(variant: Variant):
     def prepare(q, k, v, *, causal: bool, scale: float) -> Prepared:
         check_shape(q)
         q, k, v = _contiguous(q, k, v)
-        out = torch.empty_like(q)
-
-        def run() -> torch.Tensor:
-            launch(variant, q, k, v, out, causal=causal, scale=scale)
-            return out
-
-        run()  # compile outside any timed region
-        return Prepared(run, config=variant.describe())
+        return _prepared(variant, q, k, v, torch.empty_like(q), causal=causal, scale=scale)
 
     return prepare
 
@@ -191,10 +193,4 @@ def prepare_tuned(q, k, v, *, causal: bool, scale: float) -> Prepared:
     q, k, v = _contiguous(q, k, v)
     out = torch.empty_like(q)
     variant = tune(q, k, v, out, causal=causal, scale=scale)
-
-    def run() -> torch.Tensor:
-        launch(variant, q, k, v, out, causal=causal, scale=scale)
-        return out
-
-    run()
-    return Prepared(run, config=variant.describe())
+    return _prepared(variant, q, k, v, out, causal=causal, scale=scale)

@@ -53,8 +53,6 @@ def requires_tma(device: str) -> str | None:
     missing = requires(device)
     if missing or device == "cpu":
         return missing
-    import torch
-
     major, minor = torch.cuda.get_device_capability()
     return None if major >= 9 else f"tensor descriptors (TMA) need sm_90 or newer, this GPU is sm_{major}{minor}"
 
@@ -65,6 +63,18 @@ def _install_descriptor_allocator() -> None:
     import triton
 
     triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+
+
+def kernel_arguments(q, k, v, out, scale: float) -> tuple:
+    """``attention_fwd``'s runtime arguments, in order (the compile-time ones go by keyword)."""
+    from impls.triton_fa.kernel import LOG2_E
+
+    heads, q_len, kv_len = q.shape[1], q.shape[2], k.shape[2]
+    return (
+        q, k, v, out, scale * LOG2_E,  # scale in log2 units: exp(x * s) == exp2(x * s * log2 e)
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+        heads, q_len, kv_len, length_class(q_len), length_class(kv_len), heads // k.shape[1],
+    )
 
 
 def _make(name: str, use_tma: bool, description: str) -> None:
@@ -81,14 +91,9 @@ def _make(name: str, use_tma: bool, description: str) -> None:
         else:
             q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         batch, heads, q_len, head_dim = q.shape
-        kv_len = k.shape[2]
         out = torch.empty_like(q)
         interp = interpreting()
-        args = (
-            q, k, v, out, scale * 1.4426950408889634,  # scale in log2 units: exp(x * s) == exp2(x * s * log2 e)
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-            heads, q_len, kv_len, length_class(q_len), length_class(kv_len), heads // k.shape[1],
-        )
+        args = kernel_arguments(q, k, v, out, scale)
         meta = {"HEAD_DIM": head_dim, "CAUSAL": causal, "DOT_FP32": interp or q.dtype == torch.float32,
                 "USE_TMA": use_tma}
 

@@ -13,11 +13,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
+
+from impls._sass import sass_summary
 
 
 def compile_cubin(arch: int, *, dtype: str = "fp16", head_dim: int = 128, causal: bool = True,
@@ -54,14 +53,7 @@ def cuobjdump() -> str:
 
 
 def describe(cubin: bytes) -> dict[str, int]:
-    """Registers, stack bytes, and counts of matrix (HGMMA), TMA-load (UTMALDG) and spill-load (LDL) ops."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        res = subprocess.run([cuobjdump(), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-        sass = subprocess.run([cuobjdump(), "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    usage = {k.lower(): int(v) for k, v in re.findall(r"(REG|STACK):(\d+)", res)}
-    return {**usage, "hgmma": sass.count("HGMMA"), "utmaldg": sass.count("UTMALDG"), "ldl": sass.count("LDL")}
+    return sass_summary(cubin, cuobjdump())
 
 
 def main(argv: list[str] | None = None) -> None:
