@@ -60,11 +60,11 @@ def main() -> None:
         print(f"{info['impl']:22s} {case.id:40s} json {median_ms:8.3f}  suite {ours:8.3f}  "
               f"do_bench {theirs:8.3f} ms  {rows[-1]['diff_pct']:+5.1f}%", flush=True)
         del q, k, v, run
+        if a.out:  # after every row: a run cut short keeps what it measured
+            with open(a.out, "w") as f:
+                json.dump(rows, f, indent=1)
     worst = max((abs(r["diff_pct"]) for r in rows), default=0)
     print(f"{len(rows)} benchmarks compared; largest difference {worst:.1f}%")
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":

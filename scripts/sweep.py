@@ -40,16 +40,25 @@ def cutile_candidates():
 
 
 def triton_candidates():
-    from impls.triton_fa import SEARCH_SPACE, _kernels, kernel_arguments
-    plain, _ = _kernels()
-    for m, n, w, s in [*SEARCH_SPACE, (128, 128, 8, 4), (64, 128, 4, 3), (128, 64, 8, 4), (128, 64, 8, 2)]:
-        def make(q, k, v, out, causal, scale, cfg=(m, n, w, s)):
-            b, h, sq, d = q.shape
-            args = kernel_arguments(q, k, v, out, scale)
-            grid = (triton.cdiv(sq, cfg[0]), b * h)
-            return lambda: plain[grid](*args, HEAD_DIM=d, CAUSAL=causal, DOT_FP32=False, BLOCK_M=cfg[0],
-                                       BLOCK_N=cfg[1], num_warps=cfg[2], num_stages=cfg[3])
-        yield f"triton:{m}x{n}:w{w}s{s}", make
+    from impls.triton_fa import (
+        SEARCH_SPACE,
+        TMA_SEARCH_SPACE,
+        _install_descriptor_allocator,
+        kernel_arguments,
+        plain_kernel,
+    )
+    _install_descriptor_allocator()
+    spaces = [(False, [*SEARCH_SPACE, (128, 128, 8, 4), (128, 64, 8, 2)]),
+              (True, [*TMA_SEARCH_SPACE, (128, 64, 8, 4), (128, 128, 8, 3), (64, 128, 4, 2)])]
+    for use_tma, space in spaces:
+        for m, n, w, s in space:
+            def make(q, k, v, out, causal, scale, cfg=(m, n, w, s), use_tma=use_tma):
+                b, h, sq, d = q.shape
+                args = kernel_arguments(q, k, v, out, scale)
+                grid = (triton.cdiv(sq, cfg[0]), b * h)
+                return lambda: plain_kernel()[grid](*args, HEAD_DIM=d, CAUSAL=causal, DOT_FP32=False, BLOCK_M=cfg[0],
+                                              BLOCK_N=cfg[1], USE_TMA=use_tma, num_warps=cfg[2], num_stages=cfg[3])
+            yield f"triton{'-tma' if use_tma else ''}:{m}x{n}:w{w}s{s}", make
 
 
 def main() -> None:

@@ -34,3 +34,10 @@ def test_sm90_uses_warpgroup_mma_and_tma():
     tma = compiled("--arch", "90", "--tma")
     assert pointer["hgmma"] > 0 and tma["hgmma"] > 0  # warpgroup MMA, not the older HMMA path
     assert tma["utmaldg"] > 0 and pointer["utmaldg"] == 0  # the descriptor path really uses TMA loads
+
+
+def test_sm90_autotuner_pick_does_not_spill():
+    # 128x64 tiles, 8 warps: the H200 autotuner's usual pick. Compiled with the run-time specialisation
+    # (16-divisible pointers and strides); without it the pointer path spilled, which misled session 1.
+    for path in ((), ("--tma",)):
+        assert compiled("--arch", "90", *path)["stack"] == 0, path

@@ -1,7 +1,8 @@
 """Our Triton FlashAttention-2 kernel (``kernel.py``), registered as ``triton`` and, with its tiles moved
-through tensor descriptors (TMA on Hopper), as ``triton-tma``.
+through tensor descriptors (TMA on Hopper) only, as ``triton-tma``.
 
-Autotuned over tile shape, warps and pipeline depth, keyed on the shape class (sequence-length buckets,
+Autotuned over tile shape, warps, pipeline depth and, on sm_90 and newer, how tiles are loaded (pointers or
+descriptors: ``USE_TMA`` is a config parameter like the tile shape), keyed on the shape class (sequence-length buckets,
 head dim, causal, GQA group, dtype); the chosen config is reported with every benchmark. Under
 ``TRITON_INTERPRET=1`` (CPU) the autotuner, which times on a GPU, is bypassed for one fixed config, and the
 dots run in float32 because the interpreter computes half-precision ``tl.dot`` wrongly.
@@ -16,11 +17,14 @@ import torch
 
 from impls._registry import FLOATS, Prepared, length_class, module_available, register
 
-INTERPRETER_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1}
+INTERPRETER_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1, "USE_TMA": False}
 # (BLOCK_M, BLOCK_N, num_warps, num_stages). Measured on an H200 (fp16, D=128, 2K/8K, causal and not):
 # 128x64 with 8 warps led (418-461 TFLOPS), 128x128/8 warps close behind; 4 warps on 128 rows fell to ~120.
 # 64-row tiles stay for short sequences and 32-row tiles for decode-like Sq.
 SEARCH_SPACE = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (64, 64, 4, 3), (64, 128, 4, 3), (32, 64, 4, 3)]
+# The descriptor (TMA) path on sm_90+: it needs ~140 registers at 128x64 where the pointer path needs 244
+# (cuobjdump, Triton 3.6), so with two pipeline stages two 128-row programs fit on one SM.
+TMA_SEARCH_SPACE = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (32, 64, 4, 3)]
 
 
 def interpreting() -> bool:
@@ -36,17 +40,25 @@ def requires(device: str) -> str | None:
     return None
 
 
-@functools.cache
-def _kernels():
-    import triton
-
+def plain_kernel():
+    """The plain JIT kernel (no autotuning): for the interpreter and for scripts that pick a config."""
     from impls.triton_fa.kernel import attention_fwd
 
+    return attention_fwd
+
+
+@functools.cache
+def autotuned(pointer: bool, tma: bool):
+    """The kernel autotuned over the pointer-path configs, the TMA-path configs, or both."""
+    import triton
+
+    spaces = [(False, SEARCH_SPACE)] * pointer + [(True, TMA_SEARCH_SPACE)] * tma
     configs = [
-        triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in SEARCH_SPACE
+        triton.Config({"BLOCK_M": m, "BLOCK_N": n, "USE_TMA": use_tma}, num_warps=w, num_stages=s)
+        for use_tma, space in spaces for m, n, w, s in space
     ]
-    key = ["q_len_class", "kv_len_class", "group", "HEAD_DIM", "CAUSAL", "USE_TMA"]
-    return attention_fwd, triton.autotune(configs=configs, key=key)(attention_fwd)
+    key = ["q_len_class", "kv_len_class", "group", "HEAD_DIM", "CAUSAL"]
+    return triton.autotune(configs=configs, key=key)(plain_kernel())
 
 
 def requires_tma(device: str) -> str | None:
@@ -77,14 +89,21 @@ def kernel_arguments(q, k, v, out, scale: float) -> tuple:
     )
 
 
-def _make(name: str, use_tma: bool, description: str) -> None:
+def tma_available(device: str) -> bool:
+    return device != "cpu" and requires_tma(device) is None
+
+
+def _make(name: str, paths: str, description: str) -> None:
+    """Register one entry: ``paths`` is "pointer", "tma" or "pointer+tma" (the autotuner chooses)."""
     @register(name, family="triton", dtypes=FLOATS, head_dims=(16, 32, 64, 128, 256),
-              requires=requires_tma if use_tma else requires, description=description)
+              requires=requires_tma if paths == "tma" else requires, description=description)
     def prepare(q, k, v, *, causal: bool, scale: float) -> Prepared:
         import triton
 
-        plain, tuned = _kernels()
-        if use_tma:  # descriptors address the contiguous (B*H, S, D) view
+        interp = interpreting()
+        pointer = "pointer" in paths
+        tma = "tma" in paths and (paths == "tma" or tma_available(q.device.type))
+        if tma:  # descriptors address the contiguous (B*H, S, D) views; they need scratch memory
             q, k, v = (t.contiguous() for t in (q, k, v))
             if q.is_cuda:
                 _install_descriptor_allocator()
@@ -92,30 +111,30 @@ def _make(name: str, use_tma: bool, description: str) -> None:
             q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         batch, heads, q_len, head_dim = q.shape
         out = torch.empty_like(q)
-        interp = interpreting()
         args = kernel_arguments(q, k, v, out, scale)
-        meta = {"HEAD_DIM": head_dim, "CAUSAL": causal, "DOT_FP32": interp or q.dtype == torch.float32,
-                "USE_TMA": use_tma}
+        meta = {"HEAD_DIM": head_dim, "CAUSAL": causal, "DOT_FP32": interp or q.dtype == torch.float32}
 
         def grid(cfg):
             return (triton.cdiv(q_len, cfg["BLOCK_M"]), batch * heads)
 
-        if interp:
-            def run():
-                plain[grid](*args, **meta, **INTERPRETER_CONFIG)
-                return out
+        if interp:  # the autotuner times on a GPU: one fixed config
+            launcher, meta = plain_kernel(), {**meta, **INTERPRETER_CONFIG, "USE_TMA": paths == "tma"}
         else:
-            def run():
-                tuned[grid](*args, **meta)
-                return out
+            launcher = autotuned(pointer, tma)
+
+        def run():
+            launcher[grid](*args, **meta)
+            return out
 
         run()  # compiles and, on a GPU, autotunes this shape class: outside any timed region
-        config = dict(INTERPRETER_CONFIG) if interp else _describe(tuned.best_config)
+        config = {k: v for k, v in meta.items() if k in INTERPRETER_CONFIG} if interp else _describe(
+            launcher.best_config)
         return Prepared(run, config=config)
 
 
-_make("triton", False, "our FlashAttention-2 Triton kernel, autotuned")
-_make("triton-tma", True, "the same kernel moving tiles through tensor descriptors (TMA on Hopper), autotuned")
+_make("triton", "pointer+tma", "our FlashAttention-2 Triton kernel, autotuned over tiles, warps, stages and, "
+      "on sm_90+, pointer or descriptor (TMA) loads")
+_make("triton-tma", "tma", "the same kernel, tiles moved through tensor descriptors (TMA) only, autotuned")
 
 
 def _describe(cfg) -> dict:

@@ -40,7 +40,13 @@ def compile_cubin(arch: int, *, dtype: str = "fp16", head_dim: int = 128, causal
             signature[name] = f"*{dtype}"
         else:
             signature[name] = "fp32" if name == "qk_scale" else "i32"
-    source = ASTSource(fn=fn, signature=signature, constexprs=constants)
+    # What the JIT specialises at run time for the usual contiguous tensors: pointers and strides (not
+    # lengths, not the unit stride) divisible by 16. Without it loads cannot be vectorised and the cubin
+    # would not be the one that runs.
+    aligned = [i for i, name in enumerate(fn.arg_names)
+               if name in ("Q", "K", "V", "Out") or (name.startswith("stride_") and not name.endswith("_d"))]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+    source = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs)
     kernel = triton.compile(source, target=GPUTarget("cuda", arch, 32),
                             options={"num_warps": num_warps, "num_stages": num_stages})
     return kernel.asm["cubin"]
