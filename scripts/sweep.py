@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+from fnmatch import fnmatchcase
 
 import torch
 import triton
@@ -30,9 +31,13 @@ def cutile_candidates():
              Variant(128, 128, occupancy=1, num_worker_warps=8, k_latency=3, v_latency=6),
              Variant(128, 128, occupancy=1, num_worker_warps=8, k_latency=4, v_latency=4),
              Variant(128, 64, occupancy=2, k_latency=3, v_latency=6),
-             Variant(128, 64, occupancy=1, num_worker_warps=8, k_latency=3, v_latency=6)]
+             Variant(128, 64, occupancy=1, num_worker_warps=8, k_latency=3, v_latency=6),
+             Variant(64, 64, occupancy=2, lazy_rescale=True), Variant(128, 64, occupancy=2, lazy_rescale=True),
+             Variant(128, 64, occupancy=1, num_worker_warps=8, lazy_rescale=True),
+             Variant(128, 128, occupancy=1, num_worker_warps=8, lazy_rescale=True)]
     named = [(name, v) for name, (v, _) in LADDER.items()] + [
-        (f"cutile:{v.tile_m}x{v.tile_n}:{v.hints()}:L{v.k_latency},{v.v_latency}", v) for v in extra]
+        (f"cutile:{v.tile_m}x{v.tile_n}:{v.hints()}:L{v.k_latency},{v.v_latency}{':lazy' * v.lazy_rescale}", v)
+        for v in extra]
     for name, v in named:
         def make(q, k, v_, out, causal, scale, _v=v):
             return lambda: launch(_v, q, k, v_, out, causal=causal, scale=scale)
@@ -67,6 +72,7 @@ def main() -> None:
     p.add_argument("--causal", choices=["both", "causal", "full"], default="both")
     p.add_argument("--d", type=int, default=128)
     p.add_argument("--which", nargs="+", default=["sdpa", "cutile", "triton"])
+    p.add_argument("--match", action="append", default=[], metavar="GLOB", help="candidate names to keep")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     causal_opts = {"both": [True, False], "causal": [True], "full": [False]}[a.causal]
@@ -88,6 +94,7 @@ def main() -> None:
             cands += list(cutile_candidates())
         if "triton" in a.which:
             cands += list(triton_candidates())
+        cands = [(n, m) for n, m in cands if not a.match or any(fnmatchcase(n, g) for g in a.match)]
         for name, make in cands:
             out = torch.empty_like(q)
             try:

@@ -36,6 +36,7 @@ class Variant:
     num_worker_warps: int | None = None
     k_latency: int = 2
     v_latency: int = 4
+    lazy_rescale: bool = False
 
     def hints(self) -> dict:
         """The compiler hints this variant sets (unset ones are left to the compiler)."""
@@ -49,7 +50,8 @@ class Variant:
     def constants(self, *, head_dim: int, causal: bool, kv_len: int) -> tuple:
         """The kernel's compile-time arguments, in its parameter order (after the runtime ones)."""
         return (head_dim, self.tile_m, self.tile_n, causal, kv_len % self.tile_n == 0,
-                self.fast_math, self.loop_split, self.reverse_order, self.k_latency, self.v_latency)
+                self.fast_math, self.loop_split, self.reverse_order, self.k_latency, self.v_latency,
+                self.lazy_rescale)
 
     def arguments(self, q, k, v, out, *, causal: bool, scale: float) -> tuple:
         """Everything ``fmha_fwd`` takes, in order."""
@@ -105,9 +107,10 @@ def search_space(capability: tuple[int, int]) -> list[Variant]:
         # eight worker warps split the rows and the spills go. 128x128/8 warps led from 4K (519-539),
         # 128x64 with occupancy 2 on long causal rows (512 at 16K), 64x64 with occupancy 2 on short ones.
         # 256x128 (<=361) and num_ctas=2 (11) never won and are left out.
-        return [Variant(64, 64, occupancy=2), Variant(128, 64, occupancy=2),
-                Variant(128, 64, occupancy=1, num_worker_warps=8),
-                Variant(128, 128, occupancy=1, num_worker_warps=8)]
+        eager = [Variant(64, 64, occupancy=2), Variant(128, 64, occupancy=2),
+                 Variant(128, 64, occupancy=1, num_worker_warps=8),
+                 Variant(128, 128, occupancy=1, num_worker_warps=8)]
+        return eager + [replace(v, lazy_rescale=True) for v in eager]
     else:
         shapes = [(64, 64, 2), (128, 64, 1), (128, 128, 1)]
     return [Variant(m, n, occupancy=occ) for m, n, occ in shapes]

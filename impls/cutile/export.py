@@ -11,18 +11,38 @@ from impls.cutile import Variant
 TORCH_TO_TILE = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
-def signature(variant: Variant, *, dtype: torch.dtype, head_dim: int, causal: bool, even_n: bool,
-              int64: bool = False):
-    """The signature ``ct.launch`` would compile for contiguous (B, H, S, D) tensors of ``dtype``."""
+def array_constraint(dtype: torch.dtype, shape: tuple[int, ...], *, int64: bool = False):
+    """What ``ct.launch`` assumes of a contiguous tensor of this shape (as its JAX bridge spells out): strides
+    and base address 16-byte aligned, a dimension of 16 multiples said to be one. Without these facts the
+    compiler cannot use TMA, and the cubin would not be the one that runs."""
     import cuda.tile as ct
-    from cuda.tile.compilation import ArrayConstraint, CallingConvention, KernelSignature, ScalarConstraint
+    from cuda.tile.compilation import ArrayConstraint
 
-    array = ArrayConstraint(getattr(ct, TORCH_TO_TILE[dtype]), 4, index_dtype=ct.int64 if int64 else ct.int32,
-                            stride_lower_bound_incl=0, alias_groups=[], may_alias_internally=False,
-                            stride_constant=[None, None, None, 1])
+    strides = torch.empty(shape, device="meta").stride()
+    per_16_bytes = 128 // torch.finfo(dtype).bits  # elements
+    return ArrayConstraint(
+        getattr(ct, TORCH_TO_TILE[dtype]), len(shape), index_dtype=ct.int64 if int64 else ct.int32,
+        stride_lower_bound_incl=0, alias_groups=[], may_alias_internally=False,
+        stride_constant=[1 if s == 1 else None for s in strides],
+        stride_divisible_by=[per_16_bytes if s % per_16_bytes == 0 else 1 for s in strides],
+        shape_divisible_by=[16 if d % 16 == 0 else 1 for d in shape],
+        base_addr_divisible_by=256,  # the CUDA caching allocator's blocks are 512-byte aligned
+    )
+
+
+def signature(variant: Variant, *, dtype: torch.dtype, head_dim: int, causal: bool, even_n: bool,
+              int64: bool = False, shape: tuple[int, int, int] = (4, 32, 4096)):
+    """The signature ``ct.launch`` would compile for contiguous (B, H, S, D) tensors of ``dtype``
+    (``shape`` is (B, H, S); only its divisibility matters)."""
+    import cuda.tile as ct
+    from cuda.tile.compilation import CallingConvention, KernelSignature, ScalarConstraint
+
+    batch, heads, seq = shape
+    if not even_n:
+        seq = seq // variant.tile_n * variant.tile_n + 1  # ragged: the last K/V tile is partial
+    array = array_constraint(dtype, (batch, heads, seq, head_dim), int64=int64)
     runtime = [ScalarConstraint(ct.float32)] + [ScalarConstraint(ct.int32)] * 3  # scale, offset, heads, group
-    kv_len = variant.tile_n if even_n else variant.tile_n + 1
-    constants = variant.constants(head_dim=head_dim, causal=causal, kv_len=kv_len)
+    constants = variant.constants(head_dim=head_dim, causal=causal, kv_len=seq)
     return KernelSignature([array] * 4 + runtime + list(constants), CallingConvention.cutile_python_v1())
 
 

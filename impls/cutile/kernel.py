@@ -11,7 +11,9 @@ Every step of the blog's optimisation ladder is a compile-time switch of this on
 - REVERSE_ORDER: causal blocks run heaviest first (last query tile first), which evens out the last wave;
 - tile shape:    TILE_M x TILE_N; occupancy, num_ctas and num_worker_warps are compiler hints set at launch;
 - latencies:     how far ahead K and V loads are issued (the blog uses 2 for K, needed first in an iteration,
-                 and 4 for V, needed only after the softmax).
+                 and 4 for V, needed only after the softmax);
+- LAZY_RESCALE:  not in the blog (FlashAttention-4's trick): keep a stale running max, and rescale the
+                 accumulator only in iterations where some row's max grew by more than RESCALE_THRESHOLD.
 
 Conventions (the suite's contract): causal is aligned bottom-right, i.e. query row i sees keys
 j <= i + causal_offset with causal_offset = Skv - Sq (the blog's ``input_pos``); a row that sees no key
@@ -30,11 +32,19 @@ ConstBool = ct.Constant[bool]
 
 INV_LOG_2 = 1.0 / math.log(2)  # exp(x) == exp2(x * INV_LOG_2)
 ZERO_PAD = ct.PaddingMode.ZERO  # ragged K/V tiles read zeros (0 * garbage could be NaN)
+# LAZY_RESCALE: how far (log2 units) a row max may pass the stale reference before the accumulator is
+# rescaled. p then stays below 2**8, which fp32 (l, acc) and the fp16/bf16 copy of P hold exactly as well.
+RESCALE_THRESHOLD = 8.0
 
 
 def attend_tiles(acc, l_i, m_i, q, K, V, batch, kv_head, offs_m, lo, hi, kv_len, causal_offset,
-                 qk_scale_log2, TILE_M, TILE_N, TILE_D, MASKED, CAUSAL, EVEN_N, FAST_MATH, K_LATENCY, V_LATENCY):
-    """Online softmax over key tiles [lo, hi); masks only when MASKED."""
+                 qk_scale_log2, TILE_M, TILE_N, TILE_D, MASKED, CAUSAL, EVEN_N, FAST_MATH, LAZY_RESCALE,
+                 K_LATENCY, V_LATENCY):
+    """Online softmax over key tiles [lo, hi); masks only when MASKED.
+
+    ``m_i`` is the reference max (log2 units) the tile's scores are exponentiated against. It is -inf for a
+    row that has seen no key yet; ``finite`` replaces that by 0 wherever it is subtracted (-inf - -inf is NaN).
+    """
     offs_n_tile = ct.arange(TILE_N, dtype=ct.int32)[None, :]
     for j in range(lo, hi):
         # K is loaded transposed through the load's dimension order: (D, TILE_N), no permute.
@@ -51,20 +61,37 @@ def attend_tiles(acc, l_i, m_i, q, K, V, batch, kv_head, offs_m, lo, hi, kv_len,
                 visible = visible & (offs_m + causal_offset >= offs_n)
             qk = ct.where(visible, qk, -math.inf)
 
-        # Running max in log2 units; the scale multiplies the row max once, not the whole tile twice.
-        m_new = ct.maximum(m_i, ct.max(qk, axis=-1, keepdims=True) * qk_scale_log2)
-        if MASKED:  # a row that has seen no key yet keeps m == -inf: subtract 0, not -inf (NaN)
-            m_new = ct.where(m_new == -math.inf, 0.0, m_new)
-        p = ct.exp2(qk * qk_scale_log2 - m_new, flush_to_zero=FAST_MATH)
-        alpha = ct.exp2(m_i - m_new, flush_to_zero=FAST_MATH)
-        l_i = l_i * alpha + ct.sum(p, axis=-1, keepdims=True)
-        acc = acc * alpha
+        # The tile's row max in log2 units: the scale multiplies the row max once, not the whole tile twice.
+        m_tile = ct.max(qk, axis=-1, keepdims=True) * qk_scale_log2
+        if LAZY_RESCALE:
+            growth = m_tile - m_i
+            if MASKED:  # a row with no key in this tile does not grow (and -inf - -inf would be NaN)
+                growth = ct.where(m_tile == -math.inf, 0.0, growth)
+            # A block-wide decision: NaN compares false, so a NaN row never forces (or blocks) a rescale.
+            if ct.max(ct.where(growth > RESCALE_THRESHOLD, 1, 0)) > 0:
+                acc, l_i, m_i = rescale(acc, l_i, m_i, ct.maximum(m_i, m_tile), MASKED, FAST_MATH)
+        else:
+            acc, l_i, m_i = rescale(acc, l_i, m_i, ct.maximum(m_i, m_tile), MASKED, FAST_MATH)
+        p = ct.exp2(qk * qk_scale_log2 - finite(m_i, MASKED), flush_to_zero=FAST_MATH)
+        l_i = l_i + ct.sum(p, axis=-1, keepdims=True)
 
         v = ct.load(V, index=(batch, kv_head, j, 0), shape=(1, 1, TILE_N, TILE_D),
                     latency=V_LATENCY, padding_mode=ZERO_PAD).reshape((TILE_N, TILE_D))
         acc = ct.mma(p.astype(q.dtype), v, acc)  # tensor cores take P in the input dtype
-        m_i = m_new
     return acc, l_i, m_i
+
+
+def finite(m, MAY_BE_EMPTY):
+    """The reference max with -inf (a row that has seen no key) replaced by 0."""
+    if MAY_BE_EMPTY:
+        return ct.where(m == -math.inf, 0.0, m)
+    return m
+
+
+def rescale(acc, l_i, m_i, m_new, MAY_BE_EMPTY, FAST_MATH):
+    """Move the reference max to ``m_new``: what was summed against the old one shrinks by 2**(old - new)."""
+    alpha = ct.exp2(m_i - finite(m_new, MAY_BE_EMPTY), flush_to_zero=FAST_MATH)
+    return acc * alpha, l_i * alpha, m_new
 
 
 @ct.kernel
@@ -78,7 +105,7 @@ def fmha_fwd(
     TILE_M: ConstInt, TILE_N: ConstInt,
     CAUSAL: ConstBool, EVEN_N: ConstBool,
     FAST_MATH: ConstBool, LOOP_SPLIT: ConstBool, REVERSE_ORDER: ConstBool,
-    K_LATENCY: ConstInt, V_LATENCY: ConstInt,
+    K_LATENCY: ConstInt, V_LATENCY: ConstInt, LAZY_RESCALE: ConstBool,
 ):
     if CAUSAL and REVERSE_ORDER:
         tile_m = ct.num_blocks(0) - 1 - ct.bid(0)
@@ -115,10 +142,10 @@ def fmha_fwd(
         mask_start = 0
     acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, K, V, batch, kv_head, offs_m, 0, mask_start, kv_len,
                                  causal_offset, qk_scale_log2, TILE_M, TILE_N, TILE_D, False, CAUSAL,
-                                 EVEN_N, FAST_MATH, K_LATENCY, V_LATENCY)
+                                 EVEN_N, FAST_MATH, LAZY_RESCALE, K_LATENCY, V_LATENCY)
     acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, K, V, batch, kv_head, offs_m, mask_start, num_tiles,
                                  kv_len, causal_offset, qk_scale_log2, TILE_M, TILE_N, TILE_D, needs_mask,
-                                 CAUSAL, EVEN_N, FAST_MATH, K_LATENCY, V_LATENCY)
+                                 CAUSAL, EVEN_N, FAST_MATH, LAZY_RESCALE, K_LATENCY, V_LATENCY)
 
     l_i = ct.where(l_i == 0.0, 1.0, l_i)  # rows that saw no key: 0 / 1 = 0
     if FAST_MATH:
