@@ -3,8 +3,8 @@
 #   bash scripts/gpu_checks.sh [tests] [memcheck] [racecheck]      (default: all three, in that order)
 #   tests:     index arithmetic past 2**31 elements (triton, cutile); non-finite inputs and determinism (every
 #              implementation recorded, ours asserted); a device-side fault (out-of-bounds store) under --isolate
-#   memcheck, racecheck: compute-sanitizer over the 'sanitize' grid (causal and not, GQA, ragged); racecheck
-#              alone took about 4 minutes on an H200
+#   memcheck, racecheck: compute-sanitizer over every autotune candidate of triton and cutile, each launched
+#              once on the edge cases of tests/test_gpu_candidates.py (causal and not, GQA/MQA, ragged, Sq != Skv)
 set -u
 out=${OUT:-results}
 mkdir -p "$out"
@@ -14,15 +14,14 @@ parts=("$@")
 for part in "${parts[@]}"; do
   case "$part" in
     tests)
-      python3 -m pytest tests/test_gpu_limits.py suite/test_properties.py \
+      python3 -m pytest tests/test_gpu_limits.py tests/test_gpu_candidates.py suite/test_properties.py \
         "tests/test_faults.py::test_a_device_side_fault_costs_only_that_implementation" \
         -q -p no:cacheprovider -rfs --benchmark-json="$out/properties.json" 2>&1 | tee "$out/gpu-checks.log" | tail -15
       ;;
     memcheck|racecheck)
       echo "== compute-sanitizer --tool $part"
       compute-sanitizer --tool "$part" --error-exitcode 9 --print-limit 20 \
-        python3 -m pytest suite -k correctness --grid sanitize --impl triton --impl triton-tma --impl cutile \
-        -q -p no:cacheprovider 2>&1 | tee "$out/sanitizer-$part.log" \
+        python3 -m pytest tests/test_gpu_candidates.py -k unit -q -p no:cacheprovider 2>&1 | tee "$out/sanitizer-$part.log" \
         | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed|Error" | tail -8
       echo "compute-sanitizer exit status ${PIPESTATUS[0]}"
       ;;

@@ -45,25 +45,16 @@ def cutile_candidates():
 
 
 def triton_candidates():
-    from impls.triton_fa import (
-        SEARCH_SPACE,
-        TMA_SEARCH_SPACE,
-        _install_descriptor_allocator,
-        kernel_arguments,
-        plain_kernel,
-    )
-    _install_descriptor_allocator()
-    spaces = [(False, [*SEARCH_SPACE, (128, 128, 8, 4), (128, 64, 8, 2)]),
-              (True, [*TMA_SEARCH_SPACE, (128, 64, 8, 4), (128, 128, 8, 3), (64, 128, 4, 2)])]
-    for use_tma, space in spaces:
-        for m, n, w, s in space:
-            def make(q, k, v, out, causal, scale, cfg=(m, n, w, s), use_tma=use_tma):
-                b, h, sq, d = q.shape
-                args = kernel_arguments(q, k, v, out, scale)
-                grid = (triton.cdiv(sq, cfg[0]), b * h)
-                return lambda: plain_kernel()[grid](*args, HEAD_DIM=d, CAUSAL=causal, DOT_FP32=False, BLOCK_M=cfg[0],
-                                              BLOCK_N=cfg[1], USE_TMA=use_tma, num_warps=cfg[2], num_stages=cfg[3])
-            yield f"triton{'-tma' if use_tma else ''}:{m}x{n}:w{w}s{s}", make
+    from impls.triton_fa import configs, launch
+
+    extra = [{"BLOCK_M": m, "BLOCK_N": n, "USE_TMA": tma, "num_warps": w, "num_stages": s}
+             for tma, m, n, w, s in [(False, 128, 128, 8, 4), (False, 128, 64, 8, 2), (True, 128, 64, 8, 4),
+                                     (True, 128, 128, 8, 3), (True, 64, 128, 4, 2)]]
+    for cfg in configs(pointer=True, tma=True) + extra:
+        def make(q, k, v, out, causal, scale, cfg=cfg):
+            return lambda: launch(cfg, q, k, v, out, causal=causal, scale=scale)
+        tiles = f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}:w{cfg['num_warps']}s{cfg['num_stages']}"
+        yield f"triton{'-tma' * cfg['USE_TMA']}:{tiles}", make
 
 
 def main() -> None:

@@ -47,18 +47,36 @@ def plain_kernel():
     return attention_fwd
 
 
+def configs(pointer: bool = True, tma: bool = False) -> list[dict]:
+    """The autotuner's candidates as launch options: the pointer-path space, the TMA-path space, or both."""
+    spaces = [(False, SEARCH_SPACE)] * pointer + [(True, TMA_SEARCH_SPACE)] * tma
+    return [{"BLOCK_M": m, "BLOCK_N": n, "USE_TMA": use_tma, "num_warps": w, "num_stages": s}
+            for use_tma, space in spaces for m, n, w, s in space]
+
+
 @functools.cache
 def autotuned(pointer: bool, tma: bool):
-    """The kernel autotuned over the pointer-path configs, the TMA-path configs, or both."""
+    """The kernel autotuned over ``configs(pointer, tma)``, keyed on the shape class."""
     import triton
 
-    spaces = [(False, SEARCH_SPACE)] * pointer + [(True, TMA_SEARCH_SPACE)] * tma
-    configs = [
-        triton.Config({"BLOCK_M": m, "BLOCK_N": n, "USE_TMA": use_tma}, num_warps=w, num_stages=s)
-        for use_tma, space in spaces for m, n, w, s in space
-    ]
+    def as_config(c: dict) -> triton.Config:
+        options = {k: c[k] for k in ("num_warps", "num_stages")}
+        return triton.Config({k: v for k, v in c.items() if k not in options}, **options)
+
     key = ["q_len_class", "kv_len_class", "group", "HEAD_DIM", "CAUSAL"]
-    return triton.autotune(configs=configs, key=key)(plain_kernel())
+    return triton.autotune(configs=[as_config(c) for c in configs(pointer, tma)], key=key)(plain_kernel())
+
+
+def launch(config: dict, q, k, v, out, *, causal: bool, scale: float) -> None:
+    """One launch with a fixed config (no autotuning), on contiguous CUDA tensors: for sweeps and tests."""
+    import triton
+
+    if config["USE_TMA"]:
+        _install_descriptor_allocator()
+    batch, heads, q_len, head_dim = q.shape
+    grid = (triton.cdiv(q_len, config["BLOCK_M"]), batch * heads)
+    plain_kernel()[grid](*kernel_arguments(q, k, v, out, scale), HEAD_DIM=head_dim, CAUSAL=causal,
+                         DOT_FP32=q.dtype == torch.float32, **config)
 
 
 def requires_tma(device: str) -> str | None:

@@ -1,0 +1,60 @@
+"""Every configuration our autotuners may pick is correct on its own (GPU only).
+
+An autotuner keeps whichever candidate is fastest for a shape class, so a candidate that is wrong on some edge
+case would show up only on the GPU that happens to prefer it. Each candidate of this GPU's search spaces
+(cuTile and Triton, the Triton TMA path included) is launched directly, without autotuning, on edge cases
+(ragged lengths, Sq != Skv both ways with rows that see no key, GQA, MQA, bf16, large scores that keep moving
+the running max) and checked against the float64 oracle. Without autotuning each candidate runs once per case,
+which is also what the sanitizers run (scripts/gpu_checks.sh).
+"""
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from suite.cases import Case
+from suite.checks import Oracle
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+CASES = [
+    Case(2, 8, 2, 300, 300, 128, "fp16", True),
+    Case(2, 8, 8, 333, 1000, 64, "bf16", True),  # chunked prefill: bottom-right causal
+    Case(2, 8, 2, 200, 130, 128, "fp16", True),  # Sq > Skv: the first 70 rows see no key
+    Case(2, 8, 1, 97, 97, 64, "fp16", False),
+    Case(1, 4, 4, 1024, 1024, 128, "bf16", False),
+]
+
+
+def cutile_candidates() -> list[tuple[str, Callable]]:
+    pytest.importorskip("cuda.tile")
+    from impls.cutile import launch, search_space
+
+    return [(str(v), lambda *a, v=v, **kw: launch(v, *a, **kw))
+            for v in search_space(torch.cuda.get_device_capability())]
+
+
+def triton_candidates() -> list[tuple[str, Callable]]:
+    pytest.importorskip("triton")
+    from impls.triton_fa import configs, launch, requires_tma
+
+    return [(str(c), lambda *a, c=c, **kw: launch(c, *a, **kw))
+            for c in configs(pointer=True, tma=requires_tma("cuda") is None)]
+
+
+@pytest.mark.parametrize("family", [cutile_candidates, triton_candidates], ids=["cutile", "triton"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("amplitude", [1.0, 8.0], ids=["unit", "large-scores"])
+def test_every_candidate(family, case: Case, amplitude: float):
+    q, k, v = case.make_inputs("cuda")
+    q = (q.float() * amplitude).to(q.dtype)  # large scores: the row max keeps moving along the keys
+    oracle = Oracle(q, k, v, causal=case.causal)
+    failures = []
+    for name, launch in family():
+        out = torch.full_like(q, float("nan"))
+        launch(q, k, v, out, causal=case.causal, scale=case.d ** -0.5)
+        result = oracle.check(out, q)
+        if not result.passed:
+            failures.append(f"{name}: {result.message}")
+    assert not failures, "\n".join(failures)
