@@ -7,15 +7,33 @@ that the matrix work runs on Hopper's warpgroup MMA (HGMMA) and the loads on its
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import tempfile
+from pathlib import Path
 
 COUNTED = {"hgmma": "HGMMA", "hmma": " HMMA", "utmaldg": "UTMALDG", "ldl": "LDL", "stl": "STL"}
 
 
-def sass_summary(cubin: bytes, cuobjdump: str = "cuobjdump") -> dict[str, int]:
+def find_cuobjdump() -> str | None:
+    """``cuobjdump`` from PATH, else the copy Triton ships with its NVIDIA backend."""
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    try:
+        import triton
+    except ImportError:
+        return None
+    bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    return str(bundled) if bundled.exists() else None
+
+
+def sass_summary(cubin: bytes, cuobjdump: str | None = None) -> dict[str, int]:
     """Registers, stack and shared bytes per thread/block, and counts of the instructions in ``COUNTED``
     (LDL/STL are local-memory loads and stores: spills)."""
+    cuobjdump = cuobjdump or find_cuobjdump()
+    if cuobjdump is None:
+        raise FileNotFoundError("cuobjdump not found: pip install nvidia-cuda-cuobjdump (or triton, which ships it)")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()

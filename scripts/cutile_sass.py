@@ -1,10 +1,7 @@
 """Registers, stack (spills), shared memory and matrix instructions of each cuTile variant, without a GPU.
 
-    PATH=$PATH:$(python -c "import nvidia.cu13, os; print(os.path.dirname(nvidia.cu13.__file__))")/bin \\
-        python scripts/cutile_sass.py --arch sm_90
-
-Needs ``cuobjdump`` (PyPI ``nvidia-cuda-cuobjdump``). This is how the Hopper "trap" was diagnosed: the
-blog's 256x128 tile with one warpgroup needs 6000 bytes of stack per thread on sm_90.
+Needs ``cuobjdump`` (on PATH, or the one Triton ships). This is how the Hopper "trap" was diagnosed: the blog's
+256x128 tile with one warpgroup needs about 5.4 KB of stack per thread on sm_90.
 """
 
 from __future__ import annotations
@@ -22,7 +19,8 @@ def main() -> None:
     a = p.parse_args()
     capability = (int(a.arch[3:-1]), int(a.arch[-1]))
     named = [(name, v) for name, (v, _) in LADDER.items()]
-    named += [(f"search: {v.tile_m}x{v.tile_n} {v.hints()}", v) for v in search_space(capability)]
+    named += [(f"search: {v.tile_m}x{v.tile_n} {v.hints()} L{v.k_latency},{v.v_latency}", v)
+              for v in search_space(capability)]
     for name, variant in named:
         print(f"{name:55s} {sass_summary(export_cubin(variant, arch=a.arch))}", flush=True)
 

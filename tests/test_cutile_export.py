@@ -61,3 +61,16 @@ def test_tensors_past_2_31_elements_get_the_64_bit_indexed_kernel():
     assert wide._compiler_options.occupancy == 2  # the hints survive
     assert export_cubin(variant, arch="sm_90", int64=True)[:4] == b"\x7fELF"
     assert needs_int64(torch.empty(1).expand(2**31)) and not needs_int64(torch.empty(2**10))
+
+
+def test_sm90_cubin_is_the_one_that_runs():
+    # With the launcher's alignment facts the compiler moves K/V tiles with TMA (UTMALDG); the tuned 128x128
+    # tile with eight worker warps does not spill. Without them the export silently fell back to ordinary
+    # loads and its SASS described a kernel that never runs.
+    from impls._sass import find_cuobjdump, sass_summary
+
+    if not find_cuobjdump() and not os.environ.get("CI"):
+        pytest.skip("needs cuobjdump (pip install nvidia-cuda-cuobjdump, or triton)")
+    summary = sass_summary(export_cubin(Variant(128, 128, occupancy=1, num_worker_warps=8), arch="sm_90"))
+    assert summary["utmaldg"] > 0 and summary["hgmma"] > 0
+    assert summary["stack"] == 0

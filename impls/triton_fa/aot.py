@@ -1,6 +1,6 @@
 """Compile the Triton kernel for a GPU architecture without a GPU, and read its resource usage.
 
-Triton compiles to a cubin for any ``GPUTarget`` with the ptxas it ships; its ``cuobjdump`` reads the result.
+Triton compiles to a cubin for any ``GPUTarget`` with the ptxas it ships; ``cuobjdump`` reads the result.
 This is how the pointer path's spills on sm_90 were found (see ``docs/``), and what CI checks. It needs the
 kernel as compiled code, so it refuses to run under ``TRITON_INTERPRET=1``; from such a process use
 ``python -m impls.triton_fa.aot`` (which drops the variable):
@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import sys
-from pathlib import Path
 
 from impls._sass import sass_summary
 
@@ -52,14 +51,8 @@ def compile_cubin(arch: int, *, dtype: str = "fp16", head_dim: int = 128, causal
     return kernel.asm["cubin"]
 
 
-def cuobjdump() -> str:
-    import triton
-
-    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
-
-
 def describe(cubin: bytes) -> dict[str, int]:
-    return sass_summary(cubin, cuobjdump())
+    return sass_summary(cubin)
 
 
 def main(argv: list[str] | None = None) -> None:
