@@ -37,6 +37,7 @@ class Variant:
     k_latency: int = 2
     v_latency: int = 4
     lazy_rescale: bool = False
+    pipeline_qk: bool = False
 
     def hints(self) -> dict:
         """The compiler hints this variant sets (unset ones are left to the compiler)."""
@@ -51,7 +52,7 @@ class Variant:
         """The kernel's compile-time arguments, in its parameter order (after the runtime ones)."""
         return (head_dim, self.tile_m, self.tile_n, causal, kv_len % self.tile_n == 0,
                 self.fast_math, self.loop_split, self.reverse_order, self.k_latency, self.v_latency,
-                self.lazy_rescale)
+                self.lazy_rescale, self.pipeline_qk)
 
     def arguments(self, q, k, v, out, *, causal: bool, scale: float) -> tuple:
         """Everything ``fmha_fwd`` takes, in order."""
@@ -109,9 +110,12 @@ def search_space(capability: tuple[int, int]) -> list[Variant]:
         # 128x128 on long causal rows (+3% at 16K). 256x128 (<=361), num_ctas=2 (11) and the lazy rescale
         # (5-20% slower in every config: its block-wide vote costs more than the multiplies it saves)
         # never won and are left out (scripts/sweep.py reproduces all of them).
+        # pipeline_qk (the next tile's Q K^T issued before this tile's softmax) interleaves HGMMA with the
+        # softmax's MUFU.EX2 in the SASS, where the plain loop waits for each product before the softmax.
         wide = Variant(128, 128, occupancy=1, num_worker_warps=8)
-        return [Variant(64, 64, occupancy=2), Variant(128, 64, occupancy=2),
-                Variant(128, 64, occupancy=1, num_worker_warps=8), wide, replace(wide, k_latency=3, v_latency=6)]
+        plain = [Variant(64, 64, occupancy=2), Variant(128, 64, occupancy=2),
+                 Variant(128, 64, occupancy=1, num_worker_warps=8), wide, replace(wide, k_latency=3, v_latency=6)]
+        return plain + [replace(v, pipeline_qk=True) for v in plain[1:2] + plain[3:]]
     else:
         shapes = [(64, 64, 2), (128, 64, 1), (128, 128, 1)]
     return [Variant(m, n, occupancy=occ) for m, n, occ in shapes]

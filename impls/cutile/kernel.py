@@ -39,45 +39,71 @@ RESCALE_THRESHOLD = 8.0
 
 def attend_tiles(acc, l_i, m_i, q, K, V, batch, kv_head, offs_m, lo, hi, kv_len, causal_offset,
                  qk_scale_log2, TILE_M, TILE_N, TILE_D, MASKED, CAUSAL, EVEN_N, FAST_MATH, LAZY_RESCALE,
-                 K_LATENCY, V_LATENCY):
+                 K_LATENCY, V_LATENCY, PIPELINE_QK):
     """Online softmax over key tiles [lo, hi); masks only when MASKED.
 
     ``m_i`` is the reference max (log2 units) the tile's scores are exponentiated against. It is -inf for a
     row that has seen no key yet; ``finite`` replaces that by 0 wherever it is subtracted (-inf - -inf is NaN).
     """
-    offs_n_tile = ct.arange(TILE_N, dtype=ct.int32)[None, :]
-    for j in range(lo, hi):
-        # K is loaded transposed through the load's dimension order: (D, TILE_N), no permute.
-        k = ct.load(K, index=(batch, kv_head, 0, j), shape=(1, 1, TILE_D, TILE_N), order=(0, 1, 3, 2),
-                    latency=K_LATENCY, padding_mode=ZERO_PAD).reshape((TILE_D, TILE_N))
-        qk = ct.mma(q, k, ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32))
+    if PIPELINE_QK and not MASKED:
+        # Software pipelining (FlashAttention-3's intra-warpgroup overlap): the next tile's Q K^T is issued
+        # before this tile's softmax, so the tensor cores work while the softmax runs.
+        if lo < hi:
+            qk = scores(q, K, batch, kv_head, lo, TILE_M, TILE_N, TILE_D, K_LATENCY)
+            for j in range(lo, hi - 1):
+                qk_next = scores(q, K, batch, kv_head, j + 1, TILE_M, TILE_N, TILE_D, K_LATENCY)
+                acc, l_i, m_i = online_softmax(acc, l_i, m_i, qk, q, V, batch, kv_head, offs_m, j, kv_len,
+                                               causal_offset, qk_scale_log2, TILE_N, TILE_D, MASKED, CAUSAL,
+                                               EVEN_N, FAST_MATH, LAZY_RESCALE, V_LATENCY)
+                qk = qk_next
+            acc, l_i, m_i = online_softmax(acc, l_i, m_i, qk, q, V, batch, kv_head, offs_m, hi - 1, kv_len,
+                                           causal_offset, qk_scale_log2, TILE_N, TILE_D, MASKED, CAUSAL,
+                                           EVEN_N, FAST_MATH, LAZY_RESCALE, V_LATENCY)
+    else:
+        for j in range(lo, hi):
+            qk = scores(q, K, batch, kv_head, j, TILE_M, TILE_N, TILE_D, K_LATENCY)
+            acc, l_i, m_i = online_softmax(acc, l_i, m_i, qk, q, V, batch, kv_head, offs_m, j, kv_len,
+                                           causal_offset, qk_scale_log2, TILE_N, TILE_D, MASKED, CAUSAL,
+                                           EVEN_N, FAST_MATH, LAZY_RESCALE, V_LATENCY)
+    return acc, l_i, m_i
 
-        if MASKED:
-            offs_n = j * TILE_N + offs_n_tile
-            visible = ct.full((TILE_M, TILE_N), True, dtype=ct.bool_)
-            if not EVEN_N:
-                visible = visible & (offs_n < kv_len)
-            if CAUSAL:
-                visible = visible & (offs_m + causal_offset >= offs_n)
-            qk = ct.where(visible, qk, -math.inf)
 
-        # The tile's row max in log2 units: the scale multiplies the row max once, not the whole tile twice.
-        m_tile = ct.max(qk, axis=-1, keepdims=True) * qk_scale_log2
-        if LAZY_RESCALE:
-            growth = m_tile - m_i
-            if MASKED:  # a row with no key in this tile does not grow (and -inf - -inf would be NaN)
-                growth = ct.where(m_tile == -math.inf, 0.0, growth)
-            # A block-wide decision: NaN compares false, so a NaN row never forces (or blocks) a rescale.
-            if ct.max(ct.where(growth > RESCALE_THRESHOLD, 1, 0)) > 0:
-                acc, l_i, m_i = rescale(acc, l_i, m_i, ct.maximum(m_i, m_tile), MASKED, FAST_MATH)
-        else:
+def scores(q, K, batch, kv_head, j, TILE_M, TILE_N, TILE_D, K_LATENCY):
+    """Q K^T for key tile j, in float32. K is loaded transposed through the load's dimension order."""
+    k = ct.load(K, index=(batch, kv_head, 0, j), shape=(1, 1, TILE_D, TILE_N), order=(0, 1, 3, 2),
+                latency=K_LATENCY, padding_mode=ZERO_PAD).reshape((TILE_D, TILE_N))
+    return ct.mma(q, k, ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32))
+
+
+def online_softmax(acc, l_i, m_i, qk, q, V, batch, kv_head, offs_m, j, kv_len, causal_offset, qk_scale_log2,
+                   TILE_N, TILE_D, MASKED, CAUSAL, EVEN_N, FAST_MATH, LAZY_RESCALE, V_LATENCY):
+    """Fold key tile j (its scores ``qk``) into the running max, sum and accumulator."""
+    if MASKED:
+        offs_n = j * TILE_N + ct.arange(TILE_N, dtype=ct.int32)[None, :]
+        visible = ct.full(qk.shape, True, dtype=ct.bool_)
+        if not EVEN_N:
+            visible = visible & (offs_n < kv_len)
+        if CAUSAL:
+            visible = visible & (offs_m + causal_offset >= offs_n)
+        qk = ct.where(visible, qk, -math.inf)
+
+    # The tile's row max in log2 units: the scale multiplies the row max once, not the whole tile twice.
+    m_tile = ct.max(qk, axis=-1, keepdims=True) * qk_scale_log2
+    if LAZY_RESCALE:
+        growth = m_tile - m_i
+        if MASKED:  # a row with no key in this tile does not grow (and -inf - -inf would be NaN)
+            growth = ct.where(m_tile == -math.inf, 0.0, growth)
+        # A block-wide decision: NaN compares false, so a NaN row never forces (or blocks) a rescale.
+        if ct.max(ct.where(growth > RESCALE_THRESHOLD, 1, 0)) > 0:
             acc, l_i, m_i = rescale(acc, l_i, m_i, ct.maximum(m_i, m_tile), MASKED, FAST_MATH)
-        p = ct.exp2(qk * qk_scale_log2 - finite(m_i, MASKED), flush_to_zero=FAST_MATH)
-        l_i = l_i + ct.sum(p, axis=-1, keepdims=True)
+    else:
+        acc, l_i, m_i = rescale(acc, l_i, m_i, ct.maximum(m_i, m_tile), MASKED, FAST_MATH)
+    p = ct.exp2(qk * qk_scale_log2 - finite(m_i, MASKED), flush_to_zero=FAST_MATH)
+    l_i = l_i + ct.sum(p, axis=-1, keepdims=True)
 
-        v = ct.load(V, index=(batch, kv_head, j, 0), shape=(1, 1, TILE_N, TILE_D),
-                    latency=V_LATENCY, padding_mode=ZERO_PAD).reshape((TILE_N, TILE_D))
-        acc = ct.mma(p.astype(q.dtype), v, acc)  # tensor cores take P in the input dtype
+    v = ct.load(V, index=(batch, kv_head, j, 0), shape=(1, 1, TILE_N, TILE_D),
+                latency=V_LATENCY, padding_mode=ZERO_PAD).reshape((TILE_N, TILE_D))
+    acc = ct.mma(p.astype(q.dtype), v, acc)  # tensor cores take P in the input dtype
     return acc, l_i, m_i
 
 
@@ -105,7 +131,7 @@ def fmha_fwd(
     TILE_M: ConstInt, TILE_N: ConstInt,
     CAUSAL: ConstBool, EVEN_N: ConstBool,
     FAST_MATH: ConstBool, LOOP_SPLIT: ConstBool, REVERSE_ORDER: ConstBool,
-    K_LATENCY: ConstInt, V_LATENCY: ConstInt, LAZY_RESCALE: ConstBool,
+    K_LATENCY: ConstInt, V_LATENCY: ConstInt, LAZY_RESCALE: ConstBool, PIPELINE_QK: ConstBool,
 ):
     if CAUSAL and REVERSE_ORDER:
         tile_m = ct.num_blocks(0) - 1 - ct.bid(0)
@@ -142,10 +168,10 @@ def fmha_fwd(
         mask_start = 0
     acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, K, V, batch, kv_head, offs_m, 0, mask_start, kv_len,
                                  causal_offset, qk_scale_log2, TILE_M, TILE_N, TILE_D, False, CAUSAL,
-                                 EVEN_N, FAST_MATH, LAZY_RESCALE, K_LATENCY, V_LATENCY)
+                                 EVEN_N, FAST_MATH, LAZY_RESCALE, K_LATENCY, V_LATENCY, PIPELINE_QK)
     acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, K, V, batch, kv_head, offs_m, mask_start, num_tiles,
                                  kv_len, causal_offset, qk_scale_log2, TILE_M, TILE_N, TILE_D, needs_mask,
-                                 CAUSAL, EVEN_N, FAST_MATH, LAZY_RESCALE, K_LATENCY, V_LATENCY)
+                                 CAUSAL, EVEN_N, FAST_MATH, LAZY_RESCALE, K_LATENCY, V_LATENCY, PIPELINE_QK)
 
     l_i = ct.where(l_i == 0.0, 1.0, l_i)  # rows that saw no key: 0 / 1 = 0
     if FAST_MATH:
