@@ -13,7 +13,9 @@ Every step of the blog's optimisation ladder is a compile-time switch of this on
 - latencies:     how far ahead K and V loads are issued (the blog uses 2 for K, needed first in an iteration,
                  and 4 for V, needed only after the softmax);
 - LAZY_RESCALE:  not in the blog (FlashAttention-4's trick): keep a stale running max, and rescale the
-                 accumulator only in iterations where some row's max grew by more than RESCALE_THRESHOLD.
+                 accumulator only in iterations where some row's max grew by more than RESCALE_THRESHOLD;
+- PIPELINE_QK:   not in the blog (FlashAttention-3's overlap): in the unmasked loop, issue the next tile's
+                 Q K^T before this tile's softmax. Both measured on an H200: see docs/.
 
 Conventions (the suite's contract): causal is aligned bottom-right, i.e. query row i sees keys
 j <= i + causal_offset with causal_offset = Skv - Sq (the blog's ``input_pos``); a row that sees no key
