@@ -22,22 +22,32 @@ from suite.checks import Oracle
 from suite.metrics import flops
 
 
-def cutile_candidates():
-    from impls.cutile import LADDER, Variant, launch
+def cutile_label(v) -> str:
+    """A candidate's name: tiles, hints, latencies and the switches that differ from the defaults."""
+    flags = (("nosplit", not v.loop_split), ("branch", v.mask_branch), ("persistent", v.persistent))
+    switches = "".join(f":{flag}" for flag, on in flags if on)
+    group = {1: "", None: ":g-auto"}.get(v.head_group, f":g{v.head_group}")
+    return f"cutile:{v.tile_m}x{v.tile_n}:{v.hints()}:L{v.k_latency},{v.v_latency}{switches}{group}"
 
-    extra = [Variant(64, 64, occupancy=2), Variant(128, 64, occupancy=2),
-             Variant(128, 64, occupancy=1, num_worker_warps=8), Variant(128, 128, occupancy=1, num_worker_warps=8),
-             Variant(128, 128, occupancy=1, num_worker_warps=8, k_latency=1, v_latency=2),
-             Variant(128, 128, occupancy=1, num_worker_warps=8, k_latency=3, v_latency=6),
-             Variant(128, 128, occupancy=1, num_worker_warps=8, k_latency=4, v_latency=4),
-             Variant(128, 64, occupancy=2, k_latency=3, v_latency=6),
-             Variant(128, 64, occupancy=1, num_worker_warps=8, k_latency=3, v_latency=6),
-             Variant(64, 64, occupancy=2, lazy_rescale=True), Variant(128, 64, occupancy=2, lazy_rescale=True),
-             Variant(128, 64, occupancy=1, num_worker_warps=8, lazy_rescale=True),
-             Variant(128, 128, occupancy=1, num_worker_warps=8, lazy_rescale=True)]
-    named = [(name, v) for name, (v, _) in LADDER.items()] + [
-        (f"cutile:{v.tile_m}x{v.tile_n}:{v.hints()}:L{v.k_latency},{v.v_latency}{':lazy' * v.lazy_rescale}", v)
-        for v in extra]
+
+def cutile_candidates():
+    from dataclasses import replace
+
+    from impls.cutile import LADDER, Variant, launch, search_space
+
+    # Session 3's exploration (earlier lists: docs/h200-results-*.md); head groups sized to L2 throughout.
+    wide = Variant(128, 128, occupancy=1, num_worker_warps=8, k_latency=3, v_latency=6, head_group=None)
+    pair = Variant(64, 128, occupancy=2, head_group=None)  # one warpgroup per block, two blocks per SM
+    persistent = replace(wide, persistent=True)
+    extra = [wide, replace(wide, k_latency=2, v_latency=4),
+             *(replace(persistent, k_latency=k, v_latency=v) for k, v in ((3, 6), (4, 4), (4, 8), (8, 8))),
+             replace(persistent, tile_n=256), replace(persistent, tile_n=256, k_latency=2, v_latency=4),
+             replace(wide, mask_branch=True), replace(wide, mask_branch=True, k_latency=2, v_latency=4),
+             replace(persistent, mask_branch=True), replace(persistent, loop_split=False),
+             pair, replace(pair, persistent=True)]
+    seen = set()
+    named = [(name, v) for name, (v, _) in LADDER.items()]
+    named += [(cutile_label(v), v) for v in search_space((9, 0)) + extra if not (v in seen or seen.add(v))]
     for name, v in named:
         def make(q, k, v_, out, causal, scale, _v=v):
             return lambda: launch(_v, q, k, v_, out, causal=causal, scale=scale)
@@ -57,6 +67,17 @@ def triton_candidates():
         yield f"triton{'-tma' * cfg['USE_TMA']}:{tiles}", make
 
 
+def profile_once(fn, warmup: int = 3) -> None:
+    """One call inside the NVTX range ``profile``, after warm-up calls outside it."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.nvtx.range_push("profile")
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.nvtx.range_pop()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 16384])
@@ -65,6 +86,9 @@ def main() -> None:
     p.add_argument("--which", nargs="+", default=["sdpa", "cutile", "triton"])
     p.add_argument("--match", action="append", default=[], metavar="GLOB", help="candidate names to keep")
     p.add_argument("--out", default=None)
+    p.add_argument("--profile", action="store_true",
+                   help="instead of timing, run each checked candidate once more inside an NVTX range 'profile' "
+                        "(for ncu --nvtx --nvtx-include profile/); the order printed is ncu's order")
     a = p.parse_args()
     causal_opts = {"both": [True, False], "causal": [True], "full": [False]}[a.causal]
     rows = []
@@ -94,14 +118,19 @@ def main() -> None:
                 res = res if isinstance(res, torch.Tensor) else out  # launchers return handles
                 torch.cuda.synchronize()
                 chk = oracle.check(res, q)
-                ms = triton.testing.do_bench(fn, warmup=100, rep=400, return_mode="median") if chk.passed else None
+                if a.profile and chk.passed:
+                    profile_once(fn)
+                    ms = None
+                else:
+                    ms = triton.testing.do_bench(fn, warmup=100, rep=400, return_mode="median") if chk.passed else None
             except Exception as e:
                 chk, ms = None, None
                 print(f"{case.id} {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
             tf = flops(case) / (ms * 1e-3) / 1e12 if ms else None
             rows.append({"case": case.id, "seq": s, "causal": causal, "name": name, "ms": ms, "tflops": tf,
                          "passed": chk.passed if chk else False, "err": chk.max_error if chk else None})
-            print(f"{case.id:40s} {name:55s} {f'{tf:.1f}' if tf else 'FAIL':>8} "
+            shown = f"{tf:.1f}" if tf else "profiled" if a.profile and chk and chk.passed else "FAIL"
+            print(f"{case.id:40s} {name:55s} {shown:>8} "
                   f"{'' if chk is None else chk.message[:50]}", flush=True)
         del q, k, v, oracle
         torch.cuda.empty_cache()

@@ -28,11 +28,31 @@ def test_ladder_kernel_compiles(name, arch):
     assert cubin[:4] == b"\x7fELF"
 
 
-@pytest.mark.parametrize("capability", [(9, 0), (10, 0)])
-def test_search_space_compiles(capability):
+@pytest.mark.parametrize(("capability", "causal"), [((9, 0), False), ((9, 0), True), ((10, 0), False)])
+def test_search_space_compiles(capability, causal):
     arch = f"sm_{capability[0]}{capability[1]}"
     for variant in search_space(capability):
-        assert export_cubin(variant, arch=arch, dtype=torch.bfloat16, head_dim=64, causal=False)[:4] == b"\x7fELF"
+        cubin = export_cubin(variant, arch=arch, dtype=torch.bfloat16, head_dim=64, causal=causal)
+        assert cubin[:4] == b"\x7fELF"
+
+
+def test_head_group_keeps_the_heads_in_flight_within_the_l2_budget():
+    from impls.cutile import L2_BUDGET_BYTES, MAX_HEAD_GROUP
+
+    auto = Variant(128, 128, head_group=None)
+    for kv_len in (1, 300, 1024, 2048, 4096, 8192, 16384, 1 << 20):
+        group = auto.heads_per_group(causal=True, kv_len=kv_len, head_dim=128, itemsize=2)
+        assert group & (group - 1) == 0 and 1 <= group <= MAX_HEAD_GROUP  # a power of two
+        kv_bytes = 2 * kv_len * 128 * 2
+        assert group == 1 or group * kv_bytes <= L2_BUDGET_BYTES
+        assert group == MAX_HEAD_GROUP or 2 * group * kv_bytes > L2_BUDGET_BYTES  # as many as fit
+    assert auto.heads_per_group(causal=True, kv_len=2048, head_dim=128, itemsize=2) == 8
+    assert auto.heads_per_group(causal=True, kv_len=16384, head_dim=128, itemsize=2) == 1
+    # Only causal blocks that run heaviest-first are regrouped; a fixed group is taken as given.
+    assert auto.heads_per_group(causal=False, kv_len=2048, head_dim=128, itemsize=2) == 1
+    no_remap = Variant(128, 128, reverse_order=False, head_group=None)
+    assert no_remap.heads_per_group(causal=True, kv_len=2048, head_dim=128, itemsize=2) == 1
+    assert Variant(64, 64, head_group=4).heads_per_group(causal=True, kv_len=2048, head_dim=128, itemsize=2) == 4
 
 
 def test_hints_reach_the_compiler():

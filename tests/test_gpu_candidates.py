@@ -24,6 +24,7 @@ CASES = [
     Case(2, 8, 2, 200, 130, 128, "fp16", True),  # Sq > Skv: the first 70 rows see no key
     Case(2, 8, 1, 97, 97, 64, "fp16", False),
     Case(1, 4, 4, 1024, 1024, 128, "bf16", False),
+    Case(3, 4, 2, 257, 257, 128, "fp16", True),  # 12 batch-heads: the last group of heads is partial
 ]
 
 

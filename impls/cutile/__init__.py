@@ -20,6 +20,11 @@ from impls._registry import HALF, Prepared, Unsupported, length_class, module_av
 
 HEAD_DIMS = (64, 128)
 COMPILE_TIMEOUT_S = 120  # per config while tuning: a config that compiles longer is dropped
+# Causal blocks go heaviest-first across a group of heads whose K/V stay in L2 together (kernel.block_order).
+# 8 MiB of the H200's 50 MB: in the session-3 sweep 8 heads led at 2K and 4 at 4K (+1-4%), while 8 heads at
+# 16K (64 MB of K/V) lost 5% to one.
+L2_BUDGET_BYTES = 8 << 20
+MAX_HEAD_GROUP = 16
 
 
 @dataclass(frozen=True)
@@ -30,14 +35,25 @@ class Variant:
     tile_n: int
     fast_math: bool = True
     loop_split: bool = True
+    mask_branch: bool = False  # the loop split as one loop with a run-time branch (the blog's form)
     reverse_order: bool = True
     occupancy: int | None = None
     num_ctas: int | None = None
     num_worker_warps: int | None = None
     k_latency: int = 2
     v_latency: int = 4
-    lazy_rescale: bool = False
-    pipeline_qk: bool = False
+    head_group: int | None = 1  # causal: heads ordered heaviest-first together; None: as many as L2 holds
+    persistent: bool = False  # one block per SM slot, looping over the query tiles
+
+    def heads_per_group(self, *, causal: bool, kv_len: int, head_dim: int, itemsize: int) -> int:
+        """HEAD_GROUP for this launch: 1 unless the causal blocks run heaviest first. The automatic choice keeps
+        the K/V of the heads in flight within ``L2_BUDGET_BYTES``: 8 heads at 2K (fp16, D=128), 1 from 16K."""
+        if not (causal and self.reverse_order):
+            return 1
+        if self.head_group is not None:
+            return self.head_group
+        heads = L2_BUDGET_BYTES // (2 * kv_len * head_dim * itemsize)  # K and V of one head
+        return 1 << (min(max(heads, 1), MAX_HEAD_GROUP).bit_length() - 1)  # a power of two, at least 1
 
     def hints(self) -> dict:
         """The compiler hints this variant sets (unset ones are left to the compiler)."""
@@ -48,21 +64,26 @@ class Variant:
         """The kernel object to launch or export, with this variant's hints (64-bit indexing if asked)."""
         return _kernel_with_hints(tuple(sorted(self.hints().items())), int64)
 
-    def constants(self, *, head_dim: int, causal: bool, kv_len: int) -> tuple:
+    def constants(self, *, head_dim: int, causal: bool, kv_len: int, itemsize: int = 2) -> tuple:
         """The kernel's compile-time arguments, in its parameter order (after the runtime ones)."""
-        return (head_dim, self.tile_m, self.tile_n, causal, kv_len % self.tile_n == 0,
-                self.fast_math, self.loop_split, self.reverse_order, self.k_latency, self.v_latency,
-                self.lazy_rescale, self.pipeline_qk)
+        group = self.heads_per_group(causal=causal, kv_len=kv_len, head_dim=head_dim, itemsize=itemsize)
+        return (head_dim, self.tile_m, self.tile_n, causal, kv_len % self.tile_n == 0, self.fast_math,
+                self.loop_split, self.mask_branch, self.reverse_order, self.k_latency, self.v_latency, group,
+                self.persistent)
 
     def arguments(self, q, k, v, out, *, causal: bool, scale: float) -> tuple:
         """Everything ``fmha_fwd`` takes, in order."""
         heads, q_len, head_dim = q.shape[1:]
         kv_len = k.shape[2]
         return (q, k, v, out, scale, kv_len - q_len, heads, heads // k.shape[1],
-                *self.constants(head_dim=head_dim, causal=causal, kv_len=kv_len))
+                *self.constants(head_dim=head_dim, causal=causal, kv_len=kv_len, itemsize=q.element_size()))
 
     def grid(self, q) -> tuple[int, int, int]:
-        return (math.ceil(q.shape[2] / self.tile_m), q.shape[0] * q.shape[1], 1)
+        tiles = math.ceil(q.shape[2] / self.tile_m)
+        if self.persistent:  # as many blocks as fit on the GPU at once, each looping over the work
+            slots = torch.cuda.get_device_properties(q.device).multi_processor_count * (self.occupancy or 1)
+            return (min(slots, tiles * q.shape[0] * q.shape[1]), 1, 1)
+        return (tiles, q.shape[0] * q.shape[1], 1)
 
     def describe(self) -> dict:
         return asdict(self)
@@ -90,8 +111,9 @@ _step = replace(_step, tile_m=256, tile_n=128, occupancy=1)
 LADDER["cutile-2-large-tiles"] = (_step, "256x128 tiles, occupancy 1 (the blog's 'trap')")
 _step = replace(_step, fast_math=True)
 LADDER["cutile-3-fast-math"] = (_step, "+ flush-to-zero exp2 and approximate division (the 'rescue')")
-_step = replace(_step, loop_split=True)
-LADDER["cutile-4-loop-split"] = (_step, "+ K-loop split: mask only the diagonal and ragged tiles")
+_step = replace(_step, loop_split=True, mask_branch=True)
+LADDER["cutile-4-loop-split"] = (_step, "+ K-loop split: mask only the diagonal and ragged tiles (one loop, "
+                                        "a run-time branch, as the blog writes it)")
 _step = replace(_step, reverse_order=True)
 LADDER["cutile-5-remap"] = (_step, "+ causal blocks in reverse order (heaviest first)")
 
@@ -103,19 +125,21 @@ def search_space(capability: tuple[int, int]) -> list[Variant]:
     elif capability[0] == 10:  # B200/B300: the blog's three
         shapes = [(64, 64, 2), (128, 128, 2), (256, 128, 1)]
     elif capability[0] == 9:
-        # Hopper, measured on an H200 (fp16, D=128): the blog's 256x128 tile with one warpgroup spills (5.4 KB
-        # of stack, 17-36 TFLOPS: the "trap" made far worse); these five do not spill (128-168 registers,
-        # TMA loads, HGMMA). 128x128 with 8 worker warps leads from 4K, 128x64 with occupancy 2 on shorter
-        # causal rows, 64x64 with occupancy 2 on short ones; issuing loads further ahead (K 3, V 6) helped
-        # 128x128 on long causal rows (+3% at 16K). 256x128 (<=361), num_ctas=2 (11) and the lazy rescale
-        # (5-20% slower in every config: its block-wide vote costs more than the multiplies it saves)
-        # never won and are left out (scripts/sweep.py reproduces all of them).
-        # pipeline_qk (the next tile's Q K^T issued before this tile's softmax) interleaves HGMMA with the
-        # softmax's MUFU.EX2 in the SASS, where the plain loop waits for each product before the softmax.
-        wide = Variant(128, 128, occupancy=1, num_worker_warps=8)
-        plain = [Variant(64, 64, occupancy=2), Variant(128, 64, occupancy=2),
-                 Variant(128, 64, occupancy=1, num_worker_warps=8), wide, replace(wide, k_latency=3, v_latency=6)]
-        return plain + [replace(v, pipeline_qk=True) for v in plain[1:2] + plain[3:]]
+        # Hopper, measured on an H200 (fp16, D=128; docs/h200-results-*.md): the blog's 256x128 tile with one
+        # warpgroup spills (5.4 KB of stack, 17-36 TFLOPS: the "trap" made far worse); these do not (128-168
+        # registers, TMA loads, HGMMA). Non-causal: 128x128 with 8 worker warps (two consumer warpgroups) as a
+        # persistent kernel leads everywhere (+8-10% over one block per tile: the compiler streams K/V on from
+        # one work item into the next, 198 KB of pipeline instead of 132). Causal: the same tile with one
+        # block per tile leads from 2K (persistent, the two loops of the split compile to a shallow pipeline:
+        # 15-25% slower); 64x64, 128x64 and 64x128 with occupancy 2 on short rows. Causal blocks go
+        # heaviest-first over as many heads as L2 holds. Measured and left out (scripts/sweep.py reproduces
+        # them): 256x128 (<=361), num_ctas=2 (11), the lazy rescale (5-20% slower), the software-pipelined
+        # Q K^T and the split as a run-time branch (both within noise), 64x128 with occupancy 1.
+        wide = Variant(128, 128, occupancy=1, num_worker_warps=8, head_group=None)
+        streaming = replace(wide, persistent=True, k_latency=3, v_latency=6)
+        return [Variant(64, 64, occupancy=2, head_group=None), Variant(128, 64, occupancy=2, head_group=None),
+                Variant(64, 128, occupancy=2, head_group=None), wide, replace(wide, k_latency=3, v_latency=6),
+                replace(wide, tile_n=256), streaming, replace(streaming, k_latency=4, v_latency=4)]
     else:
         shapes = [(64, 64, 2), (128, 64, 1), (128, 128, 1)]
     return [Variant(m, n, occupancy=occ) for m, n, occ in shapes]

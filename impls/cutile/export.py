@@ -42,7 +42,7 @@ def signature(variant: Variant, *, dtype: torch.dtype, head_dim: int, causal: bo
         seq = seq // variant.tile_n * variant.tile_n + 1  # ragged: the last K/V tile is partial
     array = array_constraint(dtype, (batch, heads, seq, head_dim), int64=int64)
     runtime = [ScalarConstraint(ct.float32)] + [ScalarConstraint(ct.int32)] * 3  # scale, offset, heads, group
-    constants = variant.constants(head_dim=head_dim, causal=causal, kv_len=seq)
+    constants = variant.constants(head_dim=head_dim, causal=causal, kv_len=seq, itemsize=dtype.itemsize)
     return KernelSignature([array] * 4 + runtime + list(constants), CallingConvention.cutile_python_v1())
 
 

@@ -1,21 +1,25 @@
 """FlashAttention forward in cuTile (``cuda.tile``), after NVIDIA's "Tuning Flash Attention in CUDA Tile".
 
-One block computes one TILE_M tile of query rows of one (batch, query head): it loads that Q tile once,
-streams the K/V tiles of the matching kv head (GQA by index) through an online softmax in base 2, and
-normalises the float32 accumulator once at the end.
+A work item is one TILE_M tile of query rows of one (batch, query head): load that Q tile once, stream the
+K/V tiles of the matching kv head (GQA by index) through an online softmax in base 2, normalise the float32
+accumulator once at the end.
 
 Every step of the blog's optimisation ladder is a compile-time switch of this one kernel:
 - FAST_MATH:     exp2 with denormals flushed to zero, approximate final division;
 - LOOP_SPLIT:    key tiles that every query row sees run without any mask; only the tiles at the causal
-                 diagonal and the ragged end of Skv are masked (otherwise every tile is masked);
-- REVERSE_ORDER: causal blocks run heaviest first (last query tile first), which evens out the last wave;
+                 diagonal and the ragged end of Skv are masked (otherwise every tile is masked). As two loops,
+                 or with MASK_BRANCH as the blog writes it: one loop whose tiles from ``mask_start`` on take
+                 a masked branch at run time;
+- REVERSE_ORDER: causal work runs heaviest first (last query tile first), which evens out the last wave;
+                 with HEAD_GROUP > 1, heaviest first across that many heads at a time (not in the blog);
 - tile shape:    TILE_M x TILE_N; occupancy, num_ctas and num_worker_warps are compiler hints set at launch;
 - latencies:     how far ahead K and V loads are issued (the blog uses 2 for K, needed first in an iteration,
                  and 4 for V, needed only after the softmax);
-- LAZY_RESCALE:  not in the blog (FlashAttention-4's trick): keep a stale running max, and rescale the
-                 accumulator only in iterations where some row's max grew by more than RESCALE_THRESHOLD;
-- PIPELINE_QK:   not in the blog (FlashAttention-3's overlap): in the unmasked loop, issue the next tile's
-                 Q K^T before this tile's softmax. Both measured on an H200: see docs/.
+- PERSISTENT:    not in the blog: one block per SM slot that takes work items in turn (the grid has one block
+                 per item otherwise), so one block's K/V stream runs on from one item into the next.
+
+Measured on an H200 and dropped (docs/h200-results-*.md, git history): FlashAttention-4's lazy rescaling (a
+block-wide vote costs more than the multiplies it saves) and a software-pipelined Q K^T (within noise).
 
 Conventions (the suite's contract): causal is aligned bottom-right, i.e. query row i sees keys
 j <= i + causal_offset with causal_offset = Skv - Sq (the blog's ``input_pos``); a row that sees no key
@@ -34,92 +38,6 @@ ConstBool = ct.Constant[bool]
 
 INV_LOG_2 = 1.0 / math.log(2)  # exp(x) == exp2(x * INV_LOG_2)
 ZERO_PAD = ct.PaddingMode.ZERO  # ragged K/V tiles read zeros (0 * garbage could be NaN)
-# LAZY_RESCALE: how far (log2 units) a row max may pass the stale reference before the accumulator is
-# rescaled. p then stays below 2**8, which fp32 (l, acc) and the fp16/bf16 copy of P hold exactly as well.
-RESCALE_THRESHOLD = 8.0
-
-
-def attend_tiles(acc, l_i, m_i, q, K, V, batch, kv_head, offs_m, lo, hi, kv_len, causal_offset,
-                 qk_scale_log2, TILE_M, TILE_N, TILE_D, MASKED, CAUSAL, EVEN_N, FAST_MATH, LAZY_RESCALE,
-                 K_LATENCY, V_LATENCY, PIPELINE_QK):
-    """Online softmax over key tiles [lo, hi); masks only when MASKED.
-
-    ``m_i`` is the reference max (log2 units) the tile's scores are exponentiated against. It is -inf for a
-    row that has seen no key yet; ``finite`` replaces that by 0 wherever it is subtracted (-inf - -inf is NaN).
-    """
-    if PIPELINE_QK and not MASKED:
-        # Software pipelining (FlashAttention-3's intra-warpgroup overlap): the next tile's Q K^T is issued
-        # before this tile's softmax, so the tensor cores work while the softmax runs.
-        if lo < hi:
-            qk = scores(q, K, batch, kv_head, lo, TILE_M, TILE_N, TILE_D, K_LATENCY)
-            for j in range(lo, hi - 1):
-                qk_next = scores(q, K, batch, kv_head, j + 1, TILE_M, TILE_N, TILE_D, K_LATENCY)
-                acc, l_i, m_i = online_softmax(acc, l_i, m_i, qk, q, V, batch, kv_head, offs_m, j, kv_len,
-                                               causal_offset, qk_scale_log2, TILE_N, TILE_D, MASKED, CAUSAL,
-                                               EVEN_N, FAST_MATH, LAZY_RESCALE, V_LATENCY)
-                qk = qk_next
-            acc, l_i, m_i = online_softmax(acc, l_i, m_i, qk, q, V, batch, kv_head, offs_m, hi - 1, kv_len,
-                                           causal_offset, qk_scale_log2, TILE_N, TILE_D, MASKED, CAUSAL,
-                                           EVEN_N, FAST_MATH, LAZY_RESCALE, V_LATENCY)
-    else:
-        for j in range(lo, hi):
-            qk = scores(q, K, batch, kv_head, j, TILE_M, TILE_N, TILE_D, K_LATENCY)
-            acc, l_i, m_i = online_softmax(acc, l_i, m_i, qk, q, V, batch, kv_head, offs_m, j, kv_len,
-                                           causal_offset, qk_scale_log2, TILE_N, TILE_D, MASKED, CAUSAL,
-                                           EVEN_N, FAST_MATH, LAZY_RESCALE, V_LATENCY)
-    return acc, l_i, m_i
-
-
-def scores(q, K, batch, kv_head, j, TILE_M, TILE_N, TILE_D, K_LATENCY):
-    """Q K^T for key tile j, in float32. K is loaded transposed through the load's dimension order."""
-    k = ct.load(K, index=(batch, kv_head, 0, j), shape=(1, 1, TILE_D, TILE_N), order=(0, 1, 3, 2),
-                latency=K_LATENCY, padding_mode=ZERO_PAD).reshape((TILE_D, TILE_N))
-    return ct.mma(q, k, ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32))
-
-
-def online_softmax(acc, l_i, m_i, qk, q, V, batch, kv_head, offs_m, j, kv_len, causal_offset, qk_scale_log2,
-                   TILE_N, TILE_D, MASKED, CAUSAL, EVEN_N, FAST_MATH, LAZY_RESCALE, V_LATENCY):
-    """Fold key tile j (its scores ``qk``) into the running max, sum and accumulator."""
-    if MASKED:
-        offs_n = j * TILE_N + ct.arange(TILE_N, dtype=ct.int32)[None, :]
-        visible = ct.full(qk.shape, True, dtype=ct.bool_)
-        if not EVEN_N:
-            visible = visible & (offs_n < kv_len)
-        if CAUSAL:
-            visible = visible & (offs_m + causal_offset >= offs_n)
-        qk = ct.where(visible, qk, -math.inf)
-
-    # The tile's row max in log2 units: the scale multiplies the row max once, not the whole tile twice.
-    m_tile = ct.max(qk, axis=-1, keepdims=True) * qk_scale_log2
-    if LAZY_RESCALE:
-        growth = m_tile - m_i
-        if MASKED:  # a row with no key in this tile does not grow (and -inf - -inf would be NaN)
-            growth = ct.where(m_tile == -math.inf, 0.0, growth)
-        # A block-wide decision: NaN compares false, so a NaN row never forces (or blocks) a rescale.
-        if ct.max(ct.where(growth > RESCALE_THRESHOLD, 1, 0)) > 0:
-            acc, l_i, m_i = rescale(acc, l_i, m_i, ct.maximum(m_i, m_tile), MASKED, FAST_MATH)
-    else:
-        acc, l_i, m_i = rescale(acc, l_i, m_i, ct.maximum(m_i, m_tile), MASKED, FAST_MATH)
-    p = ct.exp2(qk * qk_scale_log2 - finite(m_i, MASKED), flush_to_zero=FAST_MATH)
-    l_i = l_i + ct.sum(p, axis=-1, keepdims=True)
-
-    v = ct.load(V, index=(batch, kv_head, j, 0), shape=(1, 1, TILE_N, TILE_D),
-                latency=V_LATENCY, padding_mode=ZERO_PAD).reshape((TILE_N, TILE_D))
-    acc = ct.mma(p.astype(q.dtype), v, acc)  # tensor cores take P in the input dtype
-    return acc, l_i, m_i
-
-
-def finite(m, MAY_BE_EMPTY):
-    """The reference max with -inf (a row that has seen no key) replaced by 0."""
-    if MAY_BE_EMPTY:
-        return ct.where(m == -math.inf, 0.0, m)
-    return m
-
-
-def rescale(acc, l_i, m_i, m_new, MAY_BE_EMPTY, FAST_MATH):
-    """Move the reference max to ``m_new``: what was summed against the old one shrinks by 2**(old - new)."""
-    alpha = ct.exp2(m_i - finite(m_new, MAY_BE_EMPTY), flush_to_zero=FAST_MATH)
-    return acc * alpha, l_i * alpha, m_new
 
 
 @ct.kernel
@@ -132,15 +50,53 @@ def fmha_fwd(
     TILE_D: ConstInt,
     TILE_M: ConstInt, TILE_N: ConstInt,
     CAUSAL: ConstBool, EVEN_N: ConstBool,
-    FAST_MATH: ConstBool, LOOP_SPLIT: ConstBool, REVERSE_ORDER: ConstBool,
-    K_LATENCY: ConstInt, V_LATENCY: ConstInt, LAZY_RESCALE: ConstBool, PIPELINE_QK: ConstBool,
+    FAST_MATH: ConstBool, LOOP_SPLIT: ConstBool, MASK_BRANCH: ConstBool, REVERSE_ORDER: ConstBool,
+    K_LATENCY: ConstInt, V_LATENCY: ConstInt, HEAD_GROUP: ConstInt, PERSISTENT: ConstBool,
 ):
-    if CAUSAL and REVERSE_ORDER:
-        tile_m = ct.num_blocks(0) - 1 - ct.bid(0)
+    """One block per work item (grid: query tiles x batch * heads), or PERSISTENT: a grid of one block per SM
+    slot, each taking every ``num_blocks``-th item in turn."""
+    num_m = ct.cdiv(Q.shape[2], TILE_M)
+    num_bh = Q.shape[0] * num_heads
+    heaviest_first = CAUSAL and REVERSE_ORDER
+    if PERSISTENT:
+        for linear in range(ct.bid(0), num_m * num_bh, ct.num_blocks(0)):
+            tile_m, batch_head = work_item(linear, num_m, num_bh, heaviest_first, HEAD_GROUP)
+            attend_query_tile(Q, K, V, Out, tile_m, batch_head, qk_scale, causal_offset, num_heads, group,
+                              TILE_D, TILE_M, TILE_N, CAUSAL, EVEN_N, FAST_MATH, LOOP_SPLIT, MASK_BRANCH,
+                              K_LATENCY, V_LATENCY)
     else:
-        tile_m = ct.bid(0)
-    batch = ct.bid(1) // num_heads
-    head = ct.bid(1) % num_heads
+        tile_m, batch_head = work_item(ct.bid(1) * num_m + ct.bid(0), num_m, num_bh, heaviest_first, HEAD_GROUP)
+        attend_query_tile(Q, K, V, Out, tile_m, batch_head, qk_scale, causal_offset, num_heads, group,
+                          TILE_D, TILE_M, TILE_N, CAUSAL, EVEN_N, FAST_MATH, LOOP_SPLIT, MASK_BRANCH,
+                          K_LATENCY, V_LATENCY)
+
+
+def work_item(linear, num_m, num_bh, HEAVIEST_FIRST, HEAD_GROUP):
+    """(query tile, batch * head) of work item ``linear``; items start in order (grid axis 0 fastest).
+
+    HEAVIEST_FIRST (the blog's remap): a causal query tile's work grows with its index, so the last tile of a
+    head goes first. With HEAD_GROUP = G > 1 the order is heaviest-first across G heads at a time (every
+    head's last tile, then every head's second-to-last, ...), so the light tiles are what is left for the last
+    wave; G stays small so that the K/V of the heads in flight still share the L2 cache.
+    """
+    if HEAVIEST_FIRST and HEAD_GROUP > 1:
+        first_head = linear // (HEAD_GROUP * num_m) * HEAD_GROUP
+        heads_here = min(HEAD_GROUP, num_bh - first_head)  # the last group may be partial
+        rank = linear - first_head * num_m
+        tile_m, batch_head = num_m - 1 - rank // heads_here, first_head + rank % heads_here
+    elif HEAVIEST_FIRST:
+        tile_m, batch_head = num_m - 1 - linear % num_m, linear // num_m
+    else:
+        tile_m, batch_head = linear % num_m, linear // num_m
+    return tile_m, batch_head
+
+
+def attend_query_tile(Q, K, V, Out, tile_m, batch_head, qk_scale, causal_offset, num_heads, group,
+                      TILE_D, TILE_M, TILE_N, CAUSAL, EVEN_N, FAST_MATH, LOOP_SPLIT, MASK_BRANCH, K_LATENCY,
+                      V_LATENCY):
+    """Output rows ``tile_m`` of one (batch, query head): the whole FlashAttention forward for one Q tile."""
+    batch = batch_head // num_heads
+    head = batch_head % num_heads
     kv_head = head // group  # GQA by index: K/V are never repeated in memory
 
     qk_scale_log2 = qk_scale * INV_LOG_2
@@ -168,12 +124,20 @@ def fmha_fwd(
         mask_start = min(unmasked_tiles, num_tiles)
     else:
         mask_start = 0
-    acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, K, V, batch, kv_head, offs_m, 0, mask_start, kv_len,
-                                 causal_offset, qk_scale_log2, TILE_M, TILE_N, TILE_D, False, CAUSAL,
-                                 EVEN_N, FAST_MATH, LAZY_RESCALE, K_LATENCY, V_LATENCY, PIPELINE_QK)
-    acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, K, V, batch, kv_head, offs_m, mask_start, num_tiles,
-                                 kv_len, causal_offset, qk_scale_log2, TILE_M, TILE_N, TILE_D, needs_mask,
-                                 CAUSAL, EVEN_N, FAST_MATH, LAZY_RESCALE, K_LATENCY, V_LATENCY, PIPELINE_QK)
+    if MASK_BRANCH:  # one loop; the tiles from mask_start on take the masked branch
+        unmasked_end = 0
+    else:  # two loops: the unmasked tiles, then the masked ones
+        unmasked_end = mask_start
+    for j in range(0, unmasked_end):
+        qk = scores(q, K, batch, kv_head, j, TILE_M, TILE_N, TILE_D, K_LATENCY)
+        acc, l_i, m_i = online_softmax(acc, l_i, m_i, qk, V, batch, kv_head, j, qk_scale_log2,
+                                       TILE_N, TILE_D, False, FAST_MATH, V_LATENCY)
+    for j in range(unmasked_end, num_tiles):
+        qk = scores(q, K, batch, kv_head, j, TILE_M, TILE_N, TILE_D, K_LATENCY)
+        if needs_mask and (not MASK_BRANCH or j >= mask_start):
+            qk = mask_scores(qk, offs_m, j, kv_len, causal_offset, TILE_N, CAUSAL, EVEN_N)
+        acc, l_i, m_i = online_softmax(acc, l_i, m_i, qk, V, batch, kv_head, j, qk_scale_log2,
+                                       TILE_N, TILE_D, needs_mask, FAST_MATH, V_LATENCY)
 
     l_i = ct.where(l_i == 0.0, 1.0, l_i)  # rows that saw no key: 0 / 1 = 0
     if FAST_MATH:
@@ -182,6 +146,52 @@ def fmha_fwd(
         acc = ct.truediv(acc, l_i)
     out = acc.reshape((1, 1, TILE_M, TILE_D)).astype(Out.dtype)
     ct.store(Out, index=(batch, head, tile_m, 0), tile=out)
+
+
+def scores(q, K, batch, kv_head, j, TILE_M, TILE_N, TILE_D, K_LATENCY):
+    """Q K^T for key tile j, in float32. K is loaded transposed through the load's dimension order."""
+    k = ct.load(K, index=(batch, kv_head, 0, j), shape=(1, 1, TILE_D, TILE_N), order=(0, 1, 3, 2),
+                latency=K_LATENCY, padding_mode=ZERO_PAD).reshape((TILE_D, TILE_N))
+    return ct.mma(q, k, ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32))
+
+
+def mask_scores(qk, offs_m, j, kv_len, causal_offset, TILE_N, CAUSAL, EVEN_N):
+    """Scores of keys a row must not see (its future, or past the ragged end of Skv) become -inf."""
+    offs_n = j * TILE_N + ct.arange(TILE_N, dtype=ct.int32)[None, :]
+    visible = ct.full(qk.shape, True, dtype=ct.bool_)
+    if not EVEN_N:
+        visible = visible & (offs_n < kv_len)
+    if CAUSAL:
+        visible = visible & (offs_m + causal_offset >= offs_n)
+    return ct.where(visible, qk, -math.inf)
+
+
+def online_softmax(acc, l_i, m_i, qk, V, batch, kv_head, j, qk_scale_log2, TILE_N, TILE_D, MASKED, FAST_MATH,
+                   V_LATENCY):
+    """Fold key tile j (its scores ``qk``, already masked) into the running max, sum and accumulator.
+
+    ``m_i`` is the reference max (log2 units) the scores are exponentiated against. Where MASKED, a row may
+    have seen no key yet: its max is -inf, which ``finite`` replaces by 0 wherever it is subtracted
+    (-inf - -inf is NaN).
+    """
+    # The tile's row max in log2 units: the scale multiplies the row max once, not the whole tile twice.
+    m_tile = ct.max(qk, axis=-1, keepdims=True) * qk_scale_log2
+    m_new = ct.maximum(m_i, m_tile)
+    alpha = ct.exp2(m_i - finite(m_new, MASKED), flush_to_zero=FAST_MATH)  # old sums shrink by 2**(old - new)
+    p = ct.exp2(qk * qk_scale_log2 - finite(m_new, MASKED), flush_to_zero=FAST_MATH)
+    l_i = l_i * alpha + ct.sum(p, axis=-1, keepdims=True)
+
+    v = ct.load(V, index=(batch, kv_head, j, 0), shape=(1, 1, TILE_N, TILE_D),
+                latency=V_LATENCY, padding_mode=ZERO_PAD).reshape((TILE_N, TILE_D))
+    acc = ct.mma(p.astype(V.dtype), v, acc * alpha)  # tensor cores take P in the input dtype
+    return acc, l_i, m_new
+
+
+def finite(m, MAY_BE_EMPTY):
+    """The reference max with -inf (a row that has seen no key) replaced by 0."""
+    if MAY_BE_EMPTY:
+        return ct.where(m == -math.inf, 0.0, m)
+    return m
 
 
 def with_int64_indexing(kernel: ct.kernel) -> ct.kernel:
