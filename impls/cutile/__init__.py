@@ -20,9 +20,9 @@ from impls._registry import HALF, Prepared, Unsupported, length_class, module_av
 
 HEAD_DIMS = (64, 128)
 COMPILE_TIMEOUT_S = 120  # per config while tuning: a config that compiles longer is dropped
-# Causal blocks go heaviest-first across a group of heads whose K/V stay in L2 together (kernel.block_order).
-# 8 MiB of the H200's 50 MB: in the session-3 sweep 8 heads led at 2K and 4 at 4K (+1-4%), while 8 heads at
-# 16K (64 MB of K/V) lost 5% to one.
+# Causal work goes heaviest-first across a group of heads whose K/V stay in L2 together (kernel.work_item).
+# 8 MiB, a fraction of the H200's L2: in the session-3 sweep 8 heads led at 2K and 4 at 4K (+1-4%), while 8
+# heads at 16K (64 MB of K/V) lost 5% to one.
 L2_BUDGET_BYTES = 8 << 20
 MAX_HEAD_GROUP = 16
 
@@ -128,11 +128,12 @@ def search_space(capability: tuple[int, int]) -> list[Variant]:
         # Hopper, measured on an H200 (fp16, D=128; docs/h200-results-*.md): the blog's 256x128 tile with one
         # warpgroup spills (5.4 KB of stack, 17-36 TFLOPS: the "trap" made far worse); these do not (128-168
         # registers, TMA loads, HGMMA). Non-causal: 128x128 with 8 worker warps (two consumer warpgroups) as a
-        # persistent kernel leads everywhere (+8-10% over one block per tile: the compiler streams K/V on from
-        # one work item into the next, 198 KB of pipeline instead of 132). Causal: the same tile with one
-        # block per tile leads from 2K (persistent, the two loops of the split compile to a shallow pipeline:
-        # 15-25% slower); 64x64, 128x64 and 64x128 with occupancy 2 on short rows. Causal blocks go
-        # heaviest-first over as many heads as L2 holds. Measured and left out (scripts/sweep.py reproduces
+        # persistent kernel wins everywhere (+8-10% over one block per tile: the compiler streams K/V on from
+        # one work item into the next, 198 KB of pipeline instead of 132). Causal: one block per tile, 64x128
+        # with occupancy 2 (one warpgroup per block, two blocks per SM) and 128x128 with 8 worker warps within
+        # 1-3% of each other from 2K, heaviest-first over as many heads as L2 holds; persistent, the split's two
+        # loops compile to a shallow pipeline (12-25% slower). 64x64 and 128x64 with occupancy 2 for short
+        # rows, 128x256 next best on long non-causal rows. Measured and left out (scripts/sweep.py reproduces
         # them): 256x128 (<=361), num_ctas=2 (11), the lazy rescale (5-20% slower), the software-pipelined
         # Q K^T and the split as a run-time branch (both within noise), 64x128 with occupancy 1.
         wide = Variant(128, 128, occupancy=1, num_worker_warps=8, head_group=None)
