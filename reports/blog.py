@@ -37,10 +37,11 @@ HOPPER_EVIDENCE = [
     "barrier waits) against cuDNN's 0.6, and its K/V pipeline holds 132 KB of shared memory against cuDNN's "
     "232 KB in a persistent kernel. Written persistent (one block per SM looping over the tiles), our kernel "
     "compiles to a 198 KB pipeline and gains 8-10%: at cuDNN's speed from S=4096.",
-    "Causal stays one block per tile: persistent, the two loops of the split compile to a 99-132 KB pipeline and "
-    "a static assignment of tiles to blocks balances worse than the hardware's (12-25% slower). What would close "
-    "the causal gap: a dynamic tile scheduler and a compiler that keeps the deep pipeline across the split, or "
-    "explicit ping-pong of the two warpgroups, none of which cuTile exposes.",
+    "Causal stays one block per tile: written persistent, any mask in the loop body (the split's second loop, "
+    "a branch, a mask on every tile, a loaded additive bias) leaves the compiler at a 99-132 KB pipeline, and a "
+    "static assignment of tiles to blocks balances worse than the hardware's: 12-25% slower. What would close "
+    "the causal gap: a compiler that keeps the deep pipeline when the loop masks, a dynamic tile scheduler, or "
+    "explicit ping-pong of the two warpgroups, none of which cuTile 1.7 lets a kernel ask for.",
 ]
 
 

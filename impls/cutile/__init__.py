@@ -81,12 +81,17 @@ class Variant:
     def grid(self, q) -> tuple[int, int, int]:
         tiles = math.ceil(q.shape[2] / self.tile_m)
         if self.persistent:  # as many blocks as fit on the GPU at once, each looping over the work
-            slots = torch.cuda.get_device_properties(q.device).multi_processor_count * (self.occupancy or 1)
+            slots = _sm_count(q.device.index) * (self.occupancy or 1)
             return (min(slots, tiles * q.shape[0] * q.shape[1]), 1, 1)
         return (tiles, q.shape[0] * q.shape[1], 1)
 
     def describe(self) -> dict:
         return asdict(self)
+
+
+@functools.cache
+def _sm_count(device_index: int | None) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 @functools.cache
@@ -131,8 +136,8 @@ def search_space(capability: tuple[int, int]) -> list[Variant]:
         # persistent kernel wins everywhere (+8-10% over one block per tile: the compiler streams K/V on from
         # one work item into the next, 198 KB of pipeline instead of 132). Causal: one block per tile, 64x128
         # with occupancy 2 (one warpgroup per block, two blocks per SM) and 128x128 with 8 worker warps within
-        # 1-3% of each other from 2K, heaviest-first over as many heads as L2 holds; persistent, the split's two
-        # loops compile to a shallow pipeline (12-25% slower). 64x64 and 128x64 with occupancy 2 for short
+        # 1-3% of each other from 2K, heaviest-first over as many heads as L2 holds; persistent, any mask in the
+        # loop body compiles to a shallow pipeline (99 KB; 12-25% slower). 64x64 and 128x64 with occupancy 2 for short
         # rows, 128x256 next best on long non-causal rows. Measured and left out (scripts/sweep.py reproduces
         # them): 256x128 (<=361), num_ctas=2 (11), the lazy rescale (5-20% slower), the software-pipelined
         # Q K^T and the split as a run-time branch (both within noise), 64x128 with occupancy 1.
