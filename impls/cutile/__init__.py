@@ -64,7 +64,7 @@ class Variant:
         """The kernel object to launch or export, with this variant's hints (64-bit indexing if asked)."""
         return _kernel_with_hints(tuple(sorted(self.hints().items())), int64)
 
-    def constants(self, *, head_dim: int, causal: bool, kv_len: int, itemsize: int = 2) -> tuple:
+    def constants(self, *, head_dim: int, causal: bool, kv_len: int, itemsize: int) -> tuple:
         """The kernel's compile-time arguments, in its parameter order (after the runtime ones)."""
         group = self.heads_per_group(causal=causal, kv_len=kv_len, head_dim=head_dim, itemsize=itemsize)
         return (head_dim, self.tile_m, self.tile_n, causal, kv_len % self.tile_n == 0, self.fast_math,

@@ -177,8 +177,9 @@ def online_softmax(acc, l_i, m_i, qk, V, batch, kv_head, j, qk_scale_log2, TILE_
     # The tile's row max in log2 units: the scale multiplies the row max once, not the whole tile twice.
     m_tile = ct.max(qk, axis=-1, keepdims=True) * qk_scale_log2
     m_new = ct.maximum(m_i, m_tile)
-    alpha = ct.exp2(m_i - finite(m_new, MASKED), flush_to_zero=FAST_MATH)  # old sums shrink by 2**(old - new)
-    p = ct.exp2(qk * qk_scale_log2 - finite(m_new, MASKED), flush_to_zero=FAST_MATH)
+    m_ref = finite(m_new, MASKED)
+    alpha = ct.exp2(m_i - m_ref, flush_to_zero=FAST_MATH)  # what was summed so far shrinks by 2**(old - new)
+    p = ct.exp2(qk * qk_scale_log2 - m_ref, flush_to_zero=FAST_MATH)
     l_i = l_i * alpha + ct.sum(p, axis=-1, keepdims=True)
 
     v = ct.load(V, index=(batch, kv_head, j, 0), shape=(1, 1, TILE_N, TILE_D),
