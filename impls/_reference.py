@@ -66,3 +66,14 @@ def attention_ref(
             probs = probs.masked_fill(~visible[start:stop].any(dim=-1, keepdim=True), 0.0)
         out[:, :, start:stop] = torch.matmul(probs.to(v.dtype), v).to(out_dtype)
     return out
+
+
+def serving_attention_ref(inputs, *, scale: float | None = None, upcast: bool = True,
+                          indices: list[int] | None = None) -> dict[int, torch.Tensor]:
+    """The dense reference per sequence of a paged-decode or varlen batch (``impls._serving``): sequence
+    ``b`` -> its output ``(1, Hq, Sq, D)``. ``indices`` picks sequences (all by default)."""
+    from impls._serving import sequences
+
+    scale = inputs.scale(scale)
+    return {b: attention_ref(q, k, v, causal=causal, scale=scale, upcast=upcast)
+            for b, q, k, v, causal in sequences(inputs, indices)}

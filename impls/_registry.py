@@ -11,6 +11,15 @@ An implementation is a *prepare* function::
 ``o (B, Hq, Sq, D)`` in q's dtype and is the only thing a benchmark times. The registry validates the
 inputs (``impls._validate``) and the declared capabilities before calling the prepare function, so an
 adapter only raises :class:`Unsupported` for what is particular to it.
+
+Beside dense forward (``op="dense"``) there are the serving operations of ``impls._serving``: ``"paged"``
+(decode over a paged KV cache) and ``"varlen"`` (packed variable-length prefill). Their prepare functions
+take the validated inputs object and the scale::
+
+    @register("my-kernel", op="paged", family="triton", dtypes=HALF, devices=("cuda",))
+    def my_decode(inputs: PagedKV, *, scale: float) -> Prepared: ...
+
+One name may be registered once per operation (``naive`` is all three).
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ from impls._validate import validate_attention_inputs
 
 Runner = Callable[[], torch.Tensor]
 
+OPS = ("dense", "paged", "varlen")
 HALF = (torch.float16, torch.bfloat16)
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -49,9 +59,7 @@ class Prepared:
 
 
 class PrepareFn(Protocol):
-    def __call__(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float
-    ) -> Prepared | Runner: ...
+    def __call__(self, *inputs: Any, **options: Any) -> Prepared | Runner: ...
 
 
 @dataclass(frozen=True)
@@ -64,6 +72,7 @@ class Impl:
     head_dims: tuple[int, ...] | None = None
     requires: Callable[[str], str | None] | None = None
     description: str = ""
+    op: str = "dense"
 
     def availability(self, device: str) -> str | None:
         """``None`` when this implementation can run on ``device`` at all, else the reason it cannot."""
@@ -87,28 +96,33 @@ class Impl:
             return f"head dim {head_dim} not supported (supports {', '.join(map(str, self.head_dims))})"
         return None
 
-    def prepare(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        causal: bool = False,
-        scale: float | None = None,
-    ) -> Prepared:
-        """Validate, check support, and run the setup that stays outside any timed region."""
-        scale = validate_attention_inputs(q, k, v, scale)
+    def prepare(self, *inputs: Any, causal: bool = False, scale: float | None = None) -> Prepared:
+        """Validate, check support, and run the setup that stays outside any timed region.
+
+        Dense: ``prepare(q, k, v, causal=..., scale=...)``; serving: ``prepare(inputs, scale=...)`` with a
+        ``PagedKV`` or ``Varlen`` (validated when it was made).
+        """
+        if self.op == "dense":
+            q, k, v = inputs
+            scale = validate_attention_inputs(q, k, v, scale)
+            options: dict[str, Any] = {"causal": bool(causal), "scale": scale}
+        else:
+            (batch,) = inputs
+            if getattr(batch, "op", None) != self.op:
+                raise TypeError(f"{self.name} runs the {self.op!r} operation, got {type(batch).__name__}")
+            q, scale = batch.q, batch.scale(scale)
+            options = {"scale": scale}
         reason = self.support_reason(q.dtype, q.device.type, q.shape[-1])
         if reason:
             raise Unsupported(f"{self.name}: {reason}")
-        prepared = self.prepare_fn(q, k, v, causal=bool(causal), scale=scale)
+        prepared = self.prepare_fn(*inputs, **options)
         return prepared if isinstance(prepared, Prepared) else Prepared(prepared)
 
-    def __call__(self, q, k, v, *, causal: bool = False, scale: float | None = None) -> torch.Tensor:
-        return self.prepare(q, k, v, causal=causal, scale=scale)()
+    def __call__(self, *inputs: Any, causal: bool = False, scale: float | None = None) -> torch.Tensor:
+        return self.prepare(*inputs, causal=causal, scale=scale)()
 
 
-REGISTRY: dict[str, Impl] = {}
+REGISTRY: dict[tuple[str, str], Impl] = {}  # (op, name) -> implementation
 
 
 def register(
@@ -120,13 +134,16 @@ def register(
     head_dims: Iterable[int] | None = None,
     requires: Callable[[str], str | None] | None = None,
     description: str = "",
+    op: str = "dense",
 ) -> Callable[[PrepareFn], PrepareFn]:
-    """Decorator: add a prepare function to the registry under ``name``."""
+    """Decorator: add a prepare function to the registry under ``name`` for operation ``op``."""
+    if op not in OPS:
+        raise ValueError(f"unknown operation {op!r}; known: {', '.join(OPS)}")
 
     def decorate(fn: PrepareFn) -> PrepareFn:
-        if name in REGISTRY:
-            raise ValueError(f"implementation {name!r} is registered twice")
-        REGISTRY[name] = Impl(
+        if (op, name) in REGISTRY:
+            raise ValueError(f"implementation {name!r} is registered twice for {op!r}")
+        REGISTRY[op, name] = Impl(
             name=name,
             family=family,
             prepare_fn=fn,
@@ -135,6 +152,7 @@ def register(
             head_dims=None if head_dims is None else tuple(head_dims),
             requires=requires,
             description=description or (fn.__doc__ or "").strip().split("\n")[0],
+            op=op,
         )
         return fn
 
@@ -165,8 +183,8 @@ def length_class(n: int) -> int:
     return next((c for c in LENGTH_CLASSES if n <= c), LENGTH_CLASSES[-1] * 8)
 
 
-def unregister(name: str) -> None:
-    REGISTRY.pop(name, None)
+def unregister(name: str, op: str = "dense") -> None:
+    REGISTRY.pop((op, name), None)
 
 
 def module_available(module: str, hint: str) -> Callable[[str], str | None]:
@@ -196,22 +214,27 @@ def load_all() -> dict[str, Impl]:
     return REGISTRY
 
 
+def names(op: str | None = None) -> list[str]:
+    """Registered names (of one operation, or of all), each once, in registration order."""
+    return list(dict.fromkeys(name for o, name in REGISTRY if op in (None, o)))
+
+
 def select(patterns: Iterable[str] | None = None) -> list[Impl]:
-    """Registered implementations whose names match any glob in ``patterns`` (all when empty)."""
+    """Registered implementations (of every operation) whose names match any glob in ``patterns``."""
     load_all()
     patterns = list(patterns or [])
     if not patterns:
         return list(REGISTRY.values())
     chosen = [impl for impl in REGISTRY.values() if any(fnmatchcase(impl.name, p) for p in patterns)]
-    unmatched = [p for p in patterns if not any(fnmatchcase(name, p) for name in REGISTRY)]
+    unmatched = [p for p in patterns if not any(fnmatchcase(name, p) for name in names())]
     if unmatched:
-        raise ValueError(f"no implementation matches {', '.join(unmatched)}; known: {', '.join(REGISTRY)}")
+        raise ValueError(f"no implementation matches {', '.join(unmatched)}; known: {', '.join(names())}")
     return chosen
 
 
-def get(name: str) -> Impl:
+def get(name: str, op: str = "dense") -> Impl:
     load_all()
     try:
-        return REGISTRY[name]
+        return REGISTRY[op, name]
     except KeyError:
-        raise KeyError(f"unknown implementation {name!r}; known: {', '.join(REGISTRY)}") from None
+        raise KeyError(f"unknown {op} implementation {name!r}; known: {', '.join(names(op))}") from None

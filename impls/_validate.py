@@ -46,8 +46,10 @@ def validate_attention_inputs(
         raise ValueError(
             f"GQA ratio: query heads Hq={hq} must be a multiple of key/value heads Hkv={hkv}"
         )
-    if scale is None:
-        return default_scale(d)
+    return default_scale(d) if scale is None else validate_scale(scale)
+
+
+def validate_scale(scale: float) -> float:
     if isinstance(scale, bool) or not isinstance(scale, int | float):
         raise TypeError(f"scale must be a real number, got {type(scale).__name__}")
     if not math.isfinite(scale):

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from impls._reference import attention_ref, score_bytes
+from impls._reference import attention_ref, score_bytes, serving_attention_ref
 from impls._registry import Unsupported, register
+from impls._serving import scatter_sequence
 
 
 def free_memory_bytes(device: torch.device) -> int:
@@ -27,3 +28,17 @@ def naive(q, k, v, *, causal: bool, scale: float):
             f"({needed} bytes); {free / 2**30:.1f} GiB free on {q.device.type}"
         )
     return lambda: attention_ref(q, k, v, causal=causal, scale=scale, upcast=False, chunk_bytes=None)
+
+
+@register("naive", op="paged", family="naive",
+          description="each sequence's pages gathered, then standard attention per sequence, eager PyTorch")
+@register("naive", op="varlen", family="naive", description="standard attention per packed sequence, eager PyTorch")
+def naive_serving(inputs, *, scale: float):
+    out = inputs.output_like()
+
+    def run():
+        for b, o in serving_attention_ref(inputs, scale=scale, upcast=False).items():
+            scatter_sequence(out, inputs, b, o)
+        return out
+
+    return run

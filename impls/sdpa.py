@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import warnings
 
 import torch
@@ -41,6 +42,25 @@ def refusal_reason(messages: list[str]) -> str:
     return "; ".join(reasons)[:400]
 
 
+def probe_with_reasons(call):
+    """``probe``, keeping PyTorch's explanation: it explains a refusal in warnings (and, for nested tensors, in
+    log lines) and raises a generic error."""
+    logged: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("torch.nested._internal.sdpa")
+    logger.addHandler(handler)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            return probe(call, RuntimeError, NotImplementedError)
+        except Unsupported as exc:
+            reasons = refusal_reason([str(w.message) for w in caught] + logged)
+            raise Unsupported(reasons or str(exc)) from exc
+        finally:
+            logger.removeHandler(handler)
+
+
 def _make(name: str, backend: SDPBackend | None, devices: tuple[str, ...]) -> None:
     what = "PyTorch's own backend choice" if backend is None else f"backend {backend.name}"
 
@@ -55,14 +75,63 @@ def _make(name: str, backend: SDPBackend | None, devices: tuple[str, ...]) -> No
                 with sdpa_kernel([backend]):
                     return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
-        # PyTorch explains a refusal in warnings and raises a generic error: keep the explanation.
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            try:
-                return probe(call, RuntimeError)
-            except Unsupported as exc:
-                raise Unsupported(refusal_reason([str(w.message) for w in caught]) or str(exc)) from exc
+        return probe_with_reasons(call)
 
 
 for _name, (_backend, _devices) in BACKENDS.items():
     _make(_name, _backend, _devices)
+
+
+# Serving with SDPA: what every PyTorch user has without a serving kernel.
+
+@register("sdpa", op="paged", family="sdpa",
+          description="pages gathered into a padded contiguous cache inside the timed call, then torch SDPA "
+                      "with a length and causal mask")
+def sdpa_paged(inputs, *, scale: float):
+    batch, sq, hq, _ = inputs.q.shape
+    page, longest = inputs.page_size, inputs.max_seqlen
+    device = inputs.q.device
+    # Metadata a server builds once per step: which cache slot holds position t of sequence b.
+    positions = torch.arange(longest, device=device)
+    table = inputs.block_table.long()
+    slots = table.gather(1, (positions // page).expand(batch, -1).clamp(max=table.shape[1] - 1)) * page
+    slots = slots + positions % page
+    lengths = inputs.cache_seqlens.long()[:, None]
+    valid = positions[None, :] < lengths  # (B, Lmax)
+    slots = torch.where(valid, slots, 0)
+    new_pos = lengths - sq + torch.arange(sq, device=device)[None, :]  # (B, Sq): position of each new token
+    visible = (positions[None, None, :] <= new_pos[:, :, None]) & valid[:, None, :]  # (B, Sq, Lmax)
+    mask = visible[:, None]  # (B, 1, Sq, Lmax)
+    keep = valid[:, :, None, None]
+    flat_k, flat_v = inputs.k_cache.flatten(0, 1), inputs.v_cache.flatten(0, 1)
+    q = inputs.q.transpose(1, 2)
+
+    def call() -> torch.Tensor:
+        # Unused slots may hold anything, NaN included: zero them, or 0 * NaN reaches the output.
+        k, v = (torch.where(keep, cache[slots], 0).transpose(1, 2) for cache in (flat_k, flat_v))
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=hq != k.shape[1])
+        return o.transpose(1, 2)
+
+    return probe(call, RuntimeError)
+
+
+@register("sdpa", op="varlen", family="sdpa",
+          description="torch SDPA on nested jagged tensors built from the packed batch (no padding); nested SDPA "
+                      "has no GQA, so K/V heads are repeated inside the timed call")
+def sdpa_varlen(inputs, *, scale: float):
+    offsets_q, offsets_k = inputs.cu_seqlens_q.long(), inputs.cu_seqlens_k.long()
+    if inputs.causal and inputs.offsets_q != inputs.offsets_k:
+        raise Unsupported("nested-tensor SDPA aligns causal masks top-left: only Sq == Skv per sequence")
+    hq, hkv = inputs.q.shape[1], inputs.k.shape[1]
+
+    def nested(t: torch.Tensor, offsets: torch.Tensor, max_len: int) -> torch.Tensor:
+        return torch.nested.nested_tensor_from_jagged(t, offsets, max_seqlen=max_len).transpose(1, 2)
+
+    def call() -> torch.Tensor:
+        q = nested(inputs.q, offsets_q, inputs.max_seqlen_q)
+        k, v = (nested(t.repeat_interleave(hq // hkv, dim=1) if hq != hkv else t, offsets_k, inputs.max_seqlen_k)
+                for t in (inputs.k, inputs.v))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=inputs.causal, scale=scale)
+        return o.transpose(1, 2).values()
+
+    return probe_with_reasons(call)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
@@ -12,8 +13,25 @@ import torch
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
+OPS = ("dense", "paged", "varlen")
+LENGTHS = {  # how a serving case's sequence lengths are drawn (seeded by the case id)
+    "fixed": "dense cases: every sequence Sq x Skv",
+    "uniform": "paged: every sequence holds Skv tokens",
+    "longtail": "paged: Skv x u^3, u uniform in (0, 1): mean Skv/4, a few long; the first sequence holds Skv",
+    "random": "varlen: B lengths summing to the total, cut at B-1 uniform random points",
+    "equal": "varlen: B lengths of total/B each (compares with the dense kernel)",
+}
+
+
 @dataclass(frozen=True)
 class Case:
+    """One problem of the grid. Dense forward by default; ``op`` names a serving operation:
+
+    - ``paged``: decode over a paged KV cache. ``batch`` sequences, ``sq`` new tokens each (Sq_new), ``skv``
+      the longest cache length, ``lengths`` how the lengths are drawn, ``page_size`` tokens per page.
+    - ``varlen``: packed prefill of ``batch`` sequences of ``lengths`` lengths, ``sq == skv`` tokens in all.
+    """
+
     batch: int
     hq: int
     hkv: int
@@ -22,19 +40,44 @@ class Case:
     d: int
     dtype: str = "fp16"
     causal: bool = False
+    op: str = "dense"
+    page_size: int = 0
+    lengths: str = "fixed"
+    model: str = ""  # the checkpoint whose attention shape this is, shown in the id
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         if self.hq % self.hkv:
             raise ValueError(f"GQA ratio: hq={self.hq} is not a multiple of hkv={self.hkv}")
+        if self.op not in OPS:
+            raise ValueError(f"op {self.op!r} is not one of {', '.join(OPS)}")
+        allowed = {"dense": ("fixed",), "paged": ("uniform", "longtail"), "varlen": ("random", "equal")}[self.op]
+        if self.lengths not in allowed:
+            raise ValueError(f"lengths {self.lengths!r} do not apply to {self.op}: {', '.join(allowed)}")
+        if (self.op == "paged") != (self.page_size > 0):
+            raise ValueError(f"page_size {self.page_size} for op {self.op}: paged cases need one, others none")
+        if self.op == "paged" and not self.causal:
+            raise ValueError("paged decode is causal: the new tokens are the last positions of each sequence")
+        if self.op == "varlen" and (self.sq != self.skv or self.sq < self.batch):
+            raise ValueError(f"varlen: {self.batch} sequences need sq == skv >= batch tokens in all")
 
     @property
     def id(self) -> str:
-        """Reads like ``fp16-causal-h8:2-s300x300-d128`` (``-b4`` appended when batch > 1)."""
+        """Dense ``fp16-causal-h8:2-s300x300-d128`` (``-b4`` appended when batch > 1); serving
+        ``paged-bf16-h32:8-q1-kv4096-uniform-p16-d128-b64`` and ``varlen-bf16-causal-h32:8-t16384-random-d128-b8``;
+        a model's name goes first."""
         mask = "causal" if self.causal else "full"
         tail = f"-b{self.batch}" if self.batch != 1 else ""
-        return f"{self.dtype}-{mask}-h{self.hq}:{self.hkv}-s{self.sq}x{self.skv}-d{self.d}{tail}"
+        heads = f"h{self.hq}:{self.hkv}"
+        if self.op == "paged":
+            body = (f"paged-{self.dtype}-{heads}-q{self.sq}-kv{self.skv}-{self.lengths}-p{self.page_size}"
+                    f"-d{self.d}{tail}")
+        elif self.op == "varlen":
+            body = f"varlen-{self.dtype}-{mask}-{heads}-t{self.sq}-{self.lengths}-d{self.d}{tail}"
+        else:
+            body = f"{self.dtype}-{mask}-{heads}-s{self.sq}x{self.skv}-d{self.d}{tail}"
+        return f"{self.model}-{body}" if self.model else body
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -47,14 +90,68 @@ class Case:
     def as_dict(self) -> dict:
         return asdict(self)
 
-    def make_inputs(self, device: str | torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Random normal q, k, v; the seed comes from the case, so every case draws fresh data."""
+    def seqlens(self) -> list[int]:
+        """Per-sequence lengths: the cache lengths (paged), the sequence lengths (varlen), Skv (dense)."""
+        gen = torch.Generator().manual_seed(zlib.crc32(self.id.encode()))
+        if self.lengths == "longtail":
+            u = torch.rand(self.batch, generator=gen, dtype=torch.float64)
+            u[0] = 1.0
+            return [max(self.sq, round(self.skv * float(x) ** 3)) for x in u]
+        if self.lengths == "random":
+            cuts = (torch.randperm(self.sq - 1, generator=gen)[: self.batch - 1] + 1).sort().values.tolist()
+            bounds = [0, *cuts, self.sq]
+            return [b - a for a, b in itertools.pairwise(bounds)]
+        if self.lengths == "equal":
+            return [self.sq // self.batch + (i < self.sq % self.batch) for i in range(self.batch)]
+        return [self.skv] * self.batch
+
+    def make_inputs(self, device: str | torch.device):
+        """Random normal inputs; the seed comes from the case, so every case draws fresh data.
+
+        Dense: ``(q, k, v)``. Paged: a ``PagedKV`` whose pages are scattered at random over a cache with spare
+        pages, every slot no sequence uses (past a length, spare pages, table entries past a sequence's
+        last page) holding NaN: a kernel that reads one fails the check. Varlen: a ``Varlen``.
+        """
         gen = torch.Generator(device=device).manual_seed(zlib.crc32(self.id.encode()))
+
+        def randn(*shape: int) -> torch.Tensor:
+            return torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(self.torch_dtype)
+
+        if self.op == "paged":
+            return self._paged_inputs(randn, device)
+        if self.op == "varlen":
+            from impls._serving import Varlen
+
+            total, lengths = self.sq, self.seqlens()
+            cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+            return Varlen(randn(total, self.hq, self.d), randn(total, self.hkv, self.d),
+                          randn(total, self.hkv, self.d), cu, cu.clone(), causal=self.causal)
         shapes = [(self.batch, self.hq, self.sq, self.d)] + [(self.batch, self.hkv, self.skv, self.d)] * 2
-        return tuple(  # type: ignore[return-value]
-            torch.randn(s, generator=gen, device=device, dtype=torch.float32).to(self.torch_dtype)
-            for s in shapes
-        )
+        return tuple(randn(*s) for s in shapes)
+
+    def _paged_inputs(self, randn, device):
+        from impls._serving import PagedKV
+
+        lengths, page = self.seqlens(), self.page_size
+        pages_per_seq = [math.ceil(n / page) for n in lengths]
+        used, spare = sum(pages_per_seq), max(2, self.batch // 4)
+        num_pages = used + spare
+        k_cache, v_cache = (randn(num_pages, page, self.hkv, self.d) for _ in range(2))
+        order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(self.batch + page))
+        nan_page = int(order[used])  # a spare page: table entries past a sequence's pages point at it
+        table = torch.full((self.batch, max(pages_per_seq) + 1), nan_page, dtype=torch.int32)
+        start = 0
+        for b, n in enumerate(pages_per_seq):
+            table[b, :n] = order[start:start + n]
+            start += n
+        for cache in (k_cache, v_cache):
+            cache[order[used:].to(device)] = float("nan")
+            for b, n in enumerate(lengths):
+                if n % page:  # the rest of the last page
+                    cache[int(table[b, pages_per_seq[b] - 1]), n % page:] = float("nan")
+        q = randn(self.batch, self.sq, self.hq, self.d)
+        return PagedKV(q, k_cache, v_cache, table.to(device),
+                       torch.tensor(lengths, dtype=torch.int32, device=device))
 
 
 def grid(
@@ -96,6 +193,48 @@ def _fa3() -> list[Case]:
     ]
 
 
+# Attention shapes of real checkpoints: (name in the case id, Hq, Hkv, D). The 70B is one GPU's slice of
+# tensor parallelism 8 (64 query and 8 kv heads over 8 GPUs).
+LLAMA3_8B = ("llama3-8b", 32, 8, 128)
+LLAMA3_70B_TP8 = ("llama3-70b-tp8", 8, 1, 128)
+MAX_SERVING_TOKENS = 1 << 21  # batch x cache length: 8 GiB of bf16 K and V for Llama-3-8B
+
+
+def paged(model: tuple[str, int, int, int], batch: int, skv: int, *, sq: int = 1, page_size: int = 16,
+          lengths: str = "uniform", dtype: str = "bf16") -> Case:
+    name, hq, hkv, d = model
+    return Case(batch, hq, hkv, sq, skv, d, dtype, True, op="paged", page_size=page_size, lengths=lengths,
+                model=name)
+
+
+def varlen(model: tuple[str, int, int, int], batch: int, total: int, *, lengths: str = "random",
+           causal: bool = True, dtype: str = "bf16") -> Case:
+    name, hq, hkv, d = model
+    return Case(batch, hq, hkv, total, total, d, dtype, causal, op="varlen", lengths=lengths, model=name)
+
+
+def _serving() -> list[Case]:
+    """Decode steps of two models: batch x cache length up to MAX_SERVING_TOKENS, one token per sequence,
+    pages of 16; then at two points the variations: long-tailed lengths, pages of 64, 4 new tokens."""
+    cases = []
+    for model in (LLAMA3_8B, LLAMA3_70B_TP8):
+        cases += [paged(model, b, n) for b in (1, 16, 64, 256) for n in (512, 2048, 8192, 32768, 131072)
+                  if b * n <= MAX_SERVING_TOKENS]
+        for b, n in ((16, 32768), (64, 8192)):
+            cases += [paged(model, b, n, lengths="longtail"), paged(model, b, n, page_size=64),
+                      paged(model, b, n, sq=4)]
+    return cases
+
+
+def _varlen() -> list[Case]:
+    """Packed prefill of random lengths, 16K and 64K tokens; and the equal-length batch beside the dense case
+    of the same shape (the varlen path should cost nothing over the dense kernel)."""
+    name, hq, hkv, d = LLAMA3_8B
+    return ([varlen(LLAMA3_8B, b, t) for t, bs in ((16384, (4, 16)), (65536, (16, 64))) for b in bs]
+            + [varlen(LLAMA3_8B, 4, 16384, lengths="equal"),
+               Case(4, hq, hkv, 4096, 4096, d, "bf16", True, model=name)])
+
+
 PRESETS: dict[str, list[Case]] = {
     # CPU: every code path (GQA, ragged, decode, Sq > Skv, each dtype) at sizes the Triton interpreter takes.
     "cpu": (
@@ -128,6 +267,23 @@ PRESETS: dict[str, list[Case]] = {
     ),
     # Benchmarks without a GPU: small enough for the Triton interpreter.
     "cpu-bench": grid(heads=[(2, 2)], seqlens=[128, 256], d=[64], dtype=["fp32"]),
+    "serving": _serving(),
+    "varlen": _varlen(),
+    # The serving twins on CPU (and as cheap GPU edge cases): ragged lengths over page boundaries, GQA and MQA,
+    # several new tokens, pages of 16 and 32, each half dtype.
+    "serving-cpu": [
+        paged(("", 4, 2, 64), 3, 100, lengths="longtail"),
+        paged(("", 8, 1, 64), 2, 77, sq=4, dtype="fp16"),
+        paged(("", 4, 4, 64), 2, 40, page_size=32),
+        paged(("", 4, 2, 128), 1, 16, sq=3, dtype="fp16"),
+    ],
+    "varlen-cpu": [
+        varlen(("", 4, 2, 64), 3, 300),
+        varlen(("", 4, 1, 64), 2, 130, causal=False, dtype="fp16"),
+        varlen(("", 8, 2, 64), 4, 256, lengths="equal"),
+    ],
+    # Serving benchmarks without a GPU.
+    "serving-cpu-bench": [paged(("", 4, 2, 64), 4, 256), varlen(("", 4, 2, 64), 2, 256)],
 }
 
 

@@ -6,20 +6,23 @@ softmax in float32), plus ``atol``, twice float32's rounding noise at the output
 float32 implementations are not failed by the last bit. NaN or Inf never passes.
 
 Large cases are checked on a sample of (batch, head) pairs, always including the first and the last, with
-every query row of each: the oracle's cost grows as Sq * Skv per head.
+every query row of each: the oracle's cost grows as Sq * Skv per head. Serving batches (paged decode, varlen)
+are checked on a sample of sequences, every head and row of each.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from impls._reference import attention_ref
+from impls._reference import attention_ref, serving_attention_ref
 
 TOLERANCE_FACTOR = 2.0
 MAX_CHECKED_HEADS = 8
+MAX_CHECKED_SEQUENCES = 16  # serving batches: sequences checked, every head and row of each
 FULL_CHECK_SCORES = 1 << 26  # check every head while B * Hq * Sq * Skv stays under this
 
 
@@ -29,7 +32,7 @@ class CheckResult:
     max_error: float
     naive_error: float
     tolerance: float
-    heads_checked: int
+    sampled: int  # (batch, head) pairs (dense) or sequences (serving) checked
     message: str
 
     def as_dict(self) -> dict:
@@ -38,7 +41,7 @@ class CheckResult:
             "max_error": self.max_error,
             "naive_error": self.naive_error,
             "tolerance": self.tolerance,
-            "heads_checked": self.heads_checked,
+            "sampled": self.sampled,
             "message": self.message,
         }
 
@@ -52,48 +55,81 @@ def sampled_heads(batch: int, hq: int, scores_per_head: int) -> list[tuple[int, 
 
 
 class Oracle:
-    """The float64 reference and the naive yardstick for one set of inputs, computed once."""
+    """The float64 reference and the naive yardstick on a sample of one problem, computed once.
 
-    def __init__(self, q, k, v, *, causal: bool, scale: float | None = None) -> None:
-        batch, hq, sq, _ = q.shape
-        group = hq // k.shape[1]
-        self.heads = sampled_heads(batch, hq, sq * k.shape[2])
-        bi = torch.tensor([b for b, _ in self.heads], device=q.device)
-        hi = torch.tensor([h for _, h in self.heads], device=q.device)
-        self._index = (bi, hi)
-        # Each sampled head becomes one batch entry of a single-head problem.
-        qs, ks, vs = q[bi, hi][:, None], k[bi, hi // group][:, None], v[bi, hi // group][:, None]
-        self.ref = attention_ref(qs, ks, vs, causal=causal, scale=scale, upcast=True)
-        naive = attention_ref(qs, ks, vs, causal=causal, scale=scale, upcast=False)
-        self.naive_error = _max_abs(naive, self.ref)
-        ref32 = self.ref.float()
-        self.atol = 2 * _max_abs((ref32 + 0.3 - 0.3), ref32)
+    ``refs`` and ``naives`` are matching lists of tensors (a sampled head, or a sampled sequence, each);
+    ``extract`` takes an implementation's output to the same list, ``expected`` is what that output must be.
+    """
+
+    def __init__(self, refs: list[torch.Tensor], naives: list[torch.Tensor],
+                 extract: Callable[[torch.Tensor], list[torch.Tensor]], expected: torch.Tensor,
+                 sampled: int) -> None:
+        self.refs, self._extract, self._expected, self.sampled = refs, extract, expected, sampled
+        self.naive_error = max(_max_abs(n, r) for n, r in zip(naives, refs, strict=True))
+        self.atol = max(2 * _max_abs((r.float() + 0.3 - 0.3), r.float()) for r in refs)
         self.tolerance = TOLERANCE_FACTOR * self.naive_error + self.atol
 
-    def check(self, out: torch.Tensor, q: torch.Tensor) -> CheckResult:
-        def fail(message: str, err: float = math.inf) -> CheckResult:
-            return CheckResult(False, err, self.naive_error, self.tolerance, len(self.heads), message)
+    @classmethod
+    def dense(cls, q, k, v, *, causal: bool, scale: float | None = None) -> Oracle:
+        """Sampled (batch, head) pairs, every query row of each."""
+        batch, hq, sq, _ = q.shape
+        group = hq // k.shape[1]
+        heads = sampled_heads(batch, hq, sq * k.shape[2])
+        bi = torch.tensor([b for b, _ in heads], device=q.device)
+        hi = torch.tensor([h for _, h in heads], device=q.device)
+        # Each sampled head becomes one batch entry of a single-head problem.
+        qs, ks, vs = q[bi, hi][:, None], k[bi, hi // group][:, None], v[bi, hi // group][:, None]
+        ref = attention_ref(qs, ks, vs, causal=causal, scale=scale, upcast=True)
+        naive = attention_ref(qs, ks, vs, causal=causal, scale=scale, upcast=False)
+        return cls([ref], [naive], lambda out: [out[bi, hi][:, None]], q, len(heads))
 
+    @classmethod
+    def serving(cls, inputs, *, scale: float | None = None) -> Oracle:
+        """Sampled sequences of a paged-decode or varlen batch, every head and query row of each."""
+        batch = inputs.q.shape[0] if inputs.op == "paged" else inputs.batch
+        seqs = sampled_sequences(batch)
+        refs = serving_attention_ref(inputs, scale=scale, upcast=True, indices=seqs)
+        naives = serving_attention_ref(inputs, scale=scale, upcast=False, indices=seqs)
+
+        def extract(out: torch.Tensor) -> list[torch.Tensor]:
+            if inputs.op == "paged":
+                return [out[b].transpose(0, 1)[None] for b in seqs]
+            return [out[inputs.offsets_q[b]:inputs.offsets_q[b + 1]].transpose(0, 1)[None] for b in seqs]
+
+        return cls([refs[b] for b in seqs], [naives[b] for b in seqs], extract, inputs.q, len(seqs))
+
+    def check(self, out: torch.Tensor) -> CheckResult:
+        def fail(message: str, err: float = math.inf) -> CheckResult:
+            return CheckResult(False, err, self.naive_error, self.tolerance, self.sampled, message)
+
+        expected = self._expected
         if not isinstance(out, torch.Tensor):
             return fail(f"returned {type(out).__name__}, not a tensor")
-        if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+        if out.shape != expected.shape or out.dtype != expected.dtype or out.device != expected.device:
             return fail(
                 f"returned {tuple(out.shape)} {out.dtype} on {out.device}; "
-                f"expected {tuple(q.shape)} {q.dtype} on {q.device}"
+                f"expected {tuple(expected.shape)} {expected.dtype} on {expected.device}"
             )
-        sample = out[self._index][:, None]
-        bad = ~torch.isfinite(sample)
-        if bad.any():
-            rows = bad.any(dim=-1).sum().item()
+        samples = self._extract(out)
+        rows = sum(int((~torch.isfinite(s)).any(dim=-1).sum()) for s in samples)
+        if rows:
             return fail(f"{rows} output rows hold NaN or Inf")
-        err = _max_abs(sample, self.ref)
+        err = max(_max_abs(s, r) for s, r in zip(samples, self.refs, strict=True))
         passed = err <= self.tolerance
         verdict = "within" if passed else "exceeds"
         message = (
             f"max error {err:.3g} {verdict} tolerance {self.tolerance:.3g} "
             f"(2 x naive {self.naive_error:.3g} + {self.atol:.2g})"
         )
-        return CheckResult(passed, err, self.naive_error, self.tolerance, len(self.heads), message)
+        return CheckResult(passed, err, self.naive_error, self.tolerance, self.sampled, message)
+
+
+def sampled_sequences(batch: int) -> list[int]:
+    """Every sequence of a small batch; of a large one, MAX_CHECKED_SEQUENCES spread over it, first and last."""
+    if batch <= MAX_CHECKED_SEQUENCES:
+        return list(range(batch))
+    step = (batch - 1) / (MAX_CHECKED_SEQUENCES - 1)
+    return sorted({round(i * step) for i in range(MAX_CHECKED_SEQUENCES)})
 
 
 def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import json
 import os
@@ -25,13 +26,17 @@ import torch
 import impls
 from impls import Impl, Prepared, Unsupported
 from suite import cases as grid
+from suite import timing
 from suite.cases import Case
 from suite.checks import CheckResult, Oracle
 
 DEFAULT_GRIDS = {  # phase -> (without a GPU, with one)
-    "correctness": ("cpu", "gpu"),
-    "benchmark": ("cpu-bench", "blog"),
+    "correctness": (("cpu", "serving-cpu", "varlen-cpu"), ("gpu", "serving-cpu", "varlen-cpu")),
+    "benchmark": (("cpu-bench",), ("blog",)),
 }
+# Timing modes by default (suite/timing.py): on a GPU the CUDA-graph number leads (the kernels' own time,
+# host launch cost removed) and eager stands beside it (what a Python caller pays); kernel time on request.
+DEFAULT_TIMING = (("eager",), ("graph", "eager"))
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -48,7 +53,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--round-ms", type=float, default=None,
                     help="target length of a round; calls per round follow from it (default 20 GPU, 50 CPU)")
     group.addoption("--cold-l2", action="store_true",
-                    help="flush the L2 cache before every round (one call per round; flush not timed)")
+                    help="keep the L2 cache cold: eager and kernel modes flush it before every round (one call "
+                         "per round; flush not timed), graph mode rotates over enough copies of the inputs")
+    group.addoption("--timing", action="append", default=[], choices=timing.MODES,
+                    help="timing mode (repeatable): eager (CUDA events around queued calls), graph (CUDA-graph "
+                         "replays), kernel (profiler: device time of the kernels); default graph and eager on "
+                         "a GPU, eager on CPU")
+    group.addoption("--retune", action="store_true",
+                    help="tune our kernels again and overwrite the tuning cache (FMHA_TUNING=retune)")
+    group.addoption("--no-tuning-cache", action="store_true",
+                    help="tune our kernels without reading or writing the tuning cache (FMHA_TUNING=off)")
     group.addoption("--report", metavar="HTML", default=None,
                     help="write the HTML comparison report at the end of the session")
     group.addoption("--baseline", default="sdpa", help="implementation speedups are relative to (report)")
@@ -88,6 +102,9 @@ def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("--only-impl"):
         selected = [i for i in selected if i.name == config.getoption("--only-impl")]
     unavailable = {i.name: r for i in selected if (r := i.availability(device.type))}
+    if config.getoption("--retune") or config.getoption("--no-tuning-cache"):
+        # Read by impls._tuning, in this process and in the children of --isolate.
+        os.environ["FMHA_TUNING"] = "retune" if config.getoption("--retune") else "off"
     config.stash[STATE_KEY] = RunState(
         device=device, impls=[i for i in selected if i.name not in unavailable], unavailable=unavailable
     )
@@ -100,7 +117,12 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def grids_for(config: pytest.Config, phase: str) -> list[str]:
-    return config.getoption("--grid") or [DEFAULT_GRIDS[phase][run_state(config).device.type == "cuda"]]
+    return config.getoption("--grid") or list(DEFAULT_GRIDS[phase][run_state(config).device.type == "cuda"])
+
+
+def timing_modes(config: pytest.Config) -> list[str]:
+    chosen = config.getoption("--timing") or DEFAULT_TIMING[run_state(config).device.type == "cuda"]
+    return list(dict.fromkeys(chosen))
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -115,8 +137,11 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         if case.id not in state.cases:
             state.cases[case.id] = {**case.as_dict(), "preset": preset}
             state.presets.setdefault(preset, []).append(case.id)
-        params += [pytest.param(impl, case, id=f"{impl.name}-{case.id}") for impl in state.impls]
+        params += [pytest.param(impl, case, id=f"{impl.name}-{case.id}") for impl in state.impls
+                   if impl.op == case.op]
     metafunc.parametrize(("impl", "case"), params)
+    if "timing" in metafunc.fixturenames:
+        metafunc.parametrize("timing", timing_modes(metafunc.config))
 
 
 @pytest.fixture(scope="session")
@@ -130,17 +155,46 @@ class Problem:
     def __init__(self, case: Case, device: torch.device) -> None:
         self.case = case
         self.device = device
-        self.q, self.k, self.v = case.make_inputs(device)
+        self.inputs = case.make_inputs(device)
+
+    @property
+    def q(self) -> torch.Tensor:
+        return self.inputs[0] if self.case.op == "dense" else self.inputs.q
+
+    @property
+    def k(self) -> torch.Tensor:  # dense only
+        return self.inputs[1]
+
+    @property
+    def v(self) -> torch.Tensor:  # dense only
+        return self.inputs[2]
 
     @cached_property
     def oracle(self) -> Oracle:
-        return Oracle(self.q, self.k, self.v, causal=self.case.causal)
+        if self.case.op == "dense":
+            return Oracle.dense(*self.inputs, causal=self.case.causal)
+        return Oracle.serving(self.inputs)
 
-    def prepare(self, impl: Impl) -> Prepared:
-        return impl.prepare(self.q, self.k, self.v, causal=self.case.causal)
+    def prepare(self, impl: Impl, inputs: Any = None) -> Prepared:
+        """``impl`` prepared on this case's inputs (or on a copy of them, ``inputs``)."""
+        inputs = self.inputs if inputs is None else inputs
+        if self.case.op == "dense":
+            return impl.prepare(*inputs, causal=self.case.causal)
+        return impl.prepare(inputs)
+
+    def input_copies(self, n: int) -> list[Any]:
+        """``n`` copies of the inputs in fresh memory, the first being the inputs themselves."""
+        def clone(inputs: Any) -> Any:
+            if self.case.op == "dense":
+                return tuple(t.clone() for t in inputs)
+            tensors = {f.name: getattr(inputs, f.name) for f in dataclasses.fields(inputs) if f.init}
+            return dataclasses.replace(inputs, **{name: t.clone() for name, t in tensors.items()
+                                                  if isinstance(t, torch.Tensor)})
+
+        return [self.inputs] + [clone(self.inputs) for _ in range(n - 1)]
 
     def check(self, out: torch.Tensor) -> CheckResult:
-        return self.oracle.check(out, self.q)
+        return self.oracle.check(out)
 
 
 _last_problem: list[Problem] = []  # tests run case-major, so one cached case serves all implementations

@@ -1,40 +1,191 @@
-"""Timing pieces for pytest-benchmark: a CUDA-event clock, L2 flushing, and iteration sizing.
+"""Timing pieces for pytest-benchmark: the device clock and its three modes, CUDA graphs, L2 handling.
 
 GPU work is asynchronous, so the clock pytest-benchmark reads at the start and the end of each round is
-the GPU's own timeline: each reading records a CUDA event and waits for it. Inside a round the
-implementation's calls are queued back to back with no synchronisation; the round's duration is the
-event-to-event time on the device, which excludes host work that overlaps the GPU.
+the GPU's own timeline. Three timing modes (``--timing``) read it differently:
+
+- ``eager``:  each reading records a CUDA event and waits for it. Inside a round the implementation's calls
+  are queued back to back with no synchronisation; a round is event-to-event time on the device. When a call
+  is short, the host cannot queue work as fast as the GPU drains it, and this is host launch cost: what a
+  Python caller sees.
+- ``graph``:  the prepared call is captured (several calls per graph, :class:`GraphTarget`) and one
+  iteration of a round is one replay. The clock divides what it reads by the calls in a replay, so every
+  statistic pytest-benchmark keeps is per call. Host dispatch is gone; the kernels and the gaps between them
+  on the device remain.
+- ``kernel``: the PyTorch profiler (Kineto/CUPTI) runs during each round and the clock advances by the
+  device time of the kernels it saw, so a round's duration is the sum of its kernels' durations: no host
+  cost, no gaps. Work between rounds (an L2 flush in pytest-benchmark's ``setup``) falls between a round's
+  end reading and the next round's start reading, which pytest-benchmark never differences: it is excluded.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
+MODES = ("eager", "graph", "kernel")
+GRAPH_REPLAY_S = 1e-3  # a replay lasts at least this long: the graph launch is amortised over many calls
+MAX_CALLS_PER_GRAPH = 256
+MAX_INPUT_COPIES = 64  # cold-L2 rotation: at most this many copies of one case's inputs
 
-class CudaEventClock:
-    """A ``--benchmark-timer``: seconds on the current CUDA stream's timeline.
 
-    Consecutive readings are differenced event to event (microsecond resolution) and summed in float64,
-    so the clock stays precise however long the session runs.
+class CudaClock:
+    """A ``--benchmark-timer``: seconds on the current CUDA stream's timeline (see the module doc).
+
+    Consecutive readings are differenced and summed in float64, so the clock stays precise however long the
+    session runs. ``per_call`` and ``kernel_time`` switch the mode for the duration of one benchmark.
     """
 
     def __init__(self) -> None:
         self._last: torch.cuda.Event | None = None
         self._seconds = 0.0
+        self._divisor = 1
+        self._profiler: torch.profiler.profile | None = None
+        self._kernel_mode = False
 
     def __call__(self) -> float:
+        if self._kernel_mode:
+            return self._kernel_reading()
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         event.synchronize()
         if self._last is not None:
-            self._seconds += self._last.elapsed_time(event) / 1e3
+            self._seconds += self._last.elapsed_time(event) / 1e3 / self._divisor
         self._last = event
         return self._seconds
 
+    @contextlib.contextmanager
+    def per_call(self, calls: int) -> Iterator[None]:
+        """Graph mode: one iteration is a replay of ``calls`` calls; report time per call."""
+        self._divisor = calls
+        try:
+            yield
+        finally:
+            self._divisor = 1
 
-cuda_clock = CudaEventClock()
+    @contextlib.contextmanager
+    def kernel_time(self) -> Iterator[None]:
+        """Kernel mode: the clock advances by the device time of the kernels run between two readings."""
+        self._kernel_mode = True
+        try:
+            yield
+        finally:
+            self._stop_profiler()
+            self._kernel_mode = False
+            self._last = None
+
+    def _kernel_reading(self) -> float:
+        torch.cuda.synchronize()
+        self._seconds += sum(seconds for _, seconds in self._stop_profiler())
+        self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+        self._profiler.start()
+        return self._seconds
+
+    def _stop_profiler(self) -> list[tuple[str, float]]:
+        if self._profiler is None:
+            return []
+        self._profiler.stop()
+        kernels = device_kernels(self._profiler)
+        self._profiler = None
+        return kernels
+
+
+cuda_clock = CudaClock()
+
+
+def device_kernels(profiler: torch.profiler.profile) -> list[tuple[str, float]]:
+    """(name, seconds) of every kernel, memcpy and memset the profiler saw run on a GPU."""
+    out = []
+    for event in profiler.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            out.append((event.name, event.time_range.elapsed_us() / 1e6))
+    return out
+
+
+@dataclass
+class KernelProfile:
+    """What one call runs on the device: kernel names with launches and device time per call."""
+
+    calls: int
+    kernels: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    @property
+    def seconds_per_call(self) -> float:
+        return sum(k["seconds"] for k in self.kernels.values())
+
+    def as_dict(self) -> dict:
+        return {"calls": self.calls, "kernels": self.kernels}
+
+
+def profile_kernels(fn: Callable[[], object], calls: int = 3) -> KernelProfile:
+    """The kernels ``calls`` calls of ``fn`` launch, per call. Shows which backend ran, under any name."""
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    launches: Counter[str] = Counter()
+    seconds: Counter[str] = Counter()
+    for name, s in device_kernels(prof):
+        launches[name] += 1
+        seconds[name] += s
+    kernels = {name: {"launches": launches[name] / calls, "seconds": seconds[name] / calls}
+               for name, _ in seconds.most_common()}
+    return KernelProfile(calls, kernels)
+
+
+class GraphCaptureError(RuntimeError):
+    """The call cannot be captured in a CUDA graph; the message says why (graph mode falls back to eager)."""
+
+
+class GraphTarget:
+    """``calls`` captured once in a CUDA graph, ``repeats`` times over; calling it replays the graph.
+
+    ``calls`` holds one prepared call per copy of the inputs (one, unless the L2 is kept cold by rotating
+    over copies). Warm-up runs on a side stream first, as capture requires, so that lazy initialisation
+    (cuBLAS handles, JIT) happens outside the graph.
+    """
+
+    def __init__(self, calls: Sequence[Callable[[], torch.Tensor]], repeats: int) -> None:
+        self.calls_per_replay = len(calls) * repeats
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        try:
+            with torch.cuda.stream(side):
+                for call in calls:
+                    call()
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                for _ in range(repeats):
+                    outputs = [call() for call in calls]
+        except Exception as exc:  # capture refuses host syncs, some allocations, CPU tensors, ...
+            torch.cuda.synchronize()
+            raise GraphCaptureError(f"{type(exc).__name__}: {' '.join(str(exc).split())}"[:300]) from exc
+        self.outputs = outputs  # written by every replay: the check reads them after one
+
+    def __call__(self) -> None:
+        self.graph.replay()
+
+
+def graph_repeats(seconds_per_call: float, copies: int) -> int:
+    """Repeats of the copies' calls in one graph so that a replay lasts about ``GRAPH_REPLAY_S``."""
+    per_pass = max(seconds_per_call, 1e-7) * copies
+    return max(1, min(MAX_CALLS_PER_GRAPH // copies, math.ceil(GRAPH_REPLAY_S / per_pass)))
+
+
+def l2_bytes(device: torch.device) -> int:
+    return getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 << 20)
+
+
+def copies_for_cold_l2(bytes_per_call: int, device: torch.device) -> int:
+    """Input copies to rotate over so that a call's inputs were evicted since their last use: the other
+    copies' bytes together exceed twice the L2 cache."""
+    return max(1, min(MAX_INPUT_COPIES, math.ceil(2 * l2_bytes(device) / max(bytes_per_call, 1)) + 1))
 
 
 class L2Flusher:
@@ -45,8 +196,7 @@ class L2Flusher:
     """
 
     def __init__(self, device: torch.device) -> None:
-        l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 << 20)
-        self._buffer = torch.empty(max(2 * l2, 256 << 20), dtype=torch.int8, device=device)
+        self._buffer = torch.empty(max(2 * l2_bytes(device), 256 << 20), dtype=torch.int8, device=device)
 
     def __call__(self) -> None:
         self._buffer.zero_()

@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import functools
 import os
+from pathlib import Path
 
 import torch
 
-from impls._registry import FLOATS, Prepared, length_class, module_available, register
+from impls._registry import FLOATS, Prepared, Unsupported, length_class, module_available, register
+from impls._tuning import TuningCache
+
+HEAD_DIMS = (16, 32, 64, 128, 256)
 
 INTERPRETER_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1, "USE_TMA": False}
 # (BLOCK_M, BLOCK_N, num_warps, num_stages). Measured on an H200 (fp16, D=128, 2K/8K, causal and not):
@@ -103,7 +107,23 @@ def kernel_arguments(q, k, v, out, scale: float) -> tuple:
     return (
         q, k, v, out, scale * LOG2_E,  # scale in log2 units: exp(x * s) == exp2(x * s * log2 e)
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+        heads, q_len, kv_len, length_class(q_len), length_class(kv_len), heads // k.shape[1], None, None,
+    )
+
+
+def varlen_arguments(inputs, out, scale: float) -> tuple:
+    """``attention_fwd``'s runtime arguments for a packed batch: the (B, H, S, D) views of its strides with a
+    batch stride of 0 (the kernel starts each sequence at its cu_seqlens offset) and the longest lengths."""
+    from impls.triton_fa.kernel import LOG2_E
+
+    q, k, v = (t.transpose(0, 1)[None] for t in (inputs.q, inputs.k, inputs.v))  # (1, H, total, D) views
+    o = out.transpose(0, 1)[None]
+    strides = [(0, *t.stride()[1:3]) for t in (q, k, v, o)]
+    heads, q_len, kv_len = q.shape[1], inputs.max_seqlen_q, inputs.max_seqlen_k
+    return (
+        inputs.q, inputs.k, inputs.v, out, scale * LOG2_E, *(x for st in strides for x in st),
         heads, q_len, kv_len, length_class(q_len), length_class(kv_len), heads // k.shape[1],
+        inputs.cu_seqlens_q, inputs.cu_seqlens_k,
     )
 
 
@@ -111,14 +131,43 @@ def tma_available(device: str) -> bool:
     return device != "cpu" and requires_tma(device) is None
 
 
+TUNING = TuningCache("triton", [Path(__file__).with_name("kernel.py"), Path(__file__)], ["triton"])
+
+
+def prepared_launch(args: tuple, meta: dict, grid, out: torch.Tensor, *, pointer: bool, tma: bool,
+                    shape_class: tuple) -> Prepared:
+    """The timed call: ``attention_fwd`` with ``args`` and ``meta``, its config from the tuning cache or the
+    autotuner (keyed on ``shape_class``); under the interpreter one fixed config. Runs once (compile, tune)."""
+    kernel = plain_kernel()
+    if interpreting():  # the autotuner times on a GPU
+        config = {**INTERPRETER_CONFIG, "USE_TMA": tma and not pointer}
+        source = "fixed (interpreter)"
+    else:
+        def tune() -> dict:
+            tuner = autotuned(pointer, tma)
+            tuner[grid](*args, **meta)
+            return _describe(tuner.best_config)
+
+        key = TUNING.key(out.device, (f"pointer={pointer}", f"tma={tma}", out.dtype, *shape_class))
+        config, cached = TUNING.lookup(key, tune)
+        source = "tuning cache" if cached else "autotuned"
+    launch_grid = grid(config)
+
+    def run() -> torch.Tensor:
+        kernel[launch_grid](*args, **meta, **config)
+        return out
+
+    run()  # compiles this config: outside any timed region
+    return Prepared(run, config={**config, "chosen": source})
+
+
 def _make(name: str, paths: str, description: str) -> None:
     """Register one entry: ``paths`` is "pointer", "tma" or "pointer+tma" (the autotuner chooses)."""
-    @register(name, family="triton", dtypes=FLOATS, head_dims=(16, 32, 64, 128, 256),
+    @register(name, family="triton", dtypes=FLOATS, head_dims=HEAD_DIMS,
               requires=requires_tma if paths == "tma" else requires, description=description)
     def prepare(q, k, v, *, causal: bool, scale: float) -> Prepared:
         import triton
 
-        interp = interpreting()
         pointer = "pointer" in paths
         tma = "tma" in paths and (paths == "tma" or tma_available(q.device.type))
         if tma:  # descriptors address the contiguous (B*H, S, D) views; they need scratch memory
@@ -129,25 +178,14 @@ def _make(name: str, paths: str, description: str) -> None:
             q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         batch, heads, q_len, head_dim = q.shape
         out = torch.empty_like(q)
-        args = kernel_arguments(q, k, v, out, scale)
-        meta = {"HEAD_DIM": head_dim, "CAUSAL": causal, "DOT_FP32": interp or q.dtype == torch.float32}
+        meta = {"HEAD_DIM": head_dim, "CAUSAL": causal, "DOT_FP32": interpreting() or q.dtype == torch.float32}
 
         def grid(cfg):
             return (triton.cdiv(q_len, cfg["BLOCK_M"]), batch * heads)
 
-        if interp:  # the autotuner times on a GPU: one fixed config
-            launcher, meta = plain_kernel(), {**meta, **INTERPRETER_CONFIG, "USE_TMA": paths == "tma"}
-        else:
-            launcher = autotuned(pointer, tma)
-
-        def run():
-            launcher[grid](*args, **meta)
-            return out
-
-        run()  # compiles and, on a GPU, autotunes this shape class: outside any timed region
-        config = {k: v for k, v in meta.items() if k in INTERPRETER_CONFIG} if interp else _describe(
-            launcher.best_config)
-        return Prepared(run, config=config)
+        shape = (head_dim, causal, heads // k.shape[1], length_class(q_len), length_class(k.shape[2]))
+        return prepared_launch(kernel_arguments(q, k, v, out, scale), meta, grid, out, pointer=pointer, tma=tma,
+                               shape_class=shape)
 
 
 _make("triton", "pointer+tma", "our FlashAttention-2 Triton kernel, autotuned over tiles, warps, stages and, "
@@ -155,5 +193,89 @@ _make("triton", "pointer+tma", "our FlashAttention-2 Triton kernel, autotuned ov
 _make("triton-tma", "tma", "the same kernel, tiles moved through tensor descriptors (TMA) only, autotuned")
 
 
+@register("triton", op="varlen", family="triton", dtypes=FLOATS, head_dims=HEAD_DIMS, requires=requires,
+          description="the same kernel over a packed batch: each program finds its sequence in cu_seqlens "
+                      "(pointer loads; autotuned like the dense entry)")
+def prepare_varlen(inputs, *, scale: float) -> Prepared:
+    import triton
+
+    out = inputs.output_like()
+    heads, head_dim = inputs.q.shape[1], inputs.head_dim
+    meta = {"HEAD_DIM": head_dim, "CAUSAL": inputs.causal, "VARLEN": True,
+            "DOT_FP32": interpreting() or inputs.q.dtype == torch.float32}
+
+    def grid(cfg):
+        return (triton.cdiv(inputs.max_seqlen_q, cfg["BLOCK_M"]), inputs.batch * heads)
+
+    shape = ("varlen", head_dim, inputs.causal, heads // inputs.k.shape[1], length_class(inputs.max_seqlen_q),
+             length_class(inputs.max_seqlen_k))
+    return prepared_launch(varlen_arguments(inputs, out, scale), meta, grid, out, pointer=True, tma=False,
+                           shape_class=shape)
+
+
 def _describe(cfg) -> dict:
     return {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+
+
+# Paged decode (decode.py). A chunk of the cache is at least this many key tiles: shorter ones cost more in the
+# combine than they add in parallelism. Enough chunks are made to give every SM this many programs.
+SPLIT_MIN_TILES = 4
+PROGRAMS_PER_SM = 4
+DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+INTERPRETER_DECODE_CONFIG = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+INTERPRETER_SM_COUNT = 8  # the interpreter has no SMs: with these and one-tile chunks the CPU cases split
+
+
+def split_plan(pairs: int, max_len: int, block_n: int, sm_count: int,
+               min_tiles: int = SPLIT_MIN_TILES) -> tuple[int, int]:
+    """(num_splits, split_len) for ``pairs`` (batch x kv head) programs over caches of up to ``max_len``:
+    enough chunks to fill the GPU, none shorter than ``min_tiles`` key tiles, chunk length in whole tiles."""
+    tiles = -(-max_len // block_n)
+    wanted = -(-(PROGRAMS_PER_SM * sm_count) // pairs)
+    splits = max(1, min(wanted, tiles // min_tiles))
+    split_tiles = -(-tiles // splits)
+    return -(-tiles // split_tiles), split_tiles * block_n
+
+
+@register("triton", op="paged", family="triton", dtypes=FLOATS, head_dims=HEAD_DIMS, requires=requires,
+          description="our split-KV decode kernel: all query heads of a kv head in one tile (K/V read once), "
+                      "pages gathered through the block table, chunks merged by log-sum-exp")
+def prepare_paged(inputs, *, scale: float) -> Prepared:
+    import triton
+
+    from impls.triton_fa.decode import paged_decode_combine, paged_decode_split
+    from impls.triton_fa.kernel import LOG2_E
+
+    q, k_cache, v_cache = inputs.q, inputs.k_cache, inputs.v_cache
+    batch, sq, hq, head_dim = q.shape
+    hkv = k_cache.shape[2]
+    rows = hq // hkv * sq
+    if rows > 128:
+        raise Unsupported(f"{hq // hkv} query heads per kv head x {sq} new tokens = {rows} rows: this kernel "
+                          "packs at most 128 in one tile")
+    interp = interpreting()
+    config = INTERPRETER_DECODE_CONFIG if interp else DECODE_CONFIG
+    sm_count = INTERPRETER_SM_COUNT if interp else torch.cuda.get_device_properties(q.device).multi_processor_count
+    num_splits, split_len = split_plan(batch * hkv, inputs.max_seqlen, config["BLOCK_N"], sm_count,
+                                       min_tiles=1 if interp else SPLIT_MIN_TILES)
+    block_m = max(16, triton.next_power_of_2(rows))
+    o_part = torch.empty(batch * hkv, num_splits, block_m, head_dim, dtype=torch.float32, device=q.device)
+    lse_part = torch.empty(batch * hkv * num_splits * block_m, dtype=torch.float32, device=q.device)
+    out = inputs.output_like()
+    shape = {"GROUP": hq // hkv, "SQ": sq, "HEAD_DIM": head_dim, "BLOCK_M": block_m}
+    split_args = (q, k_cache, v_cache, inputs.block_table, inputs.cache_seqlens, o_part, lse_part,
+                  scale * LOG2_E, *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
+                  inputs.block_table.stride(0), *o_part.stride()[:3], hkv, split_len)
+    combine_args = (o_part, lse_part, inputs.cache_seqlens, out, *o_part.stride()[:3], *out.stride()[:3], hkv,
+                    num_splits, split_len)
+    dot_fp32 = interp or q.dtype == torch.float32
+
+    def run() -> torch.Tensor:
+        paged_decode_split[(num_splits, batch * hkv)](
+            *split_args, PAGE_SIZE=inputs.page_size, DOT_FP32=dot_fp32, **shape, **config)
+        paged_decode_combine[(batch * hkv, rows)](
+            *combine_args, **shape, MAX_SPLITS=triton.next_power_of_2(num_splits))
+        return out
+
+    run()  # compile outside any timed region
+    return Prepared(run, config={**config, "num_splits": num_splits, "split_len": split_len, "BLOCK_M": block_m})

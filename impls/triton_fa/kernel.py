@@ -100,16 +100,30 @@ def attention_fwd(
     num_heads, q_len, kv_len,
     q_len_class, kv_len_class,  # autotuning key only: the sequence lengths' buckets
     group,
+    cu_seqlens_q, cu_seqlens_k,  # VARLEN: sequence b is rows cu[b]:cu[b+1] of the packed tensors
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, USE_TMA: tl.constexpr = False,
+    VARLEN: tl.constexpr = False,
 ):
-    # Causal: heaviest query tiles (most keys) first, so the last wave is made of short programs.
-    num_m_tiles = tl.cdiv(q_len, BLOCK_M)
-    tile_m = num_m_tiles - 1 - tl.program_id(0) if CAUSAL else tl.program_id(0)
     bh = tl.program_id(1)
     batch = (bh // num_heads).to(tl.int64)  # 64-bit: batch * stride can exceed 2**31
     head = (bh % num_heads).to(tl.int64)
     kv_head = head // group  # GQA by index: K/V are never repeated in memory
+    if VARLEN:  # packed (total, H, D): this sequence's rows start at cu[batch]; q_len/kv_len are its own
+        q_start = tl.load(cu_seqlens_q + batch).to(tl.int64)
+        kv_start = tl.load(cu_seqlens_k + batch).to(tl.int64)
+        q_len = (tl.load(cu_seqlens_q + batch + 1) - q_start).to(tl.int32)
+        kv_len = (tl.load(cu_seqlens_k + batch + 1) - kv_start).to(tl.int32)
+        Q += q_start * stride_qm
+        Out += q_start * stride_om
+        K += kv_start * stride_kn
+        V += kv_start * stride_vn
+    # Causal: heaviest query tiles (most keys) first, so the last wave is made of short programs.
+    num_m_tiles = tl.cdiv(q_len, BLOCK_M)
+    if VARLEN:
+        if tl.program_id(0) >= num_m_tiles:  # the grid is sized for the longest sequence
+            return
+    tile_m = num_m_tiles - 1 - tl.program_id(0) if CAUSAL else tl.program_id(0)
 
     offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)

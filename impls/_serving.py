@@ -1,0 +1,227 @@
+"""The serving operations' inputs, beside dense forward: decode over a paged KV cache, packed varlen prefill.
+
+Each is one dataclass that carries its tensors and validates them once, at prepare time, with an error that
+names the problem. Host copies of the lengths are taken then too, so that no adapter needs a device sync in
+its timed call.
+
+Paged decode (the layout of vLLM, FlashInfer and flash-attn):
+- ``q (B, Sq_new, Hq, D)``: the new tokens, which are the last ``Sq_new`` positions of each sequence;
+- ``k_cache, v_cache (num_pages, page_size, Hkv, D)``;
+- ``block_table (B, max_pages) int32``: page ``block_table[b, i]`` holds positions ``i*page_size ...`` of
+  sequence ``b``; entries past a sequence's last page are never read and may hold anything;
+- ``cache_seqlens (B,) int32``: each sequence's length, the new tokens included.
+Attention is causal within each sequence, bottom-right: new token ``i`` sees positions ``<= L - Sq_new + i``.
+Output ``(B, Sq_new, Hq, D)``. Page slots past a sequence's length may hold anything, NaN included.
+
+Varlen prefill (flash-attn's packed layout):
+- ``q (total_q, Hq, D)``, ``k, v (total_k, Hkv, D)``;
+- ``cu_seqlens_q, cu_seqlens_k (B+1,) int32``: sequence ``b`` is rows ``cu[b]:cu[b+1]``;
+- ``causal`` per sequence, bottom-right like dense. Output ``(total_q, Hq, D)``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from impls._validate import default_scale, validate_scale
+
+
+def _check_tensor(name: str, t: torch.Tensor, dims: int, layout: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != dims:
+        raise ValueError(f"{name} must be {dims}-D {layout}, got shape {tuple(t.shape)}")
+
+
+def _check_index(name: str, t: torch.Tensor, dims: int, layout: str, device: torch.device) -> None:
+    _check_tensor(name, t, dims, layout)
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device} with q, got {t.device}")
+
+
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_name: str, v_name: str) -> None:
+    if k.shape != v.shape:
+        raise ValueError(f"{k_name} and {v_name} must have the same shape, got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
+    for name, t in (("q", q), (k_name, k), (v_name, v)):
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise TypeError(f"q, {k_name} and {v_name} must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.device != k.device or q.device != v.device:
+        raise ValueError(f"q, {k_name} and {v_name} must be on one device, got {q.device}, {k.device}, "
+                         f"{v.device}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"head dim of q ({q.shape[-1]}) and {k_name} ({k.shape[-1]}) differ")
+    hq, hkv = q.shape[-2], k.shape[-2]
+    if min(hq, hkv, q.shape[-1]) == 0:
+        raise ValueError(f"empty tensor: q {tuple(q.shape)}, {k_name} {tuple(k.shape)}")
+    if hq % hkv:
+        raise ValueError(f"GQA ratio: query heads Hq={hq} must be a multiple of key/value heads Hkv={hkv}")
+
+
+@dataclass
+class PagedKV:
+    """Decode over a paged KV cache (module doc). Construction validates and reads the lengths once."""
+
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_table: torch.Tensor
+    cache_seqlens: torch.Tensor
+    seqlens: tuple[int, ...] = field(init=False)  # host copy of cache_seqlens
+
+    op = "paged"
+
+    def __post_init__(self) -> None:
+        _check_tensor("q", self.q, 4, "(B, Sq_new, Hq, D)")
+        _check_tensor("k_cache", self.k_cache, 4, "(num_pages, page_size, Hkv, D)")
+        _check_tensor("v_cache", self.v_cache, 4, "(num_pages, page_size, Hkv, D)")
+        _check_qkv(self.q, self.k_cache, self.v_cache, "k_cache", "v_cache")
+        device = self.q.device
+        _check_index("block_table", self.block_table, 2, "(B, max_pages)", device)
+        _check_index("cache_seqlens", self.cache_seqlens, 1, "(B,)", device)
+        batch, sq = self.q.shape[:2]
+        if sq == 0 or batch == 0:
+            raise ValueError(f"empty q: {tuple(self.q.shape)}")
+        if self.block_table.shape[0] != batch or self.cache_seqlens.shape[0] != batch:
+            raise ValueError(f"batch size of q ({batch}), block_table ({self.block_table.shape[0]}) and "
+                             f"cache_seqlens ({self.cache_seqlens.shape[0]}) differ")
+        self.seqlens = tuple(int(n) for n in self.cache_seqlens.tolist())
+        num_pages, page_size, max_pages = self.k_cache.shape[0], self.page_size, self.block_table.shape[1]
+        table = self.block_table.cpu()
+        for b, length in enumerate(self.seqlens):
+            if length < sq:
+                raise ValueError(f"cache_seqlens[{b}] = {length} is shorter than the {sq} new tokens of q")
+            pages = math.ceil(length / page_size)
+            if pages > max_pages:
+                raise ValueError(f"cache_seqlens[{b}] = {length} needs {pages} pages of {page_size}, but "
+                                 f"block_table has {max_pages} per sequence")
+            used = table[b, :pages]
+            bad = ((used < 0) | (used >= num_pages)).nonzero()
+            if len(bad):
+                i = int(bad[0, 0])
+                raise ValueError(f"block_table[{b}, {i}] = {int(used[i])} is out of range: the cache has "
+                                 f"{num_pages} pages")
+
+    @property
+    def page_size(self) -> int:
+        return self.k_cache.shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.q.shape[-1]
+
+    @property
+    def max_seqlen(self) -> int:
+        return max(self.seqlens)
+
+    def scale(self, scale: float | None) -> float:
+        return default_scale(self.head_dim) if scale is None else validate_scale(scale)
+
+    def output_like(self) -> torch.Tensor:
+        return torch.empty_like(self.q)
+
+
+@dataclass
+class Varlen:
+    """Packed variable-length prefill (module doc). Construction validates and reads the offsets once."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    causal: bool = False
+    offsets_q: tuple[int, ...] = field(init=False)  # host copies of the cu_seqlens
+    offsets_k: tuple[int, ...] = field(init=False)
+
+    op = "varlen"
+
+    def __post_init__(self) -> None:
+        _check_tensor("q", self.q, 3, "(total_q, Hq, D)")
+        _check_tensor("k", self.k, 3, "(total_k, Hkv, D)")
+        _check_tensor("v", self.v, 3, "(total_k, Hkv, D)")
+        _check_qkv(self.q, self.k, self.v, "k", "v")
+        device = self.q.device
+        _check_index("cu_seqlens_q", self.cu_seqlens_q, 1, "(B+1,)", device)
+        _check_index("cu_seqlens_k", self.cu_seqlens_k, 1, "(B+1,)", device)
+        if self.cu_seqlens_q.shape != self.cu_seqlens_k.shape or self.cu_seqlens_q.shape[0] < 2:
+            raise ValueError(f"cu_seqlens_q {tuple(self.cu_seqlens_q.shape)} and cu_seqlens_k "
+                             f"{tuple(self.cu_seqlens_k.shape)} must both be (B+1,) with B >= 1")
+        self.offsets_q = tuple(int(n) for n in self.cu_seqlens_q.tolist())
+        self.offsets_k = tuple(int(n) for n in self.cu_seqlens_k.tolist())
+        for name, offsets, total in (("cu_seqlens_q", self.offsets_q, self.q.shape[0]),
+                                     ("cu_seqlens_k", self.offsets_k, self.k.shape[0])):
+            if offsets[0] != 0:
+                raise ValueError(f"{name}[0] must be 0, got {offsets[0]}")
+            drops = [i for i in range(1, len(offsets)) if offsets[i] < offsets[i - 1]]
+            if drops:
+                i = drops[0]
+                raise ValueError(f"{name} must be non-decreasing: {name}[{i}] = {offsets[i]} < "
+                                 f"{name}[{i - 1}] = {offsets[i - 1]}")
+            if offsets[-1] != total:
+                raise ValueError(f"{name}[-1] = {offsets[-1]} but the packed tensor has {total} rows")
+
+    @property
+    def batch(self) -> int:
+        return len(self.offsets_q) - 1
+
+    @property
+    def head_dim(self) -> int:
+        return self.q.shape[-1]
+
+    def seqlens_q(self) -> list[int]:
+        return [b - a for a, b in itertools.pairwise(self.offsets_q)]
+
+    def seqlens_k(self) -> list[int]:
+        return [b - a for a, b in itertools.pairwise(self.offsets_k)]
+
+    @property
+    def max_seqlen_q(self) -> int:
+        return max(self.seqlens_q())
+
+    @property
+    def max_seqlen_k(self) -> int:
+        return max(self.seqlens_k())
+
+    def scale(self, scale: float | None) -> float:
+        return default_scale(self.head_dim) if scale is None else validate_scale(scale)
+
+    def output_like(self) -> torch.Tensor:
+        return torch.empty_like(self.q)
+
+
+def gather_sequence(inputs: PagedKV, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence ``b``'s keys and values, ``(Hkv, L, D)`` each, gathered from its pages."""
+    length = inputs.seqlens[b]
+    pages = inputs.block_table[b, : math.ceil(length / inputs.page_size)].long()
+    k, v = (c[pages].flatten(0, 1)[:length].transpose(0, 1) for c in (inputs.k_cache, inputs.v_cache))
+    return k, v
+
+
+def sequences(inputs: PagedKV | Varlen, indices: list[int] | None = None):
+    """Per sequence: (index, q (1, Hq, Sq, D), k, v (1, Hkv, Skv, D), causal) in the dense contract's layout."""
+    batch = inputs.q.shape[0] if isinstance(inputs, PagedKV) else inputs.batch
+    for b in range(batch) if indices is None else indices:
+        if isinstance(inputs, PagedKV):
+            k, v = gather_sequence(inputs, b)
+            yield b, inputs.q[b].transpose(0, 1)[None], k[None], v[None], True
+        else:
+            (q0, q1), (k0, k1) = inputs.offsets_q[b:b + 2], inputs.offsets_k[b:b + 2]
+            q, k, v = (t.transpose(0, 1)[None] for t in (inputs.q[q0:q1], inputs.k[k0:k1], inputs.v[k0:k1]))
+            yield b, q, k, v, inputs.causal
+
+
+def scatter_sequence(out: torch.Tensor, inputs: PagedKV | Varlen, b: int, o: torch.Tensor) -> None:
+    """Write sequence ``b``'s output ``o (1, Hq, Sq, D)`` into the operation's output layout."""
+    if isinstance(inputs, PagedKV):
+        out[b] = o[0].transpose(0, 1)
+    else:
+        out[inputs.offsets_q[b]:inputs.offsets_q[b + 1]] = o[0].transpose(0, 1)

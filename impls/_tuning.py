@@ -1,0 +1,105 @@
+"""Tune once per machine: the configs our autotuners chose, in a JSON file per kernel family.
+
+An entry's key holds everything that can change the choice: the GPU's name and compute capability, the
+versions of torch and of the kernel's compiler (triton, cuda-tile), a hash of the kernel's source files (so an
+edited kernel or search space is tuned again) and the shape class the caller tunes per. The value is the chosen
+config, which still goes into every benchmark's JSON.
+
+``FMHA_TUNING=off`` neither reads nor writes the cache, ``FMHA_TUNING=retune`` tunes again and overwrites
+(the suite's ``--no-tuning-cache`` and ``--retune`` set them). ``FMHA_TUNING_CACHE=DIR`` moves the files from
+``~/.cache/fmha-bench``. A file that cannot be read or parsed is ignored, and rewritten on the next store.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterable
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MODES = ("on", "off", "retune")
+
+
+def mode() -> str:
+    value = os.environ.get("FMHA_TUNING", "on") or "on"
+    if value not in MODES:
+        raise ValueError(f"FMHA_TUNING={value!r}: expected one of {', '.join(MODES)}")
+    return value
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("FMHA_TUNING_CACHE") or Path.home() / ".cache" / "fmha-bench")
+
+
+@functools.cache
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+@functools.cache
+def source_hash(paths: tuple[Path, ...]) -> str:
+    digest = hashlib.sha256()
+    for path in paths:
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+class TuningCache:
+    """The tuning results of one kernel family (``family``.json), for kernels built from ``sources``."""
+
+    def __init__(self, family: str, sources: Iterable[Path], libraries: Iterable[str]) -> None:
+        self.family = family
+        self._sources = tuple(sorted(Path(p) for p in sources))
+        self._libraries = tuple(libraries)
+
+    @property
+    def path(self) -> Path:
+        return cache_dir() / f"{self.family}.json"
+
+    def key(self, device: torch.device, shape_class: Iterable[Any]) -> str:
+        props = torch.cuda.get_device_properties(device)
+        versions = {lib: _version(lib) for lib in ("torch", *self._libraries)}
+        return json.dumps({
+            "gpu": props.name, "capability": f"{props.major}.{props.minor}", **versions,
+            "source": source_hash(self._sources), "shape": [str(x) for x in shape_class],
+        }, sort_keys=True)
+
+    def _entries(self) -> dict[str, Any]:
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def get(self, key: str) -> dict | None:
+        return None if mode() != "on" else self._entries().get(key)
+
+    def put(self, key: str, config: dict) -> None:
+        if mode() == "off":
+            return
+        entries = {**self._entries(), key: config}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # Atomic: processes tuning side by side (--isolate, pytest-xdist) never leave a torn file.
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.family}-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(entries, f, indent=1, sort_keys=True)
+        os.replace(tmp, self.path)
+
+    def lookup(self, key: str, tune: Callable[[], dict]) -> tuple[dict, bool]:
+        """The cached config for ``key``, or ``tune()``'s result, stored. Returns (config, from_cache)."""
+        cached = self.get(key)
+        if cached is not None:
+            return cached, True
+        config = tune()
+        self.put(key, config)
+        return config, False

@@ -1,0 +1,128 @@
+"""Decode over a paged KV cache in Triton: split-KV (flash-decoding) with GQA packing.
+
+Decode is memory-bound: each new token reads its sequence's whole K/V cache once and does 4 FLOPs per byte.
+So the kernel is built around reading the cache once, from enough programs to keep HBM busy:
+
+1. GQA packing: one program serves all ``GROUP = Hq / Hkv`` query heads of one kv head (times the ``Sq_new``
+   new tokens): the rows of its Q tile. Each K/V element is loaded once and used by every query head of its
+   group, instead of once per query head.
+2. Split-KV: a (batch, kv head) pair alone is far too little parallelism at small batch (Llama-3-8B at batch 1
+   has 8 kv heads for 132 SMs), so each sequence's cache is cut into ``num_splits`` chunks of ``split_len``
+   tokens, one program each. Every program writes its chunk's normalised partial output and log-sum-exp; a
+   second kernel combines the chunks of a row, weighting each by ``2^(lse - max lse)``.
+3. Pages: key position ``p`` of sequence ``b`` lives in slot ``p % page_size`` of page
+   ``block_table[b, p // page_size]``. A key tile gathers its rows through the table, so any page size works;
+   positions past the sequence read zeros (masked loads) and never reach the output, whatever the unused
+   slots hold.
+
+Causal within each sequence, bottom-right: new token ``t`` (of ``Sq_new``) sees positions ``<= L - Sq_new + t``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def paged_decode_split(
+    Q, K_cache, V_cache, block_table, cache_seqlens, O_part, LSE_part, qk_scale,
+    stride_qb, stride_qt, stride_qh,
+    stride_kp, stride_ks, stride_kh,
+    stride_vp, stride_vs, stride_vh,
+    stride_bt,
+    stride_ob, stride_os, stride_or,  # O_part (B*Hkv, splits, rows, D)
+    num_kv_heads, split_len,
+    GROUP: tl.constexpr, SQ: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    """Program (split, batch * kv head): attention of the GROUP x SQ query rows over one chunk of the cache."""
+    split = tl.program_id(0)
+    bk = tl.program_id(1)
+    batch = (bk // num_kv_heads).to(tl.int64)
+    kv_head = (bk % num_kv_heads).to(tl.int64)
+    seq_len = tl.load(cache_seqlens + batch)
+    start = split * split_len
+    if start >= seq_len:  # this sequence is shorter than the longest: nothing here (the combine skips it)
+        return
+    end = tl.minimum(start + split_len, seq_len)
+
+    # Row r of the tile is query head kv_head * GROUP + r // SQ, new token r % SQ.
+    rows = tl.arange(0, BLOCK_M)
+    head = kv_head * GROUP + rows // SQ
+    token = rows % SQ
+    row_valid = rows < GROUP * SQ
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_ptrs = Q + batch * stride_qb + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=row_valid[:, None], other=0.0)
+    if DOT_FP32:  # Triton's interpreter computes half-precision dots wrongly
+        q = q.to(tl.float32)
+    last_visible = seq_len - SQ + token  # causal, bottom-right within the sequence
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    table_row = block_table + batch * stride_bt
+    for tile_start in range(start, end, BLOCK_N):
+        pos = tile_start + offs_n
+        in_seq = pos < end
+        page = tl.load(table_row + pos // PAGE_SIZE, mask=in_seq, other=0).to(tl.int64)
+        slot = pos % PAGE_SIZE
+        k_ptrs = K_cache + page[None, :] * stride_kp + slot[None, :] * stride_ks + kv_head * stride_kh + offs_d[:, None]
+        k = tl.load(k_ptrs, mask=in_seq[None, :], other=0.0)
+        if DOT_FP32:
+            k = k.to(tl.float32)
+        qk = tl.dot(q, k, input_precision="ieee" if DOT_FP32 else None) * qk_scale
+        visible = in_seq[None, :] & (pos[None, :] <= last_visible[:, None])
+        qk = tl.where(visible, qk, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
+        p = tl.math.exp2(qk - m_ref[:, None])
+        alpha = tl.math.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_ptrs = V_cache + page[:, None] * stride_vp + slot[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :]
+        v = tl.load(v_ptrs, mask=in_seq[:, None], other=0.0)
+        if DOT_FP32:
+            acc = tl.dot(p, v.to(tl.float32), acc * alpha[:, None], input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+
+    # The chunk's normalised output and its log-sum-exp in log2 units (-inf where a row saw no key here).
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
+    part = bk * stride_ob + split * stride_os
+    tl.store(O_part + part + rows[:, None] * stride_or + offs_d[None, :], acc / l_safe[:, None],
+             mask=row_valid[:, None])
+    tl.store(LSE_part + (bk * tl.num_programs(0) + split) * BLOCK_M + rows, lse, mask=row_valid)
+
+
+@triton.jit
+def paged_decode_combine(
+    O_part, LSE_part, cache_seqlens, Out,
+    stride_ob, stride_os, stride_or,
+    stride_b, stride_t, stride_h,
+    num_kv_heads, num_splits, split_len,
+    GROUP: tl.constexpr, SQ: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+    MAX_SPLITS: tl.constexpr,
+):
+    """Program (batch * kv head, row): merge the row's chunks by log-sum-exp and write it to ``Out``."""
+    bk = tl.program_id(0)
+    row = tl.program_id(1)
+    batch = bk // num_kv_heads
+    kv_head = bk % num_kv_heads
+    seq_len = tl.load(cache_seqlens + batch)
+    splits = tl.arange(0, MAX_SPLITS)
+    used = splits < tl.minimum(tl.cdiv(seq_len, split_len), num_splits)  # chunks that hold keys
+    lse = tl.load(LSE_part + (bk * num_splits + splits) * BLOCK_M + row, mask=used, other=float("-inf"))
+    weight = tl.math.exp2(lse - tl.max(lse, 0))  # the row saw a key somewhere: max is finite
+    weight = weight / tl.sum(weight, 0)
+    offs_d = tl.arange(0, HEAD_DIM)
+    parts = tl.load(O_part + bk * stride_ob + splits[:, None] * stride_os + row * stride_or + offs_d[None, :],
+                    mask=used[:, None], other=0.0)
+    out = tl.sum(parts * weight[:, None], 0)
+    head = kv_head * GROUP + row // SQ
+    token = row % SQ
+    tl.store(Out + batch * stride_b + token * stride_t + head * stride_h + offs_d, out.to(Out.dtype.element_ty))
