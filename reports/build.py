@@ -22,6 +22,9 @@ class ReportError(ValueError):
     """A results file the report cannot use; the message names the file and the problem."""
 
 
+TIMING_LEAD = ("graph", "kernel", "eager")  # the mode a run's leaderboards and charts rank by: the first it has
+
+
 @dataclass
 class Measurement:
     impl: str
@@ -38,6 +41,15 @@ class Measurement:
     peak_memory_bytes: int | None
     max_error: float | None
     config: dict
+    timing: str = "eager"
+    measured_as: str = "eager"
+    fallback: str | None = None
+    pct_of_hbm: float | None = None
+    kernels: dict[str, dict] = field(default_factory=dict)
+
+    @property
+    def op(self) -> str:
+        return str(self.fields.get("op") or "dense")
 
 
 @dataclass
@@ -51,11 +63,24 @@ class Run:
     presets: dict[str, list[str]]
     cases: dict[str, dict[str, Any]]
     baseline: str = "sdpa"
-    by_case: dict[str, dict[str, Measurement]] = field(default_factory=dict)
+    modes: dict[str, dict[str, dict[str, Measurement]]] = field(default_factory=dict)  # case -> impl -> timing
+    by_case: dict[str, dict[str, Measurement]] = field(default_factory=dict)  # case -> impl -> in the lead mode
+    lead: str = "eager"
 
     def __post_init__(self) -> None:
         for m in self.measurements:
-            self.by_case.setdefault(m.case, {})[m.impl] = m
+            self.modes.setdefault(m.case, {}).setdefault(m.impl, {})[m.timing] = m
+        present = {m.timing for m in self.measurements}
+        self.lead = next((t for t in TIMING_LEAD if t in present), "eager")
+        for cid, per_impl in self.modes.items():
+            for impl, by_mode in per_impl.items():
+                if self.lead in by_mode:
+                    self.by_case.setdefault(cid, {})[impl] = by_mode[self.lead]
+
+    @property
+    def timings(self) -> list[str]:
+        present = {m.timing for m in self.measurements}
+        return [t for t in ("eager", "graph", "kernel") if t in present]
 
 
 def _require(cond: bool, path: Path, what: str) -> None:
@@ -90,12 +115,16 @@ def load_run(path: Path) -> Run:
         try:
             measurements.append(Measurement(
                 impl=str(info["impl"]), family=str(info.get("family", "")), case=str(info["case"]),
-                fields={k: info.get(k) for k in ("batch", "hq", "hkv", "sq", "skv", "d", "dtype", "causal")},
+                fields={k: info.get(k) for k in ("batch", "hq", "hkv", "sq", "skv", "d", "dtype", "causal", "op",
+                                                 "page_size", "lengths", "model", "kv_bytes")},
                 median_s=float(stats["median"]), iqr_s=float(stats.get("iqr", 0.0)),
                 stddev_s=float(stats.get("stddev", 0.0)), rounds=int(stats.get("rounds", 0)),
                 tflops=_num(info.get("tflops")), pct_of_peak=_num(info.get("pct_of_peak")),
                 gbps=_num(info.get("gbps")), peak_memory_bytes=info.get("peak_memory_bytes"),
                 max_error=_num(info.get("max_error")), config=dict(info.get("config") or {}),
+                timing=str(info.get("timing", "eager")), measured_as=str(info.get("measured_as", "eager")),
+                fallback=info.get("fallback"), pct_of_hbm=_num(info.get("pct_of_hbm")),
+                kernels=dict(info.get("kernels") or {}),
             ))
         except (KeyError, TypeError, ValueError) as exc:
             raise ReportError(f"{path}: benchmark #{i} ({bench.get('name', '?')}) is missing or has a bad "
@@ -116,31 +145,60 @@ def _geomean(values: Iterable[float]) -> float | None:
     return math.exp(statistics.fmean(math.log(v) for v in values)) if values else None
 
 
+def figure_of_merit(run: Run, case_ids: list[str]) -> str:
+    """Decode is memory-bound: its cases rank by GB/s; everything else by TFLOPS."""
+    ops = {run.cases.get(cid, {}).get("op") or "dense" for cid in case_ids}
+    return "gbps" if ops == {"paged"} else "tflops"
+
+
 def leaderboard(run: Run, preset: str) -> list[dict[str, Any]]:
-    """Implementations of a preset ranked by geometric-mean TFLOPS over the cases each was measured on."""
+    """Implementations of a preset ranked by the geometric mean of its figure of merit (TFLOPS, or GB/s for
+    decode) in the run's lead timing mode, over the cases each was measured on."""
     case_ids = run.presets.get(preset, [])
+    metric = figure_of_merit(run, case_ids)
     per_impl: dict[str, list[float]] = defaultdict(list)
     for cid in case_ids:
         for impl, m in run.by_case.get(cid, {}).items():
-            if m.tflops:
-                per_impl[impl].append(m.tflops)
-    rows = [{"impl": impl, "tflops": _geomean(v), "cases": len(v), "of": len(case_ids)}
+            if getattr(m, metric):
+                per_impl[impl].append(getattr(m, metric))
+    rows = [{"impl": impl, "value": _geomean(v), "cases": len(v), "of": len(case_ids)}
             for impl, v in per_impl.items()]
-    return sorted(rows, key=lambda r: -(r["tflops"] or 0))
+    return sorted(rows, key=lambda r: -(r["value"] or 0))
 
 
 def case_table(run: Run, case_id: str, baseline: str) -> list[dict[str, Any]]:
+    """One row per implementation: every timing mode's median, the host overhead (eager - graph), and the
+    rates in the lead mode."""
     rows = []
     base = run.by_case.get(case_id, {}).get(baseline)
-    for impl, m in sorted(run.by_case.get(case_id, {}).items(), key=lambda kv: kv[1].median_s):
+    by_impl = run.modes.get(case_id, {})
+    lead_s = {impl: modes.get(run.lead, next(iter(modes.values()))).median_s for impl, modes in by_impl.items()}
+    for impl in sorted(by_impl, key=lead_s.get):
+        modes = by_impl[impl]
+        m = modes.get(run.lead) or next(iter(modes.values()))
+        eager, graph = modes.get("eager"), modes.get("graph")
         rows.append({
             "impl": impl, "median_ms": m.median_s * 1e3, "iqr_ms": m.iqr_s * 1e3, "rounds": m.rounds,
-            "tflops": m.tflops, "pct": m.pct_of_peak, "gbps": m.gbps,
-            "speedup": base.median_s / m.median_s if base else None,
+            "modes": {t: {"ms": x.median_s * 1e3, "iqr_ms": x.iqr_s * 1e3, "fallback": x.fallback}
+                      for t, x in modes.items()},
+            "host_overhead_ms": (eager.median_s - graph.median_s) * 1e3
+            if eager and graph and graph.measured_as == "graph" else None,
+            "tflops": m.tflops, "pct": m.pct_of_peak, "gbps": m.gbps, "pct_hbm": m.pct_of_hbm,
+            "speedup": base.median_s / m.median_s if base and m.timing == run.lead else None,
             "mem_mib": m.peak_memory_bytes / 2**20 if isinstance(m.peak_memory_bytes, int) else None,
             "config": ", ".join(f"{k}={v}" for k, v in m.config.items()),
+            "kernels": kernel_summary(m.kernels),
         })
     return rows
+
+
+def kernel_summary(kernels: dict[str, dict], top: int = 3) -> str:
+    """The kernels one call ran, the longest first: ``name x launches (share of device time)``."""
+    total = sum(float(k.get("seconds", 0)) for k in kernels.values()) or 1.0
+    ranked = sorted(kernels.items(), key=lambda kv: -float(kv[1].get("seconds", 0)))
+    parts = [f"{name[:70]} x{k.get('launches', 0):g} ({100 * float(k.get('seconds', 0)) / total:.0f}%)"
+             for name, k in ranked[:top]]
+    return "; ".join(parts) + (f"; +{len(ranked) - top} more" if len(ranked) > top else "")
 
 
 def correctness_matrix(run: Run) -> dict[str, Any]:
@@ -150,6 +208,8 @@ def correctness_matrix(run: Run) -> dict[str, Any]:
     rows: dict[str, None] = {}
     for o in run.outcomes:
         row = str(o.get("case")) + (f" · {o['property']}" if o.get("property") else "")
+        if o.get("timing") not in (None, "eager") and o.get("status") != "passed":
+            row += f" · {o['timing']} timing"  # a mode that could not run is not the case's verdict
         rows[row] = None
         cells[(str(o.get("impl")), row)] = {**o, "css": str(o.get("status", "")).replace(" ", "-")}
     return {"impls": sorted({i for i, _ in cells}), "cases": list(rows), "cells": cells}
@@ -160,9 +220,13 @@ def chart_groups(run: Run, preset: str) -> dict[str, list[str]]:
     groups: dict[str, list[str]] = defaultdict(list)
     for cid in run.presets.get(preset, []):
         c = run.cases.get(cid, {})
-        shape = "Sq=Skv" if c.get("sq") == c.get("skv") else f"Sq={c.get('sq')}"
-        key = (f"{'causal' if c.get('causal') else 'non-causal'}, h{c.get('hq')}:{c.get('hkv')}, "
-               f"d{c.get('d')}, {c.get('dtype')}, {shape}, B={c.get('batch')}")
+        if c.get("op") == "paged":
+            key = (f"{c.get('model') or 'decode'}, h{c.get('hq')}:{c.get('hkv')}, Sq_new={c.get('sq')}, "
+                   f"{c.get('lengths')} lengths, page {c.get('page_size')}, {c.get('dtype')}, B={c.get('batch')}")
+        else:
+            shape = "Sq=Skv" if c.get("sq") == c.get("skv") else f"Sq={c.get('sq')}"
+            key = (f"{c.get('op') or 'dense'}, {'causal' if c.get('causal') else 'non-causal'}, "
+                   f"h{c.get('hq')}:{c.get('hkv')}, d{c.get('d')}, {c.get('dtype')}, {shape}, B={c.get('batch')}")
         groups[key].append(cid)
     return dict(groups)
 
@@ -174,7 +238,7 @@ def series(runs: list[Run], preset: str, case_ids: list[str], value: str) -> dic
         for cid in case_ids:
             skv = run.cases.get(cid, {}).get("skv")
             for impl, m in run.by_case.get(cid, {}).items():
-                y = m.tflops if value == "tflops" else (m.peak_memory_bytes or 0) / 2**20
+                y = (m.peak_memory_bytes or 0) / 2**20 if value == "memory" else getattr(m, value)
                 if y:
                     label = impl if len(holders) == 1 else f"{impl} @ {run.label}"
                     out[label].append((skv, y))
@@ -204,8 +268,12 @@ def build_context(runs: list[Run], baseline: str) -> dict[str, Any]:
         for r in runs[1:]:
             for k, v in chart_groups(r, preset).items():
                 groups.setdefault(k, v)
+        metric = figure_of_merit(runs[0], runs[0].presets.get(preset, [])) if runs else "tflops"
+        roofline = _roofline(runs) if metric == "gbps" else None
         charts_ = [{"title": f"{preset}: {key}", "svg": charts.line_chart(
-                        series(runs, preset, ids, "tflops"), xlabel="Skv", ylabel="TFLOPS", title=key)}
+                        series(runs, preset, ids, metric), xlabel="Skv (longest cache)" if metric == "gbps"
+                        else "Skv", ylabel="GB/s" if metric == "gbps" else "TFLOPS", title=key,
+                        hline=roofline)}
                    for key, ids in groups.items() if len(ids) > 1]
         memory = [{"title": f"{preset}: {key}", "svg": charts.line_chart(
                        series(runs, preset, ids, "memory"), xlabel="Skv", ylabel="peak memory (MiB)",
@@ -213,17 +281,29 @@ def build_context(runs: list[Run], baseline: str) -> dict[str, Any]:
                   for key, ids in groups.items() if len(ids) > 1 and series(runs, preset, ids, "memory")]
         sections.append({
             "preset": preset,
-            "leaderboards": [(r.label, board) for r in runs if (board := leaderboard(r, preset))],
+            "metric": "GB/s" if metric == "gbps" else "TFLOPS",
+            "leaderboards": [(r.label, r.lead, board) for r in runs if (board := leaderboard(r, preset))],
             "charts": [c for c in charts_ if c["svg"]],
             "memory": [c for c in memory if c["svg"]],
-            "tables": [(r.label, cid, case_table(r, cid, baseline)) for r in runs
-                       for cid in r.presets.get(preset, []) if r.by_case.get(cid)],
+            "tables": [(r.label, r, cid, case_table(r, cid, baseline)) for r in runs
+                       for cid in r.presets.get(preset, []) if r.modes.get(cid)],
+            "lead_note": " / ".join(dict.fromkeys(r.lead for r in runs)) or "eager",
         })
     return {
         "runs": runs, "baseline": baseline, "sections": sections,
         "matrices": [(r.label, correctness_matrix(r), r.unavailable) for r in runs],
         "ladders": [(r.label, lad) for r in runs if (lad := ladder(r))],
     }
+
+
+def _roofline(runs: list[Run]) -> tuple[float, str] | None:
+    """The HBM bandwidth line for decode charts: the first run's datasheet peak, in GB/s."""
+    env = runs[0].env if runs else {}
+    for m in runs[0].measurements if runs else []:
+        if m.pct_of_hbm and m.gbps:
+            peak = m.gbps / m.pct_of_hbm * 100
+            return peak, f"HBM peak {peak / 1000:.2f} TB/s ({env.get('gpu', 'this GPU')}, datasheet)"
+    return None
 
 
 def _format_number(value: float | None, fmt: str | None = None) -> str:

@@ -18,8 +18,9 @@ LINE_STYLES = ["-", "--", ":"]
 
 
 def line_chart(series: dict[str, list[tuple[float, float]]], *, xlabel: str, ylabel: str, title: str,
-               logy: bool = False) -> str:
-    """One line per label; returns an ``<svg>`` element ('' when there is nothing to draw)."""
+               logy: bool = False, hline: tuple[float, str] | None = None) -> str:
+    """One line per label, and ``hline`` (value, label) as a dashed ceiling such as the HBM roofline;
+    returns an ``<svg>`` element ('' when there is nothing to draw)."""
     if not series:
         return ""
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
@@ -29,6 +30,8 @@ def line_chart(series: dict[str, list[tuple[float, float]]], *, xlabel: str, yla
         style = LINE_STYLES[(i // len(colors)) % len(LINE_STYLES)]
         ax.plot(xs, ys, marker=MARKERS[i % len(MARKERS)], markersize=3, linestyle=style,
                 color=colors[i % len(colors)], label=label)
+    if hline:
+        ax.axhline(hline[0], color="black", linestyle="--", linewidth=1, label=hline[1])
     ax.set_xscale("log", base=2)
     if logy:
         ax.set_yscale("log")

@@ -30,14 +30,46 @@ def sum_range(lo: int, hi: int) -> int:
 
 
 def flops(case: Case) -> int:
-    """Two matmuls (QK^T and PV), 2 FLOPs per multiply-add, over query heads (GQA shares K/V, not work)."""
-    return 4 * case.batch * case.hq * case.d * visible_pairs(case.sq, case.skv, case.causal)
+    """Two matmuls (QK^T and PV), 2 FLOPs per multiply-add, over query heads (GQA shares K/V, not work);
+    serving cases sum over their sequences (decode: Sq_new new tokens against each cache, bottom-right)."""
+    if case.op == "dense":
+        pairs = case.batch * visible_pairs(case.sq, case.skv, case.causal)
+    elif case.op == "paged":
+        pairs = sum(visible_pairs(case.sq, n, True) for n in case.seqlens())
+    else:
+        pairs = sum(visible_pairs(n, n, case.causal) for n in case.seqlens())
+    return 4 * case.hq * case.d * pairs
+
+
+def itemsize(case: Case) -> int:
+    return torch.empty((), dtype=case.torch_dtype).element_size()
+
+
+def kv_bytes(case: Case) -> int:
+    """K and V bytes a kernel must read: each sequence's cache once (decode), each kv head once (GQA)."""
+    tokens = sum(case.seqlens()) if case.op != "dense" else case.batch * case.skv
+    return 2 * tokens * case.hkv * case.d * itemsize(case)
 
 
 def min_bytes(case: Case) -> int:
     """q, k, v read once and o written once."""
-    size = torch.empty((), dtype=case.torch_dtype).element_size()
-    return size * case.d * case.batch * (2 * case.hq * case.sq + 2 * case.hkv * case.skv)
+    q_rows = case.batch * case.sq if case.op != "varlen" else case.sq
+    return kv_bytes(case) + 2 * q_rows * case.hq * case.d * itemsize(case)
+
+
+# HBM bandwidth of the SXM parts, TB/s, from NVIDIA's datasheets: H100 SXM5 80 GB (HBM3), H200 SXM (HBM3e),
+# A100 SXM 80 GB, B200. Matched on the device name.
+PEAK_HBM_TBPS = {"H200": 4.8, "H100": 3.35, "A100": 2.039, "B200": 8.0}
+
+
+def device_peak_hbm(device: torch.device) -> tuple[float | None, str]:
+    if device.type != "cuda":
+        return None, "no HBM peak for CPU"
+    name = torch.cuda.get_device_name(device)
+    part = next((p for p in PEAK_HBM_TBPS if p in name), None)
+    if part is None:
+        return None, f"no HBM peak known for {name}"
+    return PEAK_HBM_TBPS[part], f"{part} SXM datasheet HBM bandwidth"
 
 
 def device_peak_tflops(device: torch.device) -> tuple[float | None, str]:

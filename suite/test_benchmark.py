@@ -1,13 +1,28 @@
-"""Timing with pytest-benchmark: checked once first, so that no unchecked number is ever reported."""
+"""Timing with pytest-benchmark, in each ``--timing`` mode: checked once first, so that no unchecked number
+is ever reported (graph mode checks the replayed output too)."""
+
+from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
 
-from impls import Impl
+from impls import Impl, Prepared
 from suite import metrics
 from suite.cases import Case
 from suite.plugin import Problem, Recorder
-from suite.timing import L2Flusher, iterations_for, time_once
+from suite.timing import (
+    GraphCaptureError,
+    GraphTarget,
+    L2Flusher,
+    copies_for_cold_l2,
+    cuda_clock,
+    graph_repeats,
+    iterations_for,
+    profile_kernels,
+    time_once,
+)
 
 
 def peak_memory_bytes(fn, device: torch.device) -> int | None:
@@ -28,13 +43,24 @@ def peak_memory_bytes(fn, device: torch.device) -> int | None:
     return peak if output_allocated_by_call else peak + out.untyped_storage().nbytes()
 
 
-def test_benchmark(benchmark, impl: Impl, case: Case, problem: Problem, record: Recorder,
+def test_benchmark(benchmark, impl: Impl, case: Case, problem: Problem, record: Recorder, timing: str,
                    pytestconfig: pytest.Config) -> None:
     with record.guard():
-        measure(benchmark, impl, case, problem, record, pytestconfig)
+        if timing != "eager" and problem.device.type != "cuda":
+            record("unsupported", f"{timing} timing needs CUDA", timing=timing)
+            pytest.skip(f"{timing} timing needs CUDA")
+        measure(benchmark, impl, case, problem, record, timing, pytestconfig)
 
 
-def measure(benchmark, impl: Impl, case: Case, problem: Problem, record: Recorder,
+def graph_target(impl: Impl, problem: Problem, prepared: Prepared, seconds_per_call: float,
+                 cold_l2: bool) -> tuple[GraphTarget, int]:
+    """The prepared call captured in a CUDA graph; cold L2: rotating over input copies (their count too)."""
+    copies = copies_for_cold_l2(metrics.min_bytes(problem.case), problem.device) if cold_l2 else 1
+    calls = [prepared] + [problem.prepare(impl, inputs) for inputs in problem.input_copies(copies)[1:]]
+    return GraphTarget(calls, graph_repeats(seconds_per_call, copies)), copies
+
+
+def measure(benchmark, impl: Impl, case: Case, problem: Problem, record: Recorder, timing: str,
             pytestconfig: pytest.Config) -> None:
     prepared = problem.prepare(impl)
     check = record.check(problem, prepared)
@@ -45,25 +71,57 @@ def measure(benchmark, impl: Impl, case: Case, problem: Problem, record: Recorde
     on_gpu = device.type == "cuda"
     rounds = pytestconfig.getoption("--rounds") or (20 if on_gpu else 5)
     round_s = (pytestconfig.getoption("--round-ms") or (20 if on_gpu else 50)) / 1e3
-    if pytestconfig.getoption("--cold-l2") and on_gpu:
+    cold_l2 = bool(pytestconfig.getoption("--cold-l2")) and on_gpu
+    per_call = time_once(prepared, device)
+    info = benchmark.extra_info
+    info.update(timing=timing, measured_as=timing)
+
+    target, clock = prepared, contextlib.nullcontext()
+    if timing == "graph":
+        try:
+            graph, copies = graph_target(impl, problem, prepared, per_call, cold_l2)
+        except GraphCaptureError as exc:  # measured eagerly instead, and said so
+            info.update(measured_as="eager", fallback=f"not capturable in a CUDA graph: {exc}")
+        else:
+            graph()
+            replayed = problem.check(graph.outputs[0])
+            if not replayed.passed:
+                record("failed", f"wrong under CUDA-graph replay: {replayed.message}", timing=timing)
+                pytest.fail(f"not timed, output is wrong under CUDA-graph replay: {replayed.message}")
+            target, clock = graph, cuda_clock.per_call(graph.calls_per_replay)
+            info.update(calls_per_replay=graph.calls_per_replay, input_copies=copies)
+    elif timing == "kernel":
+        clock = cuda_clock.kernel_time()
+
+    if cold_l2 and info["measured_as"] != "graph":
         schedule = {"setup": L2Flusher(device), "iterations": 1}
     else:
-        schedule = {"iterations": iterations_for(time_once(prepared, device), round_s)}
+        seconds = per_call if target is prepared else time_once(target, device)  # a graph: one replay
+        schedule = {"iterations": iterations_for(seconds, round_s)}
     peak_bytes = peak_memory_bytes(prepared, device)
 
-    benchmark.group = case.id
-    benchmark.pedantic(prepared, rounds=rounds, warmup_rounds=pytestconfig.getoption("--warmup-rounds"),
-                       **schedule)
+    benchmark.group = f"{case.id} [{timing}]"
+    with clock:
+        benchmark.pedantic(target, rounds=rounds, warmup_rounds=pytestconfig.getoption("--warmup-rounds"),
+                           **schedule)
 
-    info = benchmark.extra_info
     info.update(impl=impl.name, family=impl.family, case=case.id, **case.as_dict())
     info.update(config=prepared.config, max_error=check.max_error, tolerance=check.tolerance,
-                flops=metrics.flops(case), min_bytes=metrics.min_bytes(case), peak_memory_bytes=peak_bytes,
-                iterations=schedule["iterations"], cold_l2="setup" in schedule)
+                flops=metrics.flops(case), min_bytes=metrics.min_bytes(case), kv_bytes=metrics.kv_bytes(case),
+                peak_memory_bytes=peak_bytes, iterations=schedule["iterations"], cold_l2="setup" in schedule
+                or info.get("input_copies", 1) > 1)
+    if on_gpu:  # what ran on the device, by kernel name: shows sdpa's backend, and any entry's real kernels
+        profile = profile_kernels(prepared)
+        info.update(kernels=profile.as_dict()["kernels"], kernel_s_per_call=profile.seconds_per_call)
+        if timing == "kernel" and not profile.kernels:
+            pytest.fail("kernel timing: the profiler saw no kernel of this implementation")
     if benchmark.stats is not None:  # None under --benchmark-disable: the call ran once, untimed
         median = benchmark.stats.stats.median
         peak, source = metrics.device_peak_tflops(device)
+        hbm, hbm_source = metrics.device_peak_hbm(device)
         tflops = info["flops"] / median / 1e12
-        info.update(median_s=median, tflops=tflops, gbps=info["min_bytes"] / median / 1e9,
-                    peak_tflops=peak, peak_source=source, pct_of_peak=100 * tflops / peak if peak else None)
-    record("passed", **check.as_dict(), timed=benchmark.stats is not None)
+        gbps = info["min_bytes"] / median / 1e9
+        info.update(median_s=median, tflops=tflops, gbps=gbps, peak_tflops=peak, peak_source=source,
+                    pct_of_peak=100 * tflops / peak if peak else None, peak_hbm_tbps=hbm, hbm_source=hbm_source,
+                    pct_of_hbm=gbps / 10 / hbm if hbm else None)
+    record("passed", **check.as_dict(), timed=benchmark.stats is not None, timing=timing)
