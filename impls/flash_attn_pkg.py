@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from impls._registry import HALF, probe, register
+from impls._registry import HALF, Prepared, probe, register
 
 # entry name -> (module, attribute, what to install)
 GENERATIONS: dict[str, tuple[str, str, str]] = {
@@ -63,3 +63,50 @@ def _make(name: str, module: str, attribute: str, hint: str) -> None:
 
 for _name, (_module, _attribute, _hint) in GENERATIONS.items():
     _make(_name, _module, _attribute, _hint)
+
+
+# Serving, the way each generation's authors call it: FA2/FA3 decode through ``flash_attn_with_kvcache`` with a
+# block table; FA4 through ``flash_attn_varlen_func`` with ``page_table`` / ``seqused_k``, its split heuristic
+# (num_splits=0) and GQA packing. Varlen prefill through ``flash_attn_varlen_func`` everywhere.
+FA4_DECODE_SETTINGS = {"num_splits": 0, "pack_gqa": True}
+
+
+def _make_serving(name: str, module: str, hint: str) -> None:
+    fa4 = name == "flash-attn4"
+
+    @register(name, op="paged", family="flash-attn", dtypes=HALF, devices=("cuda",),
+              requires=_requires(module, "flash_attn_varlen_func" if fa4 else "flash_attn_with_kvcache", hint),
+              description=f"{module}." + ("flash_attn_varlen_func with page_table, seqused_k, split heuristic "
+                                          "and pack_gqa" if fa4 else "flash_attn_with_kvcache with block_table"))
+    def prepare_paged(inputs, *, scale: float):
+        common = {"softmax_scale": scale, "causal": True}
+        if fa4:
+            func = load_function(module, "flash_attn_varlen_func")
+            kwargs = {**common, "seqused_k": inputs.cache_seqlens, "page_table": inputs.block_table,
+                      **FA4_DECODE_SETTINGS}
+        else:
+            func = load_function(module, "flash_attn_with_kvcache")
+            kwargs = {**common, "cache_seqlens": inputs.cache_seqlens, "block_table": inputs.block_table}
+
+        def call() -> torch.Tensor:
+            return _first_output(func(inputs.q, inputs.k_cache, inputs.v_cache, **kwargs))
+
+        return Prepared(probe(call, *REFUSALS), config=FA4_DECODE_SETTINGS if fa4 else {})
+
+    @register(name, op="varlen", family="flash-attn", dtypes=HALF, devices=("cuda",),
+              requires=_requires(module, "flash_attn_varlen_func", hint),
+              description=f"{module}.flash_attn_varlen_func")
+    def prepare_varlen(inputs, *, scale: float):
+        func = load_function(module, "flash_attn_varlen_func")
+        kwargs = {"cu_seqlens_q": inputs.cu_seqlens_q, "cu_seqlens_k": inputs.cu_seqlens_k,
+                  "max_seqlen_q": inputs.max_seqlen_q, "max_seqlen_k": inputs.max_seqlen_k,
+                  "softmax_scale": scale, "causal": inputs.causal}
+
+        def call() -> torch.Tensor:
+            return _first_output(func(inputs.q, inputs.k, inputs.v, **kwargs))
+
+        return probe(call, *REFUSALS)
+
+
+for _name, (_module, _attribute, _hint) in GENERATIONS.items():
+    _make_serving(_name, _module, _hint)

@@ -282,6 +282,15 @@ def record(request: pytest.FixtureRequest, impl: Impl, case: Case) -> Recorder:
     return Recorder(run_state(request.config), impl, case, phase)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist with ``--dist loadgroup``, every test of one case runs on one worker: side-by-side
+    numbers come from one device, and the case's inputs and oracle are made once."""
+    for item in items:
+        case = getattr(item, "callspec", None) and item.callspec.params.get("case")
+        if isinstance(case, Case):
+            item.add_marker(pytest.mark.xdist_group(case.id))
+
+
 def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
     state = config.stash.get(STATE_KEY, None)
     if state and state.unavailable:

@@ -13,10 +13,12 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 import torch
 
 from impls._registry import HALF, Prepared, Unsupported, length_class, module_available, register
+from impls._tuning import TuningCache
 
 HEAD_DIMS = (64, 128)
 COMPILE_TIMEOUT_S = 120  # per config while tuning: a config that compiles longer is dropped
@@ -196,31 +198,38 @@ for _name, (_variant, _what) in LADDER.items():
              requires=requires, description=_what)(_prepare_fixed(_variant))
 
 
-_TUNED: dict[tuple, Variant] = {}  # shape class -> best variant: tune once per process
+# Tune once per machine: the chosen variant per shape class, on disk (impls/_tuning.py), and in the process.
+TUNING = TuningCache("cutile", [Path(__file__).with_name("kernel.py"), Path(__file__)], ["cuda-tile"])
+_TUNED: dict[str, tuple[Variant, bool]] = {}
 
 
 def shape_class(q: torch.Tensor, k: torch.Tensor, causal: bool) -> tuple:
-    return (torch.cuda.get_device_name(q.device), q.dtype, q.shape[-1], causal, q.shape[1] // k.shape[1],
-            length_class(q.shape[2]), length_class(k.shape[2]))
+    return (q.dtype, q.shape[-1], causal, q.shape[1] // k.shape[1], length_class(q.shape[2]),
+            length_class(k.shape[2]))
 
 
-def tune(q, k, v, out, *, causal: bool, scale: float) -> Variant:
-    key = shape_class(q, k, causal)
+def tune(q, k, v, out, *, causal: bool, scale: float) -> tuple[Variant, bool]:
+    """The best variant of the search space for this shape class, and whether it came from the cache."""
+    key = TUNING.key(q.device, shape_class(q, k, causal))
     if key not in _TUNED:
-        import cuda.tile as ct
-        from cuda.tile.tune import exhaustive_search
+        def search() -> dict:
+            import cuda.tile as ct
+            from cuda.tile.tune import exhaustive_search
 
-        space = search_space(torch.cuda.get_device_capability(q.device))
-        with ct.compiler_timeout(COMPILE_TIMEOUT_S):
-            result = exhaustive_search(
-                space,
-                torch.cuda.current_stream(),
-                grid_fn=lambda var: var.grid(q),
-                kernel=lambda var: var.kernel(int64=needs_int64(q, k, v)),  # the hints travel with it
-                args_fn=lambda var: var.arguments(q, k, v, out, causal=causal, scale=scale),
-                quiet=True,
-            )
-        _TUNED[key] = result.best.config
+            space = search_space(torch.cuda.get_device_capability(q.device))
+            with ct.compiler_timeout(COMPILE_TIMEOUT_S):
+                result = exhaustive_search(
+                    space,
+                    torch.cuda.current_stream(),
+                    grid_fn=lambda var: var.grid(q),
+                    kernel=lambda var: var.kernel(int64=needs_int64(q, k, v)),  # the hints travel with it
+                    args_fn=lambda var: var.arguments(q, k, v, out, causal=causal, scale=scale),
+                    quiet=True,
+                )
+            return result.best.config.describe()
+
+        config, cached = TUNING.lookup(key, search)
+        _TUNED[key] = (Variant(**config), cached)
     return _TUNED[key]
 
 
@@ -230,5 +239,7 @@ def prepare_tuned(q, k, v, *, causal: bool, scale: float) -> Prepared:
     check_shape(q)
     q, k, v = _contiguous(q, k, v)
     out = torch.empty_like(q)
-    variant = tune(q, k, v, out, causal=causal, scale=scale)
-    return _prepared(variant, q, k, v, out, causal=causal, scale=scale)
+    variant, cached = tune(q, k, v, out, causal=causal, scale=scale)
+    prepared = _prepared(variant, q, k, v, out, causal=causal, scale=scale)
+    prepared.config["chosen"] = "tuning cache" if cached else "autotuned"
+    return prepared
