@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from impls._registry import HALF, Prepared, probe, register
+from impls._registry import HALF, Prepared, Unsupported, probe, register
 
 # entry name -> (module, attribute, what to install)
 GENERATIONS: dict[str, tuple[str, str, str]] = {
@@ -91,7 +91,14 @@ def _make_serving(name: str, module: str, hint: str) -> None:
         def call() -> torch.Tensor:
             return _first_output(func(inputs.q, inputs.k_cache, inputs.v_cache, **kwargs))
 
-        return Prepared(probe(call, *REFUSALS), config=FA4_DECODE_SETTINGS if fa4 else {})
+        if not fa4:
+            return probe(call, *REFUSALS)
+        try:
+            return Prepared(probe(call, *REFUSALS), config=dict(FA4_DECODE_SETTINGS))
+        except Unsupported as exc:  # FA4 4.0 on sm_90: "SplitKV not supported on SM 9.0"; its best there
+            kwargs["num_splits"] = 1
+            return Prepared(probe(call, *REFUSALS), config={**FA4_DECODE_SETTINGS, "num_splits": 1,
+                                                             "why": str(exc)[:120]})
 
     @register(name, op="varlen", family="flash-attn", dtypes=HALF, devices=("cuda",),
               requires=_requires(module, "flash_attn_varlen_func", hint),

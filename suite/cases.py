@@ -276,6 +276,7 @@ PRESETS: dict[str, list[Case]] = {
         paged(("", 8, 1, 64), 2, 77, sq=4, dtype="fp16"),
         paged(("", 4, 4, 64), 2, 40, page_size=32),
         paged(("", 4, 2, 128), 1, 16, sq=3, dtype="fp16"),
+        paged(("", 4, 1, 64), 1, 300),  # MQA at batch 1: many chunks, more than the combine reads at once
     ],
     "varlen-cpu": [
         varlen(("", 4, 2, 64), 3, 300),

@@ -283,12 +283,14 @@ def record(request: pytest.FixtureRequest, impl: Impl, case: Case) -> Recorder:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist with ``--dist loadgroup``, every test of one case runs on one worker: side-by-side
-    numbers come from one device, and the case's inputs and oracle are made once."""
+    """Groups for pytest-xdist's ``--dist loadgroup``. A benchmark goes with its case: every implementation of
+    one case is timed on one worker, one device, so that side-by-side ratios compare like with like. A check
+    goes with its implementation: one worker compiles and tunes each implementation's kernels once."""
     for item in items:
-        case = getattr(item, "callspec", None) and item.callspec.params.get("case")
-        if isinstance(case, Case):
-            item.add_marker(pytest.mark.xdist_group(case.id))
+        params = getattr(item, "callspec", None) and item.callspec.params
+        if params and isinstance(params.get("case"), Case):
+            group = params["case"].id if "benchmark" in item.fixturenames else params["impl"].name
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:

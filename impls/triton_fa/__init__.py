@@ -11,6 +11,7 @@ dots run in float32 because the interpreter computes half-precision ``tl.dot`` w
 from __future__ import annotations
 
 import functools
+import math
 import os
 from pathlib import Path
 
@@ -131,6 +132,15 @@ def tma_available(device: str) -> bool:
     return device != "cpu" and requires_tma(device) is None
 
 
+def precompile(kernel, args: tuple, meta: dict, grid, candidates: list[dict]) -> None:
+    """Compile every candidate config at once, in threads (Triton's compiler and ptxas release the GIL):
+    the autotuner then finds them all compiled, and a cold tune costs about one compile, not one per config."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=min(len(candidates), os.cpu_count() or 1)) as pool:
+        list(pool.map(lambda c: kernel.warmup(*args, grid=grid(c), **meta, **c), candidates))
+
+
 TUNING = TuningCache("triton", [Path(__file__).with_name("kernel.py"), Path(__file__)], ["triton"])
 
 
@@ -144,6 +154,7 @@ def prepared_launch(args: tuple, meta: dict, grid, out: torch.Tensor, *, pointer
         source = "fixed (interpreter)"
     else:
         def tune() -> dict:
+            precompile(kernel, args, meta, grid, configs(pointer, tma))
             tuner = autotuned(pointer, tma)
             tuner[grid](*args, **meta)
             return _describe(tuner.best_config)
@@ -218,29 +229,41 @@ def _describe(cfg) -> dict:
 
 
 # Paged decode (decode.py). A chunk of the cache is at least this many key tiles: shorter ones cost more in the
-# combine than they add in parallelism. Enough chunks are made to give every SM this many programs.
+# combine than they add in parallelism. Chunks are sized so that every SM gets this many programs' worth of
+# the batch's keys: by total tokens, not by the longest sequence, so a long-tailed batch splits its long
+# sequences finely and leaves its short ones whole.
 SPLIT_MIN_TILES = 4
 PROGRAMS_PER_SM = 4
-DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+# Candidates of the decode autotuner (tuned per shape class, kept in the tuning cache).
+DECODE_SPACE = [{"BLOCK_N": n, "num_warps": w, "num_stages": st}
+                for n, w, st in ((64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 3), (32, 4, 3))]
 INTERPRETER_DECODE_CONFIG = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
 INTERPRETER_SM_COUNT = 8  # the interpreter has no SMs: with these and one-tile chunks the CPU cases split
+COMBINE_SPLIT_CHUNK = 16
 
 
-def split_plan(pairs: int, max_len: int, block_n: int, sm_count: int,
+def split_plan(lengths: list[int], kv_heads: int, block_n: int, sm_count: int,
                min_tiles: int = SPLIT_MIN_TILES) -> tuple[int, int]:
-    """(num_splits, split_len) for ``pairs`` (batch x kv head) programs over caches of up to ``max_len``:
-    enough chunks to fill the GPU, none shorter than ``min_tiles`` key tiles, chunk length in whole tiles."""
-    tiles = -(-max_len // block_n)
-    wanted = -(-(PROGRAMS_PER_SM * sm_count) // pairs)
-    splits = max(1, min(wanted, tiles // min_tiles))
-    split_tiles = -(-tiles // splits)
-    return -(-tiles // split_tiles), split_tiles * block_n
+    """(num_splits, split_len): chunks of whole key tiles, at least ``min_tiles`` long, sized so that the
+    batch's tiles (over every kv head) fill PROGRAMS_PER_SM programs per SM."""
+    tiles = [-(-n // block_n) for n in lengths]
+    chunk = max(min_tiles, -(-kv_heads * sum(tiles) // (PROGRAMS_PER_SM * sm_count)))
+    chunk = min(chunk, max(tiles))
+    return -(-max(tiles) // chunk), chunk * block_n
 
 
-@register("triton", op="paged", family="triton", dtypes=FLOATS, head_dims=HEAD_DIMS, requires=requires,
-          description="our split-KV decode kernel: all query heads of a kv head in one tile (K/V read once), "
-                      "pages gathered through the block table, chunks merged by log-sum-exp")
-def prepare_paged(inputs, *, scale: float) -> Prepared:
+def decode_shape_class(inputs) -> tuple:
+    """What the decode autotuner's choice depends on: dtype, head dim, heads, new tokens, page size, and the
+    batch, longest length and spread of lengths in powers of two."""
+    batch, sq, hq, head_dim = inputs.q.shape
+    hkv, lengths = inputs.k_cache.shape[2], inputs.seqlens
+    spread = round(math.log2(max(lengths) * len(lengths) / sum(lengths)))
+    pow2 = [1 << (n - 1).bit_length() for n in (batch, max(lengths))]
+    return ("paged", inputs.q.dtype, head_dim, hkv, hq // hkv, sq, inputs.page_size, *pow2, spread)
+
+
+def paged_launch(inputs, scale: float, config: dict):
+    """The two launches of one decode step with ``config`` (split, then combine), and the split plan."""
     import triton
 
     from impls.triton_fa.decode import paged_decode_combine, paged_decode_split
@@ -250,13 +273,9 @@ def prepare_paged(inputs, *, scale: float) -> Prepared:
     batch, sq, hq, head_dim = q.shape
     hkv = k_cache.shape[2]
     rows = hq // hkv * sq
-    if rows > 128:
-        raise Unsupported(f"{hq // hkv} query heads per kv head x {sq} new tokens = {rows} rows: this kernel "
-                          "packs at most 128 in one tile")
     interp = interpreting()
-    config = INTERPRETER_DECODE_CONFIG if interp else DECODE_CONFIG
     sm_count = INTERPRETER_SM_COUNT if interp else torch.cuda.get_device_properties(q.device).multi_processor_count
-    num_splits, split_len = split_plan(batch * hkv, inputs.max_seqlen, config["BLOCK_N"], sm_count,
+    num_splits, split_len = split_plan(list(inputs.seqlens), hkv, config["BLOCK_N"], sm_count,
                                        min_tiles=1 if interp else SPLIT_MIN_TILES)
     block_m = max(16, triton.next_power_of_2(rows))
     o_part = torch.empty(batch * hkv, num_splits, block_m, head_dim, dtype=torch.float32, device=q.device)
@@ -274,8 +293,35 @@ def prepare_paged(inputs, *, scale: float) -> Prepared:
         paged_decode_split[(num_splits, batch * hkv)](
             *split_args, PAGE_SIZE=inputs.page_size, DOT_FP32=dot_fp32, **shape, **config)
         paged_decode_combine[(batch * hkv, rows)](
-            *combine_args, **shape, MAX_SPLITS=triton.next_power_of_2(num_splits))
+            *combine_args, **shape, MAX_SPLITS=triton.next_power_of_2(num_splits), SPLIT_CHUNK=COMBINE_SPLIT_CHUNK)
         return out
 
+    return run, {"num_splits": num_splits, "split_len": split_len, "BLOCK_M": block_m}
+
+
+@register("triton", op="paged", family="triton", dtypes=FLOATS, head_dims=HEAD_DIMS, requires=requires,
+          description="our split-KV decode kernel: all query heads of a kv head in one tile (K/V read once), "
+                      "pages gathered through the block table, chunks merged by log-sum-exp; autotuned")
+def prepare_paged(inputs, *, scale: float) -> Prepared:
+    _, sq, hq, _ = inputs.q.shape
+    rows = hq // inputs.k_cache.shape[2] * sq
+    if rows > 128:
+        raise Unsupported(f"{hq // inputs.k_cache.shape[2]} query heads per kv head x {sq} new tokens = {rows} "
+                          "rows: this kernel packs at most 128 in one tile")
+    if interpreting():
+        config, source = INTERPRETER_DECODE_CONFIG, "fixed (interpreter)"
+    else:
+        def tune() -> dict:
+            import triton
+
+            timings = []
+            for candidate in DECODE_SPACE:
+                candidate_run, _ = paged_launch(inputs, scale, candidate)
+                timings.append((triton.testing.do_bench(candidate_run, warmup=5, rep=25), candidate))
+            return min(timings, key=lambda t: t[0])[1]
+
+        config, cached = TUNING.lookup(TUNING.key(inputs.q.device, decode_shape_class(inputs)), tune)
+        source = "tuning cache" if cached else "autotuned"
+    run, plan = paged_launch(inputs, scale, config)
     run()  # compile outside any timed region
-    return Prepared(run, config={**config, "num_splits": num_splits, "split_len": split_len, "BLOCK_M": block_m})
+    return Prepared(run, config={**config, **plan, "chosen": source})

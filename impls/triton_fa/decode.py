@@ -106,23 +106,35 @@ def paged_decode_combine(
     stride_b, stride_t, stride_h,
     num_kv_heads, num_splits, split_len,
     GROUP: tl.constexpr, SQ: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-    MAX_SPLITS: tl.constexpr,
+    MAX_SPLITS: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
 ):
-    """Program (batch * kv head, row): merge the row's chunks by log-sum-exp and write it to ``Out``."""
+    """Program (batch * kv head, row): merge the row's chunks by log-sum-exp and write it to ``Out``.
+
+    The log-sum-exps of all chunks fit in registers (one float each); the partial outputs are read
+    SPLIT_CHUNK chunks at a time, so that hundreds of chunks (a long cache at batch 1) do not spill.
+    """
     bk = tl.program_id(0)
     row = tl.program_id(1)
     batch = bk // num_kv_heads
     kv_head = bk % num_kv_heads
     seq_len = tl.load(cache_seqlens + batch)
+    used = tl.minimum(tl.cdiv(seq_len, split_len), num_splits)  # chunks that hold keys
     splits = tl.arange(0, MAX_SPLITS)
-    used = splits < tl.minimum(tl.cdiv(seq_len, split_len), num_splits)  # chunks that hold keys
-    lse = tl.load(LSE_part + (bk * num_splits + splits) * BLOCK_M + row, mask=used, other=float("-inf"))
-    weight = tl.math.exp2(lse - tl.max(lse, 0))  # the row saw a key somewhere: max is finite
-    weight = weight / tl.sum(weight, 0)
+    lse = tl.load(LSE_part + (bk * num_splits + splits) * BLOCK_M + row, mask=splits < used, other=float("-inf"))
+    lse_max = tl.max(lse, 0)  # the row saw a key somewhere: finite
+    total = tl.sum(tl.math.exp2(lse - lse_max), 0)
     offs_d = tl.arange(0, HEAD_DIM)
-    parts = tl.load(O_part + bk * stride_ob + splits[:, None] * stride_os + row * stride_or + offs_d[None, :],
-                    mask=used[:, None], other=0.0)
-    out = tl.sum(parts * weight[:, None], 0)
+    chunk = tl.arange(0, SPLIT_CHUNK)
+    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    for first in range(0, used, SPLIT_CHUNK):
+        s = first + chunk
+        keep = s < used
+        weight = tl.math.exp2(tl.load(LSE_part + (bk * num_splits + s) * BLOCK_M + row, mask=keep,
+                                      other=float("-inf")) - lse_max)
+        parts = tl.load(O_part + bk * stride_ob + s[:, None] * stride_os + row * stride_or + offs_d[None, :],
+                        mask=keep[:, None], other=0.0)
+        acc += tl.sum(parts * weight[:, None], 0)
     head = kv_head * GROUP + row // SQ
     token = row % SQ
-    tl.store(Out + batch * stride_b + token * stride_t + head * stride_h + offs_d, out.to(Out.dtype.element_ty))
+    out = (acc / total).to(Out.dtype.element_ty)
+    tl.store(Out + batch * stride_b + token * stride_t + head * stride_h + offs_d, out)
