@@ -1,40 +1,56 @@
 #!/usr/bin/env bash
-# The GPU evidence of the timing and serving work, in parts that each fit one device call (README, "Running on
-# a GPU"). Source .gpu-env/env.sh first. Results and logs go to ${OUT:-results}.
-#   setup:   serving correctness of naive, sdpa and triton (the CPU twins and the full serving/varlen presets)
-#   timing:  eager / graph / kernel against do_bench_cudagraph on the decode and blog presets
-#   correct: the GPU correctness preset with every implementation, cold tuning cache then warm, wall times
-#   serve:   the decode, serving and varlen benchmarks, every implementation, graph + eager (+ kernel on decode)
+# The GPU evidence of the timing and serving work, in parts that each fit one device call. Source
+# .gpu-env/env.sh first (and export PYTHONPATH=$PWD for the scripts). Results and logs go to ${OUT:-results};
+# every step has its own time limit, so that a call returns what it measured.
+#   ours:     serving correctness of our Triton kernels, then serving/varlen benchmarks of naive, sdpa, triton
+#   sanitize: compute-sanitizer memcheck over the serving twins with our Triton kernels
+#   timing:   eager / graph / kernel against do_bench_cudagraph on the decode and blog presets
+#   correct:  the GPU correctness preset, every implementation, 4 xdist workers on the one GPU, cold tuning
+#             cache then warm; wall times and the slowest tests
+#   serve:    decode and blog in all three modes, then serving and varlen, every implementation
 set -u
 out=${OUT:-results}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 bench=(--benchmark-only -p no:cacheprovider -q --rounds 7 --round-ms 10 --warmup-rounds 2)
+step() {  # step NAME SECONDS COMMAND...: run with a limit, log to $out/NAME.log, print its tail
+  local name=$1 limit=$2; shift 2
+  local start; start=$(date +%s)
+  timeout "$limit" "$@" > "$out/$name.log" 2>&1
+  echo "-- $name: exit $? after $(( $(date +%s) - start )) s"
+  tail -4 "$out/$name.log"
+}
 for part in "$@"; do
   echo "== $part $(date +%T)"
   case "$part" in
-    setup)
-      python3 -m pytest suite -k correctness -q -p no:cacheprovider --impl naive --impl sdpa --impl triton \
-        --grid serving-cpu --grid varlen-cpu --grid serving --grid varlen 2>&1 | tail -6
+    ours)
+      step ours-correct 150 python3 -m pytest suite -k correctness -q -p no:cacheprovider --impl triton \
+        --grid serving-cpu --grid varlen-cpu --grid serving --grid varlen
+      step ours-bench 330 python3 -m pytest suite "${bench[@]}" --grid serving --grid varlen --timing graph \
+        --timing eager --impl triton --impl sdpa --impl naive --benchmark-json="$out/serving-ours.json"
+      ;;
+    sanitize)
+      step memcheck 200 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest suite -k correctness \
+        -q -p no:cacheprovider --impl triton --grid serving-cpu --grid varlen-cpu
+      grep -E "ERROR SUMMARY|passed|failed" "$out/memcheck.log" | tail -3
       ;;
     timing)
-      python3 scripts/timing_compare.py --grid decode --grid blog --impl cutile --impl triton --impl sdpa-cudnn \
-        --impl sdpa --impl flash-attn4 --out "$out/timing-compare.json" 2>&1 | tee "$out/timing-compare.log" | tail -60
+      step timing 400 python3 scripts/timing_compare.py --grid decode --grid blog --impl cutile --impl triton \
+        --impl sdpa-cudnn --impl sdpa --impl flash-attn4 --out "$out/timing-compare.json"
       ;;
     correct)
       for pass in cold warm; do
-        start=$(date +%s.%N)
-        FMHA_TUNING_CACHE=/tmp/tuning-correctness python3 -m pytest suite -k correctness --grid gpu -q \
-          -p no:cacheprovider -n 4 --dist loadgroup --durations=15 2>&1 | tail -25
-        echo "correctness $pass wall: $(echo "$(date +%s.%N) - $start" | bc) s"
+        FMHA_TUNING_CACHE=/tmp/tuning-correctness step "correct-$pass" 240 python3 -m pytest suite -k correctness \
+          --grid gpu -q -p no:cacheprovider -n 4 --dist loadgroup --durations=25 \
+          --benchmark-json="$out/correct-$pass.json"
       done
       ;;
     serve)
-      python3 -m pytest suite "${bench[@]}" --grid decode --timing eager --timing graph --timing kernel \
-        --impl naive --impl sdpa --impl sdpa-cudnn --impl sdpa-flash --impl triton --impl cutile --impl flash-attn4 \
-        --benchmark-json="$out/decode.json" 2>&1 | tail -4
-      python3 -m pytest suite "${bench[@]}" --grid serving --grid varlen --timing graph --timing eager \
-        --benchmark-json="$out/serving.json" 2>&1 | tail -8
+      step decode-blog 200 python3 -m pytest suite "${bench[@]}" --grid decode --grid blog --timing eager \
+        --timing graph --timing kernel --impl naive --impl sdpa --impl sdpa-cudnn --impl triton --impl cutile \
+        --impl flash-attn4 --benchmark-json="$out/decode-blog.json"
+      step serving 360 python3 -m pytest suite "${bench[@]}" --grid serving --grid varlen --timing graph \
+        --timing eager --benchmark-json="$out/serving.json"
       ;;
     *) echo "unknown part: $part" >&2; exit 2 ;;
   esac
