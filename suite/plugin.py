@@ -430,17 +430,39 @@ def checkpoint(config: pytest.Config) -> None:
         config=config, benchmarks=benchmarks, include_data=False,
         machine_info=state.machine_info, commit_info=state.commit_info)
     config.hook.pytest_benchmark_update_json(config=config, benchmarks=benchmarks, output_json=output)
-    path = Path(path)
+    path = worker_results_path(Path(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
     partial.write_text(json.dumps(output, indent=1, default=str))
     os.replace(partial, path)
 
 
+def worker_results_path(path: Path) -> Path:
+    """Under pytest-xdist each worker streams its results to its own file beside ``path`` (``bench.gw0.json``);
+    the controller merges them into ``path`` at the end."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    return path.with_name(f"{path.stem}.{worker}{path.suffix}") if worker else path
+
+
+def merge_worker_results(config: pytest.Config, path: Path) -> None:
+    """The controller of an xdist run: one results file from the workers' (each removed once merged)."""
+    from suite import isolation
+
+    files = sorted(path.parent.glob(f"{path.stem}.gw*{path.suffix}"))
+    if not files:
+        return
+    merged = isolation.merge([isolation.ChildResult("xdist", json_files=files)], fmha_record(config))
+    path.write_text(json.dumps(merged, indent=1, default=str))
+    for f in files:
+        f.unlink()
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     # pytest-benchmark writes its JSON in a wrapper around this hook, so the file exists here.
     report = session.config.getoption("--report")
     results = session.config.getoption("benchmark_json", None)
+    if results and not os.environ.get("PYTEST_XDIST_WORKER"):
+        merge_worker_results(session.config, Path(results))
     if not report:
         return
     if not results or not Path(results).exists():

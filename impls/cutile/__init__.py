@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -208,6 +209,23 @@ def shape_class(q: torch.Tensor, k: torch.Tensor, causal: bool) -> tuple:
             length_class(k.shape[2]))
 
 
+def precompile(space: list[Variant], q, k, v, out, *, causal: bool, scale: float) -> None:
+    """Launch every variant once, from as many threads: each first launch compiles (tileiras runs as a process
+    of its own), so the search then times compiled kernels and a cold tune costs about one compile. The
+    launches all write ``out``; the search overwrites it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    stream = torch.cuda.current_stream()
+
+    def first_launch(variant: Variant) -> None:
+        with torch.cuda.stream(stream):
+            launch(variant, q, k, v, out, causal=causal, scale=scale)
+
+    with ThreadPoolExecutor(max_workers=min(len(space), os.cpu_count() or 1)) as pool:
+        list(pool.map(first_launch, space))
+    torch.cuda.synchronize()
+
+
 def tune(q, k, v, out, *, causal: bool, scale: float) -> tuple[Variant, bool]:
     """The best variant of the search space for this shape class, and whether it came from the cache."""
     key = TUNING.key(q.device, shape_class(q, k, causal))
@@ -218,6 +236,7 @@ def tune(q, k, v, out, *, causal: bool, scale: float) -> tuple[Variant, bool]:
 
             space = search_space(torch.cuda.get_device_capability(q.device))
             with ct.compiler_timeout(COMPILE_TIMEOUT_S):
+                precompile(space, q, k, v, out, causal=causal, scale=scale)
                 result = exhaustive_search(
                     space,
                     torch.cuda.current_stream(),
