@@ -39,10 +39,10 @@ for part in "$@"; do
         --impl sdpa-cudnn --impl sdpa --impl flash-attn4 --out "$out/timing-compare.json"
       ;;
     correct)
-      for pass in cold warm; do
-        FMHA_TUNING_CACHE=/tmp/tuning-correctness step "correct-$pass" 240 python3 -m pytest suite -k correctness \
-          --grid gpu -q -p no:cacheprovider -n 4 --dist loadgroup --durations=25 \
-          --benchmark-json="$out/correct-$pass.json"
+      for pass in cold:380 warm:150; do
+        FMHA_TUNING_CACHE=/tmp/tuning-correctness step "correct-${pass%:*}" "${pass#*:}" python3 -m pytest suite \
+          -k correctness --grid gpu -q -p no:cacheprovider -n 4 --dist loadgroup --durations=40 \
+          --benchmark-json="$out/correct-${pass%:*}.json"
       done
       ;;
     serve)
