@@ -74,6 +74,9 @@ class Impl:
     description: str = ""
     op: str = "dense"
 
+    def __repr__(self) -> str:  # short: pytest-benchmark stores it with every benchmark
+        return f"Impl({self.name!r}, op={self.op!r})"
+
     def availability(self, device: str) -> str | None:
         """``None`` when this implementation can run on ``device`` at all, else the reason it cannot."""
         device = torch.device(device).type

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import html
 import json
 import math
@@ -92,7 +93,7 @@ def load_run(path: Path) -> Run:
     """Read and validate one results file: malformed or truncated input is refused with a clear reason."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
     except OSError as exc:
         raise ReportError(f"{path}: cannot read ({exc.strerror or exc})") from exc
     try:
@@ -130,7 +131,7 @@ def load_run(path: Path) -> Run:
             raise ReportError(f"{path}: benchmark #{i} ({bench.get('name', '?')}) is missing or has a bad "
                               f"field: {exc}") from exc
     env = (data.get("machine_info") or {}).get("fmha") or {}
-    label = f"{env.get('gpu') or env.get('cpu') or env.get('device', 'run')} ({path.stem})"
+    label = f"{env.get('gpu') or env.get('cpu') or env.get('device', 'run')} ({path.name.split('.')[0]})"
     return Run(label=label, path=str(path), env=env, measurements=measurements, outcomes=fmha["outcomes"],
                unavailable=fmha["unavailable"], presets=fmha["presets"], cases=fmha["cases"],
                baseline=str(fmha.get("baseline") or "sdpa"))

@@ -1,0 +1,27 @@
+"""Copy a suite results JSON into ``docs/results/`` compactly: the same pytest-benchmark file, without the
+``params`` reprs (each benchmark's ``extra_info`` holds the same facts), gzipped when the name ends in ``.gz``
+(``python -m reports`` reads either).
+
+    python scripts/publish_results.py results/serving.json docs/results/serving-h200.json.gz
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import sys
+from pathlib import Path
+
+
+def main(src: str, dst: str) -> None:
+    data = json.loads(Path(src).read_text())
+    for bench in data.get("benchmarks", []):
+        bench.pop("params", None)
+    Path(dst).parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(data, separators=(",", ":"), default=str).encode()
+    Path(dst).write_bytes(gzip.compress(text, mtime=0) if dst.endswith(".gz") else text)
+    print(f"{dst}: {Path(dst).stat().st_size / 1024:.0f} KiB, {len(data.get('benchmarks', []))} benchmarks")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
