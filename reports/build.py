@@ -283,6 +283,7 @@ def build_context(runs: list[Run], baseline: str) -> dict[str, Any]:
         sections.append({
             "preset": preset,
             "metric": "GB/s" if metric == "gbps" else "TFLOPS",
+            "roofline": roofline[1] if roofline else None,
             "leaderboards": [(r.label, r.lead, board) for r in runs if (board := leaderboard(r, preset))],
             "charts": [c for c in charts_ if c["svg"]],
             "memory": [c for c in memory if c["svg"]],

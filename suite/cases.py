@@ -283,8 +283,9 @@ PRESETS: dict[str, list[Case]] = {
         varlen(("", 4, 1, 64), 2, 130, causal=False, dtype="fp16"),
         varlen(("", 8, 2, 64), 4, 256, lengths="equal"),
     ],
-    # Serving benchmarks without a GPU.
-    "serving-cpu-bench": [paged(("", 4, 2, 64), 4, 256), varlen(("", 4, 2, 64), 2, 256)],
+    # Serving benchmarks without a GPU (decode ranks by GB/s, prefill by TFLOPS: one preset each).
+    "serving-cpu-bench": [paged(("", 4, 2, 64), 4, 256), paged(("", 4, 2, 64), 4, 512)],
+    "varlen-cpu-bench": [varlen(("", 4, 2, 64), 2, 256)],
 }
 
 

@@ -1,0 +1,130 @@
+"""The serving operations: their contract's validation, the generated cases, the oracle's grip on them."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+import impls
+from impls import Prepared, register, unregister
+from impls._serving import PagedKV, Varlen
+from suite import metrics
+from suite.cases import PRESETS, Case, paged, varlen
+from suite.checks import Oracle
+
+TINY = ("", 4, 2, 64)
+
+
+def paged_inputs(**changes) -> PagedKV:
+    inputs = paged(TINY, 3, 100, lengths="longtail").make_inputs("cpu")
+    return dataclasses.replace(inputs, **changes) if changes else inputs
+
+
+def varlen_inputs(**changes) -> Varlen:
+    inputs = varlen(TINY, 3, 300).make_inputs("cpu")
+    return dataclasses.replace(inputs, **changes) if changes else inputs
+
+
+@pytest.mark.parametrize(("change", "words"), [
+    (lambda x: {"block_table": x.block_table.clone().index_fill_(1, torch.tensor([0]), 10_000)}, "out of range"),
+    (lambda x: {"block_table": x.block_table[:, :2]}, "needs 7 pages of 16"),
+    (lambda x: {"cache_seqlens": torch.zeros_like(x.cache_seqlens)}, "shorter than the 1 new tokens"),
+    (lambda x: {"cache_seqlens": x.cache_seqlens.long()}, "cache_seqlens must be int32"),
+    (lambda x: {"k_cache": x.k_cache[:, :, :1].expand(-1, -1, 3, -1), "v_cache": x.v_cache[:, :, :1].expand(
+        -1, -1, 3, -1)}, "GQA ratio"),
+    (lambda x: {"v_cache": x.v_cache[:, :8]}, "same shape"),
+    (lambda x: {"v_cache": x.v_cache.float()}, "share one dtype"),
+])
+def test_paged_input_errors_name_the_problem(change, words):
+    base = paged_inputs()
+    with pytest.raises((ValueError, TypeError), match=words):
+        dataclasses.replace(base, **change(base))
+
+
+@pytest.mark.parametrize(("change", "words"), [
+    (lambda x: {"cu_seqlens_q": torch.tensor([0, 200, 100, 300], dtype=torch.int32)}, "non-decreasing"),
+    (lambda x: {"cu_seqlens_k": torch.tensor([0, 10, 20, 30], dtype=torch.int32)}, "packed tensor has 300 rows"),
+    (lambda x: {"cu_seqlens_q": torch.tensor([5, 10, 20, 300], dtype=torch.int32)}, "must be 0"),
+    (lambda x: {"q": x.q[None]}, "3-D"),
+])
+def test_varlen_input_errors_name_the_problem(change, words):
+    base = varlen_inputs()
+    with pytest.raises((ValueError, TypeError), match=words):
+        dataclasses.replace(base, **change(base))
+
+
+def test_an_implementation_of_one_operation_refuses_another():
+    with pytest.raises(TypeError, match="runs the 'paged' operation, got Varlen"):
+        impls.get("naive", "paged").prepare(varlen_inputs())
+
+
+def test_case_ids_and_lengths():
+    case = paged(("llama3-8b", 32, 8, 128), 16, 32768, lengths="longtail")
+    assert case.id == "llama3-8b-paged-bf16-h32:8-q1-kv32768-longtail-p16-d128-b16"
+    lengths = case.seqlens()
+    assert lengths[0] == 32768 and all(1 <= n <= 32768 for n in lengths) and len(set(lengths)) > 8
+    assert case.seqlens() == lengths  # seeded by the case
+    mixed = varlen(("llama3-8b", 32, 8, 128), 16, 65536)
+    assert sum(mixed.seqlens()) == 65536 and len(mixed.seqlens()) == 16
+    assert varlen(TINY, 4, 256, lengths="equal").seqlens() == [64] * 4
+    with pytest.raises(ValueError, match="do not apply to paged"):
+        Case(1, 4, 2, 1, 64, 64, "bf16", True, op="paged", page_size=16, lengths="random")
+
+
+def test_unused_cache_slots_hold_nan_and_the_pages_are_scattered():
+    inputs = paged_inputs()
+    page = inputs.page_size
+    used = [math.ceil(n / page) for n in inputs.seqlens]
+    table = inputs.block_table
+    assert not torch.equal(table[0, : used[0]], torch.arange(used[0], dtype=torch.int32))  # not in order
+    for b, n in enumerate(inputs.seqlens):
+        pages = table[b, : used[b]].long()
+        slots = inputs.k_cache[pages].flatten(0, 1)
+        assert torch.isfinite(slots[:n]).all() and torch.isnan(slots[n:]).all()
+        assert torch.isnan(inputs.v_cache[table[b, used[b]:].long()]).all()  # entries past the last page
+
+
+def test_an_implementation_that_reads_past_a_length_fails_the_check():
+    """Reading a whole last page (NaN past the length) must be caught, not averaged away."""
+    @register("reads-whole-pages", op="paged", family="toy", devices=("cpu",))
+    def whole_pages(inputs, *, scale):
+        padded = dataclasses.replace(inputs, cache_seqlens=torch.tensor(
+            [math.ceil(n / inputs.page_size) * inputs.page_size for n in inputs.seqlens], dtype=torch.int32))
+        out = impls.get("naive", "paged").prepare(padded, scale=scale)
+        return Prepared(out.run)
+
+    try:
+        inputs = paged_inputs()
+        result = Oracle.serving(inputs).check(impls.get("reads-whole-pages", "paged").prepare(inputs)())
+        assert not result.passed and "NaN" in result.message
+    finally:
+        unregister("reads-whole-pages", "paged")
+
+
+def test_serving_metrics_count_each_sequence():
+    case = paged(TINY, 3, 100, lengths="longtail")
+    tokens = sum(case.seqlens())
+    assert metrics.kv_bytes(case) == 2 * tokens * 2 * 64 * 2
+    assert metrics.flops(case) == 4 * 4 * 64 * tokens  # one new token sees its whole sequence
+    v = varlen(TINY, 3, 300, causal=False)
+    assert metrics.flops(v) == 4 * 4 * 64 * sum(n * n for n in v.seqlens())
+
+
+def test_split_plan_fills_the_gpu_and_balances_long_tails():
+    from impls.triton_fa import split_plan
+
+    splits, length = split_plan([131072], kv_heads=8, block_n=64, sm_count=132)
+    assert splits * length >= 131072 and length % 64 == 0 and splits * 8 >= 4 * 132 // 2
+    assert split_plan([512] * 256, kv_heads=8, block_n=64, sm_count=132) == (1, 512)  # enough programs already
+    splits, length = split_plan([32768] + [1000] * 15, kv_heads=8, block_n=64, sm_count=132)
+    assert splits > 8 and length < 32768 // 8  # the long sequence is cut finely
+
+
+@pytest.mark.parametrize("name", ["serving-cpu", "varlen-cpu"])
+def test_the_cpu_twins_cover_gqa_mqa_several_tokens_and_ragged_pages(name):
+    grid = PRESETS[name]
+    assert {c.hq // c.hkv for c in grid} >= ({1, 2, 4} if name == "serving-cpu" else {2, 4})
+    if name == "serving-cpu":
+        assert any(c.sq > 1 for c in grid) and any(c.skv % c.page_size for c in grid)
+        assert {c.page_size for c in grid} >= {16, 32}

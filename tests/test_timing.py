@@ -1,0 +1,135 @@
+"""Timing modes, the tuning cache and sharding, on CPU: the plumbing, the fallbacks and what the report shows.
+The GPU half (graph and kernel modes measuring) is tests/test_gpu_timing.py."""
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from impls import _tuning
+from reports.build import load_run, render
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_suite(tmp_path: Path, *args: str) -> dict:
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "pytest", "suite", "-q", "-p", "no:cacheprovider", "--rounds", "2",
+           "--round-ms", "1", f"--benchmark-json={out}", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def cpu_modes(tmp_path_factory) -> tuple[Path, dict]:
+    """A CPU benchmark run asked for all three modes."""
+    tmp = tmp_path_factory.mktemp("modes")
+    data = run_suite(tmp, "--benchmark-only", "--impl", "naive", "--impl", "sdpa", "--grid", "cpu-bench",
+                     "--grid", "serving-cpu-bench", "--grid", "varlen-cpu-bench", "--timing", "eager", "--timing", "graph", "--timing", "kernel")
+    path = tmp / "bench.json"
+    return path, data
+
+
+def test_on_cpu_graph_and_kernel_say_they_need_cuda_and_eager_runs(cpu_modes):
+    _, data = cpu_modes
+    timings = {b["extra_info"]["timing"] for b in data["benchmarks"]}
+    assert timings == {"eager"}
+    refused = [o for o in data["fmha"]["outcomes"] if o["status"] == "unsupported" and o.get("timing")]
+    assert {o["timing"] for o in refused} == {"graph", "kernel"}
+    assert all(o["message"].endswith("timing needs CUDA") for o in refused)
+    assert {b["extra_info"]["op"] for b in data["benchmarks"]} == {"dense", "paged", "varlen"}
+
+
+def test_every_benchmark_records_its_mode_and_its_rates(cpu_modes):
+    _, data = cpu_modes
+    for bench in data["benchmarks"]:
+        info = bench["extra_info"]
+        assert info["timing"] == info["measured_as"] == "eager"
+        assert info["gbps"] > 0 and info["kv_bytes"] > 0 and info["flops"] > 0
+
+
+def with_modes(data: dict) -> dict:
+    """The CPU run as if graph and kernel had run too: graph 30% faster, one graph number a fallback."""
+    out = copy.deepcopy(data)
+    extra = []
+    for i, bench in enumerate(data["benchmarks"]):
+        for mode, factor in (("graph", 0.7), ("kernel", 0.6)):
+            b = copy.deepcopy(bench)
+            b["extra_info"]["timing"] = b["extra_info"]["measured_as"] = mode
+            b["stats"]["median"] *= factor
+            if mode == "graph" and i == 0:
+                b["extra_info"]["measured_as"] = "eager"
+                b["extra_info"]["fallback"] = "not capturable in a CUDA graph: a host sync"
+            extra.append(b)
+    out["benchmarks"] += extra
+    return out
+
+
+def test_report_shows_every_mode_host_overhead_and_fallbacks(cpu_modes, tmp_path):
+    _, data = cpu_modes
+    path = tmp_path / "modes.json"
+    path.write_text(json.dumps(with_modes(data)))
+    run = load_run(path)
+    assert run.lead == "graph" and run.timings == ["eager", "graph", "kernel"]
+    html = render([run])
+    for words in ("eager ms", "graph ms", "kernel ms", "host overhead ms", "Ranked by <strong>graph</strong>",
+                  "eager*", "not capturable in a CUDA graph"):
+        assert words in html, words
+    assert "graph timing needs CUDA" in html  # the refusals keep their own matrix rows
+
+
+def test_decode_ranks_by_bandwidth(cpu_modes, tmp_path):
+    path, _ = cpu_modes
+    html = render([load_run(path)])
+    assert "geomean GB/s" in html and "geomean TFLOPS" in html  # serving-cpu-bench is decode
+    assert "GB/s against cache length" in html and "dashed" not in html  # no HBM peak on CPU, no line
+
+
+def test_tuning_cache_modes(tmp_path, monkeypatch):
+    monkeypatch.setenv("FMHA_TUNING_CACHE", str(tmp_path))
+    cache = _tuning.TuningCache("toy", [Path(__file__)], ["torch"])
+    calls = []
+
+    def tune():
+        calls.append(1)
+        return {"BLOCK": 64 * len(calls)}
+
+    monkeypatch.setenv("FMHA_TUNING", "on")
+    assert cache.lookup("k", tune) == ({"BLOCK": 64}, False)
+    assert cache.lookup("k", tune) == ({"BLOCK": 64}, True) and len(calls) == 1  # tuned once
+    monkeypatch.setenv("FMHA_TUNING", "retune")
+    assert cache.lookup("k", tune) == ({"BLOCK": 128}, False)  # tuned again, overwritten
+    monkeypatch.setenv("FMHA_TUNING", "on")
+    assert cache.get("k") == {"BLOCK": 128}
+    monkeypatch.setenv("FMHA_TUNING", "off")
+    assert cache.lookup("k", tune) == ({"BLOCK": 192}, False)
+    monkeypatch.setenv("FMHA_TUNING", "on")
+    assert cache.get("k") == {"BLOCK": 128}  # off neither read nor wrote
+    (tmp_path / "toy.json").write_text("{torn")
+    assert cache.get("k") is None  # an unreadable file is ignored
+    monkeypatch.setenv("FMHA_TUNING", "sometimes")
+    with pytest.raises(ValueError, match="FMHA_TUNING='sometimes'"):
+        cache.get("k")
+
+
+def test_the_source_hash_changes_with_the_kernel(tmp_path):
+    kernel = tmp_path / "kernel.py"
+    kernel.write_text("a = 1\n")
+    first = _tuning.source_hash((kernel,))
+    kernel.write_text("a = 2\n")
+    _tuning.source_hash.cache_clear()
+    assert _tuning.source_hash((kernel,)) != first
+
+
+def test_xdist_workers_results_merge_into_one_file(tmp_path):
+    data = run_suite(tmp_path, "-k", "correctness", "-n", "2", "--dist", "loadgroup", "--impl", "naive",
+                     "--impl", "sdpa", "--grid", "serving-cpu", "--grid", "varlen-cpu")
+    statuses = [(o["impl"], o["case"], o["status"]) for o in data["fmha"]["outcomes"]]
+    cases = {c for _, c, _ in statuses}
+    assert len(cases) == 8 and {i for i, _, _ in statuses} == {"naive", "sdpa"}
+    assert sorted(s for _, _, s in statuses) == ["passed"] * 14 + ["unsupported"] * 2  # nested SDPA: no causal
+    assert not list(tmp_path.glob("bench.gw*.json"))  # the workers' files are merged away
