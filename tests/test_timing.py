@@ -28,8 +28,9 @@ def run_suite(tmp_path: Path, *args: str) -> dict:
 def cpu_modes(tmp_path_factory) -> tuple[Path, dict]:
     """A CPU benchmark run asked for all three modes."""
     tmp = tmp_path_factory.mktemp("modes")
-    data = run_suite(tmp, "--benchmark-only", "--impl", "naive", "--impl", "sdpa", "--grid", "cpu-bench",
-                     "--grid", "serving-cpu-bench", "--grid", "varlen-cpu-bench", "--timing", "eager", "--timing", "graph", "--timing", "kernel")
+    grids = ("--grid", "cpu-bench", "--grid", "serving-cpu-bench", "--grid", "varlen-cpu-bench")
+    modes = ("--timing", "eager", "--timing", "graph", "--timing", "kernel")
+    data = run_suite(tmp, "--benchmark-only", "--impl", "naive", "--impl", "sdpa", *grids, *modes)
     path = tmp / "bench.json"
     return path, data
 
