@@ -289,8 +289,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         params = getattr(item, "callspec", None) and item.callspec.params
         if params and isinstance(params.get("case"), Case):
-            group = params["case"].id if "benchmark" in item.fixturenames else params["impl"].name
-            item.add_marker(pytest.mark.xdist_group(group))
+            impl = params.get("impl")
+            by_impl = isinstance(impl, Impl) and "benchmark" not in item.fixturenames
+            item.add_marker(pytest.mark.xdist_group(impl.name if by_impl else params["case"].id))
 
 
 def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:

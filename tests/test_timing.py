@@ -90,6 +90,14 @@ def test_decode_ranks_by_bandwidth(cpu_modes, tmp_path):
     assert "GB/s against cache length" in html and "dashed" not in html  # no HBM peak on CPU, no line
 
 
+def test_graph_repeats_fill_about_a_millisecond():
+    from suite.timing import graph_repeats
+
+    assert graph_repeats(1e-5, 1) == 100
+    assert graph_repeats(5e-3, 1) == 1
+    assert graph_repeats(1e-7, 4) == 64  # capped at 256 calls per graph
+
+
 def test_tuning_cache_modes(tmp_path, monkeypatch):
     monkeypatch.setenv("FMHA_TUNING_CACHE", str(tmp_path))
     cache = _tuning.TuningCache("toy", [Path(__file__)], ["torch"])

@@ -1,0 +1,55 @@
+"""The timing modes measuring on a GPU (skipped without one): graph replays per call, kernel time from the
+profiler, and a call that cannot be captured falling back with its reason."""
+
+import pytest
+import torch
+
+from suite.timing import GraphCaptureError, GraphTarget, cuda_clock, profile_kernels
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def matmul_call():
+    a = torch.randn(2048, 2048, device="cuda", dtype=torch.float16)
+    return lambda: a @ a
+
+
+def test_graph_replays_are_timed_per_call():
+    call = matmul_call()
+    graph = GraphTarget([call], repeats=8)
+    assert graph.calls_per_replay == 8
+    graph()
+    torch.testing.assert_close(graph.outputs[0], call())
+    start = cuda_clock()
+    graph()
+    whole = cuda_clock() - start
+    with cuda_clock.per_call(graph.calls_per_replay):
+        start = cuda_clock()
+        graph()
+        per_call = cuda_clock() - start
+    assert per_call == pytest.approx(whole / 8, rel=0.3)
+
+
+def test_kernel_profile_names_the_kernels_and_their_time():
+    profile = profile_kernels(matmul_call(), calls=4)
+    assert profile.kernels and all(k["launches"] >= 1 for k in profile.kernels.values())
+    assert 0 < profile.seconds_per_call < 0.1
+
+
+def test_kernel_mode_clock_advances_by_device_time_only():
+    call = matmul_call()
+    with cuda_clock.kernel_time():
+        start = cuda_clock()
+        for _ in range(5):
+            call()
+        busy = cuda_clock() - start
+        start = cuda_clock()
+        torch.cuda._sleep(1_000_000)  # a spin kernel: device time too
+        slept = cuda_clock() - start
+    assert 0 < busy < 0.1 and slept > 0
+
+
+def test_a_host_sync_cannot_be_captured_and_says_why():
+    a = torch.randn(64, device="cuda")
+    with pytest.raises(GraphCaptureError):
+        GraphTarget([lambda: a * float(a.sum())], repeats=1)  # .item()-like sync inside the call
