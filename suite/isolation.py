@@ -40,6 +40,16 @@ class ChildResult:
     json_files: list[Path] = field(default_factory=list)
 
 
+XDIST_VARIABLES = ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID")
+
+
+def child_env() -> dict[str, str]:
+    """The environment for a pytest started from inside a run: without pytest-xdist's worker variables, which
+    would make the child believe it is a worker (pytest-benchmark then disables itself, and results go to a
+    worker's file)."""
+    return {k: v for k, v in os.environ.items() if k not in XDIST_VARIABLES}
+
+
 def child_args(config: pytest.Config) -> list[str]:
     """The parent's command line without the options the parent keeps for itself."""
     args, skip_next = [], False
@@ -90,7 +100,7 @@ def run_isolated(config: pytest.Config, items: list[pytest.Item], workdir: Path)
                    f"--heartbeat={heartbeat}", f"--benchmark-json={out}",
                    *(f"--deselect={nid}" for nid in sorted(done))]
             writer.line(f"[isolate] {impl}: {len(nodeids) - len(done)} cases in a fresh process")
-            proc = subprocess.Popen(cmd, cwd=config.invocation_params.dir, start_new_session=True,
+            proc = subprocess.Popen(cmd, cwd=config.invocation_params.dir, start_new_session=True, env=child_env(),
                                     stdout=subprocess.DEVNULL if not config.getoption("verbose") else None)
             in_flight, reason = _watch(proc, heartbeat, timeout)
             finished, _, _ = read_heartbeat(heartbeat)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from reports.build import load_run
+from suite.isolation import child_env
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -24,7 +25,7 @@ def run_suite(tmp_path: Path, *args: str, timeout: float = 300) -> tuple[subproc
     cmd = [sys.executable, "-m", "pytest", "suite", "-p", "tests.broken_impls", "-p", "no:cacheprovider",
            "--grid", os.environ.get("FMHA_FAULT_GRID", "cpu-bench"), "--rounds", "2", "--round-ms", "1",
            f"--benchmark-json={results}", *args]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=child_env())
     assert results.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc, json.loads(results.read_text())
 

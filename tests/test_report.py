@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from reports.build import ReportError, load_run, render, write_report
+from suite.isolation import child_env
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -22,7 +23,7 @@ def results(tmp_path_factory) -> Path:
     cmd = [sys.executable, "-m", "pytest", "suite", "--benchmark-only", "-q", "-p", "no:cacheprovider",
            "--impl", "naive", "--impl", "sdpa-math", "--grid", "cpu-bench", "--rounds", "2",
            "--round-ms", "1", f"--benchmark-json={out}"]
-    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)
+    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, env=child_env())
     return out
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from impls import _tuning
 from reports.build import load_run, render
+from suite.isolation import child_env
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -19,7 +20,7 @@ def run_suite(tmp_path: Path, *args: str) -> dict:
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "pytest", "suite", "-q", "-p", "no:cacheprovider", "--rounds", "2",
            "--round-ms", "1", f"--benchmark-json={out}", *args]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=child_env())
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())
 

@@ -1,0 +1,98 @@
+"""PyTorch FlexAttention (``torch.nn.attention.flex_attention``): the mask as a ``mask_mod``, turned into a
+block mask in the prepare step (outside the timed call), GQA through ``enable_gqa``.
+
+On a GPU the call is ``torch.compile``-d, as its authors recommend (eager flex materialises the scores); on
+CPU it runs eagerly: the mask logic and the contract are the same, and compiling a kernel for every small case
+of the CPU preset would cost more than the preset itself.
+
+- dense: causal bottom-right (query ``i`` sees keys ``j <= i + Skv - Sq``);
+- varlen: the packed batch as one sequence with a document mask (a query sees the keys of its own sequence,
+  causal within it), so no padding is computed;
+- paged decode is not registered: flex computes whole key blocks and masks scores, so the unused cache slots
+  of a block reach ``P @ V`` as ``0 * value``, which is NaN when a slot holds NaN (the contract allows it).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from impls._registry import Prepared, Unsupported, module_available, register
+
+requires = module_available("torch.nn.attention.flex_attention", "PyTorch 2.5 or newer")
+
+
+@functools.cache
+def flex_function(device_type: str):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False) if device_type == "cuda" else flex_attention
+
+
+def _prepared(q, k, v, mask_mod, *, scale: float) -> Prepared:
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    q_len, kv_len = q.shape[-2], k.shape[-2]
+    block_mask = None if mask_mod is None else create_block_mask(
+        mask_mod, B=None, H=None, Q_LEN=q_len, KV_LEN=kv_len, device=q.device)
+    flex = flex_function(q.device.type)
+    gqa = q.shape[1] != k.shape[1]
+
+    def call() -> torch.Tensor:
+        return flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+
+    try:
+        call()  # compiles on a GPU: outside any timed region
+    except (RuntimeError, NotImplementedError, torch._dynamo.exc.BackendCompilerFailed) as exc:
+        raise Unsupported(" ".join(str(exc).split())[:300]) from exc
+    return Prepared(call, config={"compiled": q.is_cuda, "block_size": getattr(block_mask, "BLOCK_SIZE", None)})
+
+
+def _zero_empty_rows(out: torch.Tensor, q_len: int, kv_len: int) -> torch.Tensor:
+    """Causal with Sq > Skv: the first Sq - Skv rows see no key; the contract writes them as zeros."""
+    empty = q_len - kv_len
+    if empty > 0:
+        out[..., :empty, :] = 0
+    return out
+
+
+@register("flex", family="sdpa", requires=requires,
+          description="torch FlexAttention, compiled on a GPU; causal as a mask_mod and a block mask")
+def flex_dense(q, k, v, *, causal: bool, scale: float):
+    q_len, kv_len = q.shape[2], k.shape[2]
+    offset = kv_len - q_len
+
+    def bottom_right(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx + offset
+
+    prepared = _prepared(q, k, v, bottom_right if causal else None, scale=scale)
+    if causal and q_len > kv_len:
+        return Prepared(lambda: _zero_empty_rows(prepared(), q_len, kv_len), prepared.config)
+    return prepared
+
+
+@register("flex", op="varlen", family="sdpa", requires=requires,
+          description="torch FlexAttention over the packed batch with a document mask (no padding computed)")
+def flex_varlen(inputs, *, scale: float):
+    device = inputs.q.device
+    lengths_q = torch.tensor(inputs.seqlens_q(), device=device)
+    lengths_k = torch.tensor(inputs.seqlens_k(), device=device)
+    doc_q = torch.repeat_interleave(torch.arange(inputs.batch, device=device), lengths_q)
+    doc_k = torch.repeat_interleave(torch.arange(inputs.batch, device=device), lengths_k)
+    start_q, start_k = inputs.cu_seqlens_q[:-1].long(), inputs.cu_seqlens_k[:-1].long()
+    offset = lengths_k - lengths_q  # bottom-right alignment within each sequence
+    causal = inputs.causal
+    if causal and bool((offset < 0).any()):
+        raise Unsupported("a sequence with more queries than keys: its first rows see no key")
+
+    def document(b, h, q_idx, kv_idx):
+        same = doc_q[q_idx] == doc_k[kv_idx]
+        if not causal:
+            return same
+        seq = doc_q[q_idx]
+        return same & (kv_idx - start_k[seq] <= q_idx - start_q[seq] + offset[seq])
+
+    q, k, v = (t.transpose(0, 1)[None] for t in (inputs.q, inputs.k, inputs.v))  # (1, H, total, D)
+    prepared = _prepared(q, k, v, document, scale=scale)
+    return Prepared(lambda: prepared()[0].transpose(0, 1), prepared.config)
