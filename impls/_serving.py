@@ -66,8 +66,39 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_name: str, v
         raise ValueError(f"GQA ratio: query heads Hq={hq} must be a multiple of key/value heads Hkv={hkv}")
 
 
+def _check_layouts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_name: str, v_name: str,
+                   layouts: tuple[str, str], indices: dict[str, tuple[torch.Tensor, str]]) -> None:
+    """Shapes, dtypes and devices of an operation's tensors; ``layouts`` are q's and k/v's, ``indices`` the
+    int32 index tensors with theirs. The rank of each is read off its layout."""
+    def rank(layout: str) -> int:
+        return len([d for d in layout.strip("()").split(",") if d.strip()])
+
+    q_layout, kv_layout = layouts
+    for name, t, layout in (("q", q, q_layout), (k_name, k, kv_layout), (v_name, v, kv_layout)):
+        _check_tensor(name, t, rank(layout), layout)
+    _check_qkv(q, k, v, k_name, v_name)
+    for name, (t, layout) in indices.items():
+        _check_index(name, t, rank(layout), layout, q.device)
+
+
+class _ServingInputs:
+    """What both operations' inputs share (each defines ``q``)."""
+
+    q: torch.Tensor
+
+    @property
+    def head_dim(self) -> int:
+        return self.q.shape[-1]
+
+    def scale(self, scale: float | None) -> float:
+        return default_scale(self.head_dim) if scale is None else validate_scale(scale)
+
+    def output_like(self) -> torch.Tensor:
+        return torch.empty_like(self.q)
+
+
 @dataclass
-class PagedKV:
+class PagedKV(_ServingInputs):
     """Decode over a paged KV cache (module doc). Construction validates and reads the lengths once."""
 
     q: torch.Tensor
@@ -80,13 +111,10 @@ class PagedKV:
     op = "paged"
 
     def __post_init__(self) -> None:
-        _check_tensor("q", self.q, 4, "(B, Sq_new, Hq, D)")
-        _check_tensor("k_cache", self.k_cache, 4, "(num_pages, page_size, Hkv, D)")
-        _check_tensor("v_cache", self.v_cache, 4, "(num_pages, page_size, Hkv, D)")
-        _check_qkv(self.q, self.k_cache, self.v_cache, "k_cache", "v_cache")
-        device = self.q.device
-        _check_index("block_table", self.block_table, 2, "(B, max_pages)", device)
-        _check_index("cache_seqlens", self.cache_seqlens, 1, "(B,)", device)
+        _check_layouts(self.q, self.k_cache, self.v_cache, "k_cache", "v_cache",
+                       ("(B, Sq_new, Hq, D)", "(num_pages, page_size, Hkv, D)"),
+                       {"block_table": (self.block_table, "(B, max_pages)"),
+                        "cache_seqlens": (self.cache_seqlens, "(B,)")})
         batch, sq = self.q.shape[:2]
         if sq == 0 or batch == 0:
             raise ValueError(f"empty q: {tuple(self.q.shape)}")
@@ -115,22 +143,12 @@ class PagedKV:
         return self.k_cache.shape[1]
 
     @property
-    def head_dim(self) -> int:
-        return self.q.shape[-1]
-
-    @property
     def max_seqlen(self) -> int:
         return max(self.seqlens)
 
-    def scale(self, scale: float | None) -> float:
-        return default_scale(self.head_dim) if scale is None else validate_scale(scale)
-
-    def output_like(self) -> torch.Tensor:
-        return torch.empty_like(self.q)
-
 
 @dataclass
-class Varlen:
+class Varlen(_ServingInputs):
     """Packed variable-length prefill (module doc). Construction validates and reads the offsets once."""
 
     q: torch.Tensor
@@ -145,13 +163,8 @@ class Varlen:
     op = "varlen"
 
     def __post_init__(self) -> None:
-        _check_tensor("q", self.q, 3, "(total_q, Hq, D)")
-        _check_tensor("k", self.k, 3, "(total_k, Hkv, D)")
-        _check_tensor("v", self.v, 3, "(total_k, Hkv, D)")
-        _check_qkv(self.q, self.k, self.v, "k", "v")
-        device = self.q.device
-        _check_index("cu_seqlens_q", self.cu_seqlens_q, 1, "(B+1,)", device)
-        _check_index("cu_seqlens_k", self.cu_seqlens_k, 1, "(B+1,)", device)
+        _check_layouts(self.q, self.k, self.v, "k", "v", ("(total_q, Hq, D)", "(total_k, Hkv, D)"),
+                       {"cu_seqlens_q": (self.cu_seqlens_q, "(B+1,)"), "cu_seqlens_k": (self.cu_seqlens_k, "(B+1,)")})
         if self.cu_seqlens_q.shape != self.cu_seqlens_k.shape or self.cu_seqlens_q.shape[0] < 2:
             raise ValueError(f"cu_seqlens_q {tuple(self.cu_seqlens_q.shape)} and cu_seqlens_k "
                              f"{tuple(self.cu_seqlens_k.shape)} must both be (B+1,) with B >= 1")
@@ -173,10 +186,6 @@ class Varlen:
     def batch(self) -> int:
         return len(self.offsets_q) - 1
 
-    @property
-    def head_dim(self) -> int:
-        return self.q.shape[-1]
-
     def seqlens_q(self) -> list[int]:
         return [b - a for a, b in itertools.pairwise(self.offsets_q)]
 
@@ -190,12 +199,6 @@ class Varlen:
     @property
     def max_seqlen_k(self) -> int:
         return max(self.seqlens_k())
-
-    def scale(self, scale: float | None) -> float:
-        return default_scale(self.head_dim) if scale is None else validate_scale(scale)
-
-    def output_like(self) -> torch.Tensor:
-        return torch.empty_like(self.q)
 
 
 def gather_sequence(inputs: PagedKV, b: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,28 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from fnmatch import fnmatchcase
 
-import torch
 import triton
 
 import impls
 from suite.cases import Case
-from suite.timing import cuda_clock, iterations_for, time_once
-
-
-def suite_median_ms(run, rounds: int = 15, round_s: float = 0.02) -> float:
-    """The suite's measurement: rounds of back-to-back calls between two CUDA-event clock readings."""
-    device = torch.device("cuda")
-    iterations = iterations_for(time_once(run, device), round_s)
-    samples = []
-    for _ in range(rounds + 3):
-        start = cuda_clock()
-        for _ in range(iterations):
-            run()
-        samples.append((cuda_clock() - start) / iterations)
-    return statistics.median(samples[3:]) * 1e3
+from suite.timing import event_rounds_median
 
 
 def main() -> None:
@@ -53,7 +38,7 @@ def main() -> None:
         case = Case(**{k: info[k] for k in ("batch", "hq", "hkv", "sq", "skv", "d", "dtype", "causal")})
         q, k, v = case.make_inputs("cuda")
         run = impls.get(info["impl"]).prepare(q, k, v, causal=case.causal)
-        ours = suite_median_ms(run)
+        ours = event_rounds_median(run) * 1e3
         theirs = triton.testing.do_bench(run, warmup=100, rep=500, return_mode="median")
         rows.append({"impl": info["impl"], "case": case.id, "json_ms": median_ms, "suite_ms": ours,
                      "do_bench_ms": theirs, "diff_pct": 100 * (ours / theirs - 1)})

@@ -19,20 +19,7 @@ import triton
 import impls
 from suite.cases import cases
 from suite.plugin import Problem
-from suite.timing import GraphTarget, cuda_clock, graph_repeats, iterations_for, profile_kernels, time_once
-
-
-def median_ms(target, calls_per_iteration: int = 1, rounds: int = 15, round_s: float = 0.02) -> float:
-    """Rounds of back-to-back calls of ``target`` between two CUDA-event readings, per call, median."""
-    device = torch.device("cuda")
-    iterations = iterations_for(time_once(target, device), round_s)
-    samples = []
-    for _ in range(rounds + 3):
-        start = cuda_clock()
-        for _ in range(iterations):
-            target()
-        samples.append((cuda_clock() - start) / iterations / calls_per_iteration)
-    return statistics.median(samples[3:]) * 1e3
+from suite.timing import GraphTarget, event_rounds_median, graph_repeats, profile_kernels, time_once
 
 
 def main() -> None:
@@ -53,9 +40,9 @@ def main() -> None:
             except impls.Unsupported as exc:
                 print(f"{impl.name:16s} {case.id}: unsupported ({exc})")
                 continue
-            eager = median_ms(prepared)
+            eager = event_rounds_median(prepared) * 1e3
             graph = GraphTarget([prepared], graph_repeats(time_once(prepared, device), 1))
-            graphed = median_ms(graph, graph.calls_per_replay)
+            graphed = event_rounds_median(graph, graph.calls_per_replay) * 1e3
             kernel = profile_kernels(prepared, calls=10).seconds_per_call * 1e3
             theirs = triton.testing.do_bench_cudagraph(prepared, rep=200, return_mode="median")
             rows.append({"impl": impl.name, "case": case.id, "eager_ms": eager, "graph_ms": graphed,

@@ -220,6 +220,21 @@ def time_once(fn, device: torch.device, repeats: int = 3) -> float:
     return (time.perf_counter() - t0) / repeats
 
 
+def event_rounds_median(target, calls_per_iteration: int = 1, rounds: int = 15, round_s: float = 0.02) -> float:
+    """Seconds per call the suite's way, outside pytest (scripts): rounds of back-to-back calls of ``target``
+    between two readings of the CUDA-event clock, median over rounds after three warm-up rounds."""
+    import statistics
+
+    iterations = iterations_for(time_once(target, torch.device("cuda")), round_s)
+    samples = []
+    for _ in range(rounds + 3):
+        start = cuda_clock()
+        for _ in range(iterations):
+            target()
+        samples.append((cuda_clock() - start) / iterations / calls_per_iteration)
+    return statistics.median(samples[3:])
+
+
 def iterations_for(seconds_per_call: float, round_seconds: float, cap: int = 1000) -> int:
     """Calls per round so that a round lasts about ``round_seconds``: launch overhead stays amortised."""
     if seconds_per_call <= 0:
