@@ -4,6 +4,7 @@ is ever reported (graph mode checks the replayed output too)."""
 from __future__ import annotations
 
 import contextlib
+import os
 
 import pytest
 import torch
@@ -110,8 +111,11 @@ def measure(benchmark, impl: Impl, case: Case, problem: Problem, record: Recorde
                 flops=metrics.flops(case), min_bytes=metrics.min_bytes(case), kv_bytes=metrics.kv_bytes(case),
                 peak_memory_bytes=peak_bytes, iterations=schedule["iterations"], cold_l2="setup" in schedule
                 or info.get("input_copies", 1) > 1)
-    if on_gpu:  # what ran on the device, by kernel name: shows sdpa's backend, and any entry's real kernels
-        profile = profile_kernels(prepared)
+    if on_gpu:  # which GPU measured it (several workers, several GPUs), and what ran there, by kernel name
+        props = torch.cuda.get_device_properties(device)
+        info["gpu"] = {"name": props.name, "uuid": str(getattr(props, "uuid", "")),
+                       "visible_as": os.environ.get("CUDA_VISIBLE_DEVICES", str(device.index or 0))}
+        profile = profile_kernels(prepared)  # shows sdpa's backend, and any entry's real kernels
         info.update(kernels=profile.as_dict()["kernels"], kernel_s_per_call=profile.seconds_per_call)
         if timing == "kernel" and not profile.kernels:
             pytest.fail("kernel timing: the profiler saw no kernel of this implementation")

@@ -143,3 +143,18 @@ def test_xdist_workers_results_merge_into_one_file(tmp_path):
     assert len(cases) == 8 and {i for i, _, _ in statuses} == {"naive", "sdpa"}
     assert sorted(s for _, _, s in statuses) == ["passed"] * 14 + ["unsupported"] * 2  # nested SDPA: no causal
     assert not list(tmp_path.glob("bench.gw*.json"))  # the workers' files are merged away
+
+
+@pytest.mark.parametrize(("environ", "expected"), [
+    ({"PYTEST_XDIST_WORKER": "gw1", "CUDA_VISIBLE_DEVICES": "3,5"}, "5"),
+    ({"PYTEST_XDIST_WORKER": "gw2", "CUDA_VISIBLE_DEVICES": "3,5"}, "3"),  # more workers than GPUs: round robin
+    ({"CUDA_VISIBLE_DEVICES": "3,5"}, None),  # not a worker
+    ({"PYTEST_XDIST_WORKER": "gw0", "CUDA_VISIBLE_DEVICES": ""}, None),  # no GPU
+    ({"PYTEST_XDIST_WORKER": "gw0", "CUDA_VISIBLE_DEVICES": "0,1", "FMHA_NO_PIN": "1"}, None),
+])
+def test_each_xdist_worker_is_pinned_to_one_gpu(environ, expected):
+    from suite.sharding import pin_worker_to_gpu
+
+    before = dict(environ)
+    assert pin_worker_to_gpu(environ) == expected
+    assert environ["CUDA_VISIBLE_DEVICES"] == (expected if expected else before["CUDA_VISIBLE_DEVICES"])
