@@ -366,10 +366,19 @@ def fmha_record(config: pytest.Config) -> dict[str, Any]:
         "baseline": config.getoption("--baseline"),
         "presets": state.presets,
         "cases": state.cases,
-        "impls": {i.name: {"family": i.family, "description": i.description} for i in state.impls},
+        "impls": {name: {"family": entries[0].family, "descriptions": {i.op: i.description for i in entries}}
+                  for name, entries in _by_name(state.impls).items()},
         "unavailable": state.unavailable,
         "outcomes": state.outcomes,
     }
+
+
+def _by_name(entries: list[Impl]) -> dict[str, list[Impl]]:
+    """Implementations by name: one name is registered once per operation it runs."""
+    grouped: dict[str, list[Impl]] = defaultdict(list)
+    for impl in entries:
+        grouped[impl.name].append(impl)
+    return dict(grouped)
 
 
 def pytest_benchmark_update_json(config: pytest.Config, benchmarks, output_json: dict) -> None:
