@@ -282,6 +282,17 @@ def record(request: pytest.FixtureRequest, impl: Impl, case: Case) -> Recorder:
     return Recorder(run_state(request.config), impl, case, phase)
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """An xdist worker alone on its GPU times its benchmarks (suite/sharding.py): pytest-benchmark, which
+    switched itself off under xdist, is switched back on."""
+    from suite.sharding import worker_may_time
+
+    bench_session = getattr(session.config, "_benchmarksession", None)
+    if bench_session is not None and bench_session.disabled and worker_may_time():
+        bench_session.disabled = False
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook turns the markers into node-id suffixes
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Groups for pytest-xdist's ``--dist loadgroup``. A benchmark goes with its case: every implementation of
     one case is timed on one worker, one device, so that side-by-side ratios compare like with like. A check

@@ -2,8 +2,9 @@
 
 It must run before CUDA initialises in the worker, so the root ``conftest.py`` calls it before anything asks
 torch about devices; this module imports nothing that touches CUDA. With ``-n`` equal to the number of GPUs,
-every GPU runs one worker; with more workers than GPUs they share round-robin. ``FMHA_NO_PIN=1`` leaves
-``CUDA_VISIBLE_DEVICES`` alone.
+every GPU runs one worker, and each worker (alone on its GPU) times its benchmarks; with more workers than
+GPUs they share round-robin and pytest-benchmark stays off. ``FMHA_NO_PIN=1`` leaves ``CUDA_VISIBLE_DEVICES``
+alone.
 """
 
 from __future__ import annotations
@@ -36,4 +37,14 @@ def pin_worker_to_gpu(environ: MutableMapping[str, str] = os.environ) -> str | N
         return None
     gpu = gpus[int(worker.removeprefix("gw")) % len(gpus)]
     environ["CUDA_VISIBLE_DEVICES"] = gpu
+    if int(environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) <= len(gpus):
+        environ["FMHA_GPU_EXCLUSIVE"] = "1"  # this worker is alone on its GPU: its timings can be trusted
     return gpu
+
+
+def worker_may_time(environ: MutableMapping[str, str] = os.environ) -> bool:
+    """pytest-benchmark disables itself in xdist workers, since workers sharing a device disturb each other's
+    timings. A worker alone on its GPU may time; ``FMHA_XDIST_BENCHMARKS=1`` allows it anyway (CPU tests of
+    the merge, where the numbers do not matter)."""
+    return bool(environ.get("PYTEST_XDIST_WORKER")) and (
+        environ.get("FMHA_GPU_EXCLUSIVE") == "1" or environ.get("FMHA_XDIST_BENCHMARKS") == "1")

@@ -107,6 +107,7 @@ def measure(benchmark, impl: Impl, case: Case, problem: Problem, record: Recorde
                            **schedule)
 
     info.update(impl=impl.name, family=impl.family, case=case.id, **case.as_dict())
+    info["worker"] = os.environ.get("PYTEST_XDIST_WORKER")  # pytest-xdist's worker, when sharded
     info.update(config=prepared.config, max_error=check.max_error, tolerance=check.tolerance,
                 flops=metrics.flops(case), min_bytes=metrics.min_bytes(case), kv_bytes=metrics.kv_bytes(case),
                 peak_memory_bytes=peak_bytes, iterations=schedule["iterations"], cold_l2="setup" in schedule

@@ -16,11 +16,11 @@ from suite.isolation import child_env
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_suite(tmp_path: Path, *args: str) -> dict:
+def run_suite(tmp_path: Path, *args: str, **env: str) -> dict:
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "pytest", "suite", "-q", "-p", "no:cacheprovider", "--rounds", "2",
            "--round-ms", "1", f"--benchmark-json={out}", *args]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=child_env())
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env={**child_env(), **env})
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -158,3 +158,14 @@ def test_each_xdist_worker_is_pinned_to_one_gpu(environ, expected):
     before = dict(environ)
     assert pin_worker_to_gpu(environ) == expected
     assert environ["CUDA_VISIBLE_DEVICES"] == (expected if expected else before["CUDA_VISIBLE_DEVICES"])
+
+
+def test_sharded_benchmarks_merge_into_one_file(tmp_path):
+    """Two workers time their groups of cases (allowed on CPU by FMHA_XDIST_BENCHMARKS; on a GPU node a worker
+    alone on its GPU times by itself); every case's implementations stay on one worker."""
+    data = run_suite(tmp_path, "-k", "benchmark", "-n", "2", "--dist", "loadgroup", "--impl", "naive", "--impl",
+                     "sdpa", "--grid", "cpu-bench", "--grid", "serving-cpu-bench", FMHA_XDIST_BENCHMARKS="1")
+    benchmarks = [b["extra_info"] for b in data["benchmarks"]]
+    assert len(benchmarks) == 12 and {b["worker"] for b in benchmarks} == {"gw0", "gw1"}
+    for case in {b["case"] for b in benchmarks}:
+        assert len({b["worker"] for b in benchmarks if b["case"] == case}) == 1
