@@ -241,6 +241,8 @@ PRESETS: dict[str, list[Case]] = {
         _edge_cases(1, d=[64])
         + grid(batch=[2], heads=[(4, 2)], seqlens=[256], d=[128])
         + grid(heads=[(4, 2)], seqlens=[100, (1, 130)], dtype=["bf16", "fp32"])
+        # Head dims that are not powers of two (Phi-3's 96, and 80): padded by some, refused with a reason by others.
+        + grid(heads=[(4, 2)], seqlens=[100], d=[80, 96], causal=[True])
     ),
     # GPU correctness: edge cases at model-like batch/heads, and long sequences.
     "gpu": (

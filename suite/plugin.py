@@ -187,8 +187,8 @@ class Problem:
         def clone(inputs: Any) -> Any:
             if self.case.op == "dense":
                 return tuple(t.clone() for t in inputs)
-            tensors = {f.name: getattr(inputs, f.name) for f in dataclasses.fields(inputs) if f.init}
-            return dataclasses.replace(inputs, **{name: t.clone() for name, t in tensors.items()
+            fields = {f.name: getattr(inputs, f.name) for f in dataclasses.fields(inputs) if f.init}
+            return dataclasses.replace(inputs, **{name: t.clone() for name, t in fields.items()
                                                   if isinstance(t, torch.Tensor)})
 
         return [self.inputs] + [clone(self.inputs) for _ in range(n - 1)]

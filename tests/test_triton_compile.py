@@ -41,3 +41,12 @@ def test_sm90_autotuner_pick_does_not_spill():
     # (16-divisible pointers and strides); without it the pointer path spilled, which misled session 1.
     for path in ((), ("--tma",)):
         assert compiled("--arch", "90", *path)["stack"] == 0, path
+
+
+@pytest.mark.parametrize("head_dim", [80, 96, 192])
+def test_padded_head_dims_compile_for_hopper_without_spills(head_dim):
+    # Phi-3 (96), D=80 and DeepSeek-style 192: padded to 128 / 256 in registers, masked loads. At 128 the
+    # autotuner's usual 128x64; at 256 the search space's 128x32 with 8 warps.
+    block = ("--block", "128", "32", "--warps", "8") if head_dim > 128 else ()
+    result = compiled("--arch", "90", "--d", str(head_dim), *block)
+    assert result["hgmma"] > 0 and result["stack"] == 0, result

@@ -20,13 +20,23 @@ import torch
 from impls._registry import FLOATS, Prepared, Unsupported, length_class, module_available, register
 from impls._tuning import TuningCache
 
-HEAD_DIMS = (16, 32, 64, 128, 256)
+# Any multiple of 8 from 16 (the smallest dot) to 256: a head dim that is not a power of two is padded to the
+# next one in registers (masked loads read zeros there). The descriptor (TMA) path needs the exact power of two.
+HEAD_DIMS = tuple(range(16, 257, 8))
+POW2_HEAD_DIMS = (16, 32, 64, 128, 256)
+
+
+def block_d(head_dim: int) -> int:
+    return 1 << (head_dim - 1).bit_length()
 
 INTERPRETER_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1, "USE_TMA": False}
 # (BLOCK_M, BLOCK_N, num_warps, num_stages). Measured on an H200 (fp16, D=128, 2K/8K, causal and not):
 # 128x64 with 8 warps led (418-461 TFLOPS), 128x128/8 warps close behind; 4 warps on 128 rows fell to ~120.
 # 64-row tiles stay for short sequences and 32-row tiles for decode-like Sq.
-SEARCH_SPACE = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (64, 64, 4, 3), (64, 128, 4, 3), (32, 64, 4, 3)]
+# 128x32 with 8 warps: the tile that does not spill at head dims padded to 256 (192, 256; cuobjdump: 253
+# registers, no stack, where 64x64 with 4 warps needs 872 B of stack).
+SEARCH_SPACE = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (64, 64, 4, 3), (64, 128, 4, 3), (32, 64, 4, 3),
+                (128, 32, 8, 3)]
 # The descriptor (TMA) path on sm_90+: it needs ~140 registers at 128x64 where the pointer path needs 244
 # (cuobjdump, Triton 3.6), so with two pipeline stages two 128-row programs fit on one SM.
 TMA_SEARCH_SPACE = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (32, 64, 4, 3)]
@@ -80,8 +90,8 @@ def launch(config: dict, q, k, v, out, *, causal: bool, scale: float) -> None:
         _install_descriptor_allocator()
     batch, heads, q_len, head_dim = q.shape
     grid = (triton.cdiv(q_len, config["BLOCK_M"]), batch * heads)
-    plain_kernel()[grid](*kernel_arguments(q, k, v, out, scale), HEAD_DIM=head_dim, CAUSAL=causal,
-                         DOT_FP32=q.dtype == torch.float32, **config)
+    plain_kernel()[grid](*kernel_arguments(q, k, v, out, scale), HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
+                         CAUSAL=causal, DOT_FP32=q.dtype == torch.float32, **config)
 
 
 def requires_tma(device: str) -> str | None:
@@ -174,13 +184,14 @@ def prepared_launch(args: tuple, meta: dict, grid, out: torch.Tensor, *, pointer
 
 def _make(name: str, paths: str, description: str) -> None:
     """Register one entry: ``paths`` is "pointer", "tma" or "pointer+tma" (the autotuner chooses)."""
-    @register(name, family="triton", dtypes=FLOATS, head_dims=HEAD_DIMS,
+    @register(name, family="triton", dtypes=FLOATS, head_dims=POW2_HEAD_DIMS if paths == "tma" else HEAD_DIMS,
               requires=requires_tma if paths == "tma" else requires, description=description)
     def prepare(q, k, v, *, causal: bool, scale: float) -> Prepared:
         import triton
 
         pointer = "pointer" in paths
-        tma = "tma" in paths and (paths == "tma" or tma_available(q.device.type))
+        padded = block_d(q.shape[-1]) != q.shape[-1]  # descriptors need the exact power of two
+        tma = "tma" in paths and not padded and (paths == "tma" or tma_available(q.device.type))
         if tma:  # descriptors address the contiguous (B*H, S, D) views; they need scratch memory
             q, k, v = (t.contiguous() for t in (q, k, v))
             if q.is_cuda:
@@ -189,7 +200,8 @@ def _make(name: str, paths: str, description: str) -> None:
             q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         batch, heads, q_len, head_dim = q.shape
         out = torch.empty_like(q)
-        meta = {"HEAD_DIM": head_dim, "CAUSAL": causal, "DOT_FP32": interpreting() or q.dtype == torch.float32}
+        meta = {"HEAD_DIM": head_dim, "BLOCK_D": block_d(head_dim), "CAUSAL": causal,
+                "DOT_FP32": interpreting() or q.dtype == torch.float32}
 
         def grid(cfg):
             return (triton.cdiv(q_len, cfg["BLOCK_M"]), batch * heads)
@@ -212,7 +224,7 @@ def prepare_varlen(inputs, *, scale: float) -> Prepared:
 
     out = inputs.output_like()
     heads, head_dim = inputs.q.shape[1], inputs.head_dim
-    meta = {"HEAD_DIM": head_dim, "CAUSAL": inputs.causal, "VARLEN": True,
+    meta = {"HEAD_DIM": head_dim, "BLOCK_D": block_d(head_dim), "CAUSAL": inputs.causal, "VARLEN": True,
             "DOT_FP32": interpreting() or inputs.q.dtype == torch.float32}
 
     def grid(cfg):
@@ -299,7 +311,7 @@ def paged_launch(inputs, scale: float, config: dict):
     return run, {"num_splits": num_splits, "split_len": split_len, "BLOCK_M": block_m}
 
 
-@register("triton", op="paged", family="triton", dtypes=FLOATS, head_dims=HEAD_DIMS, requires=requires,
+@register("triton", op="paged", family="triton", dtypes=FLOATS, head_dims=POW2_HEAD_DIMS, requires=requires,
           description="our split-KV decode kernel: all query heads of a kv head in one tile (K/V read once), "
                       "pages gathered through the block table, chunks merged by log-sum-exp; autotuned")
 def prepare_paged(inputs, *, scale: float) -> Prepared:

@@ -25,13 +25,18 @@ LOG2_E = 1.4426950408889634
 
 
 @triton.jit
-def _scores(q, k_ptrs, k_desc, kv_row, kv_len, start_n, offs_n, MASK_N: tl.constexpr, DOT_FP32: tl.constexpr,
-            USE_TMA: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """``q @ k^T`` for one key tile, in float32. ``k_ptrs`` address the tile transposed (D x BLOCK_N)."""
+def _scores(q, k_ptrs, k_desc, kv_row, kv_len, start_n, offs_n, offs_d, MASK_N: tl.constexpr, DOT_FP32: tl.constexpr,
+            USE_TMA: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``q @ k^T`` for one key tile, in float32. ``k_ptrs`` address the tile transposed (BLOCK_D x BLOCK_N).
+    A head dim that is not a power of two is padded to BLOCK_D with zeros, which add nothing to the dot."""
     if USE_TMA:
         k = tl.trans(k_desc.load([kv_row, start_n, 0]).reshape(BLOCK_N, HEAD_DIM))
+    elif MASK_N and BLOCK_D != HEAD_DIM:
+        k = tl.load(k_ptrs, mask=((start_n + offs_n)[None, :] < kv_len) & (offs_d[:, None] < HEAD_DIM), other=0.0)
     elif MASK_N:
         k = tl.load(k_ptrs, mask=(start_n + offs_n)[None, :] < kv_len, other=0.0)
+    elif BLOCK_D != HEAD_DIM:
+        k = tl.load(k_ptrs, mask=offs_d[:, None] < HEAD_DIM, other=0.0)
     else:
         k = tl.load(k_ptrs)
     if DOT_FP32:  # Triton's interpreter computes half-precision dots wrongly; see launch()
@@ -40,13 +45,17 @@ def _scores(q, k_ptrs, k_desc, kv_row, kv_len, start_n, offs_n, MASK_N: tl.const
 
 
 @triton.jit
-def _values(v_ptrs, v_desc, kv_row, kv_len, start_n, offs_n, MASK_N: tl.constexpr, USE_TMA: tl.constexpr,
-            BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """One V tile (BLOCK_N x D); rows past kv_len read zeros."""
+def _values(v_ptrs, v_desc, kv_row, kv_len, start_n, offs_n, offs_d, MASK_N: tl.constexpr, USE_TMA: tl.constexpr,
+            BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One V tile (BLOCK_N x BLOCK_D); rows past kv_len and padded columns read zeros."""
     if USE_TMA:
         return v_desc.load([kv_row, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+    if MASK_N and BLOCK_D != HEAD_DIM:
+        return tl.load(v_ptrs, mask=((start_n + offs_n)[:, None] < kv_len) & (offs_d[None, :] < HEAD_DIM), other=0.0)
     if MASK_N:
         return tl.load(v_ptrs, mask=(start_n + offs_n)[:, None] < kv_len, other=0.0)
+    if BLOCK_D != HEAD_DIM:
+        return tl.load(v_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
     return tl.load(v_ptrs)
 
 
@@ -55,15 +64,15 @@ def _attend_tiles(
     acc, l_i, m_i, q, K_head, V_head, k_desc, v_desc, kv_row, stride_kn, stride_vn, kv_len, causal_offset,
     offs_m, offs_d, lo, hi,
     qk_scale, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-    DOT_FP32: tl.constexpr, USE_TMA: tl.constexpr,
+    DOT_FP32: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Online softmax over key tiles [lo, hi); masks (causal and bounds) only when MASKED."""
     offs_n = tl.arange(0, BLOCK_N)
     k_ptrs = K_head + offs_n[None, :] * stride_kn + offs_d[:, None] + lo * stride_kn
     v_ptrs = V_head + offs_n[:, None] * stride_vn + offs_d[None, :] + lo * stride_vn
     for start_n in range(lo, hi, BLOCK_N):
-        qk = _scores(q, k_ptrs, k_desc, kv_row, kv_len, start_n, offs_n, MASKED, DOT_FP32, USE_TMA, BLOCK_N,
-                     HEAD_DIM) * qk_scale
+        qk = _scores(q, k_ptrs, k_desc, kv_row, kv_len, start_n, offs_n, offs_d, MASKED, DOT_FP32, USE_TMA,
+                     BLOCK_N, HEAD_DIM, BLOCK_D) * qk_scale
         if MASKED:
             keys = (start_n + offs_n)[None, :]
             visible = keys < kv_len
@@ -78,7 +87,8 @@ def _attend_tiles(
         p = tl.math.exp2(qk - m_new_safe[:, None])
         alpha = tl.math.exp2(m_i - m_new_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _values(v_ptrs, v_desc, kv_row, kv_len, start_n, offs_n, MASKED, USE_TMA, BLOCK_N, HEAD_DIM)
+        v = _values(v_ptrs, v_desc, kv_row, kv_len, start_n, offs_n, offs_d, MASKED, USE_TMA, BLOCK_N, HEAD_DIM,
+                    BLOCK_D)
         acc = acc * alpha[:, None]
         if DOT_FP32:
             acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
@@ -103,7 +113,7 @@ def attention_fwd(
     cu_seqlens_q, cu_seqlens_k,  # VARLEN: sequence b is rows cu[b]:cu[b+1] of the packed tensors
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, USE_TMA: tl.constexpr = False,
-    VARLEN: tl.constexpr = False,
+    VARLEN: tl.constexpr = False, BLOCK_D: tl.constexpr = 64,
 ):
     bh = tl.program_id(1)
     batch = (bh // num_heads).to(tl.int64)  # 64-bit: batch * stride can exceed 2**31
@@ -126,7 +136,7 @@ def attention_fwd(
     tile_m = num_m_tiles - 1 - tl.program_id(0) if CAUSAL else tl.program_id(0)
 
     offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)  # BLOCK_D: the head dim, or the power of two above it (padded with zeros)
     num_kv_heads = num_heads // group
     kv_row = (batch * num_kv_heads + kv_head).to(tl.int32)  # row of the (B*Hkv, Skv, D) view (descriptors: i32)
     if USE_TMA:  # descriptors over the contiguous (B*H, S, D) views; their bounds are per head
@@ -144,7 +154,10 @@ def attention_fwd(
         k_desc = None
         v_desc = None
         q_ptrs = Q + batch * stride_qb + head * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :]
-        q = tl.load(q_ptrs, mask=offs_m[:, None] < q_len, other=0.0)
+        if BLOCK_D != HEAD_DIM:
+            q = tl.load(q_ptrs, mask=(offs_m[:, None] < q_len) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+        else:
+            q = tl.load(q_ptrs, mask=offs_m[:, None] < q_len, other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
     K_head = K + batch * stride_kb + kv_head * stride_kh
@@ -152,7 +165,7 @@ def attention_fwd(
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     # Key ranges. Causal: query row i sees keys j <= i + causal_offset (bottom-right alignment).
     causal_offset = kv_len - q_len
@@ -169,10 +182,11 @@ def attention_fwd(
 
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, K_head, V_head, k_desc, v_desc, kv_row, stride_kn, stride_vn, kv_len, causal_offset,
-        offs_m, offs_d, 0, unmasked_end, qk_scale, BLOCK_N, HEAD_DIM, False, CAUSAL, DOT_FP32, USE_TMA)
+        offs_m, offs_d, 0, unmasked_end, qk_scale, BLOCK_N, HEAD_DIM, False, CAUSAL, DOT_FP32, USE_TMA, BLOCK_D)
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, K_head, V_head, k_desc, v_desc, kv_row, stride_kn, stride_vn, kv_len, causal_offset,
-        offs_m, offs_d, unmasked_end, masked_end, qk_scale, BLOCK_N, HEAD_DIM, True, CAUSAL, DOT_FP32, USE_TMA)
+        offs_m, offs_d, unmasked_end, masked_end, qk_scale, BLOCK_N, HEAD_DIM, True, CAUSAL, DOT_FP32, USE_TMA,
+        BLOCK_D)
 
     # Rows that saw no key have l == 0: write zeros rather than 0/0.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -181,4 +195,7 @@ def attention_fwd(
         o_desc.store([bh, tile_m * BLOCK_M, 0], out.reshape(1, BLOCK_M, HEAD_DIM))
     else:
         o_ptrs = Out + batch * stride_ob + head * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :]
-        tl.store(o_ptrs, out, mask=offs_m[:, None] < q_len)
+        if BLOCK_D != HEAD_DIM:
+            tl.store(o_ptrs, out, mask=(offs_m[:, None] < q_len) & (offs_d[None, :] < HEAD_DIM))
+        else:
+            tl.store(o_ptrs, out, mask=offs_m[:, None] < q_len)
