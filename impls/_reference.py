@@ -9,6 +9,10 @@ Conventions of the contract, which every implementation is checked against:
 - GQA: query head ``h`` reads key/value head ``h // (Hq // Hkv)``.
 - Causal with ``Sq != Skv`` is aligned bottom-right: query ``i`` sees keys ``j <= i + (Skv - Sq)``.
 - A query row that sees no key (causal with ``Sq > Skv``) outputs zeros, as flash-attn does.
+- A sliding window ``(left, right)`` (``-1``: unbounded on that side), aligned bottom-right like causal: query
+  ``i`` at key position ``p = i + Skv - Sq`` sees keys ``p - left <= j <= p + right``; causal caps ``right``
+  at 0. flash-attn's ``window_size``.
+- Softcap ``c > 0``: each scaled score ``s`` becomes ``c * tanh(s / c)`` before the softmax (Gemma 2, Grok).
 """
 
 from __future__ import annotations
@@ -17,12 +21,28 @@ import torch
 
 from impls._validate import validate_attention_inputs
 
+NO_WINDOW = (-1, -1)
+
 
 def causal_visible(sq: int, skv: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Boolean ``(Sq, Skv)`` matrix: True where query ``i`` may see key ``j`` (bottom-right aligned)."""
-    rows = torch.arange(sq, device=device)[:, None]
+    return visible(sq, skv, causal=True, device=device)
+
+
+def visible(sq: int, skv: int, *, causal: bool, window: tuple[int, int] = NO_WINDOW,
+            device: torch.device | str = "cpu") -> torch.Tensor:
+    """Boolean ``(Sq, Skv)`` matrix of the keys each query sees: causal and a window, both bottom-right."""
+    position = torch.arange(sq, device=device)[:, None] + (skv - sq)
     cols = torch.arange(skv, device=device)[None, :]
-    return cols <= rows + (skv - sq)
+    left, right = window
+    if causal:  # a causal window ends at the query's own position
+        right = 0
+    seen = torch.ones(sq, skv, dtype=torch.bool, device=device)
+    if right >= 0:
+        seen &= cols <= position + right
+    if left >= 0:
+        seen &= cols >= position - left
+    return seen
 
 
 def score_bytes(q: torch.Tensor, k: torch.Tensor, rows: int | None = None) -> int:
@@ -41,6 +61,8 @@ def attention_ref(
     scale: float | None = None,
     upcast: bool = True,
     chunk_bytes: int | None = 1 << 30,
+    window: tuple[int, int] = NO_WINDOW,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Standard attention; ``chunk_bytes=None`` materialises all ``Sq x Skv`` scores at once."""
     scale = validate_attention_inputs(q, k, v, scale)
@@ -53,17 +75,20 @@ def attention_ref(
     sq, skv = q.shape[2], k.shape[2]
     softmax_dtype = torch.float64 if upcast else torch.float32
     rows = sq if chunk_bytes is None else max(1, min(sq, chunk_bytes // max(1, score_bytes(q, k, 1))))
-    visible = causal_visible(sq, skv, q.device) if causal else None
+    masked = causal or tuple(window) != NO_WINDOW
+    seen = visible(sq, skv, causal=causal, window=tuple(window), device=q.device) if masked else None
     out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
     for start in range(0, sq, rows):
         stop = min(sq, start + rows)
         scores = torch.matmul(q[:, :, start:stop], k.transpose(-1, -2)) * scale
-        if visible is not None:
-            scores = scores.masked_fill(~visible[start:stop], float("-inf"))
+        if softcap > 0:
+            scores = softcap * torch.tanh(scores / softcap)
+        if seen is not None:
+            scores = scores.masked_fill(~seen[start:stop], float("-inf"))
         probs = torch.softmax(scores.to(softmax_dtype), dim=-1)
-        if visible is not None:
+        if seen is not None:
             # Rows that see no key: softmax of all -inf is NaN; the contract says zeros.
-            probs = probs.masked_fill(~visible[start:stop].any(dim=-1, keepdim=True), 0.0)
+            probs = probs.masked_fill(~seen[start:stop].any(dim=-1, keepdim=True), 0.0)
         out[:, :, start:stop] = torch.matmul(probs.to(v.dtype), v).to(out_dtype)
     return out
 

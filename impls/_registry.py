@@ -34,7 +34,9 @@ from typing import Any, Protocol
 
 import torch
 
-from impls._validate import validate_attention_inputs
+from impls._validate import validate_attention_inputs, validate_variants
+
+VARIANTS = ("window", "softcap")  # what a model may ask of dense attention beyond causal (impls._reference)
 
 Runner = Callable[[], torch.Tensor]
 
@@ -73,6 +75,7 @@ class Impl:
     requires: Callable[[str], str | None] | None = None
     description: str = ""
     op: str = "dense"
+    variants: tuple[str, ...] = ()  # of VARIANTS: the prepare function then takes window= / softcap=
 
     def __repr__(self) -> str:  # short: pytest-benchmark stores it with every benchmark
         return f"Impl({self.name!r}, op={self.op!r})"
@@ -99,16 +102,25 @@ class Impl:
             return f"head dim {head_dim} not supported (supports {', '.join(map(str, self.head_dims))})"
         return None
 
-    def prepare(self, *inputs: Any, causal: bool = False, scale: float | None = None) -> Prepared:
+    def prepare(self, *inputs: Any, causal: bool = False, scale: float | None = None,
+                window: tuple[int, int] | None = None, softcap: float = 0.0) -> Prepared:
         """Validate, check support, and run the setup that stays outside any timed region.
 
-        Dense: ``prepare(q, k, v, causal=..., scale=...)``; serving: ``prepare(inputs, scale=...)`` with a
-        ``PagedKV`` or ``Varlen`` (validated when it was made).
+        Dense: ``prepare(q, k, v, causal=..., scale=..., window=..., softcap=...)``; serving:
+        ``prepare(inputs, scale=...)`` with a ``PagedKV`` or ``Varlen`` (validated when it was made). A window
+        or softcap reaches only implementations that declare it (``variants=``); others refuse with the reason.
         """
         if self.op == "dense":
             q, k, v = inputs
             scale = validate_attention_inputs(q, k, v, scale)
             options: dict[str, Any] = {"causal": bool(causal), "scale": scale}
+            window, softcap = validate_variants(window, softcap)
+            for variant, used, value in (("window", window != (-1, -1), window), ("softcap", softcap > 0, softcap)):
+                if used and variant not in self.variants:
+                    raise Unsupported(f"{self.name}: {'sliding window' if variant == 'window' else 'softcap'} "
+                                      "not supported")
+                if used:
+                    options[variant] = value
         else:
             (batch,) = inputs
             if getattr(batch, "op", None) != self.op:
@@ -121,8 +133,8 @@ class Impl:
         prepared = self.prepare_fn(*inputs, **options)
         return prepared if isinstance(prepared, Prepared) else Prepared(prepared)
 
-    def __call__(self, *inputs: Any, causal: bool = False, scale: float | None = None) -> torch.Tensor:
-        return self.prepare(*inputs, causal=causal, scale=scale)()
+    def __call__(self, *inputs: Any, **options: Any) -> torch.Tensor:
+        return self.prepare(*inputs, **options)()
 
 
 REGISTRY: dict[tuple[str, str], Impl] = {}  # (op, name) -> implementation
@@ -138,10 +150,13 @@ def register(
     requires: Callable[[str], str | None] | None = None,
     description: str = "",
     op: str = "dense",
+    variants: Iterable[str] = (),
 ) -> Callable[[PrepareFn], PrepareFn]:
     """Decorator: add a prepare function to the registry under ``name`` for operation ``op``."""
     if op not in OPS:
         raise ValueError(f"unknown operation {op!r}; known: {', '.join(OPS)}")
+    if set(variants) - set(VARIANTS):
+        raise ValueError(f"unknown variants {sorted(set(variants) - set(VARIANTS))}; known: {', '.join(VARIANTS)}")
 
     def decorate(fn: PrepareFn) -> PrepareFn:
         if (op, name) in REGISTRY:
@@ -156,6 +171,7 @@ def register(
             requires=requires,
             description=description or (fn.__doc__ or "").strip().split("\n")[0],
             op=op,
+            variants=tuple(variants),
         )
         return fn
 

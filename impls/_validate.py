@@ -55,3 +55,14 @@ def validate_scale(scale: float) -> float:
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
     return float(scale)
+
+
+def validate_variants(window: tuple[int, int] | None, softcap: float) -> tuple[tuple[int, int], float]:
+    """The model variants: ``window=(left, right)`` of ints >= -1 (-1: unbounded), ``softcap >= 0``."""
+    window = (-1, -1) if window is None else window
+    if (not isinstance(window, tuple | list) or len(window) != 2
+            or not all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window)):
+        raise ValueError(f"window must be (left, right) with ints >= -1 (-1: unbounded), got {window!r}")
+    if isinstance(softcap, bool) or not isinstance(softcap, int | float) or not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be a finite number >= 0 (0: off), got {softcap!r}")
+    return (int(window[0]), int(window[1])), float(softcap)

@@ -43,20 +43,32 @@ def _requires(module: str, attribute: str, hint: str) -> Callable[[str], str | N
     return check
 
 
+def variant_kwargs(name: str, window: tuple[int, int] | None = None, softcap: float = 0.0) -> dict:
+    """The contract's window and softcap as each generation takes them: ``window_size`` with -1 (FA2/FA3) or
+    None (FA4) for an unbounded side, bottom-right like causal; ``softcap`` as is. Only what is used is passed."""
+    kwargs: dict = {}
+    if window is not None:
+        kwargs["window_size"] = tuple(None if w < 0 else w for w in window) if name == "flash-attn4" else window
+    if softcap:
+        kwargs["softcap"] = softcap
+    return kwargs
+
+
 def _first_output(result):
     """FA3 and FA4 return ``(out, lse)`` (FA3 only in some versions); FA2 returns ``out``."""
     return result[0] if isinstance(result, tuple | list) else result
 
 
 def _make(name: str, module: str, attribute: str, hint: str) -> None:
-    @register(name, family="flash-attn", dtypes=HALF, devices=("cuda",),
+    @register(name, family="flash-attn", dtypes=HALF, devices=("cuda",), variants=("window", "softcap"),
               requires=_requires(module, attribute, hint), description=f"{module}.{attribute}")
-    def prepare(q, k, v, *, causal: bool, scale: float):
+    def prepare(q, k, v, *, causal: bool, scale: float, **variants):
         func = load_function(module, attribute)
         qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))  # (B, S, H, D)
+        kwargs = {"softmax_scale": scale, "causal": causal, **variant_kwargs(name, **variants)}
 
         def call() -> torch.Tensor:
-            return _first_output(func(qt, kt, vt, softmax_scale=scale, causal=causal)).transpose(1, 2)
+            return _first_output(func(qt, kt, vt, **kwargs)).transpose(1, 2)
 
         return probe(call, *REFUSALS)
 

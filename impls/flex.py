@@ -5,7 +5,8 @@ On a GPU the call is ``torch.compile``-d, as its authors recommend (eager flex m
 CPU it runs eagerly: the mask logic and the contract are the same, and compiling a kernel for every small case
 of the CPU preset would cost more than the preset itself.
 
-- dense: causal bottom-right (query ``i`` sees keys ``j <= i + Skv - Sq``);
+- dense: causal and sliding window bottom-right (query ``i`` sees keys ``j <= i + Skv - Sq``), softcap as a
+  ``score_mod``;
 - varlen: the packed batch as one sequence with a document mask (a query sees the keys of its own sequence,
   causal within it), so no padding is computed;
 - paged decode is not registered: flex computes whole key blocks and masks scores, so the unused cache slots
@@ -30,7 +31,7 @@ def flex_function(device_type: str):
     return torch.compile(flex_attention, dynamic=False) if device_type == "cuda" else flex_attention
 
 
-def _prepared(q, k, v, mask_mod, *, scale: float) -> Prepared:
+def _prepared(q, k, v, mask_mod, *, scale: float, score_mod=None) -> Prepared:
     from torch.nn.attention.flex_attention import create_block_mask
 
     q_len, kv_len = q.shape[-2], k.shape[-2]
@@ -40,7 +41,7 @@ def _prepared(q, k, v, mask_mod, *, scale: float) -> Prepared:
     gqa = q.shape[1] != k.shape[1]
 
     def call() -> torch.Tensor:
-        return flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+        return flex(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa)
 
     try:
         call()  # compiles on a GPU: outside any timed region
@@ -57,17 +58,26 @@ def _zero_empty_rows(out: torch.Tensor, q_len: int, kv_len: int) -> torch.Tensor
     return out
 
 
-@register("flex", family="sdpa", requires=requires,
-          description="torch FlexAttention, compiled on a GPU; causal as a mask_mod and a block mask")
-def flex_dense(q, k, v, *, causal: bool, scale: float):
+@register("flex", family="sdpa", requires=requires, variants=("window", "softcap"),
+          description="torch FlexAttention, compiled on a GPU; causal and window as a mask_mod and a block mask, "
+                      "softcap as a score_mod")
+def flex_dense(q, k, v, *, causal: bool, scale: float, window: tuple[int, int] = (-1, -1), softcap: float = 0.0):
     q_len, kv_len = q.shape[2], k.shape[2]
     offset = kv_len - q_len
+    left, right = window
+    right = 0 if causal else right
 
-    def bottom_right(b, h, q_idx, kv_idx):
-        return kv_idx <= q_idx + offset
+    def visible(b, h, q_idx, kv_idx):  # bottom-right, like impls._reference.visible
+        position = q_idx + offset
+        seen = (kv_idx <= position + right) if right >= 0 else (kv_idx >= 0)
+        return seen & (kv_idx >= position - left) if left >= 0 else seen
 
-    prepared = _prepared(q, k, v, bottom_right if causal else None, scale=scale)
-    if causal and q_len > kv_len:
+    def capped(score, b, h, q_idx, kv_idx):
+        return softcap * torch.tanh(score / softcap)
+
+    masked = causal or window != (-1, -1)
+    prepared = _prepared(q, k, v, visible if masked else None, scale=scale, score_mod=capped if softcap else None)
+    if masked and q_len > kv_len:
         return Prepared(lambda: _zero_empty_rows(prepared(), q_len, kv_len), prepared.config)
     return prepared
 

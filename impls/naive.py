@@ -17,8 +17,9 @@ def free_memory_bytes(device: torch.device) -> int:
     return int(fields["MemAvailable"].split()[0]) * 1024
 
 
-@register("naive", family="naive", description="softmax(QK^T)V with the full Sq x Skv matrix, eager PyTorch")
-def naive(q, k, v, *, causal: bool, scale: float):
+@register("naive", family="naive", variants=("window", "softcap"),
+          description="softmax(QK^T)V with the full Sq x Skv matrix, eager PyTorch")
+def naive(q, k, v, *, causal: bool, scale: float, **variants):
     group = q.shape[1] // k.shape[1]
     needed = score_bytes(q, k) + (2 * k.numel() * k.element_size() * group if group > 1 else 0)
     free = free_memory_bytes(q.device)
@@ -27,7 +28,7 @@ def naive(q, k, v, *, causal: bool, scale: float):
             f"needs {needed / 2**30:.1f} GiB for the {q.shape[2]}x{k.shape[2]} score matrices "
             f"({needed} bytes); {free / 2**30:.1f} GiB free on {q.device.type}"
         )
-    return lambda: attention_ref(q, k, v, causal=causal, scale=scale, upcast=False, chunk_bytes=None)
+    return lambda: attention_ref(q, k, v, causal=causal, scale=scale, upcast=False, chunk_bytes=None, **variants)
 
 
 @register("naive", op="paged", family="naive",

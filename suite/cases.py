@@ -44,6 +44,8 @@ class Case:
     page_size: int = 0
     lengths: str = "fixed"
     model: str = ""  # the checkpoint whose attention shape this is, shown in the id
+    window: tuple[int, int] = (-1, -1)  # sliding window (left, right), bottom-right; -1: unbounded (dense only)
+    softcap: float = 0.0  # scores become softcap * tanh(scores / softcap) (dense only)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -59,6 +61,8 @@ class Case:
             raise ValueError(f"page_size {self.page_size} for op {self.op}: paged cases need one, others none")
         if self.op == "paged" and not self.causal:
             raise ValueError("paged decode is causal: the new tokens are the last positions of each sequence")
+        if self.op != "dense" and (self.window != (-1, -1) or self.softcap):
+            raise ValueError("window and softcap are dense-attention variants here")
         if self.op == "varlen" and (self.sq != self.skv or self.sq < self.batch):
             raise ValueError(f"varlen: {self.batch} sequences need sq == skv >= batch tokens in all")
 
@@ -76,8 +80,16 @@ class Case:
         elif self.op == "varlen":
             body = f"varlen-{self.dtype}-{mask}-{heads}-t{self.sq}-{self.lengths}-d{self.d}{tail}"
         else:
-            body = f"{self.dtype}-{mask}-{heads}-s{self.sq}x{self.skv}-d{self.d}{tail}"
+            variants = (f"-w{self.window[0]}:{self.window[1]}" if self.window != (-1, -1) else "") + (
+                f"-cap{self.softcap:g}" if self.softcap else "")
+            body = f"{self.dtype}-{mask}-{heads}-s{self.sq}x{self.skv}-d{self.d}{variants}{tail}"
         return f"{self.model}-{body}" if self.model else body
+
+    @property
+    def variants(self) -> dict:
+        """The window and softcap keywords to pass, where the case uses them."""
+        return ({"window": self.window} if self.window != (-1, -1) else {}) | (
+            {"softcap": self.softcap} if self.softcap else {})
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -226,6 +238,31 @@ def _serving() -> list[Case]:
     return cases
 
 
+# The attention of real checkpoints: (name in the case id, Hq, Hkv, D, window, softcap). Gemma 2 alternates
+# local (sliding window) and global layers, both softcapped at 50; Mistral slides a 4096-token window.
+MODELS = [
+    ("llama3-8b", 32, 8, 128, (-1, -1), 0.0),
+    ("llama3-70b-tp8", 8, 1, 128, (-1, -1), 0.0),
+    ("mistral-7b", 32, 8, 128, (4096, 0), 0.0),
+    ("qwen2.5-7b", 28, 4, 128, (-1, -1), 0.0),
+    ("gemma2-9b-local", 16, 8, 256, (4096, 0), 50.0),
+    ("gemma2-9b-global", 16, 8, 256, (-1, -1), 50.0),
+    ("phi3-mini", 32, 32, 96, (-1, -1), 0.0),
+    ("gpt2", 12, 12, 64, (-1, -1), 0.0),
+]
+
+
+def _models(shapes: Iterable[tuple[int, int]], shrink: int = 1, window_to: int | None = None) -> list[Case]:
+    """Each model's prefill at (batch, length). For the CPU twin, ``shrink`` divides the heads (keeping the GQA
+    ratio) and ``window_to`` replaces a window's length, so that it ends inside the short sequences."""
+    def scaled(window: tuple[int, int]) -> tuple[int, int]:
+        return (window_to, window[1]) if window_to and window[0] > 0 else window
+
+    return [Case(b, max(hq // shrink, hq // hkv), max(hkv // shrink, 1), n, n, d, "bf16", True, model=name,
+                 window=scaled(window), softcap=cap)
+            for name, hq, hkv, d, window, cap in MODELS for b, n in shapes]
+
+
 def _varlen() -> list[Case]:
     """Packed prefill of random lengths, 16K and 64K tokens; and the equal-length batch beside the dense case
     of the same shape (the varlen path should cost nothing over the dense kernel)."""
@@ -269,6 +306,9 @@ PRESETS: dict[str, list[Case]] = {
     ),
     # Benchmarks without a GPU: small enough for the Triton interpreter.
     "cpu-bench": grid(heads=[(2, 2)], seqlens=[128, 256], d=[64], dtype=["fp32"]),
+    # Prefill as serving runs it, per model: 4 x 4K and 1 x 32K.
+    "models": _models([(4, 4096), (1, 32768)]),
+    "models-cpu": _models([(1, 96)], shrink=64, window_to=32),
     "serving": _serving(),
     "varlen": _varlen(),
     # The serving twins on CPU (and as cheap GPU edge cases): ragged lengths over page boundaries, GQA and MQA,

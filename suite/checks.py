@@ -70,8 +70,8 @@ class Oracle:
         self.tolerance = TOLERANCE_FACTOR * self.naive_error + self.atol
 
     @classmethod
-    def dense(cls, q, k, v, *, causal: bool, scale: float | None = None) -> Oracle:
-        """Sampled (batch, head) pairs, every query row of each."""
+    def dense(cls, q, k, v, *, causal: bool, scale: float | None = None, **variants) -> Oracle:
+        """Sampled (batch, head) pairs, every query row of each; ``variants``: window, softcap."""
         batch, hq, sq, _ = q.shape
         group = hq // k.shape[1]
         heads = sampled_heads(batch, hq, sq * k.shape[2])
@@ -79,8 +79,8 @@ class Oracle:
         hi = torch.tensor([h for _, h in heads], device=q.device)
         # Each sampled head becomes one batch entry of a single-head problem.
         qs, ks, vs = q[bi, hi][:, None], k[bi, hi // group][:, None], v[bi, hi // group][:, None]
-        ref = attention_ref(qs, ks, vs, causal=causal, scale=scale, upcast=True)
-        naive = attention_ref(qs, ks, vs, causal=causal, scale=scale, upcast=False)
+        ref = attention_ref(qs, ks, vs, causal=causal, scale=scale, upcast=True, **variants)
+        naive = attention_ref(qs, ks, vs, causal=causal, scale=scale, upcast=False, **variants)
         return cls([ref], [naive], lambda out: [out[bi, hi][:, None]], q, len(heads))
 
     @classmethod

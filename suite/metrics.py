@@ -29,10 +29,25 @@ def sum_range(lo: int, hi: int) -> int:
     return (hi - lo) * (lo + hi - 1) // 2 if hi > lo else 0
 
 
+def windowed_pairs(sq: int, skv: int, causal: bool, window: tuple[int, int]) -> int:
+    """Visible pairs under a sliding window (bottom-right, as impls._reference.visible), row by row."""
+    left, right = window
+    right = 0 if causal else right
+    total = 0
+    for i in range(sq):
+        p = i + skv - sq
+        lo = max(0, p - left) if left >= 0 else 0
+        hi = min(skv - 1, p + right) if right >= 0 else skv - 1
+        total += max(0, hi - lo + 1)
+    return total
+
+
 def flops(case: Case) -> int:
     """Two matmuls (QK^T and PV), 2 FLOPs per multiply-add, over query heads (GQA shares K/V, not work);
     serving cases sum over their sequences (decode: Sq_new new tokens against each cache, bottom-right)."""
-    if case.op == "dense":
+    if case.op == "dense" and case.window != (-1, -1):
+        pairs = case.batch * windowed_pairs(case.sq, case.skv, case.causal, case.window)
+    elif case.op == "dense":
         pairs = case.batch * visible_pairs(case.sq, case.skv, case.causal)
     elif case.op == "paged":
         pairs = sum(visible_pairs(case.sq, n, True) for n in case.seqlens())

@@ -31,7 +31,8 @@ from suite.cases import Case
 from suite.checks import CheckResult, Oracle
 
 DEFAULT_GRIDS = {  # phase -> (without a GPU, with one)
-    "correctness": (("cpu", "serving-cpu", "varlen-cpu"), ("gpu", "serving-cpu", "varlen-cpu")),
+    "correctness": (("cpu", "serving-cpu", "varlen-cpu", "models-cpu"),
+                    ("gpu", "serving-cpu", "varlen-cpu", "models-cpu")),
     "benchmark": (("cpu-bench",), ("blog",)),
 }
 # Timing modes by default (suite/timing.py): on a GPU the CUDA-graph number leads (the kernels' own time,
@@ -172,14 +173,14 @@ class Problem:
     @cached_property
     def oracle(self) -> Oracle:
         if self.case.op == "dense":
-            return Oracle.dense(*self.inputs, causal=self.case.causal)
+            return Oracle.dense(*self.inputs, causal=self.case.causal, **self.case.variants)
         return Oracle.serving(self.inputs)
 
     def prepare(self, impl: Impl, inputs: Any = None) -> Prepared:
         """``impl`` prepared on this case's inputs (or on a copy of them, ``inputs``)."""
         inputs = self.inputs if inputs is None else inputs
         if self.case.op == "dense":
-            return impl.prepare(*inputs, causal=self.case.causal)
+            return impl.prepare(*inputs, causal=self.case.causal, **self.case.variants)
         return impl.prepare(inputs)
 
     def input_copies(self, n: int) -> list[Any]:

@@ -78,7 +78,7 @@ def autotuned(pointer: bool, tma: bool):
         options = {k: c[k] for k in ("num_warps", "num_stages")}
         return triton.Config({k: v for k, v in c.items() if k not in options}, **options)
 
-    key = ["q_len_class", "kv_len_class", "group", "HEAD_DIM", "CAUSAL"]
+    key = ["q_len_class", "kv_len_class", "group", "HEAD_DIM", "CAUSAL", "HAS_WINDOW", "SOFTCAP"]
     return triton.autotune(configs=[as_config(c) for c in configs(pointer, tma)], key=key)(plain_kernel())
 
 
@@ -110,7 +110,15 @@ def _install_descriptor_allocator() -> None:
     triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
 
 
-def kernel_arguments(q, k, v, out, scale: float) -> tuple:
+def window_arguments(window: tuple[int, int], causal: bool) -> tuple[int, int]:
+    """``(window_left, window_right)`` for the kernel: -1 (unbounded) as UNBOUNDED, right 0 when causal."""
+    from impls.triton_fa.kernel import UNBOUNDED
+
+    left, right = (UNBOUNDED if w < 0 else w for w in window)
+    return left, 0 if causal else right
+
+
+def kernel_arguments(q, k, v, out, scale: float, window: tuple[int, int] = (-1, -1), causal: bool = False) -> tuple:
     """``attention_fwd``'s runtime arguments, in order (the compile-time ones go by keyword)."""
     from impls.triton_fa.kernel import LOG2_E
 
@@ -119,6 +127,7 @@ def kernel_arguments(q, k, v, out, scale: float) -> tuple:
         q, k, v, out, scale * LOG2_E,  # scale in log2 units: exp(x * s) == exp2(x * s * log2 e)
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
         heads, q_len, kv_len, length_class(q_len), length_class(kv_len), heads // k.shape[1], None, None,
+        *window_arguments(window, causal),
     )
 
 
@@ -134,7 +143,7 @@ def varlen_arguments(inputs, out, scale: float) -> tuple:
     return (
         inputs.q, inputs.k, inputs.v, out, scale * LOG2_E, *(x for st in strides for x in st),
         heads, q_len, kv_len, length_class(q_len), length_class(kv_len), heads // k.shape[1],
-        inputs.cu_seqlens_q, inputs.cu_seqlens_k,
+        inputs.cu_seqlens_q, inputs.cu_seqlens_k, *window_arguments((-1, -1), inputs.causal),
     )
 
 
@@ -185,8 +194,10 @@ def prepared_launch(args: tuple, meta: dict, grid, out: torch.Tensor, *, pointer
 def _make(name: str, paths: str, description: str) -> None:
     """Register one entry: ``paths`` is "pointer", "tma" or "pointer+tma" (the autotuner chooses)."""
     @register(name, family="triton", dtypes=FLOATS, head_dims=POW2_HEAD_DIMS if paths == "tma" else HEAD_DIMS,
-              requires=requires_tma if paths == "tma" else requires, description=description)
-    def prepare(q, k, v, *, causal: bool, scale: float) -> Prepared:
+              requires=requires_tma if paths == "tma" else requires, description=description,
+              variants=("window", "softcap"))
+    def prepare(q, k, v, *, causal: bool, scale: float, window: tuple[int, int] = (-1, -1),
+                softcap: float = 0.0) -> Prepared:
         import triton
 
         pointer = "pointer" in paths
@@ -201,14 +212,16 @@ def _make(name: str, paths: str, description: str) -> None:
         batch, heads, q_len, head_dim = q.shape
         out = torch.empty_like(q)
         meta = {"HEAD_DIM": head_dim, "BLOCK_D": block_d(head_dim), "CAUSAL": causal,
-                "DOT_FP32": interpreting() or q.dtype == torch.float32}
+                "DOT_FP32": interpreting() or q.dtype == torch.float32, "HAS_WINDOW": window != (-1, -1),
+                "SOFTCAP": softcap}
 
         def grid(cfg):
             return (triton.cdiv(q_len, cfg["BLOCK_M"]), batch * heads)
 
-        shape = (head_dim, causal, heads // k.shape[1], length_class(q_len), length_class(k.shape[2]))
-        return prepared_launch(kernel_arguments(q, k, v, out, scale), meta, grid, out, pointer=pointer, tma=tma,
-                               shape_class=shape)
+        shape = (head_dim, causal, heads // k.shape[1], length_class(q_len), length_class(k.shape[2]),
+                 meta["HAS_WINDOW"], softcap)
+        return prepared_launch(kernel_arguments(q, k, v, out, scale, window, causal), meta, grid, out,
+                               pointer=pointer, tma=tma, shape_class=shape)
 
 
 _make("triton", "pointer+tma", "our FlashAttention-2 Triton kernel, autotuned over tiles, warps, stages and, "

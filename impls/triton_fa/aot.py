@@ -32,6 +32,7 @@ def compile_cubin(arch: int, *, dtype: str = "fp16", head_dim: int = 128, causal
     constants = {"HEAD_DIM": head_dim, "CAUSAL": causal, "BLOCK_M": block_m, "BLOCK_N": block_n,
                  "DOT_FP32": dtype == "fp32", "USE_TMA": use_tma, "VARLEN": False,
                  "BLOCK_D": 1 << (head_dim - 1).bit_length(),  # padded to a power of two
+                 "HAS_WINDOW": False, "SOFTCAP": 0.0,
                  "cu_seqlens_q": None, "cu_seqlens_k": None}  # dense: no sequence offsets
     signature = {}
     for name in fn.arg_names:

@@ -22,6 +22,8 @@ import triton
 import triton.language as tl
 
 LOG2_E = 1.4426950408889634
+_LOG2_E: tl.constexpr = tl.constexpr(LOG2_E)
+UNBOUNDED = 1 << 30  # a window side of -1 (unbounded) is passed as this many keys
 
 
 @triton.jit
@@ -62,22 +64,30 @@ def _values(v_ptrs, v_desc, kv_row, kv_len, start_n, offs_n, offs_d, MASK_N: tl.
 @triton.jit
 def _attend_tiles(
     acc, l_i, m_i, q, K_head, V_head, k_desc, v_desc, kv_row, stride_kn, stride_vn, kv_len, causal_offset,
-    offs_m, offs_d, lo, hi,
+    offs_m, offs_d, lo, hi, window_left, window_right,
     qk_scale, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-    DOT_FP32: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_FP32: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
-    """Online softmax over key tiles [lo, hi); masks (causal and bounds) only when MASKED."""
+    """Online softmax over key tiles [lo, hi); masks (causal, window and bounds) only when MASKED."""
     offs_n = tl.arange(0, BLOCK_N)
     k_ptrs = K_head + offs_n[None, :] * stride_kn + offs_d[:, None] + lo * stride_kn
     v_ptrs = V_head + offs_n[:, None] * stride_vn + offs_d[None, :] + lo * stride_vn
     for start_n in range(lo, hi, BLOCK_N):
         qk = _scores(q, k_ptrs, k_desc, kv_row, kv_len, start_n, offs_n, offs_d, MASKED, DOT_FP32, USE_TMA,
-                     BLOCK_N, HEAD_DIM, BLOCK_D) * qk_scale
+                     BLOCK_N, HEAD_DIM, BLOCK_D)
+        if SOFTCAP > 0:  # cap * tanh(scaled / cap), in log2 units; tanh(x) = 2 sigmoid(2x) - 1
+            qk = (2 * tl.sigmoid(qk * (2 * qk_scale / (_LOG2_E * SOFTCAP))) - 1) * (SOFTCAP * _LOG2_E)
+        else:
+            qk = qk * qk_scale
         if MASKED:
             keys = (start_n + offs_n)[None, :]
             visible = keys < kv_len
             if CAUSAL:
                 visible = visible & (keys <= offs_m[:, None] + causal_offset)
+            if HAS_WINDOW:
+                position = offs_m[:, None] + causal_offset
+                visible = visible & (keys >= position - window_left) & (keys <= position + window_right)
             qk = tl.where(visible, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         if MASKED:  # a row that has seen no key yet has m == -inf: subtract 0 instead of NaN-ing
@@ -111,9 +121,11 @@ def attention_fwd(
     q_len_class, kv_len_class,  # autotuning key only: the sequence lengths' buckets
     group,
     cu_seqlens_q, cu_seqlens_k,  # VARLEN: sequence b is rows cu[b]:cu[b+1] of the packed tensors
+    window_left, window_right,  # HAS_WINDOW: keys position - left ... position + right (UNBOUNDED: no limit)
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, USE_TMA: tl.constexpr = False,
-    VARLEN: tl.constexpr = False, BLOCK_D: tl.constexpr = 64,
+    VARLEN: tl.constexpr = False, BLOCK_D: tl.constexpr = 64, HAS_WINDOW: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = 0.0,
 ):
     bh = tl.program_id(1)
     batch = (bh // num_heads).to(tl.int64)  # 64-bit: batch * stride can exceed 2**31
@@ -179,14 +191,23 @@ def attention_fwd(
     else:
         unmasked_end = full_tiles_end
         masked_end = kv_len
+    unmasked_start = 0
+    if HAS_WINDOW:
+        # Only the key tiles some row's window reaches are visited (the tiles before the first row's window
+        # and after the last row's are skipped), all of them masked.
+        first = tile_m * BLOCK_M + causal_offset
+        unmasked_start = tl.maximum(first - window_left, 0) // BLOCK_N * BLOCK_N
+        unmasked_end = unmasked_start
+        masked_end = tl.minimum(masked_end, tl.maximum(first + BLOCK_M + window_right, 0))
 
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, K_head, V_head, k_desc, v_desc, kv_row, stride_kn, stride_vn, kv_len, causal_offset,
-        offs_m, offs_d, 0, unmasked_end, qk_scale, BLOCK_N, HEAD_DIM, False, CAUSAL, DOT_FP32, USE_TMA, BLOCK_D)
+        offs_m, offs_d, unmasked_start, unmasked_end, window_left, window_right, qk_scale, BLOCK_N, HEAD_DIM,
+        False, CAUSAL, DOT_FP32, USE_TMA, BLOCK_D, HAS_WINDOW, SOFTCAP)
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, K_head, V_head, k_desc, v_desc, kv_row, stride_kn, stride_vn, kv_len, causal_offset,
-        offs_m, offs_d, unmasked_end, masked_end, qk_scale, BLOCK_N, HEAD_DIM, True, CAUSAL, DOT_FP32, USE_TMA,
-        BLOCK_D)
+        offs_m, offs_d, unmasked_end, masked_end, window_left, window_right, qk_scale, BLOCK_N, HEAD_DIM, True,
+        CAUSAL, DOT_FP32, USE_TMA, BLOCK_D, HAS_WINDOW, SOFTCAP)
 
     # Rows that saw no key have l == 0: write zeros rather than 0/0.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)

@@ -1,0 +1,72 @@
+"""What real models ask of attention: sliding windows, softcap, head dims that are not powers of two."""
+
+import itertools
+
+import pytest
+import torch
+
+import impls
+from impls._reference import attention_ref, visible
+from suite import metrics
+from suite.cases import PRESETS, Case
+from suite.checks import Oracle
+
+
+@pytest.mark.parametrize(("sq", "skv", "causal", "window"), list(itertools.product(
+    [1, 5, 64], [3, 64, 100], [True, False], [(-1, -1), (4, 0), (10, -1), (3, 7), (-1, 2)])))
+def test_windowed_flops_count_the_reference_mask(sq, skv, causal, window):
+    assert metrics.windowed_pairs(sq, skv, causal, window) == int(visible(sq, skv, causal=causal,
+                                                                          window=window).sum())
+
+
+def test_a_window_is_bottom_right_like_causal():
+    seen = visible(3, 5, causal=True, window=(1, 0))
+    assert seen.tolist() == [[False, True, True, False, False], [False, False, True, True, False],
+                             [False, False, False, True, True]]
+
+
+def test_softcap_bounds_the_scores():
+    q = torch.full((1, 1, 1, 4), 10.0, dtype=torch.float64)
+    k = torch.full((1, 1, 2, 4), 10.0, dtype=torch.float64)
+    k[0, 0, 1] = -10.0
+    v = torch.eye(2, 4, dtype=torch.float64)[None, None]
+    capped = attention_ref(q, k, v, scale=1.0, softcap=5.0)  # scores +-400 capped to +-5
+    expected = torch.softmax(torch.tensor([5 * torch.tanh(torch.tensor(80.0)), -5.0], dtype=torch.float64), 0)
+    torch.testing.assert_close(capped[0, 0, 0, :2], expected)
+
+
+def test_an_implementation_without_the_variant_refuses_with_the_reason():
+    q, k, v = Case(1, 4, 2, 64, 64, 64).make_inputs("cpu")
+    with pytest.raises(impls.Unsupported, match="sdpa: sliding window not supported"):
+        impls.get("sdpa").prepare(q, k, v, causal=True, window=(16, 0))
+    with pytest.raises(impls.Unsupported, match="sdpa: softcap not supported"):
+        impls.get("sdpa").prepare(q, k, v, softcap=30.0)
+    impls.get("sdpa").prepare(q, k, v, window=(-1, -1), softcap=0.0)  # the defaults are no variant
+
+
+@pytest.mark.parametrize(("window", "softcap", "words"), [
+    ((5,), 0.0, "window must be"), ((-2, 0), 0.0, "window must be"), ((1.5, 0), 0.0, "window must be"),
+    (None, -1.0, "softcap must be"), (None, float("inf"), "softcap must be"),
+])
+def test_bad_variants_are_refused(window, softcap, words):
+    q, k, v = Case(1, 4, 2, 8, 8, 64).make_inputs("cpu")
+    with pytest.raises(ValueError, match=words):
+        impls.get("naive").prepare(q, k, v, window=window, softcap=softcap)
+
+
+@pytest.mark.parametrize("variants", [{"window": (16, 0)}, {"softcap": 2.0}])
+def test_the_oracle_fails_an_output_that_ignores_the_variant(variants):
+    case = Case(1, 4, 2, 128, 128, 64, "fp16", True)
+    q, k, v = case.make_inputs("cpu")
+    plain = impls.get("naive").prepare(q, k, v, causal=True)()
+    assert not Oracle.dense(q, k, v, causal=True, **variants).check(plain).passed
+
+
+def test_models_presets_name_the_model_and_carry_its_variants():
+    ids = [c.id for c in PRESETS["models"]]
+    assert "gemma2-9b-local-bf16-causal-h16:8-s4096x4096-d256-w4096:0-cap50-b4" in ids
+    assert "phi3-mini-bf16-causal-h32:32-s32768x32768-d96" in ids
+    twins = {c.model: c for c in PRESETS["models-cpu"]}
+    assert set(twins) == {c.model for c in PRESETS["models"]}
+    assert twins["gemma2-9b-local"].window[0] < 96 and twins["gemma2-9b-local"].softcap == 50.0
+    assert twins["qwen2.5-7b"].gqa_ratio == 7 and twins["phi3-mini"].d == 96
