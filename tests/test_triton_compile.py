@@ -50,3 +50,9 @@ def test_padded_head_dims_compile_for_hopper_without_spills(head_dim):
     block = ("--block", "128", "32", "--warps", "8") if head_dim > 128 else ()
     result = compiled("--arch", "90", "--d", str(head_dim), *block)
     assert result["hgmma"] > 0 and result["stack"] == 0, result
+
+
+def test_window_and_softcap_compile_for_hopper_without_spills():
+    # Gemma-2's local layers: a sliding window and softcap 50, at the autotuner's usual tile.
+    result = compiled("--arch", "90", "--d", "128", "--window", "--softcap", "50")
+    assert result["hgmma"] > 0 and result["stack"] == 0, result

@@ -20,7 +20,7 @@ from impls._sass import sass_summary
 
 def compile_cubin(arch: int, *, dtype: str = "fp16", head_dim: int = 128, causal: bool = True,
                   block_m: int = 128, block_n: int = 64, num_warps: int = 8, num_stages: int = 3,
-                  use_tma: bool = False) -> bytes:
+                  use_tma: bool = False, window: bool = False, softcap: float = 0.0) -> bytes:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -32,7 +32,7 @@ def compile_cubin(arch: int, *, dtype: str = "fp16", head_dim: int = 128, causal
     constants = {"HEAD_DIM": head_dim, "CAUSAL": causal, "BLOCK_M": block_m, "BLOCK_N": block_n,
                  "DOT_FP32": dtype == "fp32", "USE_TMA": use_tma, "VARLEN": False,
                  "BLOCK_D": 1 << (head_dim - 1).bit_length(),  # padded to a power of two
-                 "HAS_WINDOW": False, "SOFTCAP": 0.0,
+                 "HAS_WINDOW": window, "SOFTCAP": softcap,
                  "cu_seqlens_q": None, "cu_seqlens_k": None}  # dense: no sequence offsets
     signature = {}
     for name in fn.arg_names:
@@ -67,9 +67,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stages", type=int, default=3)
     parser.add_argument("--d", type=int, default=128)
     parser.add_argument("--full", action="store_true", help="non-causal (default causal)")
+    parser.add_argument("--window", action="store_true", help="with the sliding-window masks")
+    parser.add_argument("--softcap", type=float, default=0.0, help="with this softcap (0: none)")
     args = parser.parse_args(argv)
     cubin = compile_cubin(args.arch, head_dim=args.d, causal=not args.full, block_m=args.block[0],
-                          block_n=args.block[1], num_warps=args.warps, num_stages=args.stages, use_tma=args.tma)
+                          block_n=args.block[1], num_warps=args.warps, num_stages=args.stages, use_tma=args.tma,
+                          window=args.window, softcap=args.softcap)
     print(json.dumps(describe(cubin)))
 
 

@@ -193,12 +193,21 @@ def attention_fwd(
         masked_end = kv_len
     unmasked_start = 0
     if HAS_WINDOW:
-        # Only the key tiles some row's window reaches are visited (the tiles before the first row's window
-        # and after the last row's are skipped), all of them masked.
+        # Tiles no row's window reaches are never visited; tiles across a window edge are masked; tiles that
+        # every row's window covers (from the last row's left edge to the first row's right edge) are not.
         first = tile_m * BLOCK_M + causal_offset
-        unmasked_start = tl.maximum(first - window_left, 0) // BLOCK_N * BLOCK_N
-        unmasked_end = unmasked_start
-        masked_end = tl.minimum(masked_end, tl.maximum(first + BLOCK_M + window_right, 0))
+        last = first + BLOCK_M - 1
+        window_start = tl.maximum(first - window_left, 0) // BLOCK_N * BLOCK_N
+        masked_end = tl.minimum(masked_end, tl.maximum(last + window_right + 1, 0))
+        if not CAUSAL:
+            unmasked_end = tl.minimum(unmasked_end, tl.maximum(first + window_right + 1, 0) // BLOCK_N * BLOCK_N)
+        unmasked_start = tl.minimum(tl.cdiv(tl.maximum(last - window_left, 0), BLOCK_N) * BLOCK_N, masked_end)
+        unmasked_start = tl.maximum(unmasked_start, window_start)
+        unmasked_end = tl.minimum(tl.maximum(unmasked_end, unmasked_start), masked_end)
+        acc, l_i, m_i = _attend_tiles(
+            acc, l_i, m_i, q, K_head, V_head, k_desc, v_desc, kv_row, stride_kn, stride_vn, kv_len, causal_offset,
+            offs_m, offs_d, window_start, unmasked_start, window_left, window_right, qk_scale, BLOCK_N, HEAD_DIM,
+            True, CAUSAL, DOT_FP32, USE_TMA, BLOCK_D, HAS_WINDOW, SOFTCAP)
 
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, K_head, V_head, k_desc, v_desc, kv_row, stride_kn, stride_vn, kv_len, causal_offset,
