@@ -47,6 +47,12 @@ class Measurement:
     fallback: str | None = None
     pct_of_hbm: float | None = None
     kernels: dict[str, dict] = field(default_factory=dict)
+    gpu: dict[str, Any] = field(default_factory=dict)  # name, uuid, NVML state after the benchmark
+
+    @property
+    def gpu_label(self) -> str:
+        uuid = str(self.gpu.get("uuid") or "").removeprefix("GPU-")
+        return f"{self.gpu.get('name', 'GPU')} {uuid[:8]}" if uuid else ""
 
     @property
     def op(self) -> str:
@@ -125,7 +131,7 @@ def load_run(path: Path) -> Run:
                 max_error=_num(info.get("max_error")), config=dict(info.get("config") or {}),
                 timing=str(info.get("timing", "eager")), measured_as=str(info.get("measured_as", "eager")),
                 fallback=info.get("fallback"), pct_of_hbm=_num(info.get("pct_of_hbm")),
-                kernels=dict(info.get("kernels") or {}),
+                kernels=dict(info.get("kernels") or {}), gpu=dict(info.get("gpu") or {}),
             ))
         except (KeyError, TypeError, ValueError) as exc:
             raise ReportError(f"{path}: benchmark #{i} ({bench.get('name', '?')}) is missing or has a bad "
@@ -259,6 +265,47 @@ def ladder(run: Run) -> dict[str, Any] | None:
             "notes": ladder_notes(here), "evidence": HOPPER_EVIDENCE if hopper else []}
 
 
+FLEET_TOLERANCE = 0.03  # a GPU whose benchmarks run this much slower or faster than the pack's is flagged
+
+
+def fleet(run: Run) -> dict[str, Any] | None:
+    """The same benchmarks on several GPUs (``--dist each``): spread per benchmark, and each GPU against the pack.
+
+    A GPU's ratio is the geometric mean, over the benchmarks it ran, of its median time over the median of all
+    GPUs' medians; outside 1 +- FLEET_TOLERANCE it is flagged. NVML's readings (clocks, temperature, power,
+    throttle reasons) recorded with its benchmarks stand beside it.
+    """
+    groups: dict[tuple[str, str, str], dict[str, float]] = defaultdict(dict)
+    states: dict[str, list[dict]] = defaultdict(list)
+    for m in run.measurements:
+        if m.gpu_label:
+            groups[(m.impl, m.case, m.timing)][m.gpu_label] = m.median_s
+            states[m.gpu_label].append(m.gpu.get("state") or {})
+    shared = {key: per_gpu for key, per_gpu in groups.items() if len(per_gpu) >= 2}
+    if not shared:
+        return None
+    spreads, ratios = [], defaultdict(list)
+    for (impl, case, timing), per_gpu in shared.items():
+        times = list(per_gpu.values())
+        center = statistics.median(times)
+        spreads.append({"impl": impl, "case": case, "timing": timing, "gpus": len(times),
+                        "spread": max(times) / min(times), "cv": statistics.pstdev(times) / statistics.fmean(times)})
+        for gpu, t in per_gpu.items():
+            ratios[gpu].append(t / center)
+    gpus = []
+    for gpu, values in sorted(ratios.items()):
+        ratio = _geomean(values) or 1.0
+        readings = [s for s in states[gpu] if s and "unavailable" not in s]
+        gpus.append({"gpu": gpu, "ratio": ratio, "benchmarks": len(values),
+                     "flagged": abs(ratio - 1) > FLEET_TOLERANCE,
+                     "max_temperature_c": max((s["temperature_c"] for s in readings), default=None),
+                     "min_sm_clock_mhz": min((s["sm_clock_mhz"] for s in readings), default=None),
+                     "power_limit_w": max((s["power_limit_w"] for s in readings), default=None),
+                     "throttle": sorted({r for s in readings for r in s.get("throttle", [])})})
+    spreads.sort(key=lambda r: -r["spread"])
+    return {"gpus": gpus, "spreads": spreads, "tolerance": FLEET_TOLERANCE}
+
+
 def build_context(runs: list[Run], baseline: str) -> dict[str, Any]:
     # Presets with measurements (a correctness-only run, or the property checks, have none to chart).
     presets = [p for p in dict.fromkeys(p for r in runs for p in r.presets)
@@ -295,6 +342,7 @@ def build_context(runs: list[Run], baseline: str) -> dict[str, Any]:
         "runs": runs, "baseline": baseline, "sections": sections,
         "matrices": [(r.label, correctness_matrix(r), r.unavailable) for r in runs],
         "ladders": [(r.label, lad) for r in runs if (lad := ladder(r))],
+        "fleets": [(r.label, f) for r in runs if (f := fleet(r))],
     }
 
 

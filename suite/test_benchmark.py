@@ -13,6 +13,7 @@ from impls import Impl, Prepared
 from suite import metrics
 from suite.cases import Case
 from suite.plugin import Problem, Recorder
+from suite.telemetry import gpu_state
 from suite.timing import (
     GraphCaptureError,
     GraphTarget,
@@ -114,7 +115,8 @@ def measure(benchmark, impl: Impl, case: Case, problem: Problem, record: Recorde
                 or info.get("input_copies", 1) > 1)
     if on_gpu:  # which GPU measured it (several workers, several GPUs), and what ran there, by kernel name
         props = torch.cuda.get_device_properties(device)
-        info["gpu"] = {"name": props.name, "uuid": str(getattr(props, "uuid", "")),
+        uuid = str(getattr(props, "uuid", ""))
+        info["gpu"] = {"name": props.name, "uuid": uuid, "state": gpu_state(uuid),  # clocks, power, throttling
                        "visible_as": os.environ.get("CUDA_VISIBLE_DEVICES", str(device.index or 0))}
         profile = profile_kernels(prepared)  # shows sdpa's backend, and any entry's real kernels
         info.update(kernels=profile.as_dict()["kernels"], kernel_s_per_call=profile.seconds_per_call)

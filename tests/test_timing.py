@@ -169,3 +169,72 @@ def test_sharded_benchmarks_merge_into_one_file(tmp_path):
     assert len(benchmarks) == 12 and {b["worker"] for b in benchmarks} == {"gw0", "gw1"}
     for case in {b["case"] for b in benchmarks}:
         assert len({b["worker"] for b in benchmarks if b["case"] == case}) == 1
+
+
+def as_fleet(data: dict, slow_gpu: int = 2, gpus: int = 4) -> dict:
+    """The CPU run as if every benchmark had run on each of ``gpus`` GPUs, one of them 10% slower."""
+    out = copy.deepcopy(data)
+    out["benchmarks"] = []
+    for bench in data["benchmarks"]:
+        for g in range(gpus):
+            b = copy.deepcopy(bench)
+            b["stats"]["median"] *= 1.10 if g == slow_gpu else 1.0 + 0.002 * g
+            b["extra_info"]["gpu"] = {"name": "NVIDIA H200", "uuid": f"GPU-0000000{g}-aaaa", "state": {
+                "sm_clock_mhz": 1500 if g == slow_gpu else 1980, "mem_clock_mhz": 3201, "power_limit_w": 700.0,
+                "power_w": 650.0, "temperature_c": 85 if g == slow_gpu else 60,
+                "throttle": ["sw power cap"] if g == slow_gpu else []}}
+            out["benchmarks"].append(b)
+    return out
+
+
+def test_fleet_section_flags_the_gpu_outside_the_pack(cpu_modes, tmp_path):
+    _, data = cpu_modes
+    path = tmp_path / "fleet.json"
+    path.write_text(json.dumps(as_fleet(data)))
+    from reports.build import fleet
+
+    summary = fleet(load_run(path))
+    flagged = [g for g in summary["gpus"] if g["flagged"]]
+    assert len(summary["gpus"]) == 4 and [g["gpu"] for g in flagged] == ["NVIDIA H200 00000002"]
+    assert flagged[0]["throttle"] == ["sw power cap"] and flagged[0]["min_sm_clock_mhz"] == 1500
+    assert all(r["spread"] == pytest.approx(1.10 / 1.0) for r in summary["spreads"])
+    html = render([load_run(path)])
+    assert 'id="fleet"' in html and 'class="flagged"' in html and "sw power cap" in html
+
+
+def test_no_fleet_section_for_one_gpu(cpu_modes):
+    path, _ = cpu_modes
+    from reports.build import fleet
+
+    assert fleet(load_run(path)) is None
+
+
+def test_telemetry_reads_nvml_and_says_why_when_it_cannot(monkeypatch):
+    import types
+
+    from suite import telemetry
+
+    telemetry._nvml.cache_clear()
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # not installed
+    assert "unavailable" in telemetry.gpu_state("GPU-1")
+    fake = types.SimpleNamespace(
+        nvmlInit=lambda: None, NVML_CLOCK_SM=0, NVML_CLOCK_MEM=1, NVML_TEMPERATURE_GPU=0,
+        nvmlDeviceGetHandleByUUID=lambda uuid: uuid,
+        nvmlDeviceGetCurrentClocksThrottleReasons=lambda h: 0x4 | 0x40,
+        nvmlDeviceGetClockInfo=lambda h, which: 1980 if which == 0 else 3201,
+        nvmlDeviceGetEnforcedPowerLimit=lambda h: 700_000, nvmlDeviceGetPowerUsage=lambda h: 650_000,
+        nvmlDeviceGetTemperature=lambda h, sensor: 61)
+    telemetry._nvml.cache_clear()
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    state = telemetry.gpu_state("1234")
+    assert state == {"sm_clock_mhz": 1980, "mem_clock_mhz": 3201, "power_limit_w": 700.0, "power_w": 650.0,
+                     "temperature_c": 61, "throttle": ["sw power cap", "hw thermal slowdown"]}
+    telemetry._nvml.cache_clear()
+
+
+def test_dist_each_runs_every_benchmark_on_every_worker(tmp_path):
+    """The fleet check's run: with one worker per GPU, --dist each times every case on every GPU."""
+    data = run_suite(tmp_path, "-k", "benchmark", "-n", "2", "--dist", "each", "--impl", "naive", "--grid",
+                     "cpu-bench", FMHA_XDIST_BENCHMARKS="1")
+    workers = [b["extra_info"]["worker"] for b in data["benchmarks"]]
+    assert sorted(workers) == ["gw0"] * 4 + ["gw1"] * 4
