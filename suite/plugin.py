@@ -459,6 +459,23 @@ def checkpoint(config: pytest.Config) -> None:
     os.replace(partial, path)
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_handlecrashitem(crashitem: str, report: pytest.TestReport, sched) -> None:
+    """pytest-xdist, on the controller: a worker died in ``crashitem`` (a segfault, an abort, a device fault).
+    The case is recorded as failed with that reason, like ``--isolate`` does; the other workers' files stand."""
+    state = run_state(sched.config)
+    param = crashitem.split("[", 1)[1].split("]", 1)[0] if "[" in crashitem else crashitem
+    impl = max((i for i in state.impls if param.startswith(f"{i.name}-")), key=lambda i: len(i.name), default=None)
+    if impl is None:
+        return
+    case = param.removeprefix(f"{impl.name}-")
+    phase = "benchmark" if "test_benchmark" in crashitem else "correctness"
+    if phase == "benchmark":
+        case = case.rsplit("-", 1)[0]  # the timing mode
+    state.outcomes.append({"impl": impl.name, "family": impl.family, "case": case, "phase": phase,
+                           "status": "failed", "message": f"the worker process died running it ({crashitem})"})
+
+
 def worker_results_path(path: Path) -> Path:
     """Under pytest-xdist each worker streams its results to its own file beside ``path`` (``bench.gw0.json``);
     the controller merges them into ``path`` at the end."""
