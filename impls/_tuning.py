@@ -17,14 +17,15 @@ import hashlib
 import json
 import os
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 MODES = ("on", "off", "retune")
+Call = TypeVar("Call", bound=Callable[[], object])
 
 
 def mode() -> str:
@@ -103,3 +104,26 @@ class TuningCache:
         config = tune()
         self.put(key, config)
         return config, False
+
+
+def fastest(calls: Sequence[Call], *, rounds: int = 5, round_s: float = 0.004) -> Call:
+    """The call that takes least GPU time, for autotuners whose candidates a library cannot time (several
+    launches per call). Each call's time is the median of ``rounds`` rounds, each about ``round_s`` of calls
+    queued back to back between two CUDA events. Compile first: a first call is not excluded here."""
+    def seconds(call: Call) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+        def round_(repeats: int) -> float:
+            start.record()
+            for _ in range(repeats):
+                call()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3 / repeats
+
+        repeats = max(1, min(1000, int(round_s / max(round_(1), 1e-6))))
+        return sorted(round_(repeats) for _ in range(rounds))[rounds // 2]
+
+    if not calls:
+        raise ValueError("nothing to tune: no candidate")
+    return min(calls, key=seconds)

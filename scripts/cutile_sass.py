@@ -10,19 +10,22 @@ import argparse
 
 from impls._sass import sass_summary
 from impls.cutile import LADDER, search_space
-from impls.cutile.export import export_cubin
+from impls.cutile.export import export_phases
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--arch", default="sm_90")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--no-ladder", action="store_true")
     a = p.parse_args()
     capability = (int(a.arch[3:-1]), int(a.arch[-1]))
-    named = [(name, v) for name, (v, _) in LADDER.items()]
-    named += [(f"search: {v.tile_m}x{v.tile_n} {v.hints()} L{v.k_latency},{v.v_latency}", v)
-              for v in search_space(capability)]
+    named = [] if a.no_ladder else [(name, v) for name, (v, _) in LADDER.items()]
+    named += [(f"search: {v.label()}", v) for v in search_space(capability, a.head_dim, causal=a.causal)]
     for name, variant in named:
-        print(f"{name:55s} {sass_summary(export_cubin(variant, arch=a.arch))}", flush=True)
+        for phase, cubin in export_phases(variant, arch=a.arch, head_dim=a.head_dim, causal=a.causal):
+            print(f"{name + phase:70s} {sass_summary(cubin)}", flush=True)
 
 
 if __name__ == "__main__":

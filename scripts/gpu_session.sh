@@ -8,6 +8,13 @@
 #   correct:  the GPU correctness preset, every implementation, 4 xdist workers on the one GPU, cold tuning
 #             cache then warm; wall times and the slowest tests
 #   serve:    decode and blog in all three modes, then serving and varlen, every implementation
+#   candidates: every cuTile candidate (two-launch causal forms and padded head dims included) on the edge
+#             cases, then the two-launch ones under compute-sanitizer memcheck
+#   causal:   every causal cuTile candidate of the blog shapes, one and two launches, beside sdpa-cudnn (sweep)
+#   prefill:  blog and fa3 presets, graph timing: cutile, flash-attn4, sdpa-cudnn, triton side by side
+#   models:   the models preset, every implementation that runs it, graph and eager
+#   shard:    (several GPUs) the correctness preset over one GPU's and every GPU's workers, blog benchmarks over
+#             one and every GPU, and the fleet check of blog (--dist each)
 set -u
 out=${OUT:-results}
 mkdir -p "$out"
@@ -51,6 +58,40 @@ for part in "$@"; do
         --impl flash-attn4 --benchmark-json="$out/decode-blog.json"
       step serving 360 python3 -m pytest suite "${bench[@]}" --grid serving --grid varlen --timing graph \
         --timing eager --benchmark-json="$out/serving.json"
+      ;;
+    candidates)
+      step candidates 220 python3 -m pytest tests/test_gpu_candidates.py -k cutile -q -p no:cacheprovider -rf
+      FMHA_CANDIDATES='*two-launch*' step memcheck 120 compute-sanitizer --tool memcheck --error-exitcode 9 \
+        python3 -m pytest tests/test_gpu_candidates.py -k "cutile and unit" -q -p no:cacheprovider
+      grep -E "ERROR SUMMARY|passed|failed" "$out/memcheck.log" | tail -3
+      ;;
+    causal)
+      step causal 200 python3 scripts/sweep.py --seqlens 1024 2048 4096 8192 16384 --causal causal \
+        --which sdpa cutile --match 'sdpa-cudnn' --match 'cutile:128x128:*8}*' --match 'cutile:64x128:*' \
+        --out "$out/causal-sweep.json"
+      ;;
+    prefill)
+      step prefill 420 python3 -m pytest suite --benchmark-only -p no:cacheprovider -q --grid blog --grid fa3 --timing graph \
+        --impl cutile --impl flash-attn4 --impl sdpa-cudnn --impl triton --benchmark-json="$out/prefill.json"
+      ;;
+    models)
+      step models 400 python3 -m pytest suite "${bench[@]}" --grid models --timing graph --timing eager \
+        --impl cutile --impl triton --impl flex --impl 'sdpa*' --impl flash-attn4 --benchmark-json="$out/models.json"
+      ;;
+    shard)
+      gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
+      per_gpu=4
+      export FMHA_TUNING_CACHE=/tmp/tuning-shard
+      correct=(python3 -m pytest suite -k correctness --grid gpu -q -p no:cacheprovider --dist loadgroup
+               --max-worker-restart 2)
+      step "shard-correct-cold-${gpus}gpu" 330 "${correct[@]}" -n $((per_gpu * gpus))
+      step "shard-correct-warm-${gpus}gpu" 120 "${correct[@]}" -n $((per_gpu * gpus))
+      CUDA_VISIBLE_DEVICES=0 step shard-correct-warm-1gpu 200 "${correct[@]}" -n $per_gpu
+      blog=(python3 -m pytest suite -k benchmark --grid blog --timing graph -q -p no:cacheprovider
+            --impl cutile --impl triton --impl sdpa-cudnn --impl sdpa --benchmark-disable-gc)
+      CUDA_VISIBLE_DEVICES=0 step shard-blog-1gpu 150 "${blog[@]}" -n 1 --benchmark-json="$out/blog-1gpu.json"
+      step "shard-blog-${gpus}gpu" 150 "${blog[@]}" -n "$gpus" --dist loadgroup --benchmark-json="$out/blog-${gpus}gpu.json"
+      step fleet 200 "${blog[@]}" -n "$gpus" --dist each --benchmark-json="$out/fleet-blog.json"
       ;;
     *) echo "unknown part: $part" >&2; exit 2 ;;
   esac

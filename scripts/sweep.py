@@ -22,18 +22,10 @@ from suite.checks import Oracle
 from suite.metrics import flops
 
 
-def cutile_label(v) -> str:
-    """A candidate's name: tiles, hints, latencies and the switches that differ from the defaults."""
-    flags = (("nosplit", not v.loop_split), ("branch", v.mask_branch), ("persistent", v.persistent))
-    switches = "".join(f":{flag}" for flag, on in flags if on)
-    group = {1: "", None: ":g-auto"}.get(v.head_group, f":g{v.head_group}")
-    return f"cutile:{v.tile_m}x{v.tile_n}:{v.hints()}:L{v.k_latency},{v.v_latency}{switches}{group}"
-
-
-def cutile_candidates():
+def cutile_candidates(head_dim: int = 128):
     from dataclasses import replace
 
-    from impls.cutile import LADDER, Variant, launch, search_space
+    from impls.cutile import LADDER, Call, Variant, search_space
 
     # Session 3's exploration (earlier lists: docs/h200-results-*.md); head groups sized to L2 throughout.
     wide = Variant(128, 128, occupancy=1, num_worker_warps=8, k_latency=3, v_latency=6, head_group=None)
@@ -44,13 +36,16 @@ def cutile_candidates():
              replace(persistent, tile_n=256), replace(persistent, tile_n=256, k_latency=2, v_latency=4),
              replace(wide, mask_branch=True), replace(wide, mask_branch=True, k_latency=2, v_latency=4),
              replace(persistent, mask_branch=True), replace(persistent, loop_split=False),
-             pair, replace(pair, persistent=True)]
+             pair, replace(pair, persistent=True),
+             *(replace(persistent, two_launch=True, k_latency=k, v_latency=v) for k, v in ((2, 4), (4, 8))),
+             replace(wide, two_launch=True)]
     seen = set()
     named = [(name, v) for name, (v, _) in LADDER.items()]
-    named += [(cutile_label(v), v) for v in search_space((9, 0)) + extra if not (v in seen or seen.add(v))]
+    space = [*search_space((9, 0), head_dim, causal=True), *search_space((9, 0), head_dim, causal=False), *extra]
+    named += [(f"cutile:{v.label()}", v) for v in space if not (v in seen or seen.add(v))]
     for name, v in named:
         def make(q, k, v_, out, causal, scale, _v=v):
-            return lambda: launch(_v, q, k, v_, out, causal=causal, scale=scale)
+            return Call(_v, q, k, v_, out=out, causal=causal, scale=scale)
         yield name, make
 
 
@@ -106,7 +101,7 @@ def main() -> None:
                         return impl.prepare(q, k, v_, causal=c, scale=sc)
                     cands.append((name, make))
         if "cutile" in a.which:
-            cands += list(cutile_candidates())
+            cands += list(cutile_candidates(a.d))
         if "triton" in a.which:
             cands += list(triton_candidates())
         cands = [(n, m) for n, m in cands if not a.match or any(fnmatchcase(n, g) for g in a.match)]

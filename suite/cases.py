@@ -288,6 +288,8 @@ PRESETS: dict[str, list[Case]] = {
         + grid(batch=[4], heads=[(32, 32), (32, 8)], seqlens=[1024, 4096], d=[64, 128])
         + grid(batch=[4], heads=[(32, 8)], seqlens=[16384], d=[128])
         + grid(batch=[2], heads=[(8, 8)], seqlens=[1000, 2048], d=[128], dtype=["bf16"])
+        # Head dims of real models that are not 64 or 128 (Phi-3's 96, Gemma's 256, DeepSeek's 192).
+        + grid(batch=[2], heads=[(8, 2)], seqlens=[777], d=[32, 96, 192, 256], dtype=["bf16"])
     ),
     "blog": _blog(),
     # The blog's shapes without the mask: the other half of the speed targets (cuDNN, FA4) at B=4, H=32, D=128.

@@ -13,8 +13,8 @@ if os.environ.get("CI"):
 else:
     pytest.importorskip("cuda.tile", reason='cuTile not installed: pip install "cuda-tile[tileiras]"')
 
-from impls.cutile import LADDER, Variant, search_space
-from impls.cutile.export import export_cubin
+from impls.cutile import LADDER, Variant, search_space, tile_d
+from impls.cutile.export import export_cubin, export_phases
 
 ARCHS = ["sm_80", "sm_90", "sm_100", "sm_120"]
 
@@ -31,9 +31,42 @@ def test_ladder_kernel_compiles(name, arch):
 @pytest.mark.parametrize(("capability", "causal"), [((9, 0), False), ((9, 0), True), ((10, 0), False)])
 def test_search_space_compiles(capability, causal):
     arch = f"sm_{capability[0]}{capability[1]}"
-    for variant in search_space(capability):
-        cubin = export_cubin(variant, arch=arch, dtype=torch.bfloat16, head_dim=64, causal=causal)
-        assert cubin[:4] == b"\x7fELF"
+    for variant in search_space(capability, 64, causal=causal):
+        for _, cubin in export_phases(variant, arch=arch, dtype=torch.bfloat16, head_dim=64, causal=causal):
+            assert cubin[:4] == b"\x7fELF"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("head_dim", [32, 80, 96, 192, 256])
+def test_new_head_dims_compile(head_dim, arch):
+    # A head dim that is not a power of two runs in the next one (zero-padded loads, clipped stores); the
+    # first candidate of each architecture's space for that width, causal and ragged, compiles.
+    capability = (int(arch[3:-1]), int(arch[-1]))
+    variant = search_space(capability, head_dim, causal=True)[0]
+    cubin = export_cubin(variant, arch=arch, dtype=torch.bfloat16, head_dim=head_dim, causal=True, even_n=False)
+    assert cubin[:4] == b"\x7fELF"
+
+
+def test_head_dims_pad_to_the_next_power_of_two():
+    assert [tile_d(d) for d in (16, 32, 40, 64, 80, 96, 128, 136, 192, 256)] == [
+        16, 32, 64, 64, 128, 128, 128, 256, 256, 256]
+
+
+def test_two_launch_variants_pass_the_softmax_state_between_launches():
+    # Causal Hopper candidates that stream persistently do so as the mask-free half of two launches; the
+    # first launch is one block per query tile in plain order, and both share a float32 state workspace.
+    space = search_space((9, 0), 128, causal=True)
+    split = [v for v in space if v.two_launch]
+    assert split and all(v.persistent for v in split)
+    assert not any(v.persistent and not v.two_launch for v in space)
+    assert not any(v.two_launch for v in search_space((9, 0), 128, causal=False))
+    diagonal = split[0].diagonal()
+    assert not diagonal.persistent and not diagonal.reverse_order
+    q = torch.empty((2, 4, 300, 96), device="meta", dtype=torch.float16)
+    m, s, acc = split[0].state(q)
+    assert m.shape == s.shape == (2, 4, 300) and acc.shape == (2, 4, 300, 128)
+    assert {t.dtype for t in (m, s, acc)} == {torch.float32}
+    assert all(t.numel() == 1 for t in Variant(64, 64).state(q))  # one launch: placeholders only
 
 
 def test_head_group_keeps_the_heads_in_flight_within_the_l2_budget():
@@ -81,6 +114,22 @@ def test_tensors_past_2_31_elements_get_the_64_bit_indexed_kernel():
     assert wide._compiler_options.occupancy == 2  # the hints survive
     assert export_cubin(variant, arch="sm_90", int64=True)[:4] == b"\x7fELF"
     assert needs_int64(torch.empty(1).expand(2**31)) and not needs_int64(torch.empty(2**10))
+
+
+def test_sm90_mask_free_launch_gets_a_deeper_pipeline():
+    # The point of two launches: the causal persistent kernel with its mask in the loop body gets a shallow
+    # K/V pipeline; the mask-free second launch a deeper one (sm_90 shared memory: 99 KB against 167 KB).
+    from impls._sass import find_cuobjdump, sass_summary
+
+    if not find_cuobjdump() and not os.environ.get("CI"):
+        pytest.skip("needs cuobjdump (pip install nvidia-cuda-cuobjdump, or triton)")
+    split = next(v for v in search_space((9, 0), 128, causal=True) if v.two_launch)
+    one_launch = Variant(**{**split.describe(), "two_launch": False})
+    (_, diagonal), (_, mask_free) = export_phases(split, arch="sm_90")
+    shallow = sass_summary(export_cubin(one_launch, arch="sm_90"))
+    deep = sass_summary(mask_free)
+    assert deep["shared"] > 1.5 * shallow["shared"]
+    assert deep["stack"] == 0 and sass_summary(diagonal)["stack"] == 0
 
 
 def test_sm90_cubin_is_the_one_that_runs():

@@ -5,10 +5,13 @@ case would show up only on the GPU that happens to prefer it. Each candidate of 
 (cuTile and Triton, the Triton TMA path included) is launched directly, without autotuning, on edge cases
 (ragged lengths, Sq != Skv both ways with rows that see no key, GQA, MQA, bf16, large scores that keep moving
 the running max) and checked against the float64 oracle. Without autotuning each candidate runs once per case,
-which is also what the sanitizers run (scripts/gpu_checks.sh).
+which is also what the sanitizers run (scripts/gpu_checks.sh). ``FMHA_CANDIDATES=GLOB`` keeps the cuTile
+candidates whose label matches (``*two-launch*``: the sanitizer's subset).
 """
 
+import os
 from collections.abc import Callable
+from fnmatch import fnmatchcase
 
 import pytest
 import torch
@@ -25,23 +28,35 @@ CASES = [
     Case(2, 8, 1, 97, 97, 64, "fp16", False),
     Case(1, 4, 4, 1024, 1024, 128, "bf16", False),
     Case(3, 4, 2, 257, 257, 128, "fp16", True),  # 12 batch-heads: the last group of heads is partial
+    Case(2, 4, 2, 300, 300, 96, "bf16", True),  # head dims padded to the next power of two
+    Case(1, 4, 1, 200, 330, 40, "fp16", True),
+    Case(1, 4, 2, 250, 250, 256, "bf16", True),
+    Case(1, 2, 2, 129, 129, 192, "fp16", False),
 ]
 
 
-def cutile_candidates() -> list[tuple[str, Callable]]:
+def cutile_candidates(case: Case, q, k, v, out) -> list[tuple[str, Callable[[], object]]]:
     pytest.importorskip("cuda.tile")
-    from impls.cutile import launch, search_space
+    from impls.cutile import HEAD_DIMS, Call, precompile, search_space
 
-    return [(str(v), lambda *a, v=v, **kw: launch(v, *a, **kw))
-            for v in search_space(torch.cuda.get_device_capability())]
+    if case.d not in HEAD_DIMS:
+        return []
+    space = search_space(torch.cuda.get_device_capability(), case.d, causal=case.causal)
+    keep = os.environ.get("FMHA_CANDIDATES", "*")
+    calls = [Call(var, q, k, v, out=out, causal=case.causal, scale=case.d ** -0.5)
+             for var in space if fnmatchcase(var.label(), keep)]
+    precompile(calls)  # every candidate's compile at once, in threads
+    return [(call.variant.label(), call) for call in calls]
 
 
-def triton_candidates() -> list[tuple[str, Callable]]:
+def triton_candidates(case: Case, q, k, v, out) -> list[tuple[str, Callable[[], object]]]:
     pytest.importorskip("triton")
     from impls.triton_fa import configs, launch, requires_tma
 
-    return [(str(c), lambda *a, c=c, **kw: launch(c, *a, **kw))
-            for c in configs(pointer=True, tma=requires_tma("cuda") is None)]
+    def call(config: dict) -> Callable[[], object]:
+        return lambda: launch(config, q, k, v, out, causal=case.causal, scale=case.d ** -0.5)
+
+    return [(str(c), call(c)) for c in configs(pointer=True, tma=requires_tma("cuda") is None)]
 
 
 @pytest.mark.parametrize("family", [cutile_candidates, triton_candidates], ids=["cutile", "triton"])
@@ -51,10 +66,11 @@ def test_every_candidate(family, case: Case, amplitude: float):
     q, k, v = case.make_inputs("cuda")
     q = (q.float() * amplitude).to(q.dtype)  # large scores: the row max keeps moving along the keys
     oracle = Oracle.dense(q, k, v, causal=case.causal)
+    out = torch.empty_like(q)
     failures = []
-    for name, launch in family():
-        out = torch.full_like(q, float("nan"))
-        launch(q, k, v, out, causal=case.causal, scale=case.d ** -0.5)
+    for name, launch in family(case, q, k, v, out):
+        out.fill_(float("nan"))  # a row the candidate never writes stays NaN and fails
+        launch()
         result = oracle.check(out)
         if not result.passed:
             failures.append(f"{name}: {result.message}")

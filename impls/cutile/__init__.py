@@ -18,10 +18,11 @@ from pathlib import Path
 
 import torch
 
-from impls._registry import HALF, Prepared, Unsupported, length_class, module_available, register
-from impls._tuning import TuningCache
+from impls._registry import HALF, Prepared, length_class, module_available, register
+from impls._tuning import TuningCache, fastest
 
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = tuple(range(16, 257, 8))  # the autotuned kernel: a head dim pads to the next power of two
+LADDER_HEAD_DIMS = (64, 128)  # the blog's steps, as the blog runs them
 COMPILE_TIMEOUT_S = 120  # per config while tuning: a config that compiles longer is dropped
 # Causal work goes heaviest-first across a group of heads whose K/V stay in L2 together (kernel.work_item).
 # 8 MiB, a fraction of the H200's L2: in the session-3 sweep 8 heads led at 2K and 4 at 4K (+1-4%), while 8
@@ -47,6 +48,7 @@ class Variant:
     v_latency: int = 4
     head_group: int | None = 1  # causal: heads ordered heaviest-first together; None: as many as L2 holds
     persistent: bool = False  # one block per SM slot, looping over the query tiles
+    two_launch: bool = False  # the masked tiles in a launch of their own, then the mask-free ones (kernel PHASE)
 
     def heads_per_group(self, *, causal: bool, kv_len: int, head_dim: int, itemsize: int) -> int:
         """HEAD_GROUP for this launch: 1 unless the causal blocks run heaviest first. The automatic choice keeps
@@ -67,19 +69,48 @@ class Variant:
         """The kernel object to launch or export, with this variant's hints (64-bit indexing if asked)."""
         return _kernel_with_hints(tuple(sorted(self.hints().items())), int64)
 
-    def constants(self, *, head_dim: int, causal: bool, kv_len: int, itemsize: int) -> tuple:
+    def constants(self, *, head_dim: int, causal: bool, kv_len: int, itemsize: int, phase: int = 0) -> tuple:
         """The kernel's compile-time arguments, in its parameter order (after the runtime ones)."""
         group = self.heads_per_group(causal=causal, kv_len=kv_len, head_dim=head_dim, itemsize=itemsize)
-        return (head_dim, self.tile_m, self.tile_n, causal, kv_len % self.tile_n == 0, self.fast_math,
+        return (tile_d(head_dim), self.tile_m, self.tile_n, causal, kv_len % self.tile_n == 0, self.fast_math,
                 self.loop_split, self.mask_branch, self.reverse_order, self.k_latency, self.v_latency, group,
-                self.persistent)
+                self.persistent, phase)
 
-    def arguments(self, q, k, v, out, *, causal: bool, scale: float) -> tuple:
+    def arguments(self, q, k, v, out, state, *, causal: bool, scale: float, phase: int = 0) -> tuple:
         """Everything ``fmha_fwd`` takes, in order."""
         heads, q_len, head_dim = q.shape[1:]
         kv_len = k.shape[2]
-        return (q, k, v, out, scale, kv_len - q_len, heads, heads // k.shape[1],
-                *self.constants(head_dim=head_dim, causal=causal, kv_len=kv_len, itemsize=q.element_size()))
+        return (q, k, v, out, *state, scale, kv_len - q_len, heads, heads // k.shape[1],
+                *self.constants(head_dim=head_dim, causal=causal, kv_len=kv_len, itemsize=q.element_size(),
+                                phase=phase))
+
+    def launches(self, q, k, v, out, state, *, causal: bool, scale: float) -> list[tuple]:
+        """(grid, kernel, arguments) of each launch one call makes, in order."""
+        from impls.cutile.kernel import DIAGONAL, OFF_DIAGONAL, WHOLE
+
+        kernel = self.kernel(int64=needs_int64(q, k, v, *state))
+        if not self.two_launch:
+            return [(self.grid(q), kernel, self.arguments(q, k, v, out, state, causal=causal, scale=scale,
+                                                          phase=WHOLE))]
+        diagonal = self.diagonal()
+        return [(diagonal.grid(q), kernel, diagonal.arguments(q, k, v, out, state, causal=causal, scale=scale,
+                                                              phase=DIAGONAL)),
+                (self.grid(q), kernel, self.arguments(q, k, v, out, state, causal=causal, scale=scale,
+                                                      phase=OFF_DIAGONAL))]
+
+    def diagonal(self) -> Variant:
+        """Launch 1 of a two-launch variant: one block per query tile, all alike (a tile or two of masked work
+        each), in plain order."""
+        return replace(self, persistent=False, reverse_order=False)
+
+    def state(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The softmax state the two launches pass on: max and sum (B, Hq, Sq) and the unnormalised accumulator
+        (B, Hq, Sq, TILE_D), all float32 (the kernel's own precision). One-launch variants get placeholders."""
+        rows = q.shape[:3] if self.two_launch else (1, 1, 1)
+        width = tile_d(q.shape[-1]) if self.two_launch else 1
+        return (torch.empty(rows, dtype=torch.float32, device=q.device),
+                torch.empty(rows, dtype=torch.float32, device=q.device),
+                torch.empty((*rows, width), dtype=torch.float32, device=q.device))
 
     def grid(self, q) -> tuple[int, int, int]:
         tiles = math.ceil(q.shape[2] / self.tile_m)
@@ -90,6 +121,20 @@ class Variant:
 
     def describe(self) -> dict:
         return asdict(self)
+
+    def label(self) -> str:
+        """A short name: tiles, hints, latencies and the switches that differ from the defaults."""
+        flags = (("nosplit", not self.loop_split), ("branch", self.mask_branch), ("persistent", self.persistent),
+                 ("two-launch", self.two_launch))
+        switches = "".join(f":{flag}" for flag, on in flags if on)
+        group = {1: "", None: ":g-auto"}.get(self.head_group, f":g{self.head_group}")
+        return f"{self.tile_m}x{self.tile_n}:{self.hints()}:L{self.k_latency},{self.v_latency}{switches}{group}"
+
+
+def tile_d(head_dim: int) -> int:
+    """The tile width a head dim runs in: the next power of two (cuTile tiles are powers of two), at least 16
+    (the smallest K of a tensor-core product)."""
+    return max(16, 1 << (head_dim - 1).bit_length())
 
 
 @functools.cache
@@ -126,76 +171,96 @@ _step = replace(_step, reverse_order=True)
 LADDER["cutile-5-remap"] = (_step, "+ causal blocks in reverse order (heaviest first)")
 
 
-def search_space(capability: tuple[int, int]) -> list[Variant]:
-    """Candidates for the autotuner, per architecture (all optimisations on)."""
+def search_space(capability: tuple[int, int], head_dim: int = 128, *, causal: bool = True) -> list[Variant]:
+    """Candidates for the autotuner, per architecture, head dim and mask (all optimisations on)."""
+    if capability[0] == 9:
+        return hopper_space(tile_d(head_dim), causal)
     if capability[0] == 12:  # RTX 50 / DGX Spark: few SMs, small tiles
         shapes = [(64, 64, 2), (128, 64, 1)]
     elif capability[0] == 10:  # B200/B300: the blog's three
         shapes = [(64, 64, 2), (128, 128, 2), (256, 128, 1)]
-    elif capability[0] == 9:
-        # Hopper, measured on an H200 (fp16, D=128; docs/h200-results-*.md): the blog's 256x128 tile with one
-        # warpgroup spills (5.4 KB of stack, 17-36 TFLOPS: the "trap" made far worse); these do not (128-168
-        # registers, TMA loads, HGMMA). Non-causal: 128x128 with 8 worker warps (two consumer warpgroups) as a
-        # persistent kernel wins everywhere (+8-10% over one block per tile: the compiler streams K/V on from
-        # one work item into the next, 198 KB of pipeline instead of 132). Causal: one block per tile, 64x128
-        # with occupancy 2 (one warpgroup per block, two blocks per SM) and 128x128 with 8 worker warps within
-        # 1-3% of each other from 2K, heaviest-first over as many heads as L2 holds; persistent, any mask in the
-        # loop body compiles to a shallow pipeline (99 KB; 12-25% slower). 64x64 and 128x64 with occupancy 2 for short
-        # rows, 128x256 next best on long non-causal rows. Measured and left out (scripts/sweep.py reproduces
-        # them): 256x128 (<=361), num_ctas=2 (11), the lazy rescale (5-20% slower), the software-pipelined
-        # Q K^T and the split as a run-time branch (both within noise), 64x128 with occupancy 1.
-        wide = Variant(128, 128, occupancy=1, num_worker_warps=8, head_group=None)
-        streaming = replace(wide, persistent=True, k_latency=3, v_latency=6)
-        return [Variant(64, 64, occupancy=2, head_group=None), Variant(128, 64, occupancy=2, head_group=None),
-                Variant(64, 128, occupancy=2, head_group=None), wide, replace(wide, k_latency=3, v_latency=6),
-                replace(wide, tile_n=256), streaming, replace(streaming, k_latency=4, v_latency=4)]
     else:
         shapes = [(64, 64, 2), (128, 64, 1), (128, 128, 1)]
+    if tile_d(head_dim) > 128:  # a 256-wide accumulator: half the rows per block
+        shapes = [(m // 2 if m > 64 else m, n, occ) for m, n, occ in shapes]
     return [Variant(m, n, occupancy=occ) for m, n, occ in shapes]
+
+
+def hopper_space(width: int, causal: bool) -> list[Variant]:
+    """Hopper, measured on an H200 (fp16, D=128; docs/h200-results-*.md).
+
+    The blog's 256x128 tile with one warpgroup spills (5.4 KB of stack, 17-36 TFLOPS: the "trap" made far
+    worse); these do not (128-168 registers, TMA loads, HGMMA). Non-causal: 128x128 with 8 worker warps (two
+    consumer warpgroups) as a persistent kernel wins everywhere (+8-10% over one block per tile: the compiler
+    streams K/V on from one work item into the next, 198 KB of pipeline instead of 132). Causal: one block per
+    tile, 64x128 with occupancy 2 (one warpgroup per block, two blocks per SM) and 128x128 with 8 worker warps
+    within 1-3% of each other from 2K, heaviest-first over as many heads as L2 holds. Persistent with any mask
+    in the loop body compiles to a shallow pipeline (99 KB; 12-25% slower), so causal gets the persistent form
+    only as the mask-free second launch of a two-launch variant. 64x64 and 128x64 with occupancy 2 for short
+    rows, 128x256 next best on long non-causal rows. Measured and left out (scripts/sweep.py reproduces them):
+    256x128 (<=361), num_ctas=2 (11), the lazy rescale (5-20% slower), the software-pipelined Q K^T and the
+    split as a run-time branch (both within noise), 64x128 with occupancy 1.
+
+    Head dims: up to 64 a score tile twice as wide fits beside the small accumulator; a 256-wide accumulator
+    (head dims 136-256) takes half the rows per warpgroup (checked for spills with scripts/cutile_sass.py).
+    """
+    wide = Variant(128, 128, occupancy=1, num_worker_warps=8, head_group=None)
+    streaming = replace(wide, persistent=True, k_latency=3, v_latency=6)
+    if width > 128:
+        return [Variant(64, 64, occupancy=1, head_group=None), replace(wide, tile_n=64),
+                replace(wide, tile_n=64, persistent=not causal, k_latency=3, v_latency=6)]
+    space = [Variant(64, 64, occupancy=2, head_group=None), Variant(128, 64, occupancy=2, head_group=None),
+             Variant(64, 128, occupancy=2, head_group=None), wide, replace(wide, k_latency=3, v_latency=6),
+             replace(wide, tile_n=256)]
+    streams = [streaming, replace(streaming, k_latency=4, v_latency=4)]
+    if width <= 64:
+        streams.append(replace(streaming, tile_n=256))
+    if causal:
+        streams = [replace(s, two_launch=True) for s in streams]
+    return space + streams
 
 
 def requires(device: str) -> str | None:
     return module_available("cuda.tile", 'pip install "cuda-tile[tileiras]"')(device)
 
 
-def check_shape(q: torch.Tensor) -> None:
-    head_dim = q.shape[-1]
-    if head_dim not in HEAD_DIMS:
-        raise Unsupported(f"head dim {head_dim} not supported: cuTile tiles are powers of two "
-                          f"and this kernel is built for {', '.join(map(str, HEAD_DIMS))}")
-
-
-def launch(variant: Variant, q, k, v, out, *, causal: bool, scale: float) -> None:
+def launch(variant: Variant, q, k, v, out, state, *, causal: bool, scale: float) -> None:
     import cuda.tile as ct
 
-    ct.launch(torch.cuda.current_stream(), variant.grid(q), variant.kernel(int64=needs_int64(q, k, v)),
-              variant.arguments(q, k, v, out, causal=causal, scale=scale))
+    stream = torch.cuda.current_stream()
+    for grid, kernel, arguments in variant.launches(q, k, v, out, state, causal=causal, scale=scale):
+        ct.launch(stream, grid, kernel, arguments)
 
 
-def _contiguous(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    return tuple(t.contiguous() for t in tensors)  # a no-op for the contract's usual layout
+class Call:
+    """One prepared call of a variant: contiguous inputs, the output and the state workspace made once, so a
+    timed call only launches."""
 
+    def __init__(self, variant: Variant, q, k, v, *, causal: bool, scale: float,
+                 out: torch.Tensor | None = None) -> None:
+        self.variant, self.causal, self.scale = variant, causal, scale
+        self.q, self.k, self.v = (t.contiguous() for t in (q, k, v))  # a no-op for the contract's usual layout
+        self.out = torch.empty_like(self.q) if out is None else out
+        self.state = variant.state(self.q)
 
-def _prepared(variant: Variant, q, k, v, out, *, causal: bool, scale: float) -> Prepared:
-    def run() -> torch.Tensor:
-        launch(variant, q, k, v, out, causal=causal, scale=scale)
-        return out
+    def __call__(self) -> torch.Tensor:
+        launch(self.variant, self.q, self.k, self.v, self.out, self.state, causal=self.causal, scale=self.scale)
+        return self.out
 
-    run()  # compile outside any timed region
-    return Prepared(run, config=variant.describe())
+    def prepared(self, **config) -> Prepared:
+        self()  # compile outside any timed region
+        return Prepared(self, config={**self.variant.describe(), **config})
 
 
 def _prepare_fixed(variant: Variant):
     def prepare(q, k, v, *, causal: bool, scale: float) -> Prepared:
-        check_shape(q)
-        q, k, v = _contiguous(q, k, v)
-        return _prepared(variant, q, k, v, torch.empty_like(q), causal=causal, scale=scale)
+        return Call(variant, q, k, v, causal=causal, scale=scale).prepared()
 
     return prepare
 
 
 for _name, (_variant, _what) in LADDER.items():
-    register(_name, family="cutile", dtypes=HALF, devices=("cuda",), head_dims=HEAD_DIMS,
+    register(_name, family="cutile", dtypes=HALF, devices=("cuda",), head_dims=LADDER_HEAD_DIMS,
              requires=requires, description=_what)(_prepare_fixed(_variant))
 
 
@@ -209,43 +274,38 @@ def shape_class(q: torch.Tensor, k: torch.Tensor, causal: bool) -> tuple:
             length_class(k.shape[2]))
 
 
-def precompile(space: list[Variant], q, k, v, out, *, causal: bool, scale: float) -> None:
-    """Launch every variant once, from as many threads: each first launch compiles (tileiras runs as a process
-    of its own), so the search then times compiled kernels and a cold tune costs about one compile. The
-    launches all write ``out``; the search overwrites it."""
+def precompile(calls: list[Call]) -> None:
+    """Make every candidate's first call from as many threads: each first launch compiles (tileiras runs as a
+    process of its own), so the search then times compiled kernels and a cold tune costs about one compile.
+    The calls share one output; the search overwrites it."""
     from concurrent.futures import ThreadPoolExecutor
 
     stream = torch.cuda.current_stream()
 
-    def first_launch(variant: Variant) -> None:
+    def first_call(call: Call) -> None:
         with torch.cuda.stream(stream):
-            launch(variant, q, k, v, out, causal=causal, scale=scale)
+            call()
 
-    with ThreadPoolExecutor(max_workers=min(len(space), os.cpu_count() or 1)) as pool:
-        list(pool.map(first_launch, space))
+    with ThreadPoolExecutor(max_workers=min(len(calls), os.cpu_count() or 1)) as pool:
+        list(pool.map(first_call, calls))
     torch.cuda.synchronize()
 
 
-def tune(q, k, v, out, *, causal: bool, scale: float) -> tuple[Variant, bool]:
-    """The best variant of the search space for this shape class, and whether it came from the cache."""
+def tune(q, k, v, *, causal: bool, scale: float) -> tuple[Variant, bool]:
+    """The best variant of the search space for this shape class, and whether it came from the cache. Each
+    candidate is timed as the whole call it makes (two launches for a two-launch variant), so
+    ``cuda.tile.tune.exhaustive_search``, which times one launch, does not fit."""
     key = TUNING.key(q.device, shape_class(q, k, causal))
     if key not in _TUNED:
         def search() -> dict:
             import cuda.tile as ct
-            from cuda.tile.tune import exhaustive_search
 
-            space = search_space(torch.cuda.get_device_capability(q.device))
+            space = search_space(torch.cuda.get_device_capability(q.device), q.shape[-1], causal=causal)
+            out = torch.empty_like(q)
+            calls = [Call(variant, q, k, v, causal=causal, scale=scale, out=out) for variant in space]
             with ct.compiler_timeout(COMPILE_TIMEOUT_S):
-                precompile(space, q, k, v, out, causal=causal, scale=scale)
-                result = exhaustive_search(
-                    space,
-                    torch.cuda.current_stream(),
-                    grid_fn=lambda var: var.grid(q),
-                    kernel=lambda var: var.kernel(int64=needs_int64(q, k, v)),  # the hints travel with it
-                    args_fn=lambda var: var.arguments(q, k, v, out, causal=causal, scale=scale),
-                    quiet=True,
-                )
-            return result.best.config.describe()
+                precompile(calls)
+            return fastest(calls).variant.describe()
 
         config, cached = TUNING.lookup(key, search)
         _TUNED[key] = (Variant(**config), cached)
@@ -255,10 +315,6 @@ def tune(q, k, v, out, *, causal: bool, scale: float) -> tuple[Variant, bool]:
 @register("cutile", family="cutile", dtypes=HALF, devices=("cuda",), head_dims=HEAD_DIMS, requires=requires,
           description="our cuTile kernel, all optimisations, tile shape and occupancy autotuned")
 def prepare_tuned(q, k, v, *, causal: bool, scale: float) -> Prepared:
-    check_shape(q)
-    q, k, v = _contiguous(q, k, v)
-    out = torch.empty_like(q)
-    variant, cached = tune(q, k, v, out, causal=causal, scale=scale)
-    prepared = _prepared(variant, q, k, v, out, causal=causal, scale=scale)
-    prepared.config["chosen"] = "tuning cache" if cached else "autotuned"
-    return prepared
+    variant, cached = tune(q, k, v, causal=causal, scale=scale)
+    return Call(variant, q, k, v, causal=causal, scale=scale).prepared(
+        chosen="tuning cache" if cached else "autotuned")

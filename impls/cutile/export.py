@@ -8,7 +8,7 @@ import torch
 
 from impls.cutile import Variant
 
-TORCH_TO_TILE = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+TORCH_TO_TILE = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
 def array_constraint(dtype: torch.dtype, shape: tuple[int, ...], *, int64: bool = False):
@@ -31,9 +31,9 @@ def array_constraint(dtype: torch.dtype, shape: tuple[int, ...], *, int64: bool 
 
 
 def signature(variant: Variant, *, dtype: torch.dtype, head_dim: int, causal: bool, even_n: bool,
-              int64: bool = False, shape: tuple[int, int, int] = (4, 32, 4096)):
+              int64: bool = False, shape: tuple[int, int, int] = (4, 32, 4096), phase: int = 0):
     """The signature ``ct.launch`` would compile for contiguous (B, H, S, D) tensors of ``dtype``
-    (``shape`` is (B, H, S); only its divisibility matters)."""
+    (``shape`` is (B, H, S); only its divisibility matters) in launch ``phase`` of ``variant``."""
     import cuda.tile as ct
     from cuda.tile.compilation import CallingConvention, KernelSignature, ScalarConstraint
 
@@ -41,16 +41,30 @@ def signature(variant: Variant, *, dtype: torch.dtype, head_dim: int, causal: bo
     if not even_n:
         seq = seq // variant.tile_n * variant.tile_n + 1  # ragged: the last K/V tile is partial
     array = array_constraint(dtype, (batch, heads, seq, head_dim), int64=int64)
+    q = torch.empty((batch, heads, seq, head_dim), device="meta", dtype=dtype)
+    state = [array_constraint(torch.float32, tuple(t.shape), int64=int64) for t in variant.state(q)]
     runtime = [ScalarConstraint(ct.float32)] + [ScalarConstraint(ct.int32)] * 3  # scale, offset, heads, group
-    constants = variant.constants(head_dim=head_dim, causal=causal, kv_len=seq, itemsize=dtype.itemsize)
-    return KernelSignature([array] * 4 + runtime + list(constants), CallingConvention.cutile_python_v1())
+    constants = variant.constants(head_dim=head_dim, causal=causal, kv_len=seq, itemsize=dtype.itemsize,
+                                  phase=phase)
+    return KernelSignature([array] * 4 + state + runtime + list(constants), CallingConvention.cutile_python_v1())
 
 
 def export_cubin(variant: Variant, *, arch: str, dtype: torch.dtype = torch.float16, head_dim: int = 128,
-                 causal: bool = True, even_n: bool = True, int64: bool = False) -> bytes:
+                 causal: bool = True, even_n: bool = True, int64: bool = False, phase: int = 0) -> bytes:
     from cuda.tile.compilation import export_kernel
 
     buffer = io.BytesIO()
-    sig = signature(variant, dtype=dtype, head_dim=head_dim, causal=causal, even_n=even_n, int64=int64)
+    sig = signature(variant, dtype=dtype, head_dim=head_dim, causal=causal, even_n=even_n, int64=int64,
+                    phase=phase)
     export_kernel(variant.kernel(int64=int64), [sig], buffer, gpu_code=arch, output_format="cubin")
     return buffer.getvalue()
+
+
+def export_phases(variant: Variant, *, arch: str, **options) -> list[tuple[str, bytes]]:
+    """The cubin of each launch ``variant`` makes, named: one, or the diagonal and the mask-free launch."""
+    from impls.cutile.kernel import DIAGONAL, OFF_DIAGONAL
+
+    if not variant.two_launch:
+        return [("", export_cubin(variant, arch=arch, **options))]
+    return [(" [diagonal]", export_cubin(variant.diagonal(), arch=arch, phase=DIAGONAL, **options)),
+            (" [mask-free]", export_cubin(variant, arch=arch, phase=OFF_DIAGONAL, **options))]

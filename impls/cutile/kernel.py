@@ -17,6 +17,12 @@ Every step of the blog's optimisation ladder is a compile-time switch of this on
                  and 4 for V, needed only after the softmax);
 - PERSISTENT:    not in the blog: one block per SM slot that takes work items in turn (the grid has one block
                  per item otherwise), so one block's K/V stream runs on from one item into the next.
+- PHASE:         not in the blog: the masked tiles and the mask-free tiles in two launches of this kernel.
+                 Any mask in the loop body keeps the compiler's K/V pipeline shallow (99-132 KB on sm_90, where
+                 a mask-free loop gets 198 KB), so launch 1 (DIAGONAL) runs only the masked tiles of every query
+                 tile and leaves its softmax state (running max, sum, unnormalised float32 accumulator) in a
+                 workspace; launch 2 (OFF_DIAGONAL) starts from that state and runs only the mask-free tiles.
+                 The online softmax does not care in which order key tiles arrive.
 
 Measured on an H200 and dropped (docs/h200-results-*.md, git history): FlashAttention-4's lazy rescaling (a
 block-wide vote costs more than the multiplies it saves) and a software-pipelined Q K^T (within noise).
@@ -38,11 +44,15 @@ ConstBool = ct.Constant[bool]
 
 INV_LOG_2 = 1.0 / math.log(2)  # exp(x) == exp2(x * INV_LOG_2)
 ZERO_PAD = ct.PaddingMode.ZERO  # ragged K/V tiles read zeros (0 * garbage could be NaN)
+# PHASE: the whole forward in one launch, or its masked / mask-free halves (see the module docstring).
+WHOLE, DIAGONAL, OFF_DIAGONAL = 0, 1, 2
+ARRAYS = ("Q", "K", "V", "Out", "MaxState", "SumState", "AccState")
 
 
 @ct.kernel
 def fmha_fwd(
     Q, K, V, Out,
+    MaxState, SumState, AccState,
     qk_scale: float,
     causal_offset: int,
     num_heads: int,
@@ -51,24 +61,25 @@ def fmha_fwd(
     TILE_M: ConstInt, TILE_N: ConstInt,
     CAUSAL: ConstBool, EVEN_N: ConstBool,
     FAST_MATH: ConstBool, LOOP_SPLIT: ConstBool, MASK_BRANCH: ConstBool, REVERSE_ORDER: ConstBool,
-    K_LATENCY: ConstInt, V_LATENCY: ConstInt, HEAD_GROUP: ConstInt, PERSISTENT: ConstBool,
+    K_LATENCY: ConstInt, V_LATENCY: ConstInt, HEAD_GROUP: ConstInt, PERSISTENT: ConstBool, PHASE: ConstInt,
 ):
     """One block per work item (grid: query tiles x batch * heads), or PERSISTENT: a grid of one block per SM
-    slot, each taking every ``num_blocks``-th item in turn."""
+    slot, each taking every ``num_blocks``-th item in turn. The state arrays (B, Hq, Sq) float32 for the max
+    and the sum, (B, Hq, Sq, TILE_D) for the accumulator, are read and written only by a split PHASE."""
     num_m = ct.cdiv(Q.shape[2], TILE_M)
     num_bh = Q.shape[0] * num_heads
-    heaviest_first = CAUSAL and REVERSE_ORDER
+    heaviest_first = CAUSAL and REVERSE_ORDER and PHASE != DIAGONAL  # diagonal items are all alike
     if PERSISTENT:
         for linear in range(ct.bid(0), num_m * num_bh, ct.num_blocks(0)):
             tile_m, batch_head = work_item(linear, num_m, num_bh, heaviest_first, HEAD_GROUP)
-            attend_query_tile(Q, K, V, Out, tile_m, batch_head, qk_scale, causal_offset, num_heads, group,
-                              TILE_D, TILE_M, TILE_N, CAUSAL, EVEN_N, FAST_MATH, LOOP_SPLIT, MASK_BRANCH,
-                              K_LATENCY, V_LATENCY)
+            attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_head, qk_scale,
+                              causal_offset, num_heads, group, TILE_D, TILE_M, TILE_N, CAUSAL, EVEN_N, FAST_MATH,
+                              LOOP_SPLIT, MASK_BRANCH, K_LATENCY, V_LATENCY, PHASE)
     else:
         tile_m, batch_head = work_item(ct.bid(1) * num_m + ct.bid(0), num_m, num_bh, heaviest_first, HEAD_GROUP)
-        attend_query_tile(Q, K, V, Out, tile_m, batch_head, qk_scale, causal_offset, num_heads, group,
-                          TILE_D, TILE_M, TILE_N, CAUSAL, EVEN_N, FAST_MATH, LOOP_SPLIT, MASK_BRANCH,
-                          K_LATENCY, V_LATENCY)
+        attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_head, qk_scale,
+                          causal_offset, num_heads, group, TILE_D, TILE_M, TILE_N, CAUSAL, EVEN_N, FAST_MATH,
+                          LOOP_SPLIT, MASK_BRANCH, K_LATENCY, V_LATENCY, PHASE)
 
 
 def work_item(linear, num_m, num_bh, HEAVIEST_FIRST, HEAD_GROUP):
@@ -91,20 +102,27 @@ def work_item(linear, num_m, num_bh, HEAVIEST_FIRST, HEAD_GROUP):
     return tile_m, batch_head
 
 
-def attend_query_tile(Q, K, V, Out, tile_m, batch_head, qk_scale, causal_offset, num_heads, group,
-                      TILE_D, TILE_M, TILE_N, CAUSAL, EVEN_N, FAST_MATH, LOOP_SPLIT, MASK_BRANCH, K_LATENCY,
-                      V_LATENCY):
-    """Output rows ``tile_m`` of one (batch, query head): the whole FlashAttention forward for one Q tile."""
+def attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_head, qk_scale, causal_offset,
+                      num_heads, group, TILE_D, TILE_M, TILE_N, CAUSAL, EVEN_N, FAST_MATH, LOOP_SPLIT, MASK_BRANCH,
+                      K_LATENCY, V_LATENCY, PHASE):
+    """Output rows ``tile_m`` of one (batch, query head): the whole FlashAttention forward for one Q tile, or
+    the masked (DIAGONAL) or mask-free (OFF_DIAGONAL) part of it."""
     batch = batch_head // num_heads
     head = batch_head % num_heads
     kv_head = head // group  # GQA by index: K/V are never repeated in memory
 
     qk_scale_log2 = qk_scale * INV_LOG_2
     offs_m = (tile_m * TILE_M + ct.arange(TILE_M, dtype=ct.int32))[:, None]
-    m_i = ct.full((TILE_M, 1), -math.inf, dtype=ct.float32)
-    l_i = ct.full((TILE_M, 1), 0.0, dtype=ct.float32)
-    acc = ct.full((TILE_M, TILE_D), 0.0, dtype=ct.float32)
-    q = ct.load(Q, index=(batch, head, tile_m, 0), shape=(1, 1, TILE_M, TILE_D)).reshape((TILE_M, TILE_D))
+    if PHASE == OFF_DIAGONAL:  # carry on from where launch 1 left this tile
+        m_i, l_i, acc = load_state(MaxState, SumState, AccState, batch, head, tile_m, TILE_M, TILE_D)
+    else:
+        m_i = ct.full((TILE_M, 1), -math.inf, dtype=ct.float32)
+        l_i = ct.full((TILE_M, 1), 0.0, dtype=ct.float32)
+        acc = ct.full((TILE_M, TILE_D), 0.0, dtype=ct.float32)
+    # A head dim below TILE_D reads zeros past its end: they add nothing to Q K^T, and P V's extra columns
+    # are never stored.
+    q = ct.load(Q, index=(batch, head, tile_m, 0), shape=(1, 1, TILE_M, TILE_D),
+                padding_mode=ZERO_PAD).reshape((TILE_M, TILE_D))
 
     kv_len = K.shape[2]
     if CAUSAL:
@@ -120,32 +138,54 @@ def attend_query_tile(Q, K, V, Out, tile_m, batch_head, qk_scale, causal_offset,
         unmasked_tiles = min(unmasked_tiles, kv_len // TILE_N)  # the ragged last tile needs its mask
 
     needs_mask = CAUSAL or not EVEN_N
-    if LOOP_SPLIT:
+    if LOOP_SPLIT or PHASE != WHOLE:
         mask_start = min(unmasked_tiles, num_tiles)
     else:
         mask_start = 0
-    if MASK_BRANCH:  # one loop; the tiles from mask_start on take the masked branch
+    if MASK_BRANCH or PHASE == DIAGONAL:  # no mask-free loop: one loop, masked from mask_start on
         unmasked_end = 0
     else:  # two loops: the unmasked tiles, then the masked ones
         unmasked_end = mask_start
+    if PHASE == DIAGONAL:
+        first_masked = mask_start
+    else:
+        first_masked = unmasked_end
     for j in range(0, unmasked_end):
         qk = scores(q, K, batch, kv_head, j, TILE_M, TILE_N, TILE_D, K_LATENCY)
         acc, l_i, m_i = online_softmax(acc, l_i, m_i, qk, V, batch, kv_head, j, qk_scale_log2,
                                        TILE_N, TILE_D, False, FAST_MATH, V_LATENCY)
-    for j in range(unmasked_end, num_tiles):
-        qk = scores(q, K, batch, kv_head, j, TILE_M, TILE_N, TILE_D, K_LATENCY)
-        if needs_mask and (not MASK_BRANCH or j >= mask_start):
-            qk = mask_scores(qk, offs_m, j, kv_len, causal_offset, TILE_N, CAUSAL, EVEN_N)
-        acc, l_i, m_i = online_softmax(acc, l_i, m_i, qk, V, batch, kv_head, j, qk_scale_log2,
-                                       TILE_N, TILE_D, needs_mask, FAST_MATH, V_LATENCY)
+    if PHASE != OFF_DIAGONAL:  # the mask-free launch has no masked loop at all, not even an empty one
+        for j in range(first_masked, num_tiles):
+            qk = scores(q, K, batch, kv_head, j, TILE_M, TILE_N, TILE_D, K_LATENCY)
+            if needs_mask and (not MASK_BRANCH or j >= mask_start):
+                qk = mask_scores(qk, offs_m, j, kv_len, causal_offset, TILE_N, CAUSAL, EVEN_N)
+            acc, l_i, m_i = online_softmax(acc, l_i, m_i, qk, V, batch, kv_head, j, qk_scale_log2,
+                                           TILE_N, TILE_D, needs_mask, FAST_MATH, V_LATENCY)
 
-    l_i = ct.where(l_i == 0.0, 1.0, l_i)  # rows that saw no key: 0 / 1 = 0
-    if FAST_MATH:
-        acc = ct.truediv(acc, l_i, flush_to_zero=True, rounding_mode=ct.RoundingMode.APPROX)
+    if PHASE == DIAGONAL:
+        store_state(MaxState, SumState, AccState, m_i, l_i, acc, batch, head, tile_m, TILE_M, TILE_D)
     else:
-        acc = ct.truediv(acc, l_i)
-    out = acc.reshape((1, 1, TILE_M, TILE_D)).astype(Out.dtype)
-    ct.store(Out, index=(batch, head, tile_m, 0), tile=out)
+        l_i = ct.where(l_i == 0.0, 1.0, l_i)  # rows that saw no key: 0 / 1 = 0
+        if FAST_MATH:
+            acc = ct.truediv(acc, l_i, flush_to_zero=True, rounding_mode=ct.RoundingMode.APPROX)
+        else:
+            acc = ct.truediv(acc, l_i)
+        out = acc.reshape((1, 1, TILE_M, TILE_D)).astype(Out.dtype)
+        ct.store(Out, index=(batch, head, tile_m, 0), tile=out)
+
+
+def load_state(MaxState, SumState, AccState, batch, head, tile_m, TILE_M, TILE_D):
+    """The running max, sum and unnormalised accumulator of one query tile, as launch 1 left them."""
+    m_i = ct.load(MaxState, index=(batch, head, tile_m), shape=(1, 1, TILE_M)).reshape((TILE_M, 1))
+    l_i = ct.load(SumState, index=(batch, head, tile_m), shape=(1, 1, TILE_M)).reshape((TILE_M, 1))
+    acc = ct.load(AccState, index=(batch, head, tile_m, 0), shape=(1, 1, TILE_M, TILE_D))
+    return m_i, l_i, acc.reshape((TILE_M, TILE_D))
+
+
+def store_state(MaxState, SumState, AccState, m_i, l_i, acc, batch, head, tile_m, TILE_M, TILE_D):
+    ct.store(MaxState, index=(batch, head, tile_m), tile=m_i.reshape((1, 1, TILE_M)))
+    ct.store(SumState, index=(batch, head, tile_m), tile=l_i.reshape((1, 1, TILE_M)))
+    ct.store(AccState, index=(batch, head, tile_m, 0), tile=acc.reshape((1, 1, TILE_M, TILE_D)))
 
 
 def scores(q, K, batch, kv_head, j, TILE_M, TILE_N, TILE_D, K_LATENCY):
@@ -205,7 +245,7 @@ def with_int64_indexing(kernel: ct.kernel) -> ct.kernel:
     fn = kernel._pyfunc
     wide = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     wide.__qualname__, wide.__module__, wide.__doc__ = fn.__qualname__, fn.__module__, fn.__doc__
-    wide.__annotations__ = {**fn.__annotations__, **dict.fromkeys(("Q", "K", "V", "Out"), ct.IndexedWithInt64)}
+    wide.__annotations__ = {**fn.__annotations__, **dict.fromkeys(ARRAYS, ct.IndexedWithInt64)}
     return ct.kernel(wide)
 
 
