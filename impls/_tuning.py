@@ -106,24 +106,24 @@ class TuningCache:
         return config, False
 
 
-def fastest(calls: Sequence[Call], *, rounds: int = 5, round_s: float = 0.004) -> Call:
+def fastest(calls: Sequence[Call], *, rounds: int = 7, round_s: float = 0.003) -> Call:
     """The call that takes least GPU time, for autotuners whose candidates a library cannot time (several
-    launches per call). Each call's time is the median of ``rounds`` rounds, each about ``round_s`` of calls
-    queued back to back between two CUDA events. Compile first: a first call is not excluded here."""
-    def seconds(call: Call) -> float:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-
-        def round_(repeats: int) -> float:
-            start.record()
-            for _ in range(repeats):
-                call()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1e3 / repeats
-
-        repeats = max(1, min(1000, int(round_s / max(round_(1), 1e-6))))
-        return sorted(round_(repeats) for _ in range(rounds))[rounds // 2]
-
+    launches per call). A round times each call in turn, about ``round_s`` of it queued back to back between
+    two CUDA events; a call's time is its median over ``rounds`` rounds. Taking the candidates in turn within
+    each round spreads clock drift (boost, heat) over all of them. Compile first: a first call is not excluded."""
     if not calls:
         raise ValueError("nothing to tune: no candidate")
-    return min(calls, key=seconds)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def seconds(call: Call, repeats: int) -> float:
+        start.record()
+        for _ in range(repeats):
+            call()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / repeats
+
+    repeats = [max(1, min(1000, int(round_s / max(seconds(call, 1), 1e-6)))) for call in calls]
+    times = [[seconds(call, n) for call, n in zip(calls, repeats, strict=True)] for _ in range(rounds)]
+    medians = [sorted(column)[rounds // 2] for column in zip(*times, strict=True)]
+    return calls[medians.index(min(medians))]

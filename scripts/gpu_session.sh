@@ -13,8 +13,9 @@
 #   causal:   every causal cuTile candidate of the blog shapes, one and two launches, beside sdpa-cudnn (sweep)
 #   prefill:  blog and fa3 presets, graph timing: cutile, flash-attn4, sdpa-cudnn, triton side by side
 #   models:   the models preset, every implementation that runs it, graph and eager
-#   shard:    (several GPUs) the correctness preset over one GPU's and every GPU's workers, blog benchmarks over
-#             one and every GPU, and the fleet check of blog (--dist each)
+#   dynamic:  the dynamically scheduled persistent cuTile candidates beside the best fixed ones (sweep)
+#   shard-bench:   (several GPUs) blog benchmarks on one GPU, sharded over all, and on each (the fleet check)
+#   shard-correct: (several GPUs) the correctness preset cold over all GPUs, then warm over all and over one
 set -u
 out=${OUT:-results}
 mkdir -p "$out"
@@ -78,20 +79,31 @@ for part in "$@"; do
       step models 400 python3 -m pytest suite "${bench[@]}" --grid models --timing graph --timing eager \
         --impl cutile --impl triton --impl flex --impl 'sdpa*' --impl flash-attn4 --benchmark-json="$out/models.json"
       ;;
-    shard)
+    dynamic)
+      step dynamic 150 python3 scripts/sweep.py --seqlens 2048 8192 16384 --causal both --which sdpa cutile \
+        --match 'sdpa-cudnn' --match '*dynamic*' --match "cutile:64x128:{'occupancy': 2}:L2,4:g-auto" \
+        --match "cutile:128x128:{'occupancy': 1, 'num_worker_warps': 8}:L3,6:g-auto" \
+        --match "cutile:128x128:{'occupancy': 1, 'num_worker_warps': 8}:L3,6:persistent:g-auto" \
+        --out "$out/dynamic-sweep.json"
+      ;;
+    shard-bench|shard-correct)
       gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
       per_gpu=4
       export FMHA_TUNING_CACHE=/tmp/tuning-shard
+      blog=(python3 -m pytest suite -k benchmark --grid blog --timing graph -q -p no:cacheprovider --rounds 7
+            --round-ms 10 --impl cutile --impl triton --impl sdpa-cudnn --impl sdpa)
       correct=(python3 -m pytest suite -k correctness --grid gpu -q -p no:cacheprovider --dist loadgroup
                --max-worker-restart 2)
-      step "shard-correct-cold-${gpus}gpu" 330 "${correct[@]}" -n $((per_gpu * gpus))
-      step "shard-correct-warm-${gpus}gpu" 120 "${correct[@]}" -n $((per_gpu * gpus))
-      CUDA_VISIBLE_DEVICES=0 step shard-correct-warm-1gpu 200 "${correct[@]}" -n $per_gpu
-      blog=(python3 -m pytest suite -k benchmark --grid blog --timing graph -q -p no:cacheprovider
-            --impl cutile --impl triton --impl sdpa-cudnn --impl sdpa --benchmark-disable-gc)
-      CUDA_VISIBLE_DEVICES=0 step shard-blog-1gpu 150 "${blog[@]}" -n 1 --benchmark-json="$out/blog-1gpu.json"
-      step "shard-blog-${gpus}gpu" 150 "${blog[@]}" -n "$gpus" --dist loadgroup --benchmark-json="$out/blog-${gpus}gpu.json"
-      step fleet 200 "${blog[@]}" -n "$gpus" --dist each --benchmark-json="$out/fleet-blog.json"
+      if [ "$part" = shard-bench ]; then  # blog on one GPU, then sharded over all, then on every GPU (fleet)
+        CUDA_VISIBLE_DEVICES=0 step shard-blog-1gpu 120 "${blog[@]}" -n 1 --benchmark-json="$out/blog-1gpu.json"
+        step "shard-blog-${gpus}gpu" 100 "${blog[@]}" -n "$gpus" --dist loadgroup \
+          --benchmark-json="$out/blog-${gpus}gpu.json"
+        step fleet 120 "${blog[@]}" -n "$gpus" --dist each --benchmark-json="$out/fleet-blog.json"
+      else  # the correctness preset: cold over all GPUs, then warm over all and over one
+        step "shard-correct-cold-${gpus}gpu" 250 "${correct[@]}" -n $((per_gpu * gpus))
+        step "shard-correct-warm-${gpus}gpu" 90 "${correct[@]}" -n $((per_gpu * gpus))
+        CUDA_VISIBLE_DEVICES=0 step shard-correct-warm-1gpu 150 "${correct[@]}" -n $per_gpu
+      fi
       ;;
     *) echo "unknown part: $part" >&2; exit 2 ;;
   esac

@@ -53,19 +53,21 @@ def test_head_dims_pad_to_the_next_power_of_two():
 
 
 def test_two_launch_variants_pass_the_softmax_state_between_launches():
-    # Causal Hopper candidates that stream persistently do so as the mask-free half of two launches; the
-    # first launch is one block per query tile in plain order, and both share a float32 state workspace.
+    # Causal Hopper candidates that stream persistently take their items from a counter, some as the
+    # mask-free half of two launches; the first launch is one block per query tile in plain order, and both
+    # share a float32 state workspace.
     space = search_space((9, 0), 128, causal=True)
     split = [v for v in space if v.two_launch]
     assert split and all(v.persistent for v in split)
-    assert not any(v.persistent and not v.two_launch for v in space)
+    assert all(v.dynamic for v in space if v.persistent)
     assert not any(v.two_launch for v in search_space((9, 0), 128, causal=False))
     diagonal = split[0].diagonal()
     assert not diagonal.persistent and not diagonal.reverse_order
     q = torch.empty((2, 4, 300, 96), device="meta", dtype=torch.float16)
-    m, s, acc = split[0].state(q)
+    m, s, acc, counter = split[0].state(q)
     assert m.shape == s.shape == (2, 4, 300) and acc.shape == (2, 4, 300, 128)
     assert {t.dtype for t in (m, s, acc)} == {torch.float32}
+    assert counter.shape == (1,) and counter.dtype == torch.int32
     assert all(t.numel() == 1 for t in Variant(64, 64).state(q))  # one launch: placeholders only
 
 
@@ -118,7 +120,7 @@ def test_tensors_past_2_31_elements_get_the_64_bit_indexed_kernel():
 
 def test_sm90_mask_free_launch_gets_a_deeper_pipeline():
     # The point of two launches: the causal persistent kernel with its mask in the loop body gets a shallow
-    # K/V pipeline; the mask-free second launch a deeper one (sm_90 shared memory: 99 KB against 167 KB).
+    # K/V pipeline; the mask-free second launch a deeper one (sm_90 shared memory: 100 KB against 167 KB).
     from impls._sass import find_cuobjdump, sass_summary
 
     if not find_cuobjdump() and not os.environ.get("CI"):

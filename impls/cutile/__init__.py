@@ -49,6 +49,7 @@ class Variant:
     head_group: int | None = 1  # causal: heads ordered heaviest-first together; None: as many as L2 holds
     persistent: bool = False  # one block per SM slot, looping over the query tiles
     two_launch: bool = False  # the masked tiles in a launch of their own, then the mask-free ones (kernel PHASE)
+    dynamic: bool = False  # persistent: the next work item from an atomic counter (kernel DYNAMIC)
 
     def heads_per_group(self, *, causal: bool, kv_len: int, head_dim: int, itemsize: int) -> int:
         """HEAD_GROUP for this launch: 1 unless the causal blocks run heaviest first. The automatic choice keeps
@@ -74,7 +75,7 @@ class Variant:
         group = self.heads_per_group(causal=causal, kv_len=kv_len, head_dim=head_dim, itemsize=itemsize)
         return (tile_d(head_dim), self.tile_m, self.tile_n, causal, kv_len % self.tile_n == 0, self.fast_math,
                 self.loop_split, self.mask_branch, self.reverse_order, self.k_latency, self.v_latency, group,
-                self.persistent, phase)
+                self.persistent, self.dynamic, phase)
 
     def arguments(self, q, k, v, out, state, *, causal: bool, scale: float, phase: int = 0) -> tuple:
         """Everything ``fmha_fwd`` takes, in order."""
@@ -103,14 +104,16 @@ class Variant:
         each), in plain order."""
         return replace(self, persistent=False, reverse_order=False)
 
-    def state(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The softmax state the two launches pass on: max and sum (B, Hq, Sq) and the unnormalised accumulator
-        (B, Hq, Sq, TILE_D), all float32 (the kernel's own precision). One-launch variants get placeholders."""
+    def state(self, q: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The kernel's workspace: the softmax state the two launches pass on (max and sum (B, Hq, Sq) and the
+        unnormalised accumulator (B, Hq, Sq, TILE_D), all float32, the kernel's own precision), then the
+        dynamic scheduler's counter (one int32, zeroed before every launch). Unused parts are placeholders."""
         rows = q.shape[:3] if self.two_launch else (1, 1, 1)
         width = tile_d(q.shape[-1]) if self.two_launch else 1
         return (torch.empty(rows, dtype=torch.float32, device=q.device),
                 torch.empty(rows, dtype=torch.float32, device=q.device),
-                torch.empty((*rows, width), dtype=torch.float32, device=q.device))
+                torch.empty((*rows, width), dtype=torch.float32, device=q.device),
+                torch.zeros((1,), dtype=torch.int32, device=q.device))
 
     def grid(self, q) -> tuple[int, int, int]:
         tiles = math.ceil(q.shape[2] / self.tile_m)
@@ -125,7 +128,7 @@ class Variant:
     def label(self) -> str:
         """A short name: tiles, hints, latencies and the switches that differ from the defaults."""
         flags = (("nosplit", not self.loop_split), ("branch", self.mask_branch), ("persistent", self.persistent),
-                 ("two-launch", self.two_launch))
+                 ("dynamic", self.dynamic), ("two-launch", self.two_launch))
         switches = "".join(f":{flag}" for flag, on in flags if on)
         group = {1: "", None: ":g-auto"}.get(self.head_group, f":g{self.head_group}")
         return f"{self.tile_m}x{self.tile_n}:{self.hints()}:L{self.k_latency},{self.v_latency}{switches}{group}"
@@ -195,8 +198,10 @@ def hopper_space(width: int, causal: bool) -> list[Variant]:
     streams K/V on from one work item into the next, 198 KB of pipeline instead of 132). Causal: one block per
     tile, 64x128 with occupancy 2 (one warpgroup per block, two blocks per SM) and 128x128 with 8 worker warps
     within 1-3% of each other from 2K, heaviest-first over as many heads as L2 holds. Persistent with any mask
-    in the loop body compiles to a shallow pipeline (99 KB; 12-25% slower), so causal gets the persistent form
-    only as the mask-free second launch of a two-launch variant. 64x64 and 128x64 with occupancy 2 for short
+    in the loop body compiles to a shallow pipeline (99 KB; 12-25% slower). Session 5 (H200): the causal
+    persistent kernel's loss is mostly its fixed share of unequal items, so causal persistent candidates take
+    their items from a counter (DYNAMIC); two launches give the mask-free part a deeper pipeline (167 KB)
+    but, with a fixed share, ran 0.8-0.9x the one-block-per-tile kernel. 64x64 and 128x64 with occupancy 2 for short
     rows, 128x256 next best on long non-causal rows. Measured and left out (scripts/sweep.py reproduces them):
     256x128 (<=361), num_ctas=2 (11), the lazy rescale (5-20% slower), the software-pipelined Q K^T and the
     split as a run-time branch (both within noise), 64x128 with occupancy 1.
@@ -212,11 +217,14 @@ def hopper_space(width: int, causal: bool) -> list[Variant]:
     space = [Variant(64, 64, occupancy=2, head_group=None), Variant(128, 64, occupancy=2, head_group=None),
              Variant(64, 128, occupancy=2, head_group=None), wide, replace(wide, k_latency=3, v_latency=6),
              replace(wide, tile_n=256)]
-    streams = [streaming, replace(streaming, k_latency=4, v_latency=4)]
+    if causal:  # causal items differ in length: persistent blocks take them from a counter
+        dynamic = replace(streaming, dynamic=True)
+        streams = [dynamic, replace(dynamic, two_launch=True), replace(dynamic, two_launch=True, k_latency=4,
+                                                                       v_latency=4)]
+    else:
+        streams = [streaming, replace(streaming, k_latency=4, v_latency=4), replace(streaming, dynamic=True)]
     if width <= 64:
-        streams.append(replace(streaming, tile_n=256))
-    if causal:
-        streams = [replace(s, two_launch=True) for s in streams]
+        streams.append(replace(streams[0], tile_n=256))
     return space + streams
 
 
@@ -229,6 +237,8 @@ def launch(variant: Variant, q, k, v, out, state, *, causal: bool, scale: float)
 
     stream = torch.cuda.current_stream()
     for grid, kernel, arguments in variant.launches(q, k, v, out, state, causal=causal, scale=scale):
+        if variant.dynamic:
+            state[-1].zero_()  # the scheduler's counter: part of every call, so inside any timed region
         ct.launch(stream, grid, kernel, arguments)
 
 
@@ -280,9 +290,12 @@ def precompile(calls: list[Call]) -> None:
     The calls share one output; the search overwrites it."""
     from concurrent.futures import ThreadPoolExecutor
 
+    if not calls:
+        return
     stream = torch.cuda.current_stream()
 
     def first_call(call: Call) -> None:
+        torch.cuda.set_device(stream.device)  # the thread's current context, which cuTile's launch asks for
         with torch.cuda.stream(stream):
             call()
 

@@ -8,7 +8,8 @@ import torch
 
 from impls.cutile import Variant
 
-TORCH_TO_TILE = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+TORCH_TO_TILE = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
+                 torch.int32: "int32"}
 
 
 def array_constraint(dtype: torch.dtype, shape: tuple[int, ...], *, int64: bool = False):
@@ -19,7 +20,7 @@ def array_constraint(dtype: torch.dtype, shape: tuple[int, ...], *, int64: bool 
     from cuda.tile.compilation import ArrayConstraint
 
     strides = torch.empty(shape, device="meta").stride()
-    per_16_bytes = 128 // torch.finfo(dtype).bits  # elements
+    per_16_bytes = 16 // dtype.itemsize  # elements
     return ArrayConstraint(
         getattr(ct, TORCH_TO_TILE[dtype]), len(shape), index_dtype=ct.int64 if int64 else ct.int32,
         stride_lower_bound_incl=0, alias_groups=[], may_alias_internally=False,
@@ -42,7 +43,7 @@ def signature(variant: Variant, *, dtype: torch.dtype, head_dim: int, causal: bo
         seq = seq // variant.tile_n * variant.tile_n + 1  # ragged: the last K/V tile is partial
     array = array_constraint(dtype, (batch, heads, seq, head_dim), int64=int64)
     q = torch.empty((batch, heads, seq, head_dim), device="meta", dtype=dtype)
-    state = [array_constraint(torch.float32, tuple(t.shape), int64=int64) for t in variant.state(q)]
+    state = [array_constraint(t.dtype, tuple(t.shape), int64=int64) for t in variant.state(q)]
     runtime = [ScalarConstraint(ct.float32)] + [ScalarConstraint(ct.int32)] * 3  # scale, offset, heads, group
     constants = variant.constants(head_dim=head_dim, causal=causal, kv_len=seq, itemsize=dtype.itemsize,
                                   phase=phase)

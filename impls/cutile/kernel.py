@@ -17,6 +17,9 @@ Every step of the blog's optimisation ladder is a compile-time switch of this on
                  and 4 for V, needed only after the softmax);
 - PERSISTENT:    not in the blog: one block per SM slot that takes work items in turn (the grid has one block
                  per item otherwise), so one block's K/V stream runs on from one item into the next.
+- DYNAMIC:       not in the blog: a persistent block takes its next work item from an atomic counter instead
+                 of every ``num_blocks``-th in turn. Causal items differ in length, and a fixed share leaves
+                 some SMs idle at the end; a non-persistent grid gets this balance from the hardware scheduler.
 - PHASE:         not in the blog: the masked tiles and the mask-free tiles in two launches of this kernel.
                  Any mask in the loop body keeps the compiler's K/V pipeline shallow (99-132 KB on sm_90, where
                  a mask-free loop gets 198 KB), so launch 1 (DIAGONAL) runs only the masked tiles of every query
@@ -46,13 +49,13 @@ INV_LOG_2 = 1.0 / math.log(2)  # exp(x) == exp2(x * INV_LOG_2)
 ZERO_PAD = ct.PaddingMode.ZERO  # ragged K/V tiles read zeros (0 * garbage could be NaN)
 # PHASE: the whole forward in one launch, or its masked / mask-free halves (see the module docstring).
 WHOLE, DIAGONAL, OFF_DIAGONAL = 0, 1, 2
-ARRAYS = ("Q", "K", "V", "Out", "MaxState", "SumState", "AccState")
+ARRAYS = ("Q", "K", "V", "Out", "MaxState", "SumState", "AccState", "NextItem")
 
 
 @ct.kernel
 def fmha_fwd(
     Q, K, V, Out,
-    MaxState, SumState, AccState,
+    MaxState, SumState, AccState, NextItem,
     qk_scale: float,
     causal_offset: int,
     num_heads: int,
@@ -61,16 +64,27 @@ def fmha_fwd(
     TILE_M: ConstInt, TILE_N: ConstInt,
     CAUSAL: ConstBool, EVEN_N: ConstBool,
     FAST_MATH: ConstBool, LOOP_SPLIT: ConstBool, MASK_BRANCH: ConstBool, REVERSE_ORDER: ConstBool,
-    K_LATENCY: ConstInt, V_LATENCY: ConstInt, HEAD_GROUP: ConstInt, PERSISTENT: ConstBool, PHASE: ConstInt,
+    K_LATENCY: ConstInt, V_LATENCY: ConstInt, HEAD_GROUP: ConstInt, PERSISTENT: ConstBool, DYNAMIC: ConstBool,
+    PHASE: ConstInt,
 ):
     """One block per work item (grid: query tiles x batch * heads), or PERSISTENT: a grid of one block per SM
     slot, each taking every ``num_blocks``-th item in turn. The state arrays (B, Hq, Sq) float32 for the max
-    and the sum, (B, Hq, Sq, TILE_D) for the accumulator, are read and written only by a split PHASE."""
+    and the sum, (B, Hq, Sq, TILE_D) for the accumulator, are read and written only by a split PHASE; NextItem
+    (one int32, zero at launch) only by a DYNAMIC one."""
     num_m = ct.cdiv(Q.shape[2], TILE_M)
     num_bh = Q.shape[0] * num_heads
     heaviest_first = CAUSAL and REVERSE_ORDER and PHASE != DIAGONAL  # diagonal items are all alike
-    if PERSISTENT:
-        for linear in range(ct.bid(0), num_m * num_bh, ct.num_blocks(0)):
+    num_items = num_m * num_bh
+    if PERSISTENT and DYNAMIC:  # the first item by block index, every next one from the shared counter
+        linear = ct.bid(0)
+        while linear < num_items:
+            tile_m, batch_head = work_item(linear, num_m, num_bh, heaviest_first, HEAD_GROUP)
+            attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_head, qk_scale,
+                              causal_offset, num_heads, group, TILE_D, TILE_M, TILE_N, CAUSAL, EVEN_N, FAST_MATH,
+                              LOOP_SPLIT, MASK_BRANCH, K_LATENCY, V_LATENCY, PHASE)
+            linear = ct.num_blocks(0) + ct.atomic_add(NextItem, 0, 1)
+    elif PERSISTENT:
+        for linear in range(ct.bid(0), num_items, ct.num_blocks(0)):
             tile_m, batch_head = work_item(linear, num_m, num_bh, heaviest_first, HEAD_GROUP)
             attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_head, qk_scale,
                               causal_offset, num_heads, group, TILE_D, TILE_M, TILE_N, CAUSAL, EVEN_N, FAST_MATH,
