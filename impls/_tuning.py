@@ -17,15 +17,14 @@ import hashlib
 import json
 import os
 import tempfile
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from importlib import metadata
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
 MODES = ("on", "off", "retune")
-Call = TypeVar("Call", bound=Callable[[], object])
 
 
 def mode() -> str:
@@ -105,25 +104,3 @@ class TuningCache:
         self.put(key, config)
         return config, False
 
-
-def fastest(calls: Sequence[Call], *, rounds: int = 7, round_s: float = 0.003) -> Call:
-    """The call that takes least GPU time, for autotuners whose candidates a library cannot time (several
-    launches per call). A round times each call in turn, about ``round_s`` of it queued back to back between
-    two CUDA events; a call's time is its median over ``rounds`` rounds. Taking the candidates in turn within
-    each round spreads clock drift (boost, heat) over all of them. Compile first: a first call is not excluded."""
-    if not calls:
-        raise ValueError("nothing to tune: no candidate")
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-
-    def seconds(call: Call, repeats: int) -> float:
-        start.record()
-        for _ in range(repeats):
-            call()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3 / repeats
-
-    repeats = [max(1, min(1000, int(round_s / max(seconds(call, 1), 1e-6)))) for call in calls]
-    times = [[seconds(call, n) for call, n in zip(calls, repeats, strict=True)] for _ in range(rounds)]
-    medians = [sorted(column)[rounds // 2] for column in zip(*times, strict=True)]
-    return calls[medians.index(min(medians))]

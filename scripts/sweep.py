@@ -25,7 +25,7 @@ from suite.metrics import flops
 def cutile_candidates(head_dim: int = 128):
     from dataclasses import replace
 
-    from impls.cutile import LADDER, Call, Variant, search_space
+    from impls.cutile import LADDER, Call, Variant, other_forms, search_space
 
     # Session 3's exploration (earlier lists: docs/h200-results-*.md); head groups sized to L2 throughout.
     wide = Variant(128, 128, occupancy=1, num_worker_warps=8, k_latency=3, v_latency=6, head_group=None)
@@ -38,7 +38,7 @@ def cutile_candidates(head_dim: int = 128):
              replace(persistent, mask_branch=True), replace(persistent, loop_split=False),
              pair, replace(pair, persistent=True),
              *(replace(persistent, two_launch=True, k_latency=k, v_latency=v) for k, v in ((2, 4), (4, 8))),
-             replace(wide, two_launch=True)]
+             replace(wide, two_launch=True), *other_forms()]
     seen = set()
     named = [(name, v) for name, (v, _) in LADDER.items()]
     space = [*search_space((9, 0), head_dim, causal=True), *search_space((9, 0), head_dim, causal=False), *extra]

@@ -30,8 +30,11 @@ def test_ladder_kernel_compiles(name, arch):
 
 @pytest.mark.parametrize(("capability", "causal"), [((9, 0), False), ((9, 0), True), ((10, 0), False)])
 def test_search_space_compiles(capability, causal):
+    # Causal on sm_90 adds the kernel's other forms: two launches and the dynamic scheduler (sweep candidates).
     arch = f"sm_{capability[0]}{capability[1]}"
-    for variant in search_space(capability, 64, causal=causal):
+    extra = [Variant(128, 128, num_worker_warps=8, persistent=True, dynamic=True, two_launch=two)
+             for two in (False, True)] if causal and capability == (9, 0) else []
+    for variant in search_space(capability, 64, causal=causal) + extra:
         for _, cubin in export_phases(variant, arch=arch, dtype=torch.bfloat16, head_dim=64, causal=causal):
             assert cubin[:4] == b"\x7fELF"
 
@@ -53,69 +56,27 @@ def test_head_dims_pad_to_the_next_power_of_two():
 
 
 def test_two_launch_variants_pass_the_softmax_state_between_launches():
-    # Causal Hopper candidates that stream persistently take their items from a counter, some as the
-    # mask-free half of two launches; the first launch is one block per query tile in plain order, and both
-    # share a float32 state workspace.
-    space = search_space((9, 0), 128, causal=True)
-    split = [v for v in space if v.two_launch]
-    assert split and all(v.persistent for v in split)
-    assert all(v.dynamic for v in space if v.persistent)
-    assert not any(v.two_launch for v in search_space((9, 0), 128, causal=False))
-    diagonal = split[0].diagonal()
-    assert not diagonal.persistent and not diagonal.reverse_order
+    # The first launch is one block per query tile in plain order; both share a float32 state workspace.
+    split = Variant(128, 128, num_worker_warps=8, persistent=True, dynamic=True, two_launch=True)
+    diagonal = split.diagonal()
+    assert not diagonal.persistent and not diagonal.reverse_order and diagonal.two_launch
     q = torch.empty((2, 4, 300, 96), device="meta", dtype=torch.float16)
-    m, s, acc, counter = split[0].state(q)
+    m, s, acc, counter = split.state(q)
     assert m.shape == s.shape == (2, 4, 300) and acc.shape == (2, 4, 300, 128)
     assert {t.dtype for t in (m, s, acc)} == {torch.float32}
     assert counter.shape == (1,) and counter.dtype == torch.int32
     assert all(t.numel() == 1 for t in Variant(64, 64).state(q))  # one launch: placeholders only
 
 
-def test_head_group_keeps_the_heads_in_flight_within_the_l2_budget():
-    from impls.cutile import L2_BUDGET_BYTES, MAX_HEAD_GROUP
-
-    auto = Variant(128, 128, head_group=None)
-    for kv_len in (1, 300, 1024, 2048, 4096, 8192, 16384, 1 << 20):
-        group = auto.heads_per_group(causal=True, kv_len=kv_len, head_dim=128, itemsize=2)
-        assert group & (group - 1) == 0 and 1 <= group <= MAX_HEAD_GROUP  # a power of two
-        kv_bytes = 2 * kv_len * 128 * 2
-        assert group == 1 or group * kv_bytes <= L2_BUDGET_BYTES
-        assert group == MAX_HEAD_GROUP or 2 * group * kv_bytes > L2_BUDGET_BYTES  # as many as fit
-    assert auto.heads_per_group(causal=True, kv_len=2048, head_dim=128, itemsize=2) == 8
-    assert auto.heads_per_group(causal=True, kv_len=16384, head_dim=128, itemsize=2) == 1
-    # Only causal blocks that run heaviest-first are regrouped; a fixed group is taken as given.
-    assert auto.heads_per_group(causal=False, kv_len=2048, head_dim=128, itemsize=2) == 1
-    no_remap = Variant(128, 128, reverse_order=False, head_group=None)
-    assert no_remap.heads_per_group(causal=True, kv_len=2048, head_dim=128, itemsize=2) == 1
-    assert Variant(64, 64, head_group=4).heads_per_group(causal=True, kv_len=2048, head_dim=128, itemsize=2) == 4
-
-
-def test_hints_reach_the_compiler():
-    one = Variant(64, 64, occupancy=1)
-    two = Variant(64, 64, occupancy=2)
-    eight = Variant(128, 64, occupancy=1, num_worker_warps=8)
-    assert one.kernel()._compiler_options.occupancy == 1
-    assert two.kernel()._compiler_options.occupancy == 2
-    assert eight.kernel()._compiler_options.num_worker_warps == 8
-    # The kernel object the launcher uses compiles differently when only the hint differs.
-    assert export_cubin(one, arch="sm_90") != export_cubin(two, arch="sm_90")
-    assert export_cubin(Variant(128, 64, occupancy=1), arch="sm_90") != export_cubin(eight, arch="sm_90")
-
-
-def test_tensors_past_2_31_elements_get_the_64_bit_indexed_kernel():
-    import inspect
-
-    import cuda.tile as ct
-
-    from impls.cutile import needs_int64
-
-    variant = Variant(64, 64, occupancy=2)
-    wide = variant.kernel(int64=True)
-    params = inspect.signature(wide._pyfunc).parameters
-    assert all(params[name].annotation is ct.IndexedWithInt64 for name in ("Q", "K", "V", "Out"))
-    assert wide._compiler_options.occupancy == 2  # the hints survive
-    assert export_cubin(variant, arch="sm_90", int64=True)[:4] == b"\x7fELF"
-    assert needs_int64(torch.empty(1).expand(2**31)) and not needs_int64(torch.empty(2**10))
+def test_search_space_holds_single_launches_only():
+    # The tuner times one launch per candidate (cuda.tile.tune.exhaustive_search); on the H200 the two-launch
+    # and dynamically scheduled forms lost, so no causal candidate is persistent.
+    for capability in ((8, 0), (9, 0), (10, 0), (12, 0)):
+        for head_dim in (64, 96, 128, 256):
+            for causal in (False, True):
+                space = search_space(capability, head_dim, causal=causal)
+                assert space and not any(v.two_launch or v.dynamic for v in space)
+                assert not (causal and any(v.persistent for v in space))
 
 
 def test_sm90_mask_free_launch_gets_a_deeper_pipeline():
@@ -125,8 +86,9 @@ def test_sm90_mask_free_launch_gets_a_deeper_pipeline():
 
     if not find_cuobjdump() and not os.environ.get("CI"):
         pytest.skip("needs cuobjdump (pip install nvidia-cuda-cuobjdump, or triton)")
-    split = next(v for v in search_space((9, 0), 128, causal=True) if v.two_launch)
-    one_launch = Variant(**{**split.describe(), "two_launch": False})
+    one_launch = Variant(128, 128, occupancy=1, num_worker_warps=8, head_group=None, persistent=True, dynamic=True,
+                         k_latency=3, v_latency=6)
+    split = Variant(**{**one_launch.describe(), "two_launch": True})
     (_, diagonal), (_, mask_free) = export_phases(split, arch="sm_90")
     shallow = sass_summary(export_cubin(one_launch, arch="sm_90"))
     deep = sass_summary(mask_free)

@@ -6,7 +6,8 @@ case would show up only on the GPU that happens to prefer it. Each candidate of 
 (ragged lengths, Sq != Skv both ways with rows that see no key, GQA, MQA, bf16, large scores that keep moving
 the running max) and checked against the float64 oracle. Without autotuning each candidate runs once per case,
 which is also what the sanitizers run (scripts/gpu_checks.sh). ``FMHA_CANDIDATES=GLOB`` keeps the cuTile
-candidates whose label matches (``*two-launch*``: the sanitizer's subset).
+candidates whose label matches (``*two-launch*``: the sanitizer's subset). The kernel's forms the tuner
+does not try (``impls.cutile.other_forms``) are checked too.
 """
 
 import os
@@ -37,11 +38,12 @@ CASES = [
 
 def cutile_candidates(case: Case, q, k, v, out) -> list[tuple[str, Callable[[], object]]]:
     pytest.importorskip("cuda.tile")
-    from impls.cutile import HEAD_DIMS, Call, precompile, search_space
+    from impls.cutile import HEAD_DIMS, Call, other_forms, precompile, search_space, tile_d
 
     if case.d not in HEAD_DIMS:
         return []
     space = search_space(torch.cuda.get_device_capability(), case.d, causal=case.causal)
+    space += other_forms() if tile_d(case.d) <= 128 else []  # the kernel's other forms: correct, if not tuned
     keep = os.environ.get("FMHA_CANDIDATES", "*")
     calls = [Call(var, q, k, v, out=out, causal=case.causal, scale=case.d ** -0.5)
              for var in space if fnmatchcase(var.label(), keep)]

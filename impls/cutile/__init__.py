@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from impls._registry import HALF, Prepared, length_class, module_available, register
-from impls._tuning import TuningCache, fastest
+from impls._tuning import TuningCache
 
 HEAD_DIMS = tuple(range(16, 257, 8))  # the autotuned kernel: a head dim pads to the next power of two
 LADDER_HEAD_DIMS = (64, 128)  # the blog's steps, as the blog runs them
@@ -198,10 +198,11 @@ def hopper_space(width: int, causal: bool) -> list[Variant]:
     streams K/V on from one work item into the next, 198 KB of pipeline instead of 132). Causal: one block per
     tile, 64x128 with occupancy 2 (one warpgroup per block, two blocks per SM) and 128x128 with 8 worker warps
     within 1-3% of each other from 2K, heaviest-first over as many heads as L2 holds. Persistent with any mask
-    in the loop body compiles to a shallow pipeline (99 KB; 12-25% slower). Session 5 (H200): the causal
-    persistent kernel's loss is mostly its fixed share of unequal items, so causal persistent candidates take
-    their items from a counter (DYNAMIC); two launches give the mask-free part a deeper pipeline (167 KB)
-    but, with a fixed share, ran 0.8-0.9x the one-block-per-tile kernel. 64x64 and 128x64 with occupancy 2 for short
+    in the loop body compiles to a shallow pipeline (99 KB; 12-25% slower). Session 5 (H200, blog causal
+    2K/8K/16K TFLOPS, the one-block-per-tile 128x128 at 432/516/545): persistent with a fixed share of the
+    unequal causal items 331/447/464; taking items from a counter (DYNAMIC) 401/499/517; two launches, the
+    mask-free one persistent (167 KB of pipeline instead of 100) 309/453/498. Non-causal, dynamic scheduling
+    ran 1-4% behind the fixed share. 64x64 and 128x64 with occupancy 2 for short
     rows, 128x256 next best on long non-causal rows. Measured and left out (scripts/sweep.py reproduces them):
     256x128 (<=361), num_ctas=2 (11), the lazy rescale (5-20% slower), the software-pipelined Q K^T and the
     split as a run-time branch (both within noise), 64x128 with occupancy 1.
@@ -217,15 +218,22 @@ def hopper_space(width: int, causal: bool) -> list[Variant]:
     space = [Variant(64, 64, occupancy=2, head_group=None), Variant(128, 64, occupancy=2, head_group=None),
              Variant(64, 128, occupancy=2, head_group=None), wide, replace(wide, k_latency=3, v_latency=6),
              replace(wide, tile_n=256)]
-    if causal:  # causal items differ in length: persistent blocks take them from a counter
-        dynamic = replace(streaming, dynamic=True)
-        streams = [dynamic, replace(dynamic, two_launch=True), replace(dynamic, two_launch=True, k_latency=4,
-                                                                       v_latency=4)]
-    else:
-        streams = [streaming, replace(streaming, k_latency=4, v_latency=4), replace(streaming, dynamic=True)]
-    if width <= 64:
-        streams.append(replace(streams[0], tile_n=256))
+    # Causal: no persistent candidate (see above). The two-launch and dynamically scheduled forms stay
+    # switches of the kernel for scripts/sweep.py; on the H200 they lost to the candidates here.
+    streams = [] if causal else [streaming, replace(streaming, k_latency=4, v_latency=4)]
+    if width <= 64 and not causal:
+        streams.append(replace(streaming, tile_n=256))
     return space + streams
+
+
+def other_forms() -> list[Variant]:
+    """Forms of the kernel the autotuner does not try (they lost on the H200), kept for scripts/sweep.py and
+    checked for correctness with the candidates: the causal persistent kernel with a dynamic scheduler, and
+    two launches with a fixed or dynamic share."""
+    streaming = Variant(128, 128, occupancy=1, num_worker_warps=8, head_group=None, persistent=True,
+                        k_latency=3, v_latency=6)
+    return [replace(streaming, dynamic=True), replace(streaming, two_launch=True),
+            replace(streaming, dynamic=True, two_launch=True)]
 
 
 def requires(device: str) -> str | None:
@@ -305,20 +313,28 @@ def precompile(calls: list[Call]) -> None:
 
 
 def tune(q, k, v, *, causal: bool, scale: float) -> tuple[Variant, bool]:
-    """The best variant of the search space for this shape class, and whether it came from the cache. Each
-    candidate is timed as the whole call it makes (two launches for a two-launch variant), so
-    ``cuda.tile.tune.exhaustive_search``, which times one launch, does not fit."""
+    """The best variant of the search space for this shape class, and whether it came from the cache."""
     key = TUNING.key(q.device, shape_class(q, k, causal))
     if key not in _TUNED:
         def search() -> dict:
             import cuda.tile as ct
+            from cuda.tile.tune import exhaustive_search
 
             space = search_space(torch.cuda.get_device_capability(q.device), q.shape[-1], causal=causal)
             out = torch.empty_like(q)
-            calls = [Call(variant, q, k, v, causal=causal, scale=scale, out=out) for variant in space]
+            calls = {variant: Call(variant, q, k, v, causal=causal, scale=scale, out=out) for variant in space}
+
+            def only_launch(variant: Variant) -> tuple:
+                (launch,) = variant.launches(q, k, v, out, calls[variant].state, causal=causal, scale=scale)
+                return launch  # exhaustive_search times one launch: the space holds single-launch variants
+
             with ct.compiler_timeout(COMPILE_TIMEOUT_S):
-                precompile(calls)
-            return fastest(calls).variant.describe()
+                precompile(list(calls.values()))
+                result = exhaustive_search(space, torch.cuda.current_stream(),
+                                           grid_fn=lambda var: only_launch(var)[0],
+                                           kernel=lambda var: only_launch(var)[1],  # the hints travel with it
+                                           args_fn=lambda var: only_launch(var)[2], quiet=True)
+            return result.best.config.describe()
 
         config, cached = TUNING.lookup(key, search)
         _TUNED[key] = (Variant(**config), cached)
