@@ -107,3 +107,17 @@ def test_sm90_cubin_is_the_one_that_runs():
     summary = sass_summary(export_cubin(Variant(128, 128, occupancy=1, num_worker_warps=8), arch="sm_90"))
     assert summary["utmaldg"] > 0 and summary["hgmma"] > 0
     assert summary["stack"] == 0
+
+
+def test_a_two_launch_call_runs_the_diagonal_first_then_the_mask_free_part():
+    from impls.cutile.kernel import DIAGONAL, OFF_DIAGONAL, WHOLE
+
+    q = torch.empty((2, 4, 300, 64), device="meta", dtype=torch.float16)
+    k = v = torch.empty((2, 2, 300, 64), device="meta", dtype=torch.float16)
+    split = Variant(64, 64, two_launch=True)
+    state = split.state(q)
+    launches = split.launches(q, k, v, q, state, causal=True, scale=0.125)
+    assert [args[-1] for _, _, args in launches] == [DIAGONAL, OFF_DIAGONAL]  # PHASE is the last argument
+    assert all(args[4:8] == state for _, _, args in launches)  # both launches see one workspace
+    (_, _, whole), = Variant(64, 64).launches(q, k, v, q, Variant(64, 64).state(q), causal=True, scale=0.125)
+    assert whole[-1] == WHOLE
