@@ -103,4 +103,3 @@ class TuningCache:
         config = tune()
         self.put(key, config)
         return config, False
-

@@ -189,6 +189,11 @@ def search_space(capability: tuple[int, int], head_dim: int = 128, *, causal: bo
     return [Variant(m, n, occupancy=occ) for m, n, occ in shapes]
 
 
+# Hopper's two warpgroup tile: one block per query tile, and the persistent form that streams K/V on.
+HOPPER_WIDE = Variant(128, 128, occupancy=1, num_worker_warps=8, head_group=None)
+HOPPER_STREAMING = replace(HOPPER_WIDE, persistent=True, k_latency=3, v_latency=6)
+
+
 def hopper_space(width: int, causal: bool) -> list[Variant]:
     """Hopper, measured on an H200 (fp16, D=128; docs/h200-results-*.md).
 
@@ -202,16 +207,15 @@ def hopper_space(width: int, causal: bool) -> list[Variant]:
     2K/8K/16K TFLOPS, the one-block-per-tile 128x128 at 432/516/545): persistent with a fixed share of the
     unequal causal items 331/447/464; taking items from a counter (DYNAMIC) 401/499/517; two launches, the
     mask-free one persistent (167 KB of pipeline instead of 100) 309/453/498. Non-causal, dynamic scheduling
-    ran 1-4% behind the fixed share. 64x64 and 128x64 with occupancy 2 for short
-    rows, 128x256 next best on long non-causal rows. Measured and left out (scripts/sweep.py reproduces them):
+    ran 1-4% behind the fixed share. 64x64 and 128x64 with occupancy 2 for short rows, 128x256 next best on
+    long non-causal rows. Measured and left out (scripts/sweep.py reproduces them):
     256x128 (<=361), num_ctas=2 (11), the lazy rescale (5-20% slower), the software-pipelined Q K^T and the
     split as a run-time branch (both within noise), 64x128 with occupancy 1.
 
     Head dims: up to 64 a score tile twice as wide fits beside the small accumulator; a 256-wide accumulator
     (head dims 136-256) takes half the rows per warpgroup (checked for spills with scripts/cutile_sass.py).
     """
-    wide = Variant(128, 128, occupancy=1, num_worker_warps=8, head_group=None)
-    streaming = replace(wide, persistent=True, k_latency=3, v_latency=6)
+    wide, streaming = HOPPER_WIDE, HOPPER_STREAMING
     if width > 128:
         return [Variant(64, 64, occupancy=1, head_group=None), replace(wide, tile_n=64),
                 replace(wide, tile_n=64, persistent=not causal, k_latency=3, v_latency=6)]
@@ -230,39 +234,34 @@ def other_forms() -> list[Variant]:
     """Forms of the kernel the autotuner does not try (they lost on the H200), kept for scripts/sweep.py and
     checked for correctness with the candidates: the causal persistent kernel with a dynamic scheduler, and
     two launches with a fixed or dynamic share."""
-    streaming = Variant(128, 128, occupancy=1, num_worker_warps=8, head_group=None, persistent=True,
-                        k_latency=3, v_latency=6)
-    return [replace(streaming, dynamic=True), replace(streaming, two_launch=True),
-            replace(streaming, dynamic=True, two_launch=True)]
+    return [replace(HOPPER_STREAMING, dynamic=True), replace(HOPPER_STREAMING, two_launch=True),
+            replace(HOPPER_STREAMING, dynamic=True, two_launch=True)]
 
 
 def requires(device: str) -> str | None:
     return module_available("cuda.tile", 'pip install "cuda-tile[tileiras]"')(device)
 
 
-def launch(variant: Variant, q, k, v, out, state, *, causal: bool, scale: float) -> None:
-    import cuda.tile as ct
-
-    stream = torch.cuda.current_stream()
-    for grid, kernel, arguments in variant.launches(q, k, v, out, state, causal=causal, scale=scale):
-        if variant.dynamic:
-            state[-1].zero_()  # the scheduler's counter: part of every call, so inside any timed region
-        ct.launch(stream, grid, kernel, arguments)
-
-
 class Call:
-    """One prepared call of a variant: contiguous inputs, the output and the state workspace made once, so a
-    timed call only launches."""
+    """One prepared call of a variant: contiguous inputs, the output, the workspace and every launch's
+    arguments made once, so a timed call only launches."""
 
     def __init__(self, variant: Variant, q, k, v, *, causal: bool, scale: float,
                  out: torch.Tensor | None = None) -> None:
-        self.variant, self.causal, self.scale = variant, causal, scale
+        self.variant = variant
         self.q, self.k, self.v = (t.contiguous() for t in (q, k, v))  # a no-op for the contract's usual layout
         self.out = torch.empty_like(self.q) if out is None else out
         self.state = variant.state(self.q)
+        self.launches = variant.launches(self.q, self.k, self.v, self.out, self.state, causal=causal, scale=scale)
 
     def __call__(self) -> torch.Tensor:
-        launch(self.variant, self.q, self.k, self.v, self.out, self.state, causal=self.causal, scale=self.scale)
+        import cuda.tile as ct
+
+        stream = torch.cuda.current_stream()
+        for grid, kernel, arguments in self.launches:
+            if self.variant.dynamic:
+                self.state[-1].zero_()  # the scheduler's counter: part of every call, so inside any timed region
+            ct.launch(stream, grid, kernel, arguments)
         return self.out
 
     def prepared(self, **config) -> Prepared:
@@ -312,8 +311,16 @@ def precompile(calls: list[Call]) -> None:
     torch.cuda.synchronize()
 
 
+def only_launch(call: Call) -> tuple:
+    """(grid, kernel, arguments) of a call that makes one launch: ``exhaustive_search`` times one launch, so
+    the search space holds single-launch variants only."""
+    (launch,) = call.launches
+    return launch
+
+
 def tune(q, k, v, *, causal: bool, scale: float) -> tuple[Variant, bool]:
     """The best variant of the search space for this shape class, and whether it came from the cache."""
+    q, k, v = (t.contiguous() for t in (q, k, v))  # once here, not once per candidate
     key = TUNING.key(q.device, shape_class(q, k, causal))
     if key not in _TUNED:
         def search() -> dict:
@@ -322,18 +329,14 @@ def tune(q, k, v, *, causal: bool, scale: float) -> tuple[Variant, bool]:
 
             space = search_space(torch.cuda.get_device_capability(q.device), q.shape[-1], causal=causal)
             out = torch.empty_like(q)
-            calls = {variant: Call(variant, q, k, v, causal=causal, scale=scale, out=out) for variant in space}
-
-            def only_launch(variant: Variant) -> tuple:
-                (launch,) = variant.launches(q, k, v, out, calls[variant].state, causal=causal, scale=scale)
-                return launch  # exhaustive_search times one launch: the space holds single-launch variants
-
+            calls = [Call(variant, q, k, v, causal=causal, scale=scale, out=out) for variant in space]
+            launches = {call.variant: only_launch(call) for call in calls}
             with ct.compiler_timeout(COMPILE_TIMEOUT_S):
-                precompile(list(calls.values()))
+                precompile(calls)
                 result = exhaustive_search(space, torch.cuda.current_stream(),
-                                           grid_fn=lambda var: only_launch(var)[0],
-                                           kernel=lambda var: only_launch(var)[1],  # the hints travel with it
-                                           args_fn=lambda var: only_launch(var)[2], quiet=True)
+                                           grid_fn=lambda var: launches[var][0],
+                                           kernel=lambda var: launches[var][1],  # the hints travel with it
+                                           args_fn=lambda var: launches[var][2], quiet=True)
             return result.best.config.describe()
 
         config, cached = TUNING.lookup(key, search)
