@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from impls._validate import validate_attention_inputs
-
-NO_WINDOW = (-1, -1)
+from impls._validate import NO_WINDOW, validate_attention_inputs
 
 
 def causal_visible(sq: int, skv: int, device: torch.device | str = "cpu") -> torch.Tensor:

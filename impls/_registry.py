@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 import torch
 
-from impls._validate import validate_attention_inputs, validate_variants
+from impls._validate import NO_WINDOW, validate_attention_inputs, validate_variants
 
 VARIANTS = ("window", "softcap")  # what a model may ask of dense attention beyond causal (impls._reference)
 
@@ -115,7 +115,7 @@ class Impl:
             scale = validate_attention_inputs(q, k, v, scale)
             options: dict[str, Any] = {"causal": bool(causal), "scale": scale}
             window, softcap = validate_variants(window, softcap)
-            for variant, used, value in (("window", window != (-1, -1), window), ("softcap", softcap > 0, softcap)):
+            for variant, used, value in (("window", window != NO_WINDOW, window), ("softcap", softcap > 0, softcap)):
                 if used and variant not in self.variants:
                     raise Unsupported(f"{self.name}: {'sliding window' if variant == 'window' else 'softcap'} "
                                       "not supported")

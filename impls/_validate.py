@@ -57,9 +57,12 @@ def validate_scale(scale: float) -> float:
     return float(scale)
 
 
+NO_WINDOW = (-1, -1)  # window=(left, right) with both sides unbounded: no sliding window
+
+
 def validate_variants(window: tuple[int, int] | None, softcap: float) -> tuple[tuple[int, int], float]:
     """The model variants: ``window=(left, right)`` of ints >= -1 (-1: unbounded), ``softcap >= 0``."""
-    window = (-1, -1) if window is None else window
+    window = NO_WINDOW if window is None else window
     if (not isinstance(window, tuple | list) or len(window) != 2
             or not all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window)):
         raise ValueError(f"window must be (left, right) with ints >= -1 (-1: unbounded), got {window!r}")

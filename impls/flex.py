@@ -20,6 +20,7 @@ import functools
 import torch
 
 from impls._registry import Prepared, Unsupported, module_available, register
+from impls._validate import NO_WINDOW
 
 requires = module_available("torch.nn.attention.flex_attention", "PyTorch 2.5 or newer")
 
@@ -61,7 +62,7 @@ def _zero_empty_rows(out: torch.Tensor, q_len: int, kv_len: int) -> torch.Tensor
 @register("flex", family="sdpa", requires=requires, variants=("window", "softcap"),
           description="torch FlexAttention, compiled on a GPU; causal and window as a mask_mod and a block mask, "
                       "softcap as a score_mod")
-def flex_dense(q, k, v, *, causal: bool, scale: float, window: tuple[int, int] = (-1, -1), softcap: float = 0.0):
+def flex_dense(q, k, v, *, causal: bool, scale: float, window: tuple[int, int] = NO_WINDOW, softcap: float = 0.0):
     q_len, kv_len = q.shape[2], k.shape[2]
     offset = kv_len - q_len
     left, right = window
@@ -75,7 +76,7 @@ def flex_dense(q, k, v, *, causal: bool, scale: float, window: tuple[int, int] =
     def capped(score, b, h, q_idx, kv_idx):
         return softcap * torch.tanh(score / softcap)
 
-    masked = causal or window != (-1, -1)
+    masked = causal or window != NO_WINDOW
     prepared = _prepared(q, k, v, visible if masked else None, scale=scale, score_mod=capped if softcap else None)
     if masked and q_len > kv_len:
         return Prepared(lambda: _zero_empty_rows(prepared(), q_len, kv_len), prepared.config)

@@ -10,6 +10,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from impls._validate import NO_WINDOW
+
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -44,7 +46,7 @@ class Case:
     page_size: int = 0
     lengths: str = "fixed"
     model: str = ""  # the checkpoint whose attention shape this is, shown in the id
-    window: tuple[int, int] = (-1, -1)  # sliding window (left, right), bottom-right; -1: unbounded (dense only)
+    window: tuple[int, int] = NO_WINDOW  # sliding window (left, right), bottom-right; -1: unbounded (dense only)
     softcap: float = 0.0  # scores become softcap * tanh(scores / softcap) (dense only)
 
     def __post_init__(self) -> None:
@@ -61,7 +63,7 @@ class Case:
             raise ValueError(f"page_size {self.page_size} for op {self.op}: paged cases need one, others none")
         if self.op == "paged" and not self.causal:
             raise ValueError("paged decode is causal: the new tokens are the last positions of each sequence")
-        if self.op != "dense" and (self.window != (-1, -1) or self.softcap):
+        if self.op != "dense" and (self.window != NO_WINDOW or self.softcap):
             raise ValueError("window and softcap are dense-attention variants here")
         if self.op == "varlen" and (self.sq != self.skv or self.sq < self.batch):
             raise ValueError(f"varlen: {self.batch} sequences need sq == skv >= batch tokens in all")
@@ -80,7 +82,7 @@ class Case:
         elif self.op == "varlen":
             body = f"varlen-{self.dtype}-{mask}-{heads}-t{self.sq}-{self.lengths}-d{self.d}{tail}"
         else:
-            variants = (f"-w{self.window[0]}:{self.window[1]}" if self.window != (-1, -1) else "") + (
+            variants = (f"-w{self.window[0]}:{self.window[1]}" if self.window != NO_WINDOW else "") + (
                 f"-cap{self.softcap:g}" if self.softcap else "")
             body = f"{self.dtype}-{mask}-{heads}-s{self.sq}x{self.skv}-d{self.d}{variants}{tail}"
         return f"{self.model}-{body}" if self.model else body
@@ -88,7 +90,7 @@ class Case:
     @property
     def variants(self) -> dict:
         """The window and softcap keywords to pass, where the case uses them."""
-        return ({"window": self.window} if self.window != (-1, -1) else {}) | (
+        return ({"window": self.window} if self.window != NO_WINDOW else {}) | (
             {"softcap": self.softcap} if self.softcap else {})
 
     @property
@@ -241,14 +243,14 @@ def _serving() -> list[Case]:
 # The attention of real checkpoints: (name in the case id, Hq, Hkv, D, window, softcap). Gemma 2 alternates
 # local (sliding window) and global layers, both softcapped at 50; Mistral slides a 4096-token window.
 MODELS = [
-    ("llama3-8b", 32, 8, 128, (-1, -1), 0.0),
-    ("llama3-70b-tp8", 8, 1, 128, (-1, -1), 0.0),
+    ("llama3-8b", 32, 8, 128, NO_WINDOW, 0.0),
+    ("llama3-70b-tp8", 8, 1, 128, NO_WINDOW, 0.0),
     ("mistral-7b", 32, 8, 128, (4096, 0), 0.0),
-    ("qwen2.5-7b", 28, 4, 128, (-1, -1), 0.0),
+    ("qwen2.5-7b", 28, 4, 128, NO_WINDOW, 0.0),
     ("gemma2-9b-local", 16, 8, 256, (4096, 0), 50.0),
-    ("gemma2-9b-global", 16, 8, 256, (-1, -1), 50.0),
-    ("phi3-mini", 32, 32, 96, (-1, -1), 0.0),
-    ("gpt2", 12, 12, 64, (-1, -1), 0.0),
+    ("gemma2-9b-global", 16, 8, 256, NO_WINDOW, 50.0),
+    ("phi3-mini", 32, 32, 96, NO_WINDOW, 0.0),
+    ("gpt2", 12, 12, 64, NO_WINDOW, 0.0),
 ]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from impls._validate import NO_WINDOW
 from suite.cases import Case
 
 # Dense fp16/bf16 tensor-core peak (TFLOP/s, no sparsity) of each architecture's flagship datacenter part,
@@ -45,7 +46,7 @@ def windowed_pairs(sq: int, skv: int, causal: bool, window: tuple[int, int]) -> 
 def flops(case: Case) -> int:
     """Two matmuls (QK^T and PV), 2 FLOPs per multiply-add, over query heads (GQA shares K/V, not work);
     serving cases sum over their sequences (decode: Sq_new new tokens against each cache, bottom-right)."""
-    if case.op == "dense" and case.window != (-1, -1):
+    if case.op == "dense" and case.window != NO_WINDOW:
         pairs = case.batch * windowed_pairs(case.sq, case.skv, case.causal, case.window)
     elif case.op == "dense":
         pairs = case.batch * visible_pairs(case.sq, case.skv, case.causal)

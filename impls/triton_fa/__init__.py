@@ -19,6 +19,7 @@ import torch
 
 from impls._registry import FLOATS, Prepared, Unsupported, length_class, module_available, register
 from impls._tuning import TuningCache
+from impls._validate import NO_WINDOW
 
 # Any multiple of 8 from 16 (the smallest dot) to 256: a head dim that is not a power of two is padded to the
 # next one in registers (masked loads read zeros there). The descriptor (TMA) path needs the exact power of two.
@@ -118,7 +119,7 @@ def window_arguments(window: tuple[int, int], causal: bool) -> tuple[int, int]:
     return left, 0 if causal else right
 
 
-def kernel_arguments(q, k, v, out, scale: float, window: tuple[int, int] = (-1, -1), causal: bool = False) -> tuple:
+def kernel_arguments(q, k, v, out, scale: float, window: tuple[int, int] = NO_WINDOW, causal: bool = False) -> tuple:
     """``attention_fwd``'s runtime arguments, in order (the compile-time ones go by keyword)."""
     from impls.triton_fa.kernel import LOG2_E
 
@@ -143,7 +144,7 @@ def varlen_arguments(inputs, out, scale: float) -> tuple:
     return (
         inputs.q, inputs.k, inputs.v, out, scale * LOG2_E, *(x for st in strides for x in st),
         heads, q_len, kv_len, length_class(q_len), length_class(kv_len), heads // k.shape[1],
-        inputs.cu_seqlens_q, inputs.cu_seqlens_k, *window_arguments((-1, -1), inputs.causal),
+        inputs.cu_seqlens_q, inputs.cu_seqlens_k, *window_arguments(NO_WINDOW, inputs.causal),
     )
 
 
@@ -196,7 +197,7 @@ def _make(name: str, paths: str, description: str) -> None:
     @register(name, family="triton", dtypes=FLOATS, head_dims=POW2_HEAD_DIMS if paths == "tma" else HEAD_DIMS,
               requires=requires_tma if paths == "tma" else requires, description=description,
               variants=("window", "softcap"))
-    def prepare(q, k, v, *, causal: bool, scale: float, window: tuple[int, int] = (-1, -1),
+    def prepare(q, k, v, *, causal: bool, scale: float, window: tuple[int, int] = NO_WINDOW,
                 softcap: float = 0.0) -> Prepared:
         import triton
 
@@ -212,7 +213,7 @@ def _make(name: str, paths: str, description: str) -> None:
         batch, heads, q_len, head_dim = q.shape
         out = torch.empty_like(q)
         meta = {"HEAD_DIM": head_dim, "BLOCK_D": block_d(head_dim), "CAUSAL": causal,
-                "DOT_FP32": interpreting() or q.dtype == torch.float32, "HAS_WINDOW": window != (-1, -1),
+                "DOT_FP32": interpreting() or q.dtype == torch.float32, "HAS_WINDOW": window != NO_WINDOW,
                 "SOFTCAP": softcap}
 
         def grid(cfg):
