@@ -58,6 +58,13 @@ def validate_scale(scale: float) -> float:
 
 
 NO_WINDOW = (-1, -1)  # window=(left, right) with both sides unbounded: no sliding window
+UNBOUNDED = 1 << 30  # what a kernel is given for an unbounded (-1) window side: more keys than any sequence has
+
+
+def window_bounds(window: tuple[int, int], causal: bool) -> tuple[int, int]:
+    """``(left, right)`` as our kernels take them: an unbounded side as UNBOUNDED keys, right 0 when causal."""
+    left, right = (UNBOUNDED if w < 0 else w for w in window)
+    return left, 0 if causal else right
 
 
 def validate_variants(window: tuple[int, int] | None, softcap: float) -> tuple[tuple[int, int], float]:

@@ -33,6 +33,11 @@ CASES = [
     Case(1, 4, 1, 200, 330, 40, "fp16", True),
     Case(1, 4, 2, 250, 250, 256, "bf16", True),
     Case(1, 2, 2, 129, 129, 192, "fp16", False),
+    # Model variants: key tiles before a window's far edge are masked or skipped, softcap before the mask.
+    Case(2, 8, 2, 700, 700, 128, "bf16", True, window=(128, 0), softcap=30.0),  # Gemma 2's local layers
+    Case(1, 4, 2, 300, 500, 64, "fp16", False, window=(100, 37)),  # two-sided, Sq < Skv
+    Case(1, 4, 1, 200, 130, 128, "fp16", True, window=(16, 0)),  # a window narrower than a tile; empty rows
+    Case(1, 4, 4, 257, 257, 96, "fp16", False, softcap=50.0),
 ]
 
 
@@ -45,7 +50,7 @@ def cutile_candidates(case: Case, q, k, v, out) -> list[tuple[str, Callable[[], 
     space = search_space(torch.cuda.get_device_capability(), case.d, causal=case.causal)
     space += other_forms() if tile_d(case.d) <= 128 else []  # the kernel's other forms: correct, if not tuned
     keep = os.environ.get("FMHA_CANDIDATES", "*")
-    calls = [Call(var, q, k, v, out=out, causal=case.causal, scale=case.d ** -0.5)
+    calls = [Call(var, q, k, v, out=out, causal=case.causal, scale=case.d ** -0.5, **case.variants())
              for var in space if fnmatchcase(var.label(), keep)]
     precompile(calls)  # every candidate's compile at once, in threads
     return [(call.variant.label(), call) for call in calls]
@@ -56,7 +61,7 @@ def triton_candidates(case: Case, q, k, v, out) -> list[tuple[str, Callable[[], 
     from impls.triton_fa import configs, launch, requires_tma
 
     def call(config: dict) -> Callable[[], object]:
-        return lambda: launch(config, q, k, v, out, causal=case.causal, scale=case.d ** -0.5)
+        return lambda: launch(config, q, k, v, out, causal=case.causal, scale=case.d ** -0.5, **case.variants())
 
     return [(str(c), call(c)) for c in configs(pointer=True, tma=requires_tma("cuda") is None)]
 
@@ -67,7 +72,7 @@ def triton_candidates(case: Case, q, k, v, out) -> list[tuple[str, Callable[[], 
 def test_every_candidate(family, case: Case, amplitude: float):
     q, k, v = case.make_inputs("cuda")
     q = (q.float() * amplitude).to(q.dtype)  # large scores: the row max keeps moving along the keys
-    oracle = Oracle.dense(q, k, v, causal=case.causal)
+    oracle = Oracle.dense(q, k, v, causal=case.causal, **case.variants())
     out = torch.empty_like(q)
     failures = []
     for name, launch in family(case, q, k, v, out):

@@ -20,6 +20,7 @@ import torch
 
 from impls._registry import HALF, Prepared, length_class, module_available, register
 from impls._tuning import TuningCache
+from impls._validate import NO_WINDOW, window_bounds
 
 HEAD_DIMS = tuple(range(16, 257, 8))  # the autotuned kernel: a head dim pads to the next power of two
 LADDER_HEAD_DIMS = (64, 128)  # the blog's steps, as the blog runs them
@@ -70,34 +71,33 @@ class Variant:
         """The kernel object to launch or export, with this variant's hints (64-bit indexing if asked)."""
         return _kernel_with_hints(tuple(sorted(self.hints().items())), int64)
 
-    def constants(self, *, head_dim: int, causal: bool, kv_len: int, itemsize: int, phase: int = 0) -> tuple:
+    def constants(self, *, head_dim: int, causal: bool, kv_len: int, itemsize: int, phase: int = 0,
+                  window: bool = False, softcap: float = 0.0) -> tuple:
         """The kernel's compile-time arguments, in its parameter order (after the runtime ones)."""
         group = self.heads_per_group(causal=causal, kv_len=kv_len, head_dim=head_dim, itemsize=itemsize)
-        return (tile_d(head_dim), self.tile_m, self.tile_n, causal, kv_len % self.tile_n == 0, self.fast_math,
-                self.loop_split, self.mask_branch, self.reverse_order, self.k_latency, self.v_latency, group,
-                self.persistent, self.dynamic, phase)
+        return (tile_d(head_dim), self.tile_m, self.tile_n, causal, kv_len % self.tile_n == 0, window,
+                float(softcap), self.fast_math, self.loop_split, self.mask_branch, self.reverse_order,
+                self.k_latency, self.v_latency, group, self.persistent, self.dynamic, phase)
 
-    def arguments(self, q, k, v, out, state, *, causal: bool, scale: float, phase: int = 0) -> tuple:
+    def arguments(self, q, k, v, out, state, *, causal: bool, scale: float, phase: int = 0,
+                  window: tuple[int, int] = NO_WINDOW, softcap: float = 0.0) -> tuple:
         """Everything ``fmha_fwd`` takes, in order."""
         heads, q_len, head_dim = q.shape[1:]
         kv_len = k.shape[2]
-        return (q, k, v, out, *state, scale, kv_len - q_len, heads, heads // k.shape[1],
+        return (q, k, v, out, *state, scale, kv_len - q_len, *window_bounds(window, causal), heads,
+                heads // k.shape[1],
                 *self.constants(head_dim=head_dim, causal=causal, kv_len=kv_len, itemsize=q.element_size(),
-                                phase=phase))
+                                phase=phase, window=window != NO_WINDOW, softcap=softcap))
 
-    def launches(self, q, k, v, out, state, *, causal: bool, scale: float) -> list[tuple]:
-        """(grid, kernel, arguments) of each launch one call makes, in order."""
+    def launches(self, q, k, v, out, state, *, causal: bool, scale: float, **variants) -> list[tuple]:
+        """(grid, kernel, arguments) of each launch one call makes, in order; ``variants``: window, softcap."""
         from impls.cutile.kernel import DIAGONAL, OFF_DIAGONAL, WHOLE
 
         kernel = self.kernel(int64=needs_int64(q, k, v, *state))
-        if not self.two_launch:
-            return [(self.grid(q), kernel, self.arguments(q, k, v, out, state, causal=causal, scale=scale,
-                                                          phase=WHOLE))]
-        diagonal = self.diagonal()
-        return [(diagonal.grid(q), kernel, diagonal.arguments(q, k, v, out, state, causal=causal, scale=scale,
-                                                              phase=DIAGONAL)),
-                (self.grid(q), kernel, self.arguments(q, k, v, out, state, causal=causal, scale=scale,
-                                                      phase=OFF_DIAGONAL))]
+        forms = [(self.diagonal(), DIAGONAL), (self, OFF_DIAGONAL)] if self.two_launch else [(self, WHOLE)]
+        return [(form.grid(q), kernel, form.arguments(q, k, v, out, state, causal=causal, scale=scale, phase=phase,
+                                                      **variants))
+                for form, phase in forms]
 
     def diagonal(self) -> Variant:
         """Launch 1 of a two-launch variant: one block per query tile, all alike (a tile or two of masked work
@@ -247,12 +247,13 @@ class Call:
     arguments made once, so a timed call only launches."""
 
     def __init__(self, variant: Variant, q, k, v, *, causal: bool, scale: float,
-                 out: torch.Tensor | None = None) -> None:
+                 out: torch.Tensor | None = None, **variants) -> None:
         self.variant = variant
         self.q, self.k, self.v = (t.contiguous() for t in (q, k, v))  # a no-op for the contract's usual layout
         self.out = torch.empty_like(self.q) if out is None else out
         self.state = variant.state(self.q)
-        self.launches = variant.launches(self.q, self.k, self.v, self.out, self.state, causal=causal, scale=scale)
+        self.launches = variant.launches(self.q, self.k, self.v, self.out, self.state, causal=causal, scale=scale,
+                                         **variants)
 
     def __call__(self) -> torch.Tensor:
         import cuda.tile as ct
@@ -286,9 +287,10 @@ TUNING = TuningCache("cutile", [Path(__file__).with_name("kernel.py"), Path(__fi
 _TUNED: dict[str, tuple[Variant, bool]] = {}
 
 
-def shape_class(q: torch.Tensor, k: torch.Tensor, causal: bool) -> tuple:
+def shape_class(q: torch.Tensor, k: torch.Tensor, causal: bool, window: tuple[int, int] = NO_WINDOW,
+                softcap: float = 0.0) -> tuple:
     return (q.dtype, q.shape[-1], causal, q.shape[1] // k.shape[1], length_class(q.shape[2]),
-            length_class(k.shape[2]))
+            length_class(k.shape[2]), window != NO_WINDOW, softcap > 0)
 
 
 def precompile(calls: list[Call]) -> None:
@@ -318,10 +320,11 @@ def only_launch(call: Call) -> tuple:
     return launch
 
 
-def tune(q, k, v, *, causal: bool, scale: float) -> tuple[Variant, bool]:
-    """The best variant of the search space for this shape class, and whether it came from the cache."""
+def tune(q, k, v, *, causal: bool, scale: float, **variants) -> tuple[Variant, bool]:
+    """The best variant of the search space for this shape class, and whether it came from the cache;
+    ``variants``: window, softcap (as the call will run)."""
     q, k, v = (t.contiguous() for t in (q, k, v))  # once here, not once per candidate
-    key = TUNING.key(q.device, shape_class(q, k, causal))
+    key = TUNING.key(q.device, shape_class(q, k, causal, **variants))
     if key not in _TUNED:
         def search() -> dict:
             import cuda.tile as ct
@@ -329,7 +332,7 @@ def tune(q, k, v, *, causal: bool, scale: float) -> tuple[Variant, bool]:
 
             space = search_space(torch.cuda.get_device_capability(q.device), q.shape[-1], causal=causal)
             out = torch.empty_like(q)
-            calls = [Call(variant, q, k, v, causal=causal, scale=scale, out=out) for variant in space]
+            calls = [Call(variant, q, k, v, causal=causal, scale=scale, out=out, **variants) for variant in space]
             launches = {call.variant: only_launch(call) for call in calls}
             with ct.compiler_timeout(COMPILE_TIMEOUT_S):
                 precompile(calls)
@@ -345,8 +348,10 @@ def tune(q, k, v, *, causal: bool, scale: float) -> tuple[Variant, bool]:
 
 
 @register("cutile", family="cutile", dtypes=HALF, devices=("cuda",), head_dims=HEAD_DIMS, requires=requires,
+          variants=("window", "softcap"),
           description="our cuTile kernel, all optimisations, tile shape and occupancy autotuned")
-def prepare_tuned(q, k, v, *, causal: bool, scale: float) -> Prepared:
-    variant, cached = tune(q, k, v, causal=causal, scale=scale)
-    return Call(variant, q, k, v, causal=causal, scale=scale).prepared(
+def prepare_tuned(q, k, v, *, causal: bool, scale: float, **variants) -> Prepared:
+    """``variants``: a sliding window (key tiles outside it are never visited) and softcap, as they come."""
+    variant, cached = tune(q, k, v, causal=causal, scale=scale, **variants)
+    return Call(variant, q, k, v, causal=causal, scale=scale, **variants).prepared(
         chosen="tuning cache" if cached else "autotuned")

@@ -32,9 +32,11 @@ def array_constraint(dtype: torch.dtype, shape: tuple[int, ...], *, int64: bool 
 
 
 def signature(variant: Variant, *, dtype: torch.dtype, head_dim: int, causal: bool, even_n: bool,
-              int64: bool = False, shape: tuple[int, int, int] = (4, 32, 4096), phase: int = 0):
+              int64: bool = False, shape: tuple[int, int, int] = (4, 32, 4096), phase: int = 0,
+              window: bool = False, softcap: float = 0.0):
     """The signature ``ct.launch`` would compile for contiguous (B, H, S, D) tensors of ``dtype``
-    (``shape`` is (B, H, S); only its divisibility matters) in launch ``phase`` of ``variant``."""
+    (``shape`` is (B, H, S); only its divisibility matters) in launch ``phase`` of ``variant``, with a
+    sliding window or not and softcap ``softcap`` (0: none)."""
     import cuda.tile as ct
     from cuda.tile.compilation import CallingConvention, KernelSignature, ScalarConstraint
 
@@ -44,19 +46,21 @@ def signature(variant: Variant, *, dtype: torch.dtype, head_dim: int, causal: bo
     array = array_constraint(dtype, (batch, heads, seq, head_dim), int64=int64)
     q = torch.empty((batch, heads, seq, head_dim), device="meta", dtype=dtype)
     state = [array_constraint(t.dtype, tuple(t.shape), int64=int64) for t in variant.state(q)]
-    runtime = [ScalarConstraint(ct.float32)] + [ScalarConstraint(ct.int32)] * 3  # scale, offset, heads, group
+    # scale, then causal offset, window left and right, heads, group
+    runtime = [ScalarConstraint(ct.float32)] + [ScalarConstraint(ct.int32)] * 5
     constants = variant.constants(head_dim=head_dim, causal=causal, kv_len=seq, itemsize=dtype.itemsize,
-                                  phase=phase)
+                                  phase=phase, window=window, softcap=softcap)
     return KernelSignature([array] * 4 + state + runtime + list(constants), CallingConvention.cutile_python_v1())
 
 
 def export_cubin(variant: Variant, *, arch: str, dtype: torch.dtype = torch.float16, head_dim: int = 128,
-                 causal: bool = True, even_n: bool = True, int64: bool = False, phase: int = 0) -> bytes:
+                 causal: bool = True, even_n: bool = True, int64: bool = False, phase: int = 0,
+                 window: bool = False, softcap: float = 0.0) -> bytes:
     from cuda.tile.compilation import export_kernel
 
     buffer = io.BytesIO()
     sig = signature(variant, dtype=dtype, head_dim=head_dim, causal=causal, even_n=even_n, int64=int64,
-                    phase=phase)
+                    phase=phase, window=window, softcap=softcap)
     export_kernel(variant.kernel(int64=int64), [sig], buffer, gpu_code=arch, output_format="cubin")
     return buffer.getvalue()
 

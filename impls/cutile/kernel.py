@@ -44,6 +44,7 @@ import cuda.tile as ct
 
 ConstInt = ct.Constant[int]
 ConstBool = ct.Constant[bool]
+ConstFloat = ct.Constant[float]
 
 INV_LOG_2 = 1.0 / math.log(2)  # exp(x) == exp2(x * INV_LOG_2)
 ZERO_PAD = ct.PaddingMode.ZERO  # ragged K/V tiles read zeros (0 * garbage could be NaN)
@@ -58,11 +59,12 @@ def fmha_fwd(
     MaxState, SumState, AccState, NextItem,
     qk_scale: float,
     causal_offset: int,
+    window_left: int, window_right: int,
     num_heads: int,
     group: int,
     TILE_D: ConstInt,
     TILE_M: ConstInt, TILE_N: ConstInt,
-    CAUSAL: ConstBool, EVEN_N: ConstBool,
+    CAUSAL: ConstBool, EVEN_N: ConstBool, HAS_WINDOW: ConstBool, SOFTCAP: ConstFloat,
     FAST_MATH: ConstBool, LOOP_SPLIT: ConstBool, MASK_BRANCH: ConstBool, REVERSE_ORDER: ConstBool,
     K_LATENCY: ConstInt, V_LATENCY: ConstInt, HEAD_GROUP: ConstInt, PERSISTENT: ConstBool, DYNAMIC: ConstBool,
     PHASE: ConstInt,
@@ -80,20 +82,23 @@ def fmha_fwd(
         while linear < num_items:
             tile_m, batch_head = work_item(linear, num_m, num_bh, heaviest_first, HEAD_GROUP)
             attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_head, qk_scale,
-                              causal_offset, num_heads, group, TILE_D, TILE_M, TILE_N, CAUSAL, EVEN_N, FAST_MATH,
-                              LOOP_SPLIT, MASK_BRANCH, K_LATENCY, V_LATENCY, PHASE)
+                              causal_offset, window_left, window_right, num_heads, group, TILE_D, TILE_M, TILE_N,
+                              CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP, FAST_MATH, LOOP_SPLIT, MASK_BRANCH, K_LATENCY,
+                              V_LATENCY, PHASE)
             linear = ct.num_blocks(0) + ct.atomic_add(NextItem, 0, 1)
     elif PERSISTENT:
         for linear in range(ct.bid(0), num_items, ct.num_blocks(0)):
             tile_m, batch_head = work_item(linear, num_m, num_bh, heaviest_first, HEAD_GROUP)
             attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_head, qk_scale,
-                              causal_offset, num_heads, group, TILE_D, TILE_M, TILE_N, CAUSAL, EVEN_N, FAST_MATH,
-                              LOOP_SPLIT, MASK_BRANCH, K_LATENCY, V_LATENCY, PHASE)
+                              causal_offset, window_left, window_right, num_heads, group, TILE_D, TILE_M, TILE_N,
+                              CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP, FAST_MATH, LOOP_SPLIT, MASK_BRANCH, K_LATENCY,
+                              V_LATENCY, PHASE)
     else:
         tile_m, batch_head = work_item(ct.bid(1) * num_m + ct.bid(0), num_m, num_bh, heaviest_first, HEAD_GROUP)
         attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_head, qk_scale,
-                          causal_offset, num_heads, group, TILE_D, TILE_M, TILE_N, CAUSAL, EVEN_N, FAST_MATH,
-                          LOOP_SPLIT, MASK_BRANCH, K_LATENCY, V_LATENCY, PHASE)
+                          causal_offset, window_left, window_right, num_heads, group, TILE_D, TILE_M, TILE_N,
+                          CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP, FAST_MATH, LOOP_SPLIT, MASK_BRANCH, K_LATENCY,
+                          V_LATENCY, PHASE)
 
 
 def work_item(linear, num_m, num_bh, HEAVIEST_FIRST, HEAD_GROUP):
@@ -117,15 +122,18 @@ def work_item(linear, num_m, num_bh, HEAVIEST_FIRST, HEAD_GROUP):
 
 
 def attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_head, qk_scale, causal_offset,
-                      num_heads, group, TILE_D, TILE_M, TILE_N, CAUSAL, EVEN_N, FAST_MATH, LOOP_SPLIT, MASK_BRANCH,
-                      K_LATENCY, V_LATENCY, PHASE):
+                      window_left, window_right, num_heads, group, TILE_D, TILE_M, TILE_N, CAUSAL, EVEN_N,
+                      HAS_WINDOW, SOFTCAP, FAST_MATH, LOOP_SPLIT, MASK_BRANCH, K_LATENCY, V_LATENCY, PHASE):
     """Output rows ``tile_m`` of one (batch, query head): the whole FlashAttention forward for one Q tile, or
     the masked (DIAGONAL) or mask-free (OFF_DIAGONAL) part of it."""
     batch = batch_head // num_heads
     head = batch_head % num_heads
     kv_head = head // group  # GQA by index: K/V are never repeated in memory
 
-    qk_scale_log2 = qk_scale * INV_LOG_2
+    if SOFTCAP > 0:  # scores are SOFTCAP * tanh(s * qk_scale / SOFTCAP): the tanh per score, SOFTCAP scales after
+        score_scale_log2 = SOFTCAP * INV_LOG_2
+    else:
+        score_scale_log2 = qk_scale * INV_LOG_2
     offs_m = (tile_m * TILE_M + ct.arange(TILE_M, dtype=ct.int32))[:, None]
     if PHASE == OFF_DIAGONAL:  # carry on from where launch 1 left this tile
         m_i, l_i, acc = load_state(MaxState, SumState, AccState, batch, head, tile_m, TILE_M, TILE_D)
@@ -139,42 +147,37 @@ def attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_
                 padding_mode=ZERO_PAD).reshape((TILE_M, TILE_D))
 
     kv_len = K.shape[2]
-    if CAUSAL:
-        # Keys any row of this tile sees: the rest lie in the future and are never visited.
-        seen_by_any = min(kv_len, (tile_m + 1) * TILE_M + causal_offset)
-        num_tiles = ct.cdiv(max(seen_by_any, 0), TILE_N)
-        # Tiles every row of this tile sees entirely: no mask needed there.
-        unmasked_tiles = max(tile_m * TILE_M + causal_offset + 1, 0) // TILE_N
-    else:
-        num_tiles = ct.cdiv(kv_len, TILE_N)
-        unmasked_tiles = num_tiles
-    if not EVEN_N:
-        unmasked_tiles = min(unmasked_tiles, kv_len // TILE_N)  # the ragged last tile needs its mask
-
-    needs_mask = CAUSAL or not EVEN_N
-    if LOOP_SPLIT or PHASE != WHOLE:
-        mask_start = min(unmasked_tiles, num_tiles)
-    else:
-        mask_start = 0
-    if MASK_BRANCH or PHASE == DIAGONAL:  # no mask-free loop: one loop, masked from mask_start on
-        unmasked_end = 0
-    else:  # two loops: the unmasked tiles, then the masked ones
-        unmasked_end = mask_start
-    if PHASE == DIAGONAL:
-        first_masked = mask_start
-    else:
-        first_masked = unmasked_end
-    for j in range(0, unmasked_end):
-        qk = scores(q, K, batch, kv_head, j, TILE_M, TILE_N, TILE_D, K_LATENCY)
-        acc, l_i, m_i = online_softmax(acc, l_i, m_i, qk, V, batch, kv_head, j, qk_scale_log2,
-                                       TILE_N, TILE_D, False, FAST_MATH, V_LATENCY)
-    if PHASE != OFF_DIAGONAL:  # the mask-free launch has no masked loop at all, not even an empty one
-        for j in range(first_masked, num_tiles):
-            qk = scores(q, K, batch, kv_head, j, TILE_M, TILE_N, TILE_D, K_LATENCY)
-            if needs_mask and (not MASK_BRANCH or j >= mask_start):
-                qk = mask_scores(qk, offs_m, j, kv_len, causal_offset, TILE_N, CAUSAL, EVEN_N)
-            acc, l_i, m_i = online_softmax(acc, l_i, m_i, qk, V, batch, kv_head, j, qk_scale_log2,
-                                           TILE_N, TILE_D, needs_mask, FAST_MATH, V_LATENCY)
+    first, free_start, free_end, end = key_tiles(tile_m, kv_len, causal_offset, window_left, window_right,
+                                                  TILE_M, TILE_N, CAUSAL, HAS_WINDOW)
+    if not (LOOP_SPLIT or PHASE != WHOLE):  # the blog's baseline: every tile masked
+        free_end = free_start
+    needs_mask = CAUSAL or not EVEN_N or HAS_WINDOW
+    # Three runs of key tiles: masked ones before a window's far edge, mask-free ones, masked ones at the
+    # causal diagonal, a window's near edge and the ragged end of Skv. DIAGONAL runs only the masked ones,
+    # OFF_DIAGONAL only the mask-free ones; MASK_BRANCH runs the last two as one loop with a run-time branch.
+    if HAS_WINDOW and PHASE != OFF_DIAGONAL:
+        for j in range(first, free_start):
+            acc, l_i, m_i = attend_key_tile(acc, l_i, m_i, q, K, V, batch, kv_head, j, offs_m, qk_scale,
+                                            score_scale_log2, kv_len, causal_offset, window_left, window_right,
+                                            TILE_M, TILE_N, TILE_D, True, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP,
+                                            True, FAST_MATH, K_LATENCY, V_LATENCY)
+    if PHASE != DIAGONAL and not MASK_BRANCH:
+        for j in range(free_start, free_end):
+            acc, l_i, m_i = attend_key_tile(acc, l_i, m_i, q, K, V, batch, kv_head, j, offs_m, qk_scale,
+                                            score_scale_log2, kv_len, causal_offset, window_left, window_right,
+                                            TILE_M, TILE_N, TILE_D, False, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP,
+                                            False, FAST_MATH, K_LATENCY, V_LATENCY)
+    # The mask-free launch has no masked loop at all, not even an empty one, and neither has a kernel that needs
+    # no mask (its mask-free loop ran every tile): a loop the compiler cannot prove empty keeps its pipeline
+    # shallow (132 KB instead of 198 on sm_90).
+    if PHASE != OFF_DIAGONAL and (needs_mask or MASK_BRANCH):
+        masked_from = free_start if MASK_BRANCH and PHASE == WHOLE else free_end
+        for j in range(masked_from, end):
+            masked = needs_mask and (not MASK_BRANCH or j >= free_end)
+            acc, l_i, m_i = attend_key_tile(acc, l_i, m_i, q, K, V, batch, kv_head, j, offs_m, qk_scale,
+                                            score_scale_log2, kv_len, causal_offset, window_left, window_right,
+                                            TILE_M, TILE_N, TILE_D, masked, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP,
+                                            needs_mask, FAST_MATH, K_LATENCY, V_LATENCY)
 
     if PHASE == DIAGONAL:
         store_state(MaxState, SumState, AccState, m_i, l_i, acc, batch, head, tile_m, TILE_M, TILE_D)
@@ -186,6 +189,41 @@ def attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_
             acc = ct.truediv(acc, l_i)
         out = acc.reshape((1, 1, TILE_M, TILE_D)).astype(Out.dtype)
         ct.store(Out, index=(batch, head, tile_m, 0), tile=out)
+
+
+def key_tiles(tile_m, kv_len, causal_offset, window_left, window_right, TILE_M, TILE_N, CAUSAL, HAS_WINDOW):
+    """Key tiles ``[first, end)`` that some row of query tile ``tile_m`` sees (the others are never visited),
+    and ``[free_start, free_end)`` within them that every row sees whole (no mask needed there).
+
+    Row i sits at key position i + causal_offset (bottom-right alignment): causal, it sees keys up to its
+    position; a window (left, right) keeps keys from position - left to position + right.
+    """
+    first_row = tile_m * TILE_M + causal_offset  # key positions of the tile's first and last rows
+    last_row = first_row + TILE_M - 1
+    any_start, all_start = 0, 0  # keys [any_start, any_end) are seen by some row, [all_start, all_end) by all
+    any_end, all_end = kv_len, kv_len
+    if CAUSAL:
+        any_end, all_end = min(any_end, last_row + 1), min(all_end, first_row + 1)
+    if HAS_WINDOW:
+        any_start, all_start = max(first_row - window_left, 0), max(last_row - window_left, 0)
+        any_end, all_end = min(any_end, last_row + window_right + 1), min(all_end, first_row + window_right + 1)
+    end = ct.cdiv(max(any_end, 0), TILE_N)
+    free_start = min(ct.cdiv(all_start, TILE_N), end)
+    free_end = max(min(max(all_end, 0) // TILE_N, end), free_start)  # a ragged last tile (Skv) stays masked
+    return any_start // TILE_N, free_start, free_end, end
+
+
+def attend_key_tile(acc, l_i, m_i, q, K, V, batch, kv_head, j, offs_m, qk_scale, score_scale_log2, kv_len,
+                    causal_offset, window_left, window_right, TILE_M, TILE_N, TILE_D, MASKED, CAUSAL, EVEN_N,
+                    HAS_WINDOW, SOFTCAP, MAY_BE_EMPTY, FAST_MATH, K_LATENCY, V_LATENCY):
+    """Fold key tile j into the running state: its scores (capped, then masked where MASKED), the online
+    softmax, P V. MAY_BE_EMPTY: a row may have seen no key yet (see ``online_softmax``)."""
+    qk = scores(q, K, batch, kv_head, j, qk_scale, TILE_M, TILE_N, TILE_D, SOFTCAP, K_LATENCY)
+    if MASKED:
+        qk = mask_scores(qk, offs_m, j, kv_len, causal_offset, window_left, window_right, TILE_N, CAUSAL, EVEN_N,
+                         HAS_WINDOW)
+    return online_softmax(acc, l_i, m_i, qk, V, batch, kv_head, j, score_scale_log2, TILE_N, TILE_D, MAY_BE_EMPTY,
+                          FAST_MATH, V_LATENCY)
 
 
 def load_state(MaxState, SumState, AccState, batch, head, tile_m, TILE_M, TILE_D):
@@ -202,21 +240,30 @@ def store_state(MaxState, SumState, AccState, m_i, l_i, acc, batch, head, tile_m
     ct.store(AccState, index=(batch, head, tile_m, 0), tile=acc.reshape((1, 1, TILE_M, TILE_D)))
 
 
-def scores(q, K, batch, kv_head, j, TILE_M, TILE_N, TILE_D, K_LATENCY):
-    """Q K^T for key tile j, in float32. K is loaded transposed through the load's dimension order."""
+def scores(q, K, batch, kv_head, j, qk_scale, TILE_M, TILE_N, TILE_D, SOFTCAP, K_LATENCY):
+    """Q K^T for key tile j, in float32, unscaled; with SOFTCAP, tanh(Q K^T * qk_scale / SOFTCAP) (the online
+    softmax multiplies by SOFTCAP). K is loaded transposed through the load's dimension order."""
     k = ct.load(K, index=(batch, kv_head, 0, j), shape=(1, 1, TILE_D, TILE_N), order=(0, 1, 3, 2),
                 latency=K_LATENCY, padding_mode=ZERO_PAD).reshape((TILE_D, TILE_N))
-    return ct.mma(q, k, ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32))
+    qk = ct.mma(q, k, ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32))
+    if SOFTCAP > 0:  # the precise tanh: the approximate one's error, times a cap of 50, moves a score by ~0.03
+        qk = ct.tanh(qk * (qk_scale / SOFTCAP))
+    return qk
 
 
-def mask_scores(qk, offs_m, j, kv_len, causal_offset, TILE_N, CAUSAL, EVEN_N):
-    """Scores of keys a row must not see (its future, or past the ragged end of Skv) become -inf."""
+def mask_scores(qk, offs_m, j, kv_len, causal_offset, window_left, window_right, TILE_N, CAUSAL, EVEN_N,
+                HAS_WINDOW):
+    """Scores of keys a row must not see (its future, outside its window, or past the ragged end of Skv)
+    become -inf."""
     offs_n = j * TILE_N + ct.arange(TILE_N, dtype=ct.int32)[None, :]
+    position = offs_m + causal_offset
     visible = ct.full(qk.shape, True, dtype=ct.bool_)
     if not EVEN_N:
         visible = visible & (offs_n < kv_len)
     if CAUSAL:
-        visible = visible & (offs_m + causal_offset >= offs_n)
+        visible = visible & (position >= offs_n)
+    if HAS_WINDOW:
+        visible = visible & (offs_n >= position - window_left) & (offs_n <= position + window_right)
     return ct.where(visible, qk, -math.inf)
 
 

@@ -19,7 +19,7 @@ import torch
 
 from impls._registry import FLOATS, Prepared, Unsupported, length_class, module_available, register
 from impls._tuning import TuningCache
-from impls._validate import NO_WINDOW
+from impls._validate import NO_WINDOW, window_bounds
 
 # Any multiple of 8 from 16 (the smallest dot) to 256: a head dim that is not a power of two is padded to the
 # next one in registers (masked loads read zeros there). The descriptor (TMA) path needs the exact power of two.
@@ -83,7 +83,8 @@ def autotuned(pointer: bool, tma: bool):
     return triton.autotune(configs=[as_config(c) for c in configs(pointer, tma)], key=key)(plain_kernel())
 
 
-def launch(config: dict, q, k, v, out, *, causal: bool, scale: float) -> None:
+def launch(config: dict, q, k, v, out, *, causal: bool, scale: float, window: tuple[int, int] = NO_WINDOW,
+           softcap: float = 0.0) -> None:
     """One launch with a fixed config (no autotuning), on contiguous CUDA tensors: for sweeps and tests."""
     import triton
 
@@ -91,8 +92,9 @@ def launch(config: dict, q, k, v, out, *, causal: bool, scale: float) -> None:
         _install_descriptor_allocator()
     batch, heads, q_len, head_dim = q.shape
     grid = (triton.cdiv(q_len, config["BLOCK_M"]), batch * heads)
-    plain_kernel()[grid](*kernel_arguments(q, k, v, out, scale), HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
-                         CAUSAL=causal, DOT_FP32=q.dtype == torch.float32, **config)
+    plain_kernel()[grid](*kernel_arguments(q, k, v, out, scale, window, causal), HEAD_DIM=head_dim,
+                         BLOCK_D=block_d(head_dim), CAUSAL=causal, DOT_FP32=q.dtype == torch.float32,
+                         HAS_WINDOW=window != NO_WINDOW, SOFTCAP=softcap, **config)
 
 
 def requires_tma(device: str) -> str | None:
@@ -111,14 +113,6 @@ def _install_descriptor_allocator() -> None:
     triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
 
 
-def window_arguments(window: tuple[int, int], causal: bool) -> tuple[int, int]:
-    """``(window_left, window_right)`` for the kernel: -1 (unbounded) as UNBOUNDED, right 0 when causal."""
-    from impls.triton_fa.kernel import UNBOUNDED
-
-    left, right = (UNBOUNDED if w < 0 else w for w in window)
-    return left, 0 if causal else right
-
-
 def kernel_arguments(q, k, v, out, scale: float, window: tuple[int, int] = NO_WINDOW, causal: bool = False) -> tuple:
     """``attention_fwd``'s runtime arguments, in order (the compile-time ones go by keyword)."""
     from impls.triton_fa.kernel import LOG2_E
@@ -128,7 +122,7 @@ def kernel_arguments(q, k, v, out, scale: float, window: tuple[int, int] = NO_WI
         q, k, v, out, scale * LOG2_E,  # scale in log2 units: exp(x * s) == exp2(x * s * log2 e)
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
         heads, q_len, kv_len, length_class(q_len), length_class(kv_len), heads // k.shape[1], None, None,
-        *window_arguments(window, causal),
+        *window_bounds(window, causal),
     )
 
 
@@ -144,7 +138,7 @@ def varlen_arguments(inputs, out, scale: float) -> tuple:
     return (
         inputs.q, inputs.k, inputs.v, out, scale * LOG2_E, *(x for st in strides for x in st),
         heads, q_len, kv_len, length_class(q_len), length_class(kv_len), heads // k.shape[1],
-        inputs.cu_seqlens_q, inputs.cu_seqlens_k, *window_arguments(NO_WINDOW, inputs.causal),
+        inputs.cu_seqlens_q, inputs.cu_seqlens_k, *window_bounds(NO_WINDOW, inputs.causal),
     )
 
 

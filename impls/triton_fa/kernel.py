@@ -23,7 +23,6 @@ import triton.language as tl
 
 LOG2_E = 1.4426950408889634
 _LOG2_E: tl.constexpr = tl.constexpr(LOG2_E)
-UNBOUNDED = 1 << 30  # a window side of -1 (unbounded) is passed as this many keys
 
 
 @triton.jit
@@ -121,7 +120,7 @@ def attention_fwd(
     q_len_class, kv_len_class,  # autotuning key only: the sequence lengths' buckets
     group,
     cu_seqlens_q, cu_seqlens_k,  # VARLEN: sequence b is rows cu[b]:cu[b+1] of the packed tensors
-    window_left, window_right,  # HAS_WINDOW: keys position - left ... position + right (UNBOUNDED: no limit)
+    window_left, window_right,  # HAS_WINDOW: keys position - left ... position + right (see window_bounds)
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, USE_TMA: tl.constexpr = False,
     VARLEN: tl.constexpr = False, BLOCK_D: tl.constexpr = 64, HAS_WINDOW: tl.constexpr = False,
