@@ -6,13 +6,13 @@
 #   sanitize: compute-sanitizer memcheck over the serving twins with our Triton kernels
 #   timing:   eager / graph / kernel against do_bench_cudagraph on the decode and blog presets
 #   correct:  the GPU correctness preset, every implementation, 4 xdist workers on the one GPU, cold tuning
-#             cache then warm; wall times and the slowest tests
+#             cache then warm; wall times, the slowest tests and where the time goes (scripts/where_time_goes.py)
 #   serve:    decode and blog in all three modes, then serving and varlen, every implementation
 #   candidates: every cuTile candidate (two-launch causal forms and padded head dims included) on the edge
 #             cases, then the two-launch ones under compute-sanitizer memcheck
 #   causal:   every causal cuTile candidate of the blog shapes, one and two launches, beside sdpa-cudnn (sweep)
 #   prefill:  blog and fa3 presets, graph timing: cutile, flash-attn4, sdpa-cudnn, triton side by side
-#   models:   the models preset, every implementation that runs it, graph and eager
+#   models:   the models preset, every implementation that runs it, graph timing
 #   dynamic:  the dynamically scheduled persistent cuTile candidates beside the best fixed ones (sweep)
 #   shard-bench:   (several GPUs) blog benchmarks on one GPU, sharded over all, and on each (the fleet check)
 #   shard-correct: (several GPUs) the correctness preset cold over all GPUs, then warm over all and over one
@@ -48,9 +48,12 @@ for part in "$@"; do
       ;;
     correct)
       for pass in cold:380 warm:150; do
-        FMHA_TUNING_CACHE=/tmp/tuning-correctness step "correct-${pass%:*}" "${pass#*:}" python3 -m pytest suite \
+        name=correct-${pass%:*}
+        FMHA_TUNING_CACHE=/tmp/tuning-correctness step "$name" "${pass#*:}" python3 -m pytest suite \
           -k correctness --grid gpu -q -p no:cacheprovider -n 4 --dist loadgroup --durations=40 \
-          --benchmark-json="$out/correct-${pass%:*}.json"
+          --heartbeat="$out/$name.heartbeat" --benchmark-json="$out/$name.json"
+        python3 scripts/where_time_goes.py "$out/$name.json" "$out"/"$name".gw*.json --top 25 2>/dev/null \
+          > "$out/$name.where" ; head -30 "$out/$name.where"
       done
       ;;
     serve)
@@ -76,7 +79,7 @@ for part in "$@"; do
         --impl cutile --impl flash-attn4 --impl sdpa-cudnn --impl triton --benchmark-json="$out/prefill.json"
       ;;
     models)
-      step models 400 python3 -m pytest suite "${bench[@]}" --grid models --timing graph --timing eager \
+      step models 530 python3 -m pytest suite "${bench[@]}" --grid models --timing graph \
         --impl cutile --impl triton --impl flex --impl 'sdpa*' --impl flash-attn4 --benchmark-json="$out/models.json"
       ;;
     dynamic)

@@ -238,13 +238,25 @@ class Recorder:
     def __init__(self, state: RunState, impl: Impl, case: Case, phase: str) -> None:
         self._state, self._impl, self._case, self._phase = state, impl, case, phase
         self.recorded = False
+        self.seconds: dict[str, float] = {}  # wall time of the test's steps, so a slow suite shows where it goes
 
     def __call__(self, status: str, message: str = "", **extra: Any) -> None:
         self.recorded = True
         self._state.outcomes.append({
             "impl": self._impl.name, "family": self._impl.family, "case": self._case.id,
             "phase": self._phase, "status": status, "message": message, **extra,
+            **({"seconds": {k: round(v, 4) for k, v in self.seconds.items()}} if self.seconds else {}),
         })
+
+    @contextlib.contextmanager
+    def timer(self, step: str) -> Iterator[None]:
+        """Wall time of one step of the test (prepare: validation, tuning and compile; oracle; check), kept
+        with the outcome. A host clock is right here: this is the suite's own cost, not a kernel's speed."""
+        start = time.perf_counter()
+        yield  # a step that raised is not timed: its outcome says what happened
+        if self._state.device.type == "cuda":
+            torch.cuda.synchronize(self._state.device)  # the step's device work belongs to it
+        self.seconds[step] = self.seconds.get(step, 0.0) + time.perf_counter() - start
 
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:

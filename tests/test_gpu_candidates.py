@@ -50,7 +50,7 @@ def cutile_candidates(case: Case, q, k, v, out) -> list[tuple[str, Callable[[], 
     space = search_space(torch.cuda.get_device_capability(), case.d, causal=case.causal)
     space += other_forms() if tile_d(case.d) <= 128 else []  # the kernel's other forms: correct, if not tuned
     keep = os.environ.get("FMHA_CANDIDATES", "*")
-    calls = [Call(var, q, k, v, out=out, causal=case.causal, scale=case.d ** -0.5, **case.variants())
+    calls = [Call(var, q, k, v, out=out, causal=case.causal, scale=case.d ** -0.5, **case.variants)
              for var in space if fnmatchcase(var.label(), keep)]
     precompile(calls)  # every candidate's compile at once, in threads
     return [(call.variant.label(), call) for call in calls]
@@ -61,7 +61,7 @@ def triton_candidates(case: Case, q, k, v, out) -> list[tuple[str, Callable[[], 
     from impls.triton_fa import configs, launch, requires_tma
 
     def call(config: dict) -> Callable[[], object]:
-        return lambda: launch(config, q, k, v, out, causal=case.causal, scale=case.d ** -0.5, **case.variants())
+        return lambda: launch(config, q, k, v, out, causal=case.causal, scale=case.d ** -0.5, **case.variants)
 
     return [(str(c), call(c)) for c in configs(pointer=True, tma=requires_tma("cuda") is None)]
 
@@ -72,7 +72,7 @@ def triton_candidates(case: Case, q, k, v, out) -> list[tuple[str, Callable[[], 
 def test_every_candidate(family, case: Case, amplitude: float):
     q, k, v = case.make_inputs("cuda")
     q = (q.float() * amplitude).to(q.dtype)  # large scores: the row max keeps moving along the keys
-    oracle = Oracle.dense(q, k, v, causal=case.causal, **case.variants())
+    oracle = Oracle.dense(q, k, v, causal=case.causal, **case.variants)
     out = torch.empty_like(q)
     failures = []
     for name, launch in family(case, q, k, v, out):

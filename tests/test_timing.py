@@ -143,6 +143,13 @@ def test_xdist_workers_results_merge_into_one_file(tmp_path):
     assert len(cases) == 8 and {i for i, _, _ in statuses} == {"naive", "sdpa"}
     assert sorted(s for _, _, s in statuses) == ["passed"] * 14 + ["unsupported"] * 2  # nested SDPA: no causal
     assert not list(tmp_path.glob("bench.gw*.json"))  # the workers' files are merged away
+    # Every check that ran keeps the wall time of its steps, which scripts/where_time_goes.py adds up.
+    timed = [o["seconds"] for o in data["fmha"]["outcomes"] if o["status"] == "passed"]
+    assert len(timed) == 14 and all(set(t) == {"prepare", "oracle", "check"} for t in timed)
+    assert all(v >= 0 for t in timed for v in t.values()) and sum(t["oracle"] for t in timed) > 0
+    summary = subprocess.run([sys.executable, "scripts/where_time_goes.py", str(tmp_path / "bench.json")], cwd=ROOT,
+                             capture_output=True, text=True, check=True).stdout
+    assert any(line.split()[:2] == ["all", "14"] for line in summary.splitlines() if line.strip()), summary
 
 
 @pytest.mark.parametrize(("environ", "expected"), [
