@@ -64,7 +64,7 @@ for part in "$@"; do
         --timing eager --benchmark-json="$out/serving.json"
       ;;
     candidates)
-      step candidates 220 python3 -m pytest tests/test_gpu_candidates.py -k cutile -q -p no:cacheprovider -rf
+      step candidates 330 python3 -m pytest tests/test_gpu_candidates.py -k cutile -q -p no:cacheprovider -rf
       FMHA_CANDIDATES='*two-launch*' step memcheck 120 compute-sanitizer --tool memcheck --error-exitcode 9 \
         python3 -m pytest tests/test_gpu_candidates.py -k "cutile and unit" -q -p no:cacheprovider
       grep -E "ERROR SUMMARY|passed|failed" "$out/memcheck.log" | tail -3
