@@ -79,7 +79,7 @@ for part in "$@"; do
         --impl cutile --impl flash-attn4 --impl sdpa-cudnn --impl triton --benchmark-json="$out/prefill.json"
       ;;
     models)
-      step models 530 python3 -m pytest suite "${bench[@]}" --grid models --timing graph \
+      step models 430 python3 -m pytest suite "${bench[@]}" --grid models --timing graph \
         --impl cutile --impl triton --impl flex --impl 'sdpa*' --impl flash-attn4 --benchmark-json="$out/models.json"
       ;;
     dynamic)

@@ -149,9 +149,9 @@ def attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_
     kv_len = K.shape[2]
     first, free_start, free_end, end = key_tiles(tile_m, kv_len, causal_offset, window_left, window_right,
                                                   TILE_M, TILE_N, CAUSAL, HAS_WINDOW)
-    if not (LOOP_SPLIT or PHASE != WHOLE):  # the blog's baseline: every tile masked
-        free_end = free_start
     needs_mask = CAUSAL or not EVEN_N or HAS_WINDOW
+    if needs_mask and not (LOOP_SPLIT or PHASE != WHOLE):  # the blog's baseline: every tile masked
+        free_end = free_start
     # Three runs of key tiles: masked ones before a window's far edge, mask-free ones, masked ones at the
     # causal diagonal, a window's near edge and the ragged end of Skv. DIAGONAL runs only the masked ones,
     # OFF_DIAGONAL only the mask-free ones; MASK_BRANCH runs the last two as one loop with a run-time branch.
