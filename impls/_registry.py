@@ -202,6 +202,16 @@ def length_class(n: int) -> int:
     return next((c for c in LENGTH_CLASSES if n <= c), LENGTH_CLASSES[-1] * 8)
 
 
+def parallel_class(n: int) -> int:
+    """Autotuning bucket of the independent rows of work (batch x heads): the next power of 4, up to 1024.
+    How many work items a grid has against the SM count decides between tile shapes (and persistent or not)
+    as much as the length does: one 16K sequence of 32 heads is not 4 x 32 heads of it."""
+    bucket = 1
+    while bucket < min(n, 1024):
+        bucket *= 4
+    return bucket
+
+
 def unregister(name: str, op: str = "dense") -> None:
     REGISTRY.pop((op, name), None)
 

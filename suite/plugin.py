@@ -309,13 +309,23 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Groups for pytest-xdist's ``--dist loadgroup``. A benchmark goes with its case: every implementation of
     one case is timed on one worker, one device, so that side-by-side ratios compare like with like. A check
-    goes with its implementation: one worker compiles and tunes each implementation's kernels once."""
+    goes with its implementation's compiled form (``check_group``): the cases one kernel signature serves run
+    on one worker, which compiles and tunes them once, while an implementation's other forms run beside it."""
     for item in items:
         params = getattr(item, "callspec", None) and item.callspec.params
         if params and isinstance(params.get("case"), Case):
             impl = params.get("impl")
             by_impl = isinstance(impl, Impl) and "benchmark" not in item.fixturenames
-            item.add_marker(pytest.mark.xdist_group(impl.name if by_impl else params["case"].id))
+            item.add_marker(pytest.mark.xdist_group(check_group(impl, params["case"]) if by_impl
+                                                    else params["case"].id))
+
+
+def check_group(impl: Impl, case: Case) -> str:
+    """Operation, dtype, head dim and mask select a compiled kernel (and a tuning class) in every family here.
+    Grouping checks by implementation alone left one worker compiling all of an implementation's kernels in
+    turn: 240 s of the H200's cold correctness run went to one cuTile ladder step."""
+    mask = "causal" if case.causal else "full"
+    return f"{impl.name}:{case.op}:{case.dtype}:d{case.d}:{mask}"
 
 
 def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:

@@ -98,3 +98,23 @@ def test_sdpa_refusal_keeps_pytorchs_reason_only():
         "Flash attention has been runtime disabled. (Triggered internally at sdp_utils.cpp:1.)",
     ])
     assert reason == "For dense input, both fused kernels require query, key and value to have the same num_heads."
+
+
+def test_parallel_class_buckets_batch_times_heads_in_powers_of_four():
+    from impls._registry import parallel_class
+
+    assert [parallel_class(n) for n in (1, 3, 8, 16, 17, 128, 1024, 4096)] == [1, 4, 16, 16, 64, 256, 1024, 1024]
+
+
+def test_checks_group_by_implementation_and_compiled_form():
+    from impls import get
+    from suite.cases import Case
+    from suite.plugin import check_group
+
+    naive = get("naive")
+    base = Case(2, 8, 2, 300, 300, 128, "fp16", True)
+    same_kernel = Case(4, 8, 8, 1000, 1000, 128, "fp16", True)
+    others = [Case(2, 8, 2, 300, 300, 64, "fp16", True), Case(2, 8, 2, 300, 300, 128, "bf16", True),
+              Case(2, 8, 2, 300, 300, 128, "fp16", False)]
+    assert check_group(naive, base) == check_group(naive, same_kernel)
+    assert len({check_group(naive, c) for c in [base, *others]}) == 4

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from impls._registry import HALF, Prepared, length_class, module_available, register
+from impls._registry import HALF, Prepared, length_class, module_available, parallel_class, register
 from impls._tuning import TuningCache
 from impls._validate import NO_WINDOW, window_bounds
 
@@ -290,7 +290,7 @@ _TUNED: dict[str, tuple[Variant, bool]] = {}
 def shape_class(q: torch.Tensor, k: torch.Tensor, causal: bool, window: tuple[int, int] = NO_WINDOW,
                 softcap: float = 0.0) -> tuple:
     return (q.dtype, q.shape[-1], causal, q.shape[1] // k.shape[1], length_class(q.shape[2]),
-            length_class(k.shape[2]), window != NO_WINDOW, softcap > 0)
+            length_class(k.shape[2]), parallel_class(q.shape[0] * q.shape[1]), window != NO_WINDOW, softcap > 0)
 
 
 def precompile(calls: list[Call]) -> None:
