@@ -5,7 +5,7 @@
 #   ours:     serving correctness of our Triton kernels, then serving/varlen benchmarks of naive, sdpa, triton
 #   sanitize: compute-sanitizer memcheck over the serving twins with our Triton kernels
 #   timing:   eager / graph / kernel against do_bench_cudagraph on the decode and blog presets
-#   correct:  the GPU correctness preset, every implementation, 4 xdist workers on the one GPU, cold tuning
+#   correct:  the GPU correctness preset, every implementation, 8 xdist workers (WORKERS) on the one GPU, cold tuning
 #             cache then warm; wall times, the slowest tests and where the time goes (scripts/where_time_goes.py)
 #   serve:    decode and blog in all three modes, then serving and varlen, every implementation
 #   candidates: every cuTile candidate (two-launch causal forms and padded head dims included) on the edge
@@ -47,10 +47,10 @@ for part in "$@"; do
         --impl sdpa-cudnn --impl sdpa --impl flash-attn4 --out "$out/timing-compare.json"
       ;;
     correct)
-      for pass in cold:380 warm:150; do
+      for pass in cold:300 warm:150; do
         name=correct-${pass%:*}
         FMHA_TUNING_CACHE=/tmp/tuning-correctness step "$name" "${pass#*:}" python3 -m pytest suite \
-          -k correctness --grid gpu -q -p no:cacheprovider -n 4 --dist loadgroup --durations=40 \
+          -k correctness --grid gpu -q -p no:cacheprovider -n "${WORKERS:-8}" --dist loadgroup --durations=40 \
           --heartbeat="$out/$name.heartbeat" --benchmark-json="$out/$name.json"
         python3 scripts/where_time_goes.py "$out/$name.json" "$out"/"$name".gw*.json --top 25 2>/dev/null \
           > "$out/$name.where" ; head -30 "$out/$name.where"
