@@ -47,9 +47,12 @@ for part in "$@"; do
         --impl sdpa-cudnn --impl sdpa --impl flash-attn4 --out "$out/timing-compare.json"
       ;;
     correct)
+      rm -rf /tmp/correct-cache
       for pass in cold:300 warm:150; do
         name=correct-${pass%:*}
-        FMHA_TUNING_CACHE=/tmp/tuning-correctness step "$name" "${pass#*:}" python3 -m pytest suite \
+        # cold: empty tuning, cuTile and Triton compile caches (fresh folders); warm: the same folders again
+        FMHA_TUNING_CACHE=/tmp/correct-cache/tuning CUDA_TILE_CACHE_DIR=/tmp/correct-cache/cutile \
+          TRITON_CACHE_DIR=/tmp/correct-cache/triton step "$name" "${pass#*:}" python3 -m pytest suite \
           -k correctness --grid gpu -q -p no:cacheprovider -n "${WORKERS:-8}" --dist loadgroup --durations=40 \
           --heartbeat="$out/$name.heartbeat" --benchmark-json="$out/$name.json"
         python3 scripts/where_time_goes.py "$out/$name.json" "$out"/"$name".gw*.json --top 25 2>/dev/null \
