@@ -484,7 +484,9 @@ def checkpoint(config: pytest.Config) -> None:
 @pytest.hookimpl(optionalhook=True)
 def pytest_handlecrashitem(crashitem: str, report: pytest.TestReport, sched) -> None:
     """pytest-xdist, on the controller: a worker died in ``crashitem`` (a segfault, an abort, a device fault).
-    The case is recorded as failed with that reason, like ``--isolate`` does; the other workers' files stand."""
+    The case is recorded as failed with that reason, like ``--isolate`` does; the other workers' files stand.
+    It is not run again: it would only kill the replacement worker too."""
+    drop_from_queue(sched, crashitem)
     state = run_state(sched.config)
     param = crashitem.split("[", 1)[1].split("]", 1)[0] if "[" in crashitem else crashitem
     impl = max((i for i in state.impls if param.startswith(f"{i.name}-")), key=lambda i: len(i.name), default=None)
@@ -496,6 +498,20 @@ def pytest_handlecrashitem(crashitem: str, report: pytest.TestReport, sched) -> 
         case = case.rsplit("-", 1)[0]  # the timing mode
     state.outcomes.append({"impl": impl.name, "family": impl.family, "case": case, "phase": phase,
                            "status": "failed", "message": f"the worker process died running it ({crashitem})"})
+
+
+def drop_from_queue(sched, nodeid: str) -> None:
+    """Mark ``nodeid`` done in pytest-xdist's group/scope scheduler, which puts a dead worker's whole unit of
+    work back in its queue, the test that killed it included. A unit with nothing left to run is removed: an
+    empty one left in the queue keeps the run waiting for ever (seen with a crash in the last group)."""
+    queue = getattr(sched, "workqueue", None)
+    if not isinstance(queue, dict):
+        return  # the load scheduler does not run a crashed test again
+    for scope, unit in list(queue.items()):
+        if nodeid in unit:
+            unit[nodeid] = True
+        if all(unit.values()):
+            del queue[scope]
 
 
 def worker_results_path(path: Path) -> Path:

@@ -37,10 +37,10 @@ def test_ladder_kernel_compiles(name, arch):
     assert cubin[:4] == b"\x7fELF"
 
 
-@pytest.mark.parametrize("name", list(LADDER))
+@pytest.mark.parametrize("name", [name for name, (v, _) in LADDER.items() if not v.loop_split])
 def test_ladder_kernel_without_a_mask_does_the_matrix_work(name):
-    # Non-causal, Skv a multiple of the tile: nothing to mask, and every step still runs every key tile (a
-    # loop-structure slip once compiled the baseline steps to kernels with no loop at all, which wrote zeros).
+    # Non-causal, Skv a multiple of the tile: nothing to mask, and the steps before the loop split still run
+    # every key tile (a loop-structure slip once compiled them to kernels with no loop at all, writing zeros).
     usage = sass(export_cubin(LADDER[name][0], arch="sm_90", causal=False, even_n=True))
     assert usage["hgmma"] > 0, usage
 
@@ -70,7 +70,7 @@ def test_new_head_dims_compile(head_dim, arch):
     assert cubin[:4] == b"\x7fELF"
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ["sm_90", "sm_100"])
 def test_window_and_softcap_compile(arch):
     # Gemma 2's local layers (sliding window and softcap, D=256 here, 128 on the others); on sm_90 the first
     # candidate of the space must not spill.

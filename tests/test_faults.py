@@ -95,13 +95,14 @@ def test_a_device_side_fault_costs_only_that_implementation(tmp_path):
 
 
 def test_a_worker_that_dies_under_xdist_costs_only_its_case(tmp_path):
-    """pytest-xdist replaces a worker that died; the case is recorded as failed and the rest of the run stands.
-    (xdist hands the crashing case to the replacement worker too, so restarts are capped here.)"""
+    """pytest-xdist replaces a worker that died; the case is recorded as failed, is not run again (it would kill
+    the replacement too), and the rest of the run stands. Here it is the last test of the run: a dead worker's
+    requeued group once left the run waiting for ever."""
     proc, data = run_suite(tmp_path, "-k", "correctness", "-n", "2", "--dist", "loadgroup",
                            "--max-worker-restart", "1", "--impl", "naive", "--impl", "broken-crash")
     assert statuses(data, "naive") == {"passed": 4}
     crash = statuses(data, "broken-crash")
-    assert crash["passed"] == 3 and crash["failed"] >= 1
+    assert crash == {"passed": 3, "failed": 1}
     died = [o for o in data["fmha"]["outcomes"] if o["status"] == "failed"]
     assert all(o["case"] == "fp32-causal-h2:2-s256x256-d64" and "worker process died" in o["message"] for o in died)
     assert proc.returncode == 1

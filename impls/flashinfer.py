@@ -1,0 +1,131 @@
+"""FlashInfer (``flashinfer-python``), called the way its authors recommend for serving: plan once, run many.
+
+- ``paged``: one new token per sequence through ``BatchDecodeWithPagedKVCacheWrapper`` (tensor cores on, the
+  setting FlashInfer recommends for grouped-query heads); several (speculative decoding) through
+  ``BatchPrefillWithPagedKVCacheWrapper`` with ``causal=True``. The block table becomes FlashInfer's CSR page
+  list (``indptr``, ``indices``, ``last_page_len``) in prepare, as a server keeps it.
+- ``varlen`` and dense: ``BatchPrefillWithRaggedKVCacheWrapper`` (dense is the equal-length batch), with the
+  window (left side; FlashInfer has no right bound) and softcap (``logits_soft_cap``).
+
+Planning (which also JIT-compiles the kernels on first use) happens in prepare; the timed call is ``run``.
+FlashInfer aligns a causal mask bottom-right when a sequence has more keys than queries, as the contract does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from collections.abc import Iterator
+
+import torch
+
+from impls._registry import HALF, Prepared, Unsupported, module_available, probe, register
+from impls._validate import NO_WINDOW
+
+LAYOUT = "NHD"  # (tokens, heads, head dim) within a page or a packed batch: the contract's paged layout
+WORKSPACE_BYTES = 128 << 20  # FlashInfer's examples' float workspace (split-KV partial results)
+REFUSALS = (RuntimeError, ValueError, NotImplementedError, TypeError, AssertionError)
+
+requires = module_available("flashinfer", "pip install flashinfer-python")
+
+
+@contextlib.contextmanager
+def refusals() -> Iterator[None]:
+    """Planning is where FlashInfer says "not this input" (head dim, page size, dtype) and where its JIT compile
+    fails: both become a refusal with its reason, like a first call's error does (``probe``)."""
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        raise
+    except REFUSALS as exc:
+        raise Unsupported(" ".join(str(exc).split())[:300] or type(exc).__name__) from exc
+
+
+@functools.cache
+def _workspace(device: torch.device) -> torch.Tensor:
+    return torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+
+
+def page_table_csr(block_table: torch.Tensor, seqlens: tuple[int, ...], page_size: int) -> tuple[torch.Tensor, ...]:
+    """The block table as FlashInfer's page list: ``indptr (B+1,)``, ``indices`` (the used pages of every
+    sequence, in order) and ``last_page_len (B,)`` (valid slots of each sequence's last page, 1..page_size)."""
+    pages = [max(math.ceil(n / page_size), 1) for n in seqlens]
+    indptr = torch.tensor([0, *torch.tensor(pages).cumsum(0).tolist()], dtype=torch.int32)
+    indices = torch.cat([block_table[b, :p] for b, p in enumerate(pages)]).to(torch.int32)
+    last = torch.tensor([n - (p - 1) * page_size for n, p in zip(seqlens, pages, strict=True)], dtype=torch.int32)
+    device = block_table.device
+    return indptr.to(device), indices.contiguous(), last.to(device)
+
+
+def _ragged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, *,
+            causal: bool, scale: float, window_left: int = -1, softcap: float = 0.0):
+    """A planned ragged prefill over packed (tokens, heads, D) tensors; returns the timed call."""
+    import flashinfer
+
+    with refusals():
+        wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(_workspace(q.device), LAYOUT)
+        wrapper.plan(cu_q, cu_k, q.shape[1], k.shape[1], q.shape[2], causal=causal, sm_scale=scale,
+                     window_left=window_left, logits_soft_cap=softcap or None, q_data_type=q.dtype,
+                     kv_data_type=k.dtype)
+    return lambda: wrapper.run(q, k, v)
+
+
+@register("flashinfer", family="flashinfer", dtypes=HALF, devices=("cuda",), requires=requires,
+          variants=("window", "softcap"),
+          description="flashinfer.BatchPrefillWithRaggedKVCacheWrapper over the equal-length batch")
+def prepare_dense(q, k, v, *, causal: bool, scale: float, window: tuple[int, int] = NO_WINDOW,
+                  softcap: float = 0.0) -> Prepared:
+    if window != NO_WINDOW and not causal and window[1] >= 0:
+        raise Unsupported("a window with a right bound: FlashInfer's window has a left side only")
+    batch, heads, q_len, head_dim = q.shape
+    kv_len = k.shape[2]
+    packed = [t.transpose(1, 2).reshape(-1, t.shape[1], head_dim) for t in (q, k, v)]  # (B*S, H, D)
+    cu_q, cu_k = (torch.arange(batch + 1, dtype=torch.int32, device=q.device) * n for n in (q_len, kv_len))
+    run = _ragged(*packed, cu_q, cu_k, causal=causal, scale=scale, window_left=window[0], softcap=softcap)
+
+    def call() -> torch.Tensor:
+        return run().view(batch, q_len, heads, head_dim).transpose(1, 2)
+
+    return Prepared(probe(call, *REFUSALS), config={"layout": LAYOUT})
+
+
+@register("flashinfer", op="varlen", family="flashinfer", dtypes=HALF, devices=("cuda",), requires=requires,
+          description="flashinfer.BatchPrefillWithRaggedKVCacheWrapper")
+def prepare_varlen(inputs, *, scale: float) -> Prepared:
+    run = _ragged(inputs.q, inputs.k, inputs.v, inputs.cu_seqlens_q, inputs.cu_seqlens_k, causal=inputs.causal,
+                  scale=scale)
+    return Prepared(probe(run, *REFUSALS), config={"layout": LAYOUT})
+
+
+@register("flashinfer", op="paged", family="flashinfer", dtypes=HALF, devices=("cuda",), requires=requires,
+          description="flashinfer.BatchDecodeWithPagedKVCacheWrapper (tensor cores) for one new token, "
+                      "BatchPrefillWithPagedKVCacheWrapper (causal) for several")
+def prepare_paged(inputs, *, scale: float) -> Prepared:
+    import flashinfer
+
+    batch, new, heads, head_dim = inputs.q.shape
+    kv_heads = inputs.k_cache.shape[2]
+    indptr, indices, last = page_table_csr(inputs.block_table, inputs.seqlens, inputs.page_size)
+    dtypes = {"q_data_type": inputs.q.dtype, "kv_data_type": inputs.k_cache.dtype}
+    cache = (inputs.k_cache, inputs.v_cache)
+    workspace = _workspace(inputs.q.device)
+    with refusals():
+        if new == 1:
+            wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, LAYOUT, use_tensor_cores=True)
+            wrapper.plan(indptr, indices, last, heads, kv_heads, head_dim, inputs.page_size, sm_scale=scale,
+                         **dtypes)
+            q = inputs.q.view(batch, heads, head_dim)
+            config = {"wrapper": "BatchDecodeWithPagedKVCacheWrapper", "use_tensor_cores": True}
+        else:
+            wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, LAYOUT)
+            qo_indptr = torch.arange(batch + 1, dtype=torch.int32, device=inputs.q.device) * new
+            wrapper.plan(qo_indptr, indptr, indices, last, heads, kv_heads, head_dim, inputs.page_size,
+                         causal=True, sm_scale=scale, **dtypes)
+            q = inputs.q.reshape(batch * new, heads, head_dim)
+            config = {"wrapper": "BatchPrefillWithPagedKVCacheWrapper", "causal": True}
+
+    def call() -> torch.Tensor:
+        return wrapper.run(q, cache).view(batch, new, heads, head_dim)
+
+    return Prepared(probe(call, *REFUSALS), config={"layout": LAYOUT, **config})
