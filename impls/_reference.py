@@ -75,7 +75,7 @@ def attention_ref(
     rows = sq if chunk_bytes is None else max(1, min(sq, chunk_bytes // max(1, score_bytes(q, k, 1))))
     masked = causal or tuple(window) != NO_WINDOW
     seen = visible(sq, skv, causal=causal, window=tuple(window), device=q.device) if masked else None
-    out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
+    out = torch.empty((*q.shape[:3], v.shape[-1]), dtype=out_dtype, device=q.device)
     for start in range(0, sq, rows):
         stop = min(sq, start + rows)
         scores = torch.matmul(q[:, :, start:stop], k.transpose(-1, -2)) * scale

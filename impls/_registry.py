@@ -36,7 +36,9 @@ import torch
 
 from impls._validate import NO_WINDOW, validate_attention_inputs, validate_variants
 
-VARIANTS = ("window", "softcap")  # what a model may ask of dense attention beyond causal (impls._reference)
+# What a model may ask of dense attention beyond causal (impls._reference): a sliding window and softcap (options
+# of the call), and a value head dim other than the query/key one (a property of the inputs: MLA's Dv 128, Dqk 192).
+VARIANTS = ("window", "softcap", "value_dim")
 
 Runner = Callable[[], torch.Tensor]
 
@@ -115,6 +117,9 @@ class Impl:
             scale = validate_attention_inputs(q, k, v, scale)
             options: dict[str, Any] = {"causal": bool(causal), "scale": scale}
             window, softcap = validate_variants(window, softcap)
+            if v.shape[-1] != q.shape[-1] and "value_dim" not in self.variants:
+                raise Unsupported(f"{self.name}: value head dim {v.shape[-1]} other than the query/key head dim "
+                                  f"{q.shape[-1]} not supported")
             for variant, used, value in (("window", window != NO_WINDOW, window), ("softcap", softcap > 0, softcap)):
                 if used and variant not in self.variants:
                     raise Unsupported(f"{self.name}: {'sliding window' if variant == 'window' else 'softcap'} "

@@ -27,8 +27,9 @@ def validate_attention_inputs(
             raise ValueError(f"{name} must be 4-D {layout}, got shape {tuple(t.shape)}")
         if not t.is_floating_point():
             raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3]:  # the head dim of v may differ (DeepSeek's MLA prefill: Dqk 192, Dv 128)
+        raise ValueError(f"k and v must have the same shape (B, Hkv, Skv; only the head dim may differ), got "
+                         f"k {tuple(k.shape)} and v {tuple(v.shape)}")
     if q.dtype != k.dtype or q.dtype != v.dtype:
         raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     if q.device != k.device or q.device != v.device:
@@ -38,7 +39,7 @@ def validate_attention_inputs(
         raise ValueError(f"batch size of q ({b}) and k/v ({bk}) differ")
     if d != dk:
         raise ValueError(f"head dim of q ({d}) and k/v ({dk}) differ")
-    if min(b, hq, hkv, d) == 0:
+    if min(b, hq, hkv, d, v.shape[-1]) == 0:
         raise ValueError(f"empty tensor: q {tuple(q.shape)}, k/v {tuple(k.shape)}")
     if sq == 0 or skv == 0:
         raise ValueError(f"empty sequence: Sq={sq}, Skv={skv} (both must be at least 1)")

@@ -60,7 +60,7 @@ def _first_output(result):
 
 
 def _make(name: str, module: str, attribute: str, hint: str) -> None:
-    @register(name, family="flash-attn", dtypes=HALF, devices=("cuda",), variants=("window", "softcap"),
+    @register(name, family="flash-attn", dtypes=HALF, devices=("cuda",), variants=("window", "softcap", "value_dim"),
               requires=_requires(module, attribute, hint), description=f"{module}.{attribute}")
     def prepare(q, k, v, *, causal: bool, scale: float, **variants):
         func = load_function(module, attribute)

@@ -59,7 +59,7 @@ def _zero_empty_rows(out: torch.Tensor, q_len: int, kv_len: int) -> torch.Tensor
     return out
 
 
-@register("flex", family="sdpa", requires=requires, variants=("window", "softcap"),
+@register("flex", family="sdpa", requires=requires, variants=("window", "softcap", "value_dim"),
           description="torch FlexAttention, compiled on a GPU; causal and window as a mask_mod and a block mask, "
                       "softcap as a score_mod")
 def flex_dense(q, k, v, *, causal: bool, scale: float, window: tuple[int, int] = NO_WINDOW, softcap: float = 0.0):

@@ -17,7 +17,7 @@ def free_memory_bytes(device: torch.device) -> int:
     return int(fields["MemAvailable"].split()[0]) * 1024
 
 
-@register("naive", family="naive", variants=("window", "softcap"),
+@register("naive", family="naive", variants=("window", "softcap", "value_dim"),
           description="softmax(QK^T)V with the full Sq x Skv matrix, eager PyTorch")
 def naive(q, k, v, *, causal: bool, scale: float, **variants):
     group = q.shape[1] // k.shape[1]

@@ -64,7 +64,7 @@ def probe_with_reasons(call):
 def _make(name: str, backend: SDPBackend | None, devices: tuple[str, ...]) -> None:
     what = "PyTorch's own backend choice" if backend is None else f"backend {backend.name}"
 
-    @register(name, family="sdpa", devices=devices, description=f"torch SDPA, {what}")
+    @register(name, family="sdpa", devices=devices, variants=("value_dim",), description=f"torch SDPA, {what}")
     def prepare(q, k, v, *, causal: bool, scale: float):
         if backend is SDPBackend.CUDNN_ATTENTION and causal and q.shape[2] > k.shape[2]:
             # It runs, but the rows that see no key come out as garbage, not zeros (max error ~1 on an H200,

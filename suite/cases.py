@@ -48,6 +48,7 @@ class Case:
     model: str = ""  # the checkpoint whose attention shape this is, shown in the id
     window: tuple[int, int] = NO_WINDOW  # sliding window (left, right), bottom-right; -1: unbounded (dense only)
     softcap: float = 0.0  # scores become softcap * tanh(scores / softcap) (dense only)
+    dv: int = 0  # the value (and output) head dim where it differs from d, as in MLA prefill; 0: d (dense only)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -63,8 +64,8 @@ class Case:
             raise ValueError(f"page_size {self.page_size} for op {self.op}: paged cases need one, others none")
         if self.op == "paged" and not self.causal:
             raise ValueError("paged decode is causal: the new tokens are the last positions of each sequence")
-        if self.op != "dense" and (self.window != NO_WINDOW or self.softcap):
-            raise ValueError("window and softcap are dense-attention variants here")
+        if self.op != "dense" and (self.window != NO_WINDOW or self.softcap or self.dv):
+            raise ValueError("window, softcap and a value head dim of its own are dense-attention variants here")
         if self.op == "varlen" and (self.sq != self.skv or self.sq < self.batch):
             raise ValueError(f"varlen: {self.batch} sequences need sq == skv >= batch tokens in all")
 
@@ -82,7 +83,8 @@ class Case:
         elif self.op == "varlen":
             body = f"varlen-{self.dtype}-{mask}-{heads}-t{self.sq}-{self.lengths}-d{self.d}{tail}"
         else:
-            variants = (f"-w{self.window[0]}:{self.window[1]}" if self.window != NO_WINDOW else "") + (
+            variants = (f"-dv{self.dv}" if self.dv else "") + (
+                f"-w{self.window[0]}:{self.window[1]}" if self.window != NO_WINDOW else "") + (
                 f"-cap{self.softcap:g}" if self.softcap else "")
             body = f"{self.dtype}-{mask}-{heads}-s{self.sq}x{self.skv}-d{self.d}{variants}{tail}"
         return f"{self.model}-{body}" if self.model else body
@@ -92,6 +94,11 @@ class Case:
         """The window and softcap keywords to pass, where the case uses them."""
         return ({"window": self.window} if self.window != NO_WINDOW else {}) | (
             {"softcap": self.softcap} if self.softcap else {})
+
+    @property
+    def value_dim(self) -> int:
+        """The head dim of v and of the output."""
+        return self.dv or self.d
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -140,7 +147,8 @@ class Case:
             cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
             return Varlen(randn(total, self.hq, self.d), randn(total, self.hkv, self.d),
                           randn(total, self.hkv, self.d), cu, cu.clone(), causal=self.causal)
-        shapes = [(self.batch, self.hq, self.sq, self.d)] + [(self.batch, self.hkv, self.skv, self.d)] * 2
+        shapes = [(self.batch, self.hq, self.sq, self.d), (self.batch, self.hkv, self.skv, self.d),
+                  (self.batch, self.hkv, self.skv, self.value_dim)]
         return tuple(randn(*s) for s in shapes)
 
     def _paged_inputs(self, randn, device):
@@ -242,15 +250,17 @@ def _serving() -> list[Case]:
 
 # The attention of real checkpoints: (name in the case id, Hq, Hkv, D, window, softcap). Gemma 2 alternates
 # local (sliding window) and global layers, both softcapped at 50; Mistral slides a 4096-token window.
-MODELS = [
-    ("llama3-8b", 32, 8, 128, NO_WINDOW, 0.0),
-    ("llama3-70b-tp8", 8, 1, 128, NO_WINDOW, 0.0),
-    ("mistral-7b", 32, 8, 128, (4096, 0), 0.0),
-    ("qwen2.5-7b", 28, 4, 128, NO_WINDOW, 0.0),
-    ("gemma2-9b-local", 16, 8, 256, (4096, 0), 50.0),
-    ("gemma2-9b-global", 16, 8, 256, NO_WINDOW, 50.0),
-    ("phi3-mini", 32, 32, 96, NO_WINDOW, 0.0),
-    ("gpt2", 12, 12, 64, NO_WINDOW, 0.0),
+MODELS = [  # name, Hq, Hkv, D, window, softcap, Dv (0: D)
+    ("llama3-8b", 32, 8, 128, NO_WINDOW, 0.0, 0),
+    ("llama3-70b-tp8", 8, 1, 128, NO_WINDOW, 0.0, 0),
+    ("mistral-7b", 32, 8, 128, (4096, 0), 0.0, 0),
+    ("qwen2.5-7b", 28, 4, 128, NO_WINDOW, 0.0, 0),
+    ("gemma2-9b-local", 16, 8, 256, (4096, 0), 50.0, 0),
+    ("gemma2-9b-global", 16, 8, 256, NO_WINDOW, 50.0, 0),
+    ("phi3-mini", 32, 32, 96, NO_WINDOW, 0.0, 0),
+    ("gpt2", 12, 12, 64, NO_WINDOW, 0.0, 0),
+    # DeepSeek-V3's MLA in prefill, decompressed: 128 heads of Dqk 192 (128 + 64 rotary), Dv 128; per GPU of 8.
+    ("deepseek-v3-mla-tp8", 16, 16, 192, NO_WINDOW, 0.0, 128),
 ]
 
 
@@ -261,8 +271,8 @@ def _models(shapes: Iterable[tuple[int, int]], shrink: int = 1, window_to: int |
         return (window_to, window[1]) if window_to and window[0] > 0 else window
 
     return [Case(b, max(hq // shrink, hq // hkv), max(hkv // shrink, 1), n, n, d, "bf16", True, model=name,
-                 window=scaled(window), softcap=cap)
-            for name, hq, hkv, d, window, cap in MODELS for b, n in shapes]
+                 window=scaled(window), softcap=cap, dv=dv)
+            for name, hq, hkv, d, window, cap, dv in MODELS for b, n in shapes]
 
 
 def _varlen() -> list[Case]:

@@ -54,7 +54,7 @@ def flops(case: Case) -> int:
         pairs = sum(visible_pairs(case.sq, n, True) for n in case.seqlens())
     else:
         pairs = sum(visible_pairs(n, n, case.causal) for n in case.seqlens())
-    return 4 * case.hq * case.d * pairs
+    return 2 * case.hq * (case.d + case.value_dim) * pairs  # Q K^T over d, P V over the value head dim
 
 
 def itemsize(case: Case) -> int:
@@ -64,13 +64,13 @@ def itemsize(case: Case) -> int:
 def kv_bytes(case: Case) -> int:
     """K and V bytes a kernel must read: each sequence's cache once (decode), each kv head once (GQA)."""
     tokens = sum(case.seqlens()) if case.op != "dense" else case.batch * case.skv
-    return 2 * tokens * case.hkv * case.d * itemsize(case)
+    return tokens * case.hkv * (case.d + case.value_dim) * itemsize(case)
 
 
 def min_bytes(case: Case) -> int:
     """q, k, v read once and o written once."""
     q_rows = case.batch * case.sq if case.op != "varlen" else case.sq
-    return kv_bytes(case) + 2 * q_rows * case.hq * case.d * itemsize(case)
+    return kv_bytes(case) + q_rows * case.hq * (case.d + case.value_dim) * itemsize(case)
 
 
 # HBM bandwidth of the SXM parts, TB/s, from NVIDIA's datasheets: H100 SXM5 80 GB (HBM3), H200 SXM (HBM3e),

@@ -70,3 +70,26 @@ def test_models_presets_name_the_model_and_carry_its_variants():
     assert set(twins) == {c.model for c in PRESETS["models"]}
     assert twins["gemma2-9b-local"].window[0] < 96 and twins["gemma2-9b-local"].softcap == 50.0
     assert twins["qwen2.5-7b"].gqa_ratio == 7 and twins["phi3-mini"].d == 96
+
+
+def test_a_value_head_dim_of_its_own_reaches_only_the_implementations_that_declare_it():
+    # DeepSeek's MLA prefill: queries and keys of 192, values (and the output) of 128, here at toy size.
+    case = Case(1, 4, 2, 48, 80, 48, "fp32", True, dv=32)
+    q, k, v = case.make_inputs("cpu")
+    assert v.shape == (1, 2, 80, 32) and case.id.endswith("-d48-dv32")
+    oracle = Oracle.dense(q, k, v, causal=True)
+    for name in ("naive", "sdpa", "flex"):
+        result = oracle.check(impls.get(name)(q, k, v, causal=True))
+        assert result.passed, f"{name}: {result.message}"
+    assert not oracle.check(impls.get("naive")(q, k, v[..., :32].contiguous(), causal=False)).passed
+    with pytest.raises(impls.Unsupported, match="triton: value head dim 32 other than the query/key head dim 48"):
+        impls.get("triton").prepare(q, k, v, causal=True)
+    # The two products count their own widths: Q K^T over 48, P V over 32.
+    pairs = metrics.visible_pairs(48, 80, True)
+    assert metrics.flops(case) == 2 * 4 * (48 + 32) * pairs
+    assert metrics.kv_bytes(case) == 80 * 2 * (48 + 32) * 4
+
+
+def test_the_models_preset_has_mla_and_its_cpu_twin_too():
+    mla = [c for c in PRESETS["models"] + PRESETS["models-cpu"] if c.model == "deepseek-v3-mla-tp8"]
+    assert len(mla) == 3 and all((c.d, c.dv) == (192, 128) for c in mla)
