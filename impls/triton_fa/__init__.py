@@ -92,9 +92,9 @@ def launch(config: dict, q, k, v, out, *, causal: bool, scale: float, window: tu
         _install_descriptor_allocator()
     batch, heads, q_len, head_dim = q.shape
     grid = (triton.cdiv(q_len, config["BLOCK_M"]), batch * heads)
-    plain_kernel()[grid](*kernel_arguments(q, k, v, out, scale, window, causal), HEAD_DIM=head_dim,
-                         BLOCK_D=block_d(head_dim), CAUSAL=causal, DOT_FP32=q.dtype == torch.float32,
-                         HAS_WINDOW=window != NO_WINDOW, SOFTCAP=softcap, **config)
+    plain_kernel()[grid](*kernel_arguments(q, k, v, out, scale, window, causal), **head_dims(head_dim, v.shape[-1]),
+                         CAUSAL=causal, DOT_FP32=q.dtype == torch.float32, HAS_WINDOW=window != NO_WINDOW,
+                         SOFTCAP=softcap, **config)
 
 
 def requires_tma(device: str) -> str | None:
@@ -111,6 +111,13 @@ def _install_descriptor_allocator() -> None:
     import triton
 
     triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+
+
+def head_dims(head_dim: int, value_dim: int | None = None) -> dict:
+    """The kernel's head-dim constants: Q/K's and V/output's (the same unless MLA), each with its padded tile."""
+    value_dim = head_dim if value_dim is None else value_dim
+    return {"HEAD_DIM": head_dim, "BLOCK_D": block_d(head_dim), "HEAD_DIM_V": value_dim,
+            "BLOCK_DV": block_d(value_dim)}
 
 
 def kernel_arguments(q, k, v, out, scale: float, window: tuple[int, int] = NO_WINDOW, causal: bool = False) -> tuple:
@@ -190,13 +197,17 @@ def _make(name: str, paths: str, description: str) -> None:
     """Register one entry: ``paths`` is "pointer", "tma" or "pointer+tma" (the autotuner chooses)."""
     @register(name, family="triton", dtypes=FLOATS, head_dims=POW2_HEAD_DIMS if paths == "tma" else HEAD_DIMS,
               requires=requires_tma if paths == "tma" else requires, description=description,
-              variants=("window", "softcap"))
+              variants=("window", "softcap", "value_dim"))
     def prepare(q, k, v, *, causal: bool, scale: float, window: tuple[int, int] = NO_WINDOW,
                 softcap: float = 0.0) -> Prepared:
         import triton
 
         pointer = "pointer" in paths
-        padded = block_d(q.shape[-1]) != q.shape[-1]  # descriptors need the exact power of two
+        value_dim, allowed = v.shape[-1], POW2_HEAD_DIMS if paths == "tma" else HEAD_DIMS
+        if value_dim not in allowed:
+            raise Unsupported(f"value head dim {value_dim} not supported (supports {', '.join(map(str, allowed))})")
+        # Descriptors need the exact power of two, in both head dims.
+        padded = block_d(q.shape[-1]) != q.shape[-1] or block_d(value_dim) != value_dim
         tma = "tma" in paths and not padded and (paths == "tma" or tma_available(q.device.type))
         if tma:  # descriptors address the contiguous (B*H, S, D) views; they need scratch memory
             q, k, v = (t.contiguous() for t in (q, k, v))
@@ -205,8 +216,8 @@ def _make(name: str, paths: str, description: str) -> None:
         else:
             q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         batch, heads, q_len, head_dim = q.shape
-        out = torch.empty_like(q)
-        meta = {"HEAD_DIM": head_dim, "BLOCK_D": block_d(head_dim), "CAUSAL": causal,
+        out = q.new_empty((batch, heads, q_len, value_dim))
+        meta = {**head_dims(head_dim, value_dim), "CAUSAL": causal,
                 "DOT_FP32": interpreting() or q.dtype == torch.float32, "HAS_WINDOW": window != NO_WINDOW,
                 "SOFTCAP": softcap}
 
@@ -214,7 +225,7 @@ def _make(name: str, paths: str, description: str) -> None:
             return (triton.cdiv(q_len, cfg["BLOCK_M"]), batch * heads)
 
         shape = (head_dim, causal, heads // k.shape[1], length_class(q_len), length_class(k.shape[2]),
-                 meta["HAS_WINDOW"], softcap)
+                 meta["HAS_WINDOW"], softcap, *([value_dim] if value_dim != head_dim else []))
         return prepared_launch(kernel_arguments(q, k, v, out, scale, window, causal), meta, grid, out,
                                pointer=pointer, tma=tma, shape_class=shape)
 
@@ -232,7 +243,7 @@ def prepare_varlen(inputs, *, scale: float) -> Prepared:
 
     out = inputs.output_like()
     heads, head_dim = inputs.q.shape[1], inputs.head_dim
-    meta = {"HEAD_DIM": head_dim, "BLOCK_D": block_d(head_dim), "CAUSAL": inputs.causal, "VARLEN": True,
+    meta = {**head_dims(head_dim), "CAUSAL": inputs.causal, "VARLEN": True,
             "DOT_FP32": interpreting() or inputs.q.dtype == torch.float32}
 
     def grid(cfg):

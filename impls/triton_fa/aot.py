@@ -16,7 +16,7 @@ import os
 import sys
 
 from impls._sass import sass_summary
-from impls.triton_fa import block_d
+from impls.triton_fa import head_dims
 
 
 def compile_cubin(arch: int, *, dtype: str = "fp16", head_dim: int = 128, causal: bool = True,
@@ -30,9 +30,8 @@ def compile_cubin(arch: int, *, dtype: str = "fp16", head_dim: int = 128, causal
 
     if not isinstance(fn, triton.runtime.jit.JITFunction):
         raise RuntimeError("the kernel was imported under TRITON_INTERPRET=1: run python -m impls.triton_fa.aot")
-    constants = {"HEAD_DIM": head_dim, "CAUSAL": causal, "BLOCK_M": block_m, "BLOCK_N": block_n,
-                 "DOT_FP32": dtype == "fp32", "USE_TMA": use_tma, "VARLEN": False,
-                 "BLOCK_D": block_d(head_dim),  # padded to a power of two
+    constants = {**head_dims(head_dim), "CAUSAL": causal, "BLOCK_M": block_m, "BLOCK_N": block_n,
+                 "DOT_FP32": dtype == "fp32", "USE_TMA": use_tma, "VARLEN": False,  # head dims padded to powers of 2
                  "HAS_WINDOW": window, "SOFTCAP": softcap,
                  "cu_seqlens_q": None, "cu_seqlens_k": None}  # dense: no sequence offsets
     signature = {}

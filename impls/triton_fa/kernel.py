@@ -48,7 +48,7 @@ def _scores(q, k_ptrs, k_desc, kv_row, kv_len, start_n, offs_n, offs_d, MASK_N: 
 @triton.jit
 def _values(v_ptrs, v_desc, kv_row, kv_len, start_n, offs_n, offs_d, MASK_N: tl.constexpr, USE_TMA: tl.constexpr,
             BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One V tile (BLOCK_N x BLOCK_D); rows past kv_len and padded columns read zeros."""
+    """One V tile (BLOCK_N x BLOCK_D, V's own head dim); rows past kv_len and padded columns read zeros."""
     if USE_TMA:
         return v_desc.load([kv_row, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
     if MASK_N and BLOCK_D != HEAD_DIM:
@@ -63,15 +63,16 @@ def _values(v_ptrs, v_desc, kv_row, kv_len, start_n, offs_n, offs_d, MASK_N: tl.
 @triton.jit
 def _attend_tiles(
     acc, l_i, m_i, q, K_head, V_head, k_desc, v_desc, kv_row, stride_kn, stride_vn, kv_len, causal_offset,
-    offs_m, offs_d, lo, hi, window_left, window_right,
+    offs_m, offs_d, offs_dv, lo, hi, window_left, window_right,
     qk_scale, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-    DOT_FP32: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    DOT_FP32: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr, HAS_WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr,
 ):
     """Online softmax over key tiles [lo, hi); masks (causal, window and bounds) only when MASKED."""
     offs_n = tl.arange(0, BLOCK_N)
     k_ptrs = K_head + offs_n[None, :] * stride_kn + offs_d[:, None] + lo * stride_kn
-    v_ptrs = V_head + offs_n[:, None] * stride_vn + offs_d[None, :] + lo * stride_vn
+    v_ptrs = V_head + offs_n[:, None] * stride_vn + offs_dv[None, :] + lo * stride_vn
     for start_n in range(lo, hi, BLOCK_N):
         qk = _scores(q, k_ptrs, k_desc, kv_row, kv_len, start_n, offs_n, offs_d, MASKED, DOT_FP32, USE_TMA,
                      BLOCK_N, HEAD_DIM, BLOCK_D)
@@ -96,8 +97,8 @@ def _attend_tiles(
         p = tl.math.exp2(qk - m_new_safe[:, None])
         alpha = tl.math.exp2(m_i - m_new_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _values(v_ptrs, v_desc, kv_row, kv_len, start_n, offs_n, offs_d, MASKED, USE_TMA, BLOCK_N, HEAD_DIM,
-                    BLOCK_D)
+        v = _values(v_ptrs, v_desc, kv_row, kv_len, start_n, offs_n, offs_dv, MASKED, USE_TMA, BLOCK_N, HEAD_DIM_V,
+                    BLOCK_DV)
         acc = acc * alpha[:, None]
         if DOT_FP32:
             acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
@@ -122,7 +123,9 @@ def attention_fwd(
     cu_seqlens_q, cu_seqlens_k,  # VARLEN: sequence b is rows cu[b]:cu[b+1] of the packed tensors
     window_left, window_right,  # HAS_WINDOW: keys position - left ... position + right (see window_bounds)
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, USE_TMA: tl.constexpr = False,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,  # V's and the output's head dim (MLA: other than HEAD_DIM)
+    USE_TMA: tl.constexpr = False,
     VARLEN: tl.constexpr = False, BLOCK_D: tl.constexpr = 64, HAS_WINDOW: tl.constexpr = False,
     SOFTCAP: tl.constexpr = 0.0,
 ):
@@ -148,18 +151,18 @@ def attention_fwd(
 
     offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)  # BLOCK_D: the head dim, or the power of two above it (padded with zeros)
+    offs_dv = tl.arange(0, BLOCK_DV)  # likewise for V and the output
     num_kv_heads = num_heads // group
     kv_row = (batch * num_kv_heads + kv_head).to(tl.int32)  # row of the (B*Hkv, Skv, D) view (descriptors: i32)
     if USE_TMA:  # descriptors over the contiguous (B*H, S, D) views; their bounds are per head
         q_desc = tl.make_tensor_descriptor(Q, shape=[tl.num_programs(1), q_len, HEAD_DIM],
                                            strides=[stride_qh, stride_qm, 1], block_shape=[1, BLOCK_M, HEAD_DIM])
-        kv_shape = [tl.num_programs(1) // group, kv_len, HEAD_DIM]
-        k_desc = tl.make_tensor_descriptor(K, shape=kv_shape, strides=[stride_kh, stride_kn, 1],
-                                           block_shape=[1, BLOCK_N, HEAD_DIM])
-        v_desc = tl.make_tensor_descriptor(V, shape=kv_shape, strides=[stride_vh, stride_vn, 1],
-                                           block_shape=[1, BLOCK_N, HEAD_DIM])
-        o_desc = tl.make_tensor_descriptor(Out, shape=[tl.num_programs(1), q_len, HEAD_DIM],
-                                           strides=[stride_oh, stride_om, 1], block_shape=[1, BLOCK_M, HEAD_DIM])
+        k_desc = tl.make_tensor_descriptor(K, shape=[tl.num_programs(1) // group, kv_len, HEAD_DIM],
+                                           strides=[stride_kh, stride_kn, 1], block_shape=[1, BLOCK_N, HEAD_DIM])
+        v_desc = tl.make_tensor_descriptor(V, shape=[tl.num_programs(1) // group, kv_len, HEAD_DIM_V],
+                                           strides=[stride_vh, stride_vn, 1], block_shape=[1, BLOCK_N, HEAD_DIM_V])
+        o_desc = tl.make_tensor_descriptor(Out, shape=[tl.num_programs(1), q_len, HEAD_DIM_V],
+                                           strides=[stride_oh, stride_om, 1], block_shape=[1, BLOCK_M, HEAD_DIM_V])
         q = q_desc.load([bh, tile_m * BLOCK_M, 0]).reshape(BLOCK_M, HEAD_DIM)
     else:
         k_desc = None
@@ -176,7 +179,7 @@ def attention_fwd(
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
     # Key ranges. Causal: query row i sees keys j <= i + causal_offset (bottom-right alignment).
     causal_offset = kv_len - q_len
@@ -205,26 +208,26 @@ def attention_fwd(
         unmasked_end = tl.minimum(tl.maximum(unmasked_end, unmasked_start), masked_end)
         acc, l_i, m_i = _attend_tiles(
             acc, l_i, m_i, q, K_head, V_head, k_desc, v_desc, kv_row, stride_kn, stride_vn, kv_len, causal_offset,
-            offs_m, offs_d, window_start, unmasked_start, window_left, window_right, qk_scale, BLOCK_N, HEAD_DIM,
-            True, CAUSAL, DOT_FP32, USE_TMA, BLOCK_D, HAS_WINDOW, SOFTCAP)
+            offs_m, offs_d, offs_dv, window_start, unmasked_start, window_left, window_right, qk_scale, BLOCK_N,
+            HEAD_DIM, True, CAUSAL, DOT_FP32, USE_TMA, BLOCK_D, HEAD_DIM_V, BLOCK_DV, HAS_WINDOW, SOFTCAP)
 
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, K_head, V_head, k_desc, v_desc, kv_row, stride_kn, stride_vn, kv_len, causal_offset,
-        offs_m, offs_d, unmasked_start, unmasked_end, window_left, window_right, qk_scale, BLOCK_N, HEAD_DIM,
-        False, CAUSAL, DOT_FP32, USE_TMA, BLOCK_D, HAS_WINDOW, SOFTCAP)
+        offs_m, offs_d, offs_dv, unmasked_start, unmasked_end, window_left, window_right, qk_scale, BLOCK_N,
+        HEAD_DIM, False, CAUSAL, DOT_FP32, USE_TMA, BLOCK_D, HEAD_DIM_V, BLOCK_DV, HAS_WINDOW, SOFTCAP)
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, K_head, V_head, k_desc, v_desc, kv_row, stride_kn, stride_vn, kv_len, causal_offset,
-        offs_m, offs_d, unmasked_end, masked_end, window_left, window_right, qk_scale, BLOCK_N, HEAD_DIM, True,
-        CAUSAL, DOT_FP32, USE_TMA, BLOCK_D, HAS_WINDOW, SOFTCAP)
+        offs_m, offs_d, offs_dv, unmasked_end, masked_end, window_left, window_right, qk_scale, BLOCK_N,
+        HEAD_DIM, True, CAUSAL, DOT_FP32, USE_TMA, BLOCK_D, HEAD_DIM_V, BLOCK_DV, HAS_WINDOW, SOFTCAP)
 
     # Rows that saw no key have l == 0: write zeros rather than 0/0.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = (acc / l_safe[:, None]).to(Out.dtype.element_ty)
     if USE_TMA:
-        o_desc.store([bh, tile_m * BLOCK_M, 0], out.reshape(1, BLOCK_M, HEAD_DIM))
+        o_desc.store([bh, tile_m * BLOCK_M, 0], out.reshape(1, BLOCK_M, HEAD_DIM_V))
     else:
-        o_ptrs = Out + batch * stride_ob + head * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :]
-        if BLOCK_D != HEAD_DIM:
-            tl.store(o_ptrs, out, mask=(offs_m[:, None] < q_len) & (offs_d[None, :] < HEAD_DIM))
+        o_ptrs = Out + batch * stride_ob + head * stride_oh + offs_m[:, None] * stride_om + offs_dv[None, :]
+        if BLOCK_DV != HEAD_DIM_V:
+            tl.store(o_ptrs, out, mask=(offs_m[:, None] < q_len) & (offs_dv[None, :] < HEAD_DIM_V))
         else:
             tl.store(o_ptrs, out, mask=offs_m[:, None] < q_len)
