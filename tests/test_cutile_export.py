@@ -85,6 +85,18 @@ def test_window_and_softcap_compile(arch):
         assert usage["stack"] == 0 and usage["hgmma"] > 0, usage
 
 
+def test_mla_head_dims_compile_without_spills():
+    # DeepSeek's MLA prefill: Q/K 192 wide (padded to 256), V and the output 128; the accumulator and the
+    # two-launch state take the value width.
+    variant = search_space((9, 0), 192, causal=True)[0]
+    cubin = export_cubin(variant, arch="sm_90", dtype=torch.bfloat16, head_dim=192, value_dim=128, causal=True,
+                         even_n=False)
+    usage = sass(cubin)
+    assert usage["stack"] == 0 and usage["hgmma"] > 0, usage
+    q = torch.empty((1, 2, 100, 192), device="meta", dtype=torch.bfloat16)
+    assert Variant(64, 64, two_launch=True).state(q, 128)[2].shape == (1, 2, 100, 128)
+
+
 def test_head_dims_pad_to_the_next_power_of_two():
     assert [tile_d(d) for d in (16, 32, 40, 64, 80, 96, 128, 136, 192, 256)] == [
         16, 32, 64, 64, 128, 128, 128, 256, 256, 256]

@@ -82,8 +82,8 @@ def test_a_value_head_dim_of_its_own_reaches_only_the_implementations_that_decla
         result = oracle.check(impls.get(name)(q, k, v, causal=True))
         assert result.passed, f"{name}: {result.message}"
     assert not oracle.check(impls.get("naive")(q, k, v, causal=False)).passed
-    with pytest.raises(impls.Unsupported, match="cutile: value head dim 32 other than the query/key head dim 48"):
-        impls.get("cutile").prepare(q, k, v, causal=True)
+    with pytest.raises(impls.Unsupported, match="cutile-5-remap: value head dim 32 other than the query/key head"):
+        impls.get("cutile-5-remap").prepare(q, k, v, causal=True)
     # The two products count their own widths: Q K^T over 48, P V over 32.
     pairs = metrics.visible_pairs(48, 80, True)
     assert metrics.flops(case) == 2 * 4 * (48 + 32) * pairs

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from impls._registry import HALF, Prepared, length_class, module_available, parallel_class, register
+from impls._registry import HALF, Prepared, Unsupported, length_class, module_available, parallel_class, register
 from impls._tuning import TuningCache
 from impls._validate import NO_WINDOW, window_bounds
 
@@ -72,12 +72,12 @@ class Variant:
         return _kernel_with_hints(tuple(sorted(self.hints().items())), int64)
 
     def constants(self, *, head_dim: int, causal: bool, kv_len: int, itemsize: int, phase: int = 0,
-                  window: bool = False, softcap: float = 0.0) -> tuple:
+                  window: bool = False, softcap: float = 0.0, value_dim: int | None = None) -> tuple:
         """The kernel's compile-time arguments, in its parameter order (after the runtime ones)."""
         group = self.heads_per_group(causal=causal, kv_len=kv_len, head_dim=head_dim, itemsize=itemsize)
-        return (tile_d(head_dim), self.tile_m, self.tile_n, causal, kv_len % self.tile_n == 0, window,
-                float(softcap), self.fast_math, self.loop_split, self.mask_branch, self.reverse_order,
-                self.k_latency, self.v_latency, group, self.persistent, self.dynamic, phase)
+        return (tile_d(head_dim), tile_d(value_dim or head_dim), self.tile_m, self.tile_n, causal,
+                kv_len % self.tile_n == 0, window, float(softcap), self.fast_math, self.loop_split, self.mask_branch,
+                self.reverse_order, self.k_latency, self.v_latency, group, self.persistent, self.dynamic, phase)
 
     def arguments(self, q, k, v, out, state, *, causal: bool, scale: float, phase: int = 0,
                   window: tuple[int, int] = NO_WINDOW, softcap: float = 0.0) -> tuple:
@@ -87,7 +87,7 @@ class Variant:
         return (q, k, v, out, *state, scale, kv_len - q_len, *window_bounds(window, causal), heads,
                 heads // k.shape[1],
                 *self.constants(head_dim=head_dim, causal=causal, kv_len=kv_len, itemsize=q.element_size(),
-                                phase=phase, window=window != NO_WINDOW, softcap=softcap))
+                                phase=phase, window=window != NO_WINDOW, softcap=softcap, value_dim=v.shape[-1]))
 
     def launches(self, q, k, v, out, state, *, causal: bool, scale: float, **variants) -> list[tuple]:
         """(grid, kernel, arguments) of each launch one call makes, in order; ``variants``: window, softcap."""
@@ -104,12 +104,12 @@ class Variant:
         each), in plain order."""
         return replace(self, persistent=False, reverse_order=False)
 
-    def state(self, q: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def state(self, q: torch.Tensor, value_dim: int | None = None) -> tuple[torch.Tensor, ...]:
         """The kernel's workspace: the softmax state the two launches pass on (max and sum (B, Hq, Sq) and the
-        unnormalised accumulator (B, Hq, Sq, TILE_D), all float32, the kernel's own precision), then the
+        unnormalised accumulator (B, Hq, Sq, TILE_DV), all float32, the kernel's own precision), then the
         dynamic scheduler's counter (one int32, zeroed before every launch). Unused parts are placeholders."""
         rows = q.shape[:3] if self.two_launch else (1, 1, 1)
-        width = tile_d(q.shape[-1]) if self.two_launch else 1
+        width = tile_d(value_dim or q.shape[-1]) if self.two_launch else 1
         return (torch.empty(rows, dtype=torch.float32, device=q.device),
                 torch.empty(rows, dtype=torch.float32, device=q.device),
                 torch.empty((*rows, width), dtype=torch.float32, device=q.device),
@@ -250,8 +250,8 @@ class Call:
                  out: torch.Tensor | None = None, **variants) -> None:
         self.variant = variant
         self.q, self.k, self.v = (t.contiguous() for t in (q, k, v))  # a no-op for the contract's usual layout
-        self.out = torch.empty_like(self.q) if out is None else out
-        self.state = variant.state(self.q)
+        self.out = self.q.new_empty((*self.q.shape[:3], self.v.shape[-1])) if out is None else out
+        self.state = variant.state(self.q, self.v.shape[-1])
         self.launches = variant.launches(self.q, self.k, self.v, self.out, self.state, causal=causal, scale=scale,
                                          **variants)
 
@@ -288,8 +288,8 @@ _TUNED: dict[str, tuple[Variant, bool]] = {}
 
 
 def shape_class(q: torch.Tensor, k: torch.Tensor, causal: bool, window: tuple[int, int] = NO_WINDOW,
-                softcap: float = 0.0) -> tuple:
-    return (q.dtype, q.shape[-1], causal, q.shape[1] // k.shape[1], length_class(q.shape[2]),
+                softcap: float = 0.0, value_dim: int | None = None) -> tuple:
+    return (q.dtype, q.shape[-1], value_dim or q.shape[-1], causal, q.shape[1] // k.shape[1], length_class(q.shape[2]),
             length_class(k.shape[2]), parallel_class(q.shape[0] * q.shape[1]), window != NO_WINDOW, softcap > 0)
 
 
@@ -324,14 +324,14 @@ def tune(q, k, v, *, causal: bool, scale: float, **variants) -> tuple[Variant, b
     """The best variant of the search space for this shape class, and whether it came from the cache;
     ``variants``: window, softcap (as the call will run)."""
     q, k, v = (t.contiguous() for t in (q, k, v))  # once here, not once per candidate
-    key = TUNING.key(q.device, shape_class(q, k, causal, **variants))
+    key = TUNING.key(q.device, shape_class(q, k, causal, value_dim=v.shape[-1], **variants))
     if key not in _TUNED:
         def search() -> dict:
             import cuda.tile as ct
             from cuda.tile.tune import exhaustive_search
 
             space = search_space(torch.cuda.get_device_capability(q.device), q.shape[-1], causal=causal)
-            out = torch.empty_like(q)
+            out = q.new_empty((*q.shape[:3], v.shape[-1]))
             calls = [Call(variant, q, k, v, causal=causal, scale=scale, out=out, **variants) for variant in space]
             launches = {call.variant: only_launch(call) for call in calls}
             with ct.compiler_timeout(COMPILE_TIMEOUT_S):
@@ -348,10 +348,13 @@ def tune(q, k, v, *, causal: bool, scale: float, **variants) -> tuple[Variant, b
 
 
 @register("cutile", family="cutile", dtypes=HALF, devices=("cuda",), head_dims=HEAD_DIMS, requires=requires,
-          variants=("window", "softcap"),
+          variants=("window", "softcap", "value_dim"),
           description="our cuTile kernel, all optimisations, tile shape and occupancy autotuned")
 def prepare_tuned(q, k, v, *, causal: bool, scale: float, **variants) -> Prepared:
-    """``variants``: a sliding window (key tiles outside it are never visited) and softcap, as they come."""
+    """``variants``: a sliding window (key tiles outside it are never visited) and softcap, as they come; v may
+    have a head dim of its own (MLA), padded like the query/key one."""
+    if v.shape[-1] not in HEAD_DIMS:
+        raise Unsupported(f"value head dim {v.shape[-1]} not supported (a multiple of 8 from 16 to 256)")
     variant, cached = tune(q, k, v, causal=causal, scale=scale, **variants)
     return Call(variant, q, k, v, causal=causal, scale=scale, **variants).prepared(
         chosen="tuning cache" if cached else "autotuned")

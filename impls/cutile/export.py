@@ -33,34 +33,37 @@ def array_constraint(dtype: torch.dtype, shape: tuple[int, ...], *, int64: bool 
 
 def signature(variant: Variant, *, dtype: torch.dtype, head_dim: int, causal: bool, even_n: bool,
               int64: bool = False, shape: tuple[int, int, int] = (4, 32, 4096), phase: int = 0,
-              window: bool = False, softcap: float = 0.0):
+              window: bool = False, softcap: float = 0.0, value_dim: int | None = None):
     """The signature ``ct.launch`` would compile for contiguous (B, H, S, D) tensors of ``dtype``
     (``shape`` is (B, H, S); only its divisibility matters) in launch ``phase`` of ``variant``, with a
-    sliding window or not and softcap ``softcap`` (0: none)."""
+    sliding window or not, softcap ``softcap`` (0: none) and V/Out of ``value_dim`` (default: ``head_dim``)."""
     import cuda.tile as ct
     from cuda.tile.compilation import CallingConvention, KernelSignature, ScalarConstraint
 
     batch, heads, seq = shape
     if not even_n:
         seq = seq // variant.tile_n * variant.tile_n + 1  # ragged: the last K/V tile is partial
-    array = array_constraint(dtype, (batch, heads, seq, head_dim), int64=int64)
+    value_dim = value_dim or head_dim
+    qk = array_constraint(dtype, (batch, heads, seq, head_dim), int64=int64)
+    vo = array_constraint(dtype, (batch, heads, seq, value_dim), int64=int64)
     q = torch.empty((batch, heads, seq, head_dim), device="meta", dtype=dtype)
-    state = [array_constraint(t.dtype, tuple(t.shape), int64=int64) for t in variant.state(q)]
+    state = [array_constraint(t.dtype, tuple(t.shape), int64=int64) for t in variant.state(q, value_dim)]
     # scale, then causal offset, window left and right, heads, group
     runtime = [ScalarConstraint(ct.float32)] + [ScalarConstraint(ct.int32)] * 5
     constants = variant.constants(head_dim=head_dim, causal=causal, kv_len=seq, itemsize=dtype.itemsize,
-                                  phase=phase, window=window, softcap=softcap)
-    return KernelSignature([array] * 4 + state + runtime + list(constants), CallingConvention.cutile_python_v1())
+                                  phase=phase, window=window, softcap=softcap, value_dim=value_dim)
+    arrays = [qk, qk, vo, vo]  # Q, K, V, Out
+    return KernelSignature(arrays + state + runtime + list(constants), CallingConvention.cutile_python_v1())
 
 
 def export_cubin(variant: Variant, *, arch: str, dtype: torch.dtype = torch.float16, head_dim: int = 128,
                  causal: bool = True, even_n: bool = True, int64: bool = False, phase: int = 0,
-                 window: bool = False, softcap: float = 0.0) -> bytes:
+                 window: bool = False, softcap: float = 0.0, value_dim: int | None = None) -> bytes:
     from cuda.tile.compilation import export_kernel
 
     buffer = io.BytesIO()
     sig = signature(variant, dtype=dtype, head_dim=head_dim, causal=causal, even_n=even_n, int64=int64,
-                    phase=phase, window=window, softcap=softcap)
+                    phase=phase, window=window, softcap=softcap, value_dim=value_dim)
     export_kernel(variant.kernel(int64=int64), [sig], buffer, gpu_code=arch, output_format="cubin")
     return buffer.getvalue()
 

@@ -62,7 +62,7 @@ def fmha_fwd(
     window_left: int, window_right: int,
     num_heads: int,
     group: int,
-    TILE_D: ConstInt,
+    TILE_D: ConstInt, TILE_DV: ConstInt,  # Q/K's head dim and V/Out's (the same unless MLA), padded
     TILE_M: ConstInt, TILE_N: ConstInt,
     CAUSAL: ConstBool, EVEN_N: ConstBool, HAS_WINDOW: ConstBool, SOFTCAP: ConstFloat,
     FAST_MATH: ConstBool, LOOP_SPLIT: ConstBool, MASK_BRANCH: ConstBool, REVERSE_ORDER: ConstBool,
@@ -71,7 +71,7 @@ def fmha_fwd(
 ):
     """One block per work item (grid: query tiles x batch * heads), or PERSISTENT: a grid of one block per SM
     slot, each taking every ``num_blocks``-th item in turn. The state arrays (B, Hq, Sq) float32 for the max
-    and the sum, (B, Hq, Sq, TILE_D) for the accumulator, are read and written only by a split PHASE; NextItem
+    and the sum, (B, Hq, Sq, TILE_DV) for the accumulator, are read and written only by a split PHASE; NextItem
     (one int32, zero at launch) only by a DYNAMIC one."""
     num_m = ct.cdiv(Q.shape[2], TILE_M)
     num_bh = Q.shape[0] * num_heads
@@ -82,21 +82,21 @@ def fmha_fwd(
         while linear < num_items:
             tile_m, batch_head = work_item(linear, num_m, num_bh, heaviest_first, HEAD_GROUP)
             attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_head, qk_scale,
-                              causal_offset, window_left, window_right, num_heads, group, TILE_D, TILE_M, TILE_N,
-                              CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP, FAST_MATH, LOOP_SPLIT, MASK_BRANCH, K_LATENCY,
-                              V_LATENCY, PHASE)
+                              causal_offset, window_left, window_right, num_heads, group, TILE_D, TILE_DV, TILE_M,
+                              TILE_N, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP, FAST_MATH, LOOP_SPLIT, MASK_BRANCH,
+                              K_LATENCY, V_LATENCY, PHASE)
             linear = ct.num_blocks(0) + ct.atomic_add(NextItem, 0, 1)
     elif PERSISTENT:
         for linear in range(ct.bid(0), num_items, ct.num_blocks(0)):
             tile_m, batch_head = work_item(linear, num_m, num_bh, heaviest_first, HEAD_GROUP)
             attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_head, qk_scale,
-                              causal_offset, window_left, window_right, num_heads, group, TILE_D, TILE_M, TILE_N,
-                              CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP, FAST_MATH, LOOP_SPLIT, MASK_BRANCH, K_LATENCY,
-                              V_LATENCY, PHASE)
+                              causal_offset, window_left, window_right, num_heads, group, TILE_D, TILE_DV, TILE_M,
+                              TILE_N, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP, FAST_MATH, LOOP_SPLIT, MASK_BRANCH,
+                              K_LATENCY, V_LATENCY, PHASE)
     else:
         tile_m, batch_head = work_item(ct.bid(1) * num_m + ct.bid(0), num_m, num_bh, heaviest_first, HEAD_GROUP)
         attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_head, qk_scale,
-                          causal_offset, window_left, window_right, num_heads, group, TILE_D, TILE_M, TILE_N,
+                          causal_offset, window_left, window_right, num_heads, group, TILE_D, TILE_DV, TILE_M, TILE_N,
                           CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP, FAST_MATH, LOOP_SPLIT, MASK_BRANCH, K_LATENCY,
                           V_LATENCY, PHASE)
 
@@ -122,7 +122,7 @@ def work_item(linear, num_m, num_bh, HEAVIEST_FIRST, HEAD_GROUP):
 
 
 def attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_head, qk_scale, causal_offset,
-                      window_left, window_right, num_heads, group, TILE_D, TILE_M, TILE_N, CAUSAL, EVEN_N,
+                      window_left, window_right, num_heads, group, TILE_D, TILE_DV, TILE_M, TILE_N, CAUSAL, EVEN_N,
                       HAS_WINDOW, SOFTCAP, FAST_MATH, LOOP_SPLIT, MASK_BRANCH, K_LATENCY, V_LATENCY, PHASE):
     """Output rows ``tile_m`` of one (batch, query head): the whole FlashAttention forward for one Q tile, or
     the masked (DIAGONAL) or mask-free (OFF_DIAGONAL) part of it."""
@@ -136,11 +136,11 @@ def attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_
         score_scale_log2 = qk_scale * INV_LOG_2
     offs_m = (tile_m * TILE_M + ct.arange(TILE_M, dtype=ct.int32))[:, None]
     if PHASE == OFF_DIAGONAL:  # carry on from where launch 1 left this tile
-        m_i, l_i, acc = load_state(MaxState, SumState, AccState, batch, head, tile_m, TILE_M, TILE_D)
+        m_i, l_i, acc = load_state(MaxState, SumState, AccState, batch, head, tile_m, TILE_M, TILE_DV)
     else:
         m_i = ct.full((TILE_M, 1), -math.inf, dtype=ct.float32)
         l_i = ct.full((TILE_M, 1), 0.0, dtype=ct.float32)
-        acc = ct.full((TILE_M, TILE_D), 0.0, dtype=ct.float32)
+        acc = ct.full((TILE_M, TILE_DV), 0.0, dtype=ct.float32)
     # A head dim below TILE_D reads zeros past its end: they add nothing to Q K^T, and P V's extra columns
     # are never stored.
     q = ct.load(Q, index=(batch, head, tile_m, 0), shape=(1, 1, TILE_M, TILE_D),
@@ -159,13 +159,13 @@ def attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_
         for j in range(first, free_start):
             acc, l_i, m_i = attend_key_tile(acc, l_i, m_i, q, K, V, batch, kv_head, j, offs_m, qk_scale,
                                             score_scale_log2, kv_len, causal_offset, window_left, window_right,
-                                            TILE_M, TILE_N, TILE_D, True, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP,
+                                            TILE_M, TILE_N, TILE_D, TILE_DV, True, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP,
                                             True, FAST_MATH, K_LATENCY, V_LATENCY)
     if PHASE != DIAGONAL and not MASK_BRANCH:
         for j in range(free_start, free_end):
             acc, l_i, m_i = attend_key_tile(acc, l_i, m_i, q, K, V, batch, kv_head, j, offs_m, qk_scale,
                                             score_scale_log2, kv_len, causal_offset, window_left, window_right,
-                                            TILE_M, TILE_N, TILE_D, False, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP,
+                                            TILE_M, TILE_N, TILE_D, TILE_DV, False, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP,
                                             False, FAST_MATH, K_LATENCY, V_LATENCY)
     # The mask-free launch has no masked loop at all, not even an empty one, and neither has a kernel that needs
     # no mask (its mask-free loop ran every tile): a loop the compiler cannot prove empty keeps its pipeline
@@ -176,18 +176,18 @@ def attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_
             masked = needs_mask and (not MASK_BRANCH or j >= free_end)
             acc, l_i, m_i = attend_key_tile(acc, l_i, m_i, q, K, V, batch, kv_head, j, offs_m, qk_scale,
                                             score_scale_log2, kv_len, causal_offset, window_left, window_right,
-                                            TILE_M, TILE_N, TILE_D, masked, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP,
-                                            needs_mask, FAST_MATH, K_LATENCY, V_LATENCY)
+                                            TILE_M, TILE_N, TILE_D, TILE_DV, masked, CAUSAL, EVEN_N, HAS_WINDOW,
+                                            SOFTCAP, needs_mask, FAST_MATH, K_LATENCY, V_LATENCY)
 
     if PHASE == DIAGONAL:
-        store_state(MaxState, SumState, AccState, m_i, l_i, acc, batch, head, tile_m, TILE_M, TILE_D)
+        store_state(MaxState, SumState, AccState, m_i, l_i, acc, batch, head, tile_m, TILE_M, TILE_DV)
     else:
         l_i = ct.where(l_i == 0.0, 1.0, l_i)  # rows that saw no key: 0 / 1 = 0
         if FAST_MATH:
             acc = ct.truediv(acc, l_i, flush_to_zero=True, rounding_mode=ct.RoundingMode.APPROX)
         else:
             acc = ct.truediv(acc, l_i)
-        out = acc.reshape((1, 1, TILE_M, TILE_D)).astype(Out.dtype)
+        out = acc.reshape((1, 1, TILE_M, TILE_DV)).astype(Out.dtype)
         ct.store(Out, index=(batch, head, tile_m, 0), tile=out)
 
 
@@ -214,7 +214,7 @@ def key_tiles(tile_m, kv_len, causal_offset, window_left, window_right, TILE_M, 
 
 
 def attend_key_tile(acc, l_i, m_i, q, K, V, batch, kv_head, j, offs_m, qk_scale, score_scale_log2, kv_len,
-                    causal_offset, window_left, window_right, TILE_M, TILE_N, TILE_D, MASKED, CAUSAL, EVEN_N,
+                    causal_offset, window_left, window_right, TILE_M, TILE_N, TILE_D, TILE_DV, MASKED, CAUSAL, EVEN_N,
                     HAS_WINDOW, SOFTCAP, MAY_BE_EMPTY, FAST_MATH, K_LATENCY, V_LATENCY):
     """Fold key tile j into the running state: its scores (capped, then masked where MASKED), the online
     softmax, P V. MAY_BE_EMPTY: a row may have seen no key yet (see ``online_softmax``)."""
@@ -222,22 +222,22 @@ def attend_key_tile(acc, l_i, m_i, q, K, V, batch, kv_head, j, offs_m, qk_scale,
     if MASKED:
         qk = mask_scores(qk, offs_m, j, kv_len, causal_offset, window_left, window_right, TILE_N, CAUSAL, EVEN_N,
                          HAS_WINDOW)
-    return online_softmax(acc, l_i, m_i, qk, V, batch, kv_head, j, score_scale_log2, TILE_N, TILE_D, MAY_BE_EMPTY,
+    return online_softmax(acc, l_i, m_i, qk, V, batch, kv_head, j, score_scale_log2, TILE_N, TILE_DV, MAY_BE_EMPTY,
                           FAST_MATH, V_LATENCY)
 
 
-def load_state(MaxState, SumState, AccState, batch, head, tile_m, TILE_M, TILE_D):
+def load_state(MaxState, SumState, AccState, batch, head, tile_m, TILE_M, TILE_DV):
     """The running max, sum and unnormalised accumulator of one query tile, as launch 1 left them."""
     m_i = ct.load(MaxState, index=(batch, head, tile_m), shape=(1, 1, TILE_M)).reshape((TILE_M, 1))
     l_i = ct.load(SumState, index=(batch, head, tile_m), shape=(1, 1, TILE_M)).reshape((TILE_M, 1))
-    acc = ct.load(AccState, index=(batch, head, tile_m, 0), shape=(1, 1, TILE_M, TILE_D))
-    return m_i, l_i, acc.reshape((TILE_M, TILE_D))
+    acc = ct.load(AccState, index=(batch, head, tile_m, 0), shape=(1, 1, TILE_M, TILE_DV))
+    return m_i, l_i, acc.reshape((TILE_M, TILE_DV))
 
 
-def store_state(MaxState, SumState, AccState, m_i, l_i, acc, batch, head, tile_m, TILE_M, TILE_D):
+def store_state(MaxState, SumState, AccState, m_i, l_i, acc, batch, head, tile_m, TILE_M, TILE_DV):
     ct.store(MaxState, index=(batch, head, tile_m), tile=m_i.reshape((1, 1, TILE_M)))
     ct.store(SumState, index=(batch, head, tile_m), tile=l_i.reshape((1, 1, TILE_M)))
-    ct.store(AccState, index=(batch, head, tile_m, 0), tile=acc.reshape((1, 1, TILE_M, TILE_D)))
+    ct.store(AccState, index=(batch, head, tile_m, 0), tile=acc.reshape((1, 1, TILE_M, TILE_DV)))
 
 
 def scores(q, K, batch, kv_head, j, qk_scale, TILE_M, TILE_N, TILE_D, SOFTCAP, K_LATENCY):
@@ -267,7 +267,7 @@ def mask_scores(qk, offs_m, j, kv_len, causal_offset, window_left, window_right,
     return ct.where(visible, qk, -math.inf)
 
 
-def online_softmax(acc, l_i, m_i, qk, V, batch, kv_head, j, qk_scale_log2, TILE_N, TILE_D, MASKED, FAST_MATH,
+def online_softmax(acc, l_i, m_i, qk, V, batch, kv_head, j, qk_scale_log2, TILE_N, TILE_DV, MASKED, FAST_MATH,
                    V_LATENCY):
     """Fold key tile j (its scores ``qk``, already masked) into the running max, sum and accumulator.
 
@@ -283,8 +283,8 @@ def online_softmax(acc, l_i, m_i, qk, V, batch, kv_head, j, qk_scale_log2, TILE_
     p = ct.exp2(qk * qk_scale_log2 - m_ref, flush_to_zero=FAST_MATH)
     l_i = l_i * alpha + ct.sum(p, axis=-1, keepdims=True)
 
-    v = ct.load(V, index=(batch, kv_head, j, 0), shape=(1, 1, TILE_N, TILE_D),
-                latency=V_LATENCY, padding_mode=ZERO_PAD).reshape((TILE_N, TILE_D))
+    v = ct.load(V, index=(batch, kv_head, j, 0), shape=(1, 1, TILE_N, TILE_DV),
+                latency=V_LATENCY, padding_mode=ZERO_PAD).reshape((TILE_N, TILE_DV))
     acc = ct.mma(p.astype(V.dtype), v, acc * alpha)  # tensor cores take P in the input dtype
     return acc, l_i, m_new
 
