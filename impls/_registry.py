@@ -92,16 +92,19 @@ class Impl:
             return "no CUDA device"
         return self.requires(device) if self.requires else None
 
-    def support_reason(self, dtype: torch.dtype, device: str, head_dim: int) -> str | None:
-        """``None`` when the declared capabilities cover this dtype, device and head dim."""
+    def support_reason(self, dtype: torch.dtype, device: str, head_dim: int,
+                       value_dim: int | None = None) -> str | None:
+        """``None`` when the declared capabilities cover this dtype, device and head dims (v's own, if given,
+        against the same declared list)."""
         reason = self.availability(device)
         if reason:
             return reason
         if dtype not in self.dtypes:
             names = ", ".join(str(d).removeprefix("torch.") for d in self.dtypes)
             return f"dtype {str(dtype).removeprefix('torch.')} not supported (supports {names})"
-        if self.head_dims is not None and head_dim not in self.head_dims:
-            return f"head dim {head_dim} not supported (supports {', '.join(map(str, self.head_dims))})"
+        for what, dim in (("head dim", head_dim), ("value head dim", value_dim)):
+            if self.head_dims is not None and dim is not None and dim not in self.head_dims:
+                return f"{what} {dim} not supported (supports {', '.join(map(str, self.head_dims))})"
         return None
 
     def prepare(self, *inputs: Any, causal: bool = False, scale: float | None = None,
@@ -117,8 +120,9 @@ class Impl:
             scale = validate_attention_inputs(q, k, v, scale)
             options: dict[str, Any] = {"causal": bool(causal), "scale": scale}
             window, softcap = validate_variants(window, softcap)
-            if v.shape[-1] != q.shape[-1] and "value_dim" not in self.variants:
-                raise Unsupported(f"{self.name}: value head dim {v.shape[-1]} other than the query/key head dim "
+            value_dim = v.shape[-1]
+            if value_dim != q.shape[-1] and "value_dim" not in self.variants:
+                raise Unsupported(f"{self.name}: value head dim {value_dim} other than the query/key head dim "
                                   f"{q.shape[-1]} not supported")
             for variant, used, value in (("window", window != NO_WINDOW, window), ("softcap", softcap > 0, softcap)):
                 if used and variant not in self.variants:
@@ -131,8 +135,9 @@ class Impl:
             if getattr(batch, "op", None) != self.op:
                 raise TypeError(f"{self.name} runs the {self.op!r} operation, got {type(batch).__name__}")
             q, scale = batch.q, batch.scale(scale)
+            value_dim = None  # the serving operations have one head dim
             options = {"scale": scale}
-        reason = self.support_reason(q.dtype, q.device.type, q.shape[-1])
+        reason = self.support_reason(q.dtype, q.device.type, q.shape[-1], value_dim)
         if reason:
             raise Unsupported(f"{self.name}: {reason}")
         prepared = self.prepare_fn(*inputs, **options)

@@ -90,6 +90,13 @@ def test_a_value_head_dim_of_its_own_reaches_only_the_implementations_that_decla
     assert metrics.kv_bytes(case) == 80 * 2 * (48 + 32) * 4
 
 
+def test_a_value_head_dim_outside_the_declared_head_dims_is_refused_by_the_registry():
+    q, k, _ = Case(1, 2, 2, 16, 16, 32, "fp32").make_inputs("cpu")
+    for name, dv in (("triton", 20), ("triton-tma", 48)):  # any multiple of 8; powers of two only
+        with pytest.raises(impls.Unsupported, match=f"{name}: value head dim {dv} not supported"):
+            impls.get(name).prepare(q, k, torch.randn(1, 2, 16, dv))
+
+
 def test_the_models_preset_has_mla_and_its_cpu_twin_too():
     mla = [c for c in PRESETS["models"] + PRESETS["models-cpu"] if c.model == "deepseek-v3-mla-tp8"]
     assert len(mla) == 3 and all((c.d, c.dv) == (192, 128) for c in mla)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from impls._registry import HALF, Prepared, Unsupported, length_class, module_available, parallel_class, register
+from impls._registry import HALF, Prepared, length_class, module_available, parallel_class, register
 from impls._tuning import TuningCache
 from impls._validate import NO_WINDOW, window_bounds
 
@@ -353,8 +353,6 @@ def tune(q, k, v, *, causal: bool, scale: float, **variants) -> tuple[Variant, b
 def prepare_tuned(q, k, v, *, causal: bool, scale: float, **variants) -> Prepared:
     """``variants``: a sliding window (key tiles outside it are never visited) and softcap, as they come; v may
     have a head dim of its own (MLA), padded like the query/key one."""
-    if v.shape[-1] not in HEAD_DIMS:
-        raise Unsupported(f"value head dim {v.shape[-1]} not supported (a multiple of 8 from 16 to 256)")
     variant, cached = tune(q, k, v, causal=causal, scale=scale, **variants)
     return Call(variant, q, k, v, causal=causal, scale=scale, **variants).prepared(
         chosen="tuning cache" if cached else "autotuned")
