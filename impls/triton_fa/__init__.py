@@ -90,11 +90,10 @@ def launch(config: dict, q, k, v, out, *, causal: bool, scale: float, window: tu
 
     if config["USE_TMA"]:
         _install_descriptor_allocator()
-    batch, heads, q_len, head_dim = q.shape
+    batch, heads, q_len = q.shape[:3]
     grid = (triton.cdiv(q_len, config["BLOCK_M"]), batch * heads)
-    plain_kernel()[grid](*kernel_arguments(q, k, v, out, scale, window, causal), **head_dims(head_dim, v.shape[-1]),
-                         CAUSAL=causal, DOT_FP32=q.dtype == torch.float32, HAS_WINDOW=window != NO_WINDOW,
-                         SOFTCAP=softcap, **config)
+    plain_kernel()[grid](*kernel_arguments(q, k, v, out, scale, window, causal),
+                         **dense_meta(q, v, causal=causal, window=window, softcap=softcap), **config)
 
 
 def requires_tma(device: str) -> str | None:
@@ -118,6 +117,13 @@ def head_dims(head_dim: int, value_dim: int | None = None) -> dict:
     value_dim = head_dim if value_dim is None else value_dim
     return {"HEAD_DIM": head_dim, "BLOCK_D": block_d(head_dim), "HEAD_DIM_V": value_dim,
             "BLOCK_DV": block_d(value_dim)}
+
+
+def dense_meta(q, v, *, causal: bool, window: tuple[int, int], softcap: float) -> dict:
+    """``attention_fwd``'s compile-time arguments for a dense call, but for the tile config."""
+    return {**head_dims(q.shape[-1], v.shape[-1]), "CAUSAL": causal,
+            "DOT_FP32": interpreting() or q.dtype == torch.float32, "HAS_WINDOW": window != NO_WINDOW,
+            "SOFTCAP": softcap}
 
 
 def kernel_arguments(q, k, v, out, scale: float, window: tuple[int, int] = NO_WINDOW, causal: bool = False) -> tuple:
@@ -215,15 +221,13 @@ def _make(name: str, paths: str, description: str) -> None:
             q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         batch, heads, q_len, head_dim = q.shape
         out = q.new_empty((batch, heads, q_len, value_dim))
-        meta = {**head_dims(head_dim, value_dim), "CAUSAL": causal,
-                "DOT_FP32": interpreting() or q.dtype == torch.float32, "HAS_WINDOW": window != NO_WINDOW,
-                "SOFTCAP": softcap}
+        meta = dense_meta(q, v, causal=causal, window=window, softcap=softcap)
 
         def grid(cfg):
             return (triton.cdiv(q_len, cfg["BLOCK_M"]), batch * heads)
 
         shape = (head_dim, causal, heads // k.shape[1], length_class(q_len), length_class(k.shape[2]),
-                 meta["HAS_WINDOW"], softcap, *([value_dim] if value_dim != head_dim else []))
+                 meta["HAS_WINDOW"], softcap, value_dim)
         return prepared_launch(kernel_arguments(q, k, v, out, scale, window, causal), meta, grid, out,
                                pointer=pointer, tma=tma, shape_class=shape)
 
