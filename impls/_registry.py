@@ -24,10 +24,11 @@ One name may be registered once per operation (``naive`` is all three).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.util
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Any, Protocol
@@ -188,19 +189,27 @@ def register(
     return decorate
 
 
+@contextlib.contextmanager
+def refusing(*errors: type[BaseException]) -> Iterator[None]:
+    """A library's refusal inside the block (one of ``errors``) becomes :class:`Unsupported` with its message;
+    out of memory stays itself (the caller reports it as out of memory)."""
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        raise
+    except errors as exc:
+        first = " ".join(str(exc).split())[:300] or type(exc).__name__
+        raise Unsupported(first) from exc
+
+
 def probe(call: Runner, *errors: type[BaseException]) -> Runner:
     """Run ``call`` once; a library's refusal (one of ``errors``) becomes :class:`Unsupported`.
 
     For libraries that decide per input whether they can run (PyTorch's SDPA backends, flash-attn):
     the first call is also the warm-up, so nothing is lost.
     """
-    try:
+    with refusing(*errors):
         call()
-    except torch.OutOfMemoryError:
-        raise  # not a refusal: the caller reports it as out of memory
-    except errors as exc:
-        first = " ".join(str(exc).split())[:300] or type(exc).__name__
-        raise Unsupported(first) from exc
     return call
 
 

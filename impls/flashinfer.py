@@ -13,33 +13,21 @@ FlashInfer aligns a causal mask bottom-right when a sequence has more keys than 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
-from collections.abc import Iterator
 
 import torch
 
-from impls._registry import HALF, Prepared, Unsupported, module_available, probe, register
+from impls._registry import HALF, Prepared, Unsupported, module_available, probe, refusing, register
 from impls._validate import NO_WINDOW
 
 LAYOUT = "NHD"  # (tokens, heads, head dim) within a page or a packed batch: the contract's paged layout
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's examples' float workspace (split-KV partial results)
+# Errors through which FlashInfer says "not this input" (head dim, page size, dtype) or its JIT compile fails:
+# at planning (``refusing``) as at the first call (``probe``), a refusal with the reason.
 REFUSALS = (RuntimeError, ValueError, NotImplementedError, TypeError, AssertionError)
 
 requires = module_available("flashinfer", "pip install flashinfer-python")
-
-
-@contextlib.contextmanager
-def refusals() -> Iterator[None]:
-    """Planning is where FlashInfer says "not this input" (head dim, page size, dtype) and where its JIT compile
-    fails: both become a refusal with its reason, like a first call's error does (``probe``)."""
-    try:
-        yield
-    except torch.OutOfMemoryError:
-        raise
-    except REFUSALS as exc:
-        raise Unsupported(" ".join(str(exc).split())[:300] or type(exc).__name__) from exc
 
 
 @functools.cache
@@ -63,7 +51,7 @@ def _ragged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tenso
     """A planned ragged prefill over packed (tokens, heads, D) tensors; returns the timed call."""
     import flashinfer
 
-    with refusals():
+    with refusing(*REFUSALS):
         wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(_workspace(q.device), LAYOUT)
         wrapper.plan(cu_q, cu_k, q.shape[1], k.shape[1], q.shape[2], causal=causal, sm_scale=scale,
                      window_left=window_left, logits_soft_cap=softcap or None, q_data_type=q.dtype,
@@ -110,7 +98,7 @@ def prepare_paged(inputs, *, scale: float) -> Prepared:
     dtypes = {"q_data_type": inputs.q.dtype, "kv_data_type": inputs.k_cache.dtype}
     cache = (inputs.k_cache, inputs.v_cache)
     workspace = _workspace(inputs.q.device)
-    with refusals():
+    with refusing(*REFUSALS):
         if new == 1:
             wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, LAYOUT, use_tensor_cores=True)
             wrapper.plan(indptr, indices, last, heads, kv_heads, head_dim, inputs.page_size, sm_scale=scale,
