@@ -228,3 +228,31 @@ def scatter_sequence(out: torch.Tensor, inputs: PagedKV | Varlen, b: int, o: tor
         out[b] = o[0].transpose(0, 1)
     else:
         out[inputs.offsets_q[b]:inputs.offsets_q[b + 1]] = o[0].transpose(0, 1)
+
+
+# Split-KV decode plans, shared by our Triton and cuTile kernels. A chunk of the cache is at least
+# SPLIT_MIN_TILES key tiles: shorter ones cost more in the combine than they add in parallelism. Chunks are
+# sized so that every SM gets PROGRAMS_PER_SM blocks' worth of the batch's keys: by total tokens, not by the
+# longest sequence, so a long-tailed batch splits its long sequences finely and leaves its short ones whole.
+SPLIT_MIN_TILES = 4
+PROGRAMS_PER_SM = 4
+
+
+def split_plan(lengths: list[int] | tuple[int, ...], kv_heads: int, block_n: int, sm_count: int,
+               min_tiles: int = SPLIT_MIN_TILES) -> tuple[int, int]:
+    """(num_splits, split_len): chunks of whole key tiles, at least ``min_tiles`` long, sized so that the
+    batch's tiles (over every kv head) fill PROGRAMS_PER_SM programs per SM."""
+    tiles = [-(-n // block_n) for n in lengths]
+    chunk = max(min_tiles, -(-kv_heads * sum(tiles) // (PROGRAMS_PER_SM * sm_count)))
+    chunk = min(chunk, max(tiles))
+    return -(-max(tiles) // chunk), chunk * block_n
+
+
+def decode_shape_class(inputs: PagedKV) -> tuple:
+    """What a decode autotuner's choice depends on: dtype, head dim, heads, new tokens, page size, and the
+    batch, longest length and spread of lengths in powers of two."""
+    batch, sq, hq, head_dim = inputs.q.shape
+    hkv, lengths = inputs.k_cache.shape[2], inputs.seqlens
+    spread = round(math.log2(max(lengths) * len(lengths) / sum(lengths)))
+    pow2 = [1 << (n - 1).bit_length() for n in (batch, max(lengths))]
+    return ("paged", inputs.q.dtype, head_dim, hkv, hq // hkv, sq, inputs.page_size, *pow2, spread)

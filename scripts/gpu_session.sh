@@ -3,6 +3,8 @@
 # .gpu-env/env.sh first (and export PYTHONPATH=$PWD for the scripts). Results and logs go to ${OUT:-results};
 # every step has its own time limit, so that a call returns what it measured.
 #   ours:     serving correctness of our Triton kernels, then serving/varlen benchmarks of naive, sdpa, triton
+#   cutile-serve: serving correctness of our cuTile and Triton kernels (twins and full presets), then their
+#             serving and varlen benchmarks side by side (graph timing)
 #   sanitize: compute-sanitizer memcheck over the serving twins with our Triton kernels
 #   timing:   eager / graph / kernel against do_bench_cudagraph on the decode and blog presets
 #   correct:  the GPU correctness preset, every implementation, 8 xdist workers (WORKERS) on the one GPU, cold tuning
@@ -36,6 +38,12 @@ for part in "$@"; do
         --grid serving-cpu --grid varlen-cpu --grid serving --grid varlen
       step ours-bench 330 python3 -m pytest suite "${bench[@]}" --grid serving --grid varlen --timing graph \
         --timing eager --impl triton --impl sdpa --impl naive --benchmark-json="$out/serving-ours.json"
+      ;;
+    cutile-serve)
+      step serve-correct 240 python3 -m pytest suite -k correctness -q -p no:cacheprovider -rf --impl cutile \
+        --impl triton --grid serving-cpu --grid varlen-cpu --grid serving --grid varlen
+      step serve-bench 330 python3 -m pytest suite "${bench[@]}" --grid serving --grid varlen --timing graph \
+        --impl cutile --impl triton --benchmark-json="$out/serving-ours.json"
       ;;
     sanitize)
       step memcheck 200 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest suite -k correctness \

@@ -112,7 +112,7 @@ def test_serving_metrics_count_each_sequence():
 
 
 def test_split_plan_fills_the_gpu_and_balances_long_tails():
-    from impls.triton_fa import split_plan
+    from impls._serving import split_plan
 
     splits, length = split_plan([131072], kv_heads=8, block_n=64, sm_count=132)
     assert splits * length >= 131072 and length % 64 == 0 and splits * 8 >= 4 * 132 // 2

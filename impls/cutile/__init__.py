@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -67,9 +68,10 @@ class Variant:
         names = ("occupancy", "num_ctas", "num_worker_warps")
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
-    def kernel(self, int64: bool = False):
-        """The kernel object to launch or export, with this variant's hints (64-bit indexing if asked)."""
-        return _kernel_with_hints(tuple(sorted(self.hints().items())), int64)
+    def kernel(self, int64: bool = False, base: str = "fmha_fwd"):
+        """The kernel object to launch or export, with this variant's hints: ``base`` names the kernel of
+        kernel.py (``fmha_fwd``, ``fmha_varlen``), ``int64`` asks for 64-bit indexing."""
+        return _kernel_with_hints(base + ("_int64" if int64 else ""), tuple(sorted(self.hints().items())))
 
     def constants(self, *, head_dim: int, causal: bool, kv_len: int, itemsize: int, phase: int = 0,
                   window: bool = False, softcap: float = 0.0, value_dim: int | None = None) -> tuple:
@@ -146,12 +148,12 @@ def _sm_count(device_index: int | None) -> int:
 
 
 @functools.cache
-def _kernel_with_hints(hints: tuple[tuple[str, int], ...], int64: bool):
-    """One kernel object per set of hints: each has its own JIT cache, so it is made once."""
-    from impls.cutile.kernel import fmha_fwd, fmha_fwd_int64
+def _kernel_with_hints(base: str, hints: tuple[tuple[str, int], ...]):
+    """One kernel object per kernel and set of hints: each has its own JIT cache, so it is made once."""
+    from impls.cutile import kernel
 
-    base = fmha_fwd_int64 if int64 else fmha_fwd
-    return base.replace_hints(**dict(hints)) if hints else base
+    plain = getattr(kernel, base)
+    return plain.replace_hints(**dict(hints)) if hints else plain
 
 
 def needs_int64(*tensors: torch.Tensor) -> bool:
@@ -242,9 +244,34 @@ def requires(device: str) -> str | None:
     return module_available("cuda.tile", 'pip install "cuda-tile[tileiras]"')(device)
 
 
-class Call:
-    """One prepared call of a variant: contiguous inputs, the output, the workspace and every launch's
-    arguments made once, so a timed call only launches."""
+class Launches:
+    """A prepared call: ``launches`` (grid, kernel, arguments), made once, so that a timed call only launches;
+    ``variant`` is the form it runs (its ``describe()`` goes into the benchmark's config), ``out`` the result."""
+
+    variant: Variant
+    launches: list[tuple]
+    out: torch.Tensor
+
+    def reset(self) -> None:
+        """What must happen before every call's launches (a scheduler's counter to zero): nothing here."""
+
+    def __call__(self) -> torch.Tensor:
+        import cuda.tile as ct
+
+        stream = torch.cuda.current_stream()
+        self.reset()
+        for grid, kernel, arguments in self.launches:
+            ct.launch(stream, grid, kernel, arguments)
+        return self.out
+
+    def prepared(self, **config) -> Prepared:
+        self()  # compile outside any timed region
+        return Prepared(self, config={**self.variant.describe(), **config})
+
+
+class Call(Launches):
+    """One prepared dense call of a variant: contiguous inputs, the output, the workspace and every launch's
+    arguments."""
 
     def __init__(self, variant: Variant, q, k, v, *, causal: bool, scale: float,
                  out: torch.Tensor | None = None, **variants) -> None:
@@ -255,19 +282,9 @@ class Call:
         self.launches = variant.launches(self.q, self.k, self.v, self.out, self.state, causal=causal, scale=scale,
                                          **variants)
 
-    def __call__(self) -> torch.Tensor:
-        import cuda.tile as ct
-
-        stream = torch.cuda.current_stream()
-        for grid, kernel, arguments in self.launches:
-            if self.variant.dynamic:
-                self.state[-1].zero_()  # the scheduler's counter: part of every call, so inside any timed region
-            ct.launch(stream, grid, kernel, arguments)
-        return self.out
-
-    def prepared(self, **config) -> Prepared:
-        self()  # compile outside any timed region
-        return Prepared(self, config={**self.variant.describe(), **config})
+    def reset(self) -> None:
+        if self.variant.dynamic:  # the scheduler's counter: part of every call, so inside any timed region
+            self.state[-1].zero_()
 
 
 def _prepare_fixed(variant: Variant):
@@ -293,7 +310,7 @@ def shape_class(q: torch.Tensor, k: torch.Tensor, causal: bool, window: tuple[in
             length_class(k.shape[2]), parallel_class(q.shape[0] * q.shape[1]), window != NO_WINDOW, softcap > 0)
 
 
-def precompile(calls: list[Call]) -> None:
+def precompile(calls: list[Launches]) -> None:
     """Make every candidate's first call from as many threads: each first launch compiles (tileiras runs as a
     process of its own), so the search then times compiled kernels and a cold tune costs about one compile.
     The calls share one output; the search overwrites it."""
@@ -303,7 +320,7 @@ def precompile(calls: list[Call]) -> None:
         return
     stream = torch.cuda.current_stream()
 
-    def first_call(call: Call) -> None:
+    def first_call(call: Launches) -> None:
         torch.cuda.set_device(stream.device)  # the thread's current context, which cuTile's launch asks for
         with torch.cuda.stream(stream):
             call()
@@ -313,26 +330,24 @@ def precompile(calls: list[Call]) -> None:
     torch.cuda.synchronize()
 
 
-def only_launch(call: Call) -> tuple:
+def only_launch(call: Launches) -> tuple:
     """(grid, kernel, arguments) of a call that makes one launch: ``exhaustive_search`` times one launch, so
     the search space holds single-launch variants only."""
     (launch,) = call.launches
     return launch
 
 
-def tune(q, k, v, *, causal: bool, scale: float, **variants) -> tuple[Variant, bool]:
-    """The best variant of the search space for this shape class, and whether it came from the cache;
-    ``variants``: window, softcap (as the call will run)."""
-    q, k, v = (t.contiguous() for t in (q, k, v))  # once here, not once per candidate
-    key = TUNING.key(q.device, shape_class(q, k, causal, value_dim=v.shape[-1], **variants))
+def tuned(shape: tuple, device: torch.device, space: list[Variant],
+          make_call: Callable[[Variant], Launches]) -> tuple[Variant, bool]:
+    """The fastest variant of ``space`` for shape class ``shape`` (``make_call`` prepares one candidate; all
+    share one output), and whether it came from the tuning cache."""
+    key = TUNING.key(device, shape)
     if key not in _TUNED:
         def search() -> dict:
             import cuda.tile as ct
             from cuda.tile.tune import exhaustive_search
 
-            space = search_space(torch.cuda.get_device_capability(q.device), q.shape[-1], causal=causal)
-            out = q.new_empty((*q.shape[:3], v.shape[-1]))
-            calls = [Call(variant, q, k, v, causal=causal, scale=scale, out=out, **variants) for variant in space]
+            calls = [make_call(variant) for variant in space]
             launches = {call.variant: only_launch(call) for call in calls}
             with ct.compiler_timeout(COMPILE_TIMEOUT_S):
                 precompile(calls)
@@ -347,6 +362,16 @@ def tune(q, k, v, *, causal: bool, scale: float, **variants) -> tuple[Variant, b
     return _TUNED[key]
 
 
+def tune(q, k, v, *, causal: bool, scale: float, **variants) -> tuple[Variant, bool]:
+    """The best variant of the search space for this dense shape class; ``variants``: window, softcap (as the
+    call will run)."""
+    q, k, v = (t.contiguous() for t in (q, k, v))  # once here, not once per candidate
+    out = q.new_empty((*q.shape[:3], v.shape[-1]))
+    space = search_space(torch.cuda.get_device_capability(q.device), q.shape[-1], causal=causal)
+    return tuned(shape_class(q, k, causal, value_dim=v.shape[-1], **variants), q.device, space,
+                 lambda variant: Call(variant, q, k, v, causal=causal, scale=scale, out=out, **variants))
+
+
 @register("cutile", family="cutile", dtypes=HALF, devices=("cuda",), head_dims=HEAD_DIMS, requires=requires,
           variants=("window", "softcap", "value_dim"),
           description="our cuTile kernel, all optimisations, tile shape and occupancy autotuned")
@@ -356,3 +381,6 @@ def prepare_tuned(q, k, v, *, causal: bool, scale: float, **variants) -> Prepare
     variant, cached = tune(q, k, v, causal=causal, scale=scale, **variants)
     return Call(variant, q, k, v, causal=causal, scale=scale, **variants).prepared(
         chosen="tuning cache" if cached else "autotuned")
+
+
+from impls.cutile import serving  # noqa: E402, F401 - registers the paged decode and varlen entries

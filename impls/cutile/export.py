@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import io
+import typing
 
 import torch
 
@@ -12,14 +14,15 @@ TORCH_TO_TILE = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.flo
                  torch.int32: "int32"}
 
 
-def array_constraint(dtype: torch.dtype, shape: tuple[int, ...], *, int64: bool = False):
-    """What ``ct.launch`` assumes of a contiguous tensor of this shape (as its JAX bridge spells out): strides
-    and base address 16-byte aligned, a dimension of 16 multiples said to be one. Without these facts the
-    compiler cannot use TMA, and the cubin would not be the one that runs."""
+def array_constraint(dtype: torch.dtype, shape: tuple[int, ...], *, strides: tuple[int, ...] | None = None,
+                     int64: bool = False):
+    """What ``ct.launch`` assumes of a tensor of this shape and strides (contiguous unless given; as its JAX
+    bridge spells out): strides and base address 16-byte aligned, a dimension of 16 multiples said to be one.
+    Without these facts the compiler cannot use TMA, and the cubin would not be the one that runs."""
     import cuda.tile as ct
     from cuda.tile.compilation import ArrayConstraint
 
-    strides = torch.empty(shape, device="meta").stride()
+    strides = strides or torch.empty(shape, device="meta").stride()
     per_16_bytes = 16 // dtype.itemsize  # elements
     return ArrayConstraint(
         getattr(ct, TORCH_TO_TILE[dtype]), len(shape), index_dtype=ct.int64 if int64 else ct.int32,
@@ -76,3 +79,39 @@ def export_phases(variant: Variant, *, arch: str, **options) -> list[tuple[str, 
         return [("", export_cubin(variant, arch=arch, **options))]
     return [(" [diagonal]", export_cubin(variant.diagonal(), arch=arch, phase=DIAGONAL, **options)),
             (" [mask-free]", export_cubin(variant, arch=arch, phase=OFF_DIAGONAL, **options))]
+
+
+def launch_signature(kernel, arguments: tuple):
+    """The signature ``ct.launch(stream, grid, kernel, arguments)`` compiles: tensors by dtype, shape and
+    strides (64-bit indexing where the kernel's parameter says so), Python floats and ints as float32 and
+    int32 scalars, the kernel's ``ct.Constant`` parameters as given."""
+    import cuda.tile as ct
+    from cuda.tile._stub import ArrayAnnotation, ConstantAnnotation
+    from cuda.tile.compilation import CallingConvention, KernelSignature, ScalarConstraint
+
+    function = kernel._pyfunc
+    hints = typing.get_type_hints(function, include_extras=True)
+    names = list(inspect.signature(function).parameters)
+    if len(names) != len(arguments):
+        raise ValueError(f"{function.__name__} takes {len(names)} arguments, got {len(arguments)}")
+    parameters = []
+    for name, argument in zip(names, arguments, strict=True):
+        extras = typing.get_args(hints.get(name))[1:]
+        if any(isinstance(extra, ConstantAnnotation) for extra in extras):
+            parameters.append(argument)
+        elif isinstance(argument, torch.Tensor):
+            int64 = any(isinstance(extra, ArrayAnnotation) and extra.index_dtype == ct.int64 for extra in extras)
+            parameters.append(array_constraint(argument.dtype, tuple(argument.shape), strides=argument.stride(),
+                                               int64=int64))
+        else:
+            parameters.append(ScalarConstraint(ct.float32 if isinstance(argument, float) else ct.int32))
+    return KernelSignature(parameters, CallingConvention.cutile_python_v1())
+
+
+def export_launch(kernel, arguments: tuple, *, arch: str) -> bytes:
+    """The cubin of one launch (``kernel`` with ``arguments``, as a prepared call holds them) for ``arch``."""
+    from cuda.tile.compilation import export_kernel
+
+    buffer = io.BytesIO()
+    export_kernel(kernel, [launch_signature(kernel, arguments)], buffer, gpu_code=arch, output_format="cubin")
+    return buffer.getvalue()

@@ -101,6 +101,40 @@ def fmha_fwd(
                           V_LATENCY, PHASE)
 
 
+@ct.kernel
+def fmha_varlen(
+    Q, K, V, Out, CuSeqlensQ, CuSeqlensK,
+    qk_scale: float,
+    num_heads: int,
+    group: int,
+    TILE_D: ConstInt, TILE_DV: ConstInt, TILE_M: ConstInt, TILE_N: ConstInt,
+    CAUSAL: ConstBool, FAST_MATH: ConstBool, REVERSE_ORDER: ConstBool, K_LATENCY: ConstInt, V_LATENCY: ConstInt,
+    HEAD_GROUP: ConstInt,
+):
+    """Packed variable-length prefill: the same query-tile work as ``fmha_fwd``, on one sequence of the batch.
+
+    Q, K, V and Out are (1, H, total, D) views of the packed (total, H, D) tensors; sequence b is rows
+    ``CuSeqlens[b]:CuSeqlens[b + 1]``. Grid: query tiles of the longest sequence x B * Hq. A work item slices
+    its sequence out of the four arrays, so that its loads stop at the sequence's ends (reading zeros past
+    them, as a dense kernel does at Skv) and the dense code runs unchanged on the slices, with the causal
+    offset of that sequence. Tiles past a shorter sequence's end do nothing."""
+    num_m = ct.num_blocks(0)
+    tile_m, batch_head = work_item(ct.bid(1) * num_m + ct.bid(0), num_m, ct.num_blocks(1),
+                                   CAUSAL and REVERSE_ORDER, HEAD_GROUP)
+    batch = batch_head // num_heads
+    q_start = ct.gather(CuSeqlensQ, batch).item()
+    q_end = ct.gather(CuSeqlensQ, batch + 1).item()
+    k_start = ct.gather(CuSeqlensK, batch).item()
+    k_end = ct.gather(CuSeqlensK, batch + 1).item()
+    if tile_m * TILE_M < q_end - q_start:
+        q, out = Q.slice(axis=2, start=q_start, stop=q_end), Out.slice(axis=2, start=q_start, stop=q_end)
+        k, v = K.slice(axis=2, start=k_start, stop=k_end), V.slice(axis=2, start=k_start, stop=k_end)
+        # batch 0 of the slices; no workspace (one launch), no window, no softcap, ragged ends masked
+        attend_query_tile(q, k, v, out, q, q, q, tile_m, batch_head % num_heads, qk_scale,
+                          (k_end - k_start) - (q_end - q_start), 0, 0, num_heads, group, TILE_D, TILE_DV, TILE_M,
+                          TILE_N, CAUSAL, False, False, 0.0, FAST_MATH, True, False, K_LATENCY, V_LATENCY, WHOLE)
+
+
 def work_item(linear, num_m, num_bh, HEAVIEST_FIRST, HEAD_GROUP):
     """(query tile, batch * head) of work item ``linear``; items start in order (grid axis 0 fastest).
 
@@ -275,18 +309,24 @@ def online_softmax(acc, l_i, m_i, qk, V, batch, kv_head, j, qk_scale_log2, TILE_
     have seen no key yet: its max is -inf, which ``finite`` replaces by 0 wherever it is subtracted
     (-inf - -inf is NaN).
     """
-    # The tile's row max in log2 units: the scale multiplies the row max once, not the whole tile twice.
-    m_tile = ct.max(qk, axis=-1, keepdims=True) * qk_scale_log2
-    m_new = ct.maximum(m_i, m_tile)
-    m_ref = finite(m_new, MASKED)
-    alpha = ct.exp2(m_i - m_ref, flush_to_zero=FAST_MATH)  # what was summed so far shrinks by 2**(old - new)
-    p = ct.exp2(qk * qk_scale_log2 - m_ref, flush_to_zero=FAST_MATH)
-    l_i = l_i * alpha + ct.sum(p, axis=-1, keepdims=True)
-
+    p, alpha, l_i, m_new = softmax_step(qk, l_i, m_i, qk_scale_log2, MASKED, FAST_MATH)
     v = ct.load(V, index=(batch, kv_head, j, 0), shape=(1, 1, TILE_N, TILE_DV),
                 latency=V_LATENCY, padding_mode=ZERO_PAD).reshape((TILE_N, TILE_DV))
     acc = ct.mma(p.astype(V.dtype), v, acc * alpha)  # tensor cores take P in the input dtype
     return acc, l_i, m_new
+
+
+def softmax_step(qk, l_i, m_i, qk_scale_log2, MAY_BE_EMPTY, FAST_MATH):
+    """The probabilities ``p`` of a score tile against the new running max, the factor ``alpha`` that rescales
+    what was accumulated so far, the new running sum and max (log2 units); P V is the caller's."""
+    # The tile's row max in log2 units: the scale multiplies the row max once, not the whole tile twice.
+    m_tile = ct.max(qk, axis=-1, keepdims=True) * qk_scale_log2
+    m_new = ct.maximum(m_i, m_tile)
+    m_ref = finite(m_new, MAY_BE_EMPTY)
+    alpha = ct.exp2(m_i - m_ref, flush_to_zero=FAST_MATH)  # what was summed so far shrinks by 2**(old - new)
+    p = ct.exp2(qk * qk_scale_log2 - m_ref, flush_to_zero=FAST_MATH)
+    l_i = l_i * alpha + ct.sum(p, axis=-1, keepdims=True)
+    return p, alpha, l_i, m_new
 
 
 def finite(m, MAY_BE_EMPTY):
@@ -296,8 +336,8 @@ def finite(m, MAY_BE_EMPTY):
     return m
 
 
-def with_int64_indexing(kernel: ct.kernel) -> ct.kernel:
-    """The same kernel with 64-bit shapes, strides and offsets for its four arrays.
+def with_int64_indexing(kernel: ct.kernel, arrays: tuple[str, ...] = ARRAYS) -> ct.kernel:
+    """The same kernel with 64-bit shapes, strides and offsets for its ``arrays`` (parameter names).
 
     cuTile indexes an array in 32 bits unless its parameter is annotated ``ct.IndexedWithInt64``; a tensor of
     2**31 elements or more needs it (the launcher refuses it otherwise: "stride is too big"). The body is
@@ -306,8 +346,9 @@ def with_int64_indexing(kernel: ct.kernel) -> ct.kernel:
     fn = kernel._pyfunc
     wide = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     wide.__qualname__, wide.__module__, wide.__doc__ = fn.__qualname__, fn.__module__, fn.__doc__
-    wide.__annotations__ = {**fn.__annotations__, **dict.fromkeys(ARRAYS, ct.IndexedWithInt64)}
+    wide.__annotations__ = {**fn.__annotations__, **dict.fromkeys(arrays, ct.IndexedWithInt64)}
     return ct.kernel(wide)
 
 
 fmha_fwd_int64 = with_int64_indexing(fmha_fwd)
+fmha_varlen_int64 = with_int64_indexing(fmha_varlen, ARRAYS[:4])

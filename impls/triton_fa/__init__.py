@@ -11,13 +11,13 @@ dots run in float32 because the interpreter computes half-precision ``tl.dot`` w
 from __future__ import annotations
 
 import functools
-import math
 import os
 from pathlib import Path
 
 import torch
 
 from impls._registry import FLOATS, Prepared, Unsupported, length_class, module_available, register
+from impls._serving import SPLIT_MIN_TILES, decode_shape_class, split_plan
 from impls._tuning import TuningCache
 from impls._validate import NO_WINDOW, window_bounds
 
@@ -261,38 +261,13 @@ def _describe(cfg) -> dict:
     return {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
 
 
-# Paged decode (decode.py). A chunk of the cache is at least this many key tiles: shorter ones cost more in the
-# combine than they add in parallelism. Chunks are sized so that every SM gets this many programs' worth of
-# the batch's keys: by total tokens, not by the longest sequence, so a long-tailed batch splits its long
-# sequences finely and leaves its short ones whole.
-SPLIT_MIN_TILES = 4
-PROGRAMS_PER_SM = 4
+# Paged decode (decode.py): the split plan is impls._serving.split_plan, shared with the cuTile kernel.
 # Candidates of the decode autotuner (tuned per shape class, kept in the tuning cache).
 DECODE_SPACE = [{"BLOCK_N": n, "num_warps": w, "num_stages": st}
                 for n, w, st in ((64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 3), (32, 4, 3))]
 INTERPRETER_DECODE_CONFIG = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
 INTERPRETER_SM_COUNT = 8  # the interpreter has no SMs: with these and one-tile chunks the CPU cases split
 COMBINE_SPLIT_CHUNK = 16
-
-
-def split_plan(lengths: list[int], kv_heads: int, block_n: int, sm_count: int,
-               min_tiles: int = SPLIT_MIN_TILES) -> tuple[int, int]:
-    """(num_splits, split_len): chunks of whole key tiles, at least ``min_tiles`` long, sized so that the
-    batch's tiles (over every kv head) fill PROGRAMS_PER_SM programs per SM."""
-    tiles = [-(-n // block_n) for n in lengths]
-    chunk = max(min_tiles, -(-kv_heads * sum(tiles) // (PROGRAMS_PER_SM * sm_count)))
-    chunk = min(chunk, max(tiles))
-    return -(-max(tiles) // chunk), chunk * block_n
-
-
-def decode_shape_class(inputs) -> tuple:
-    """What the decode autotuner's choice depends on: dtype, head dim, heads, new tokens, page size, and the
-    batch, longest length and spread of lengths in powers of two."""
-    batch, sq, hq, head_dim = inputs.q.shape
-    hkv, lengths = inputs.k_cache.shape[2], inputs.seqlens
-    spread = round(math.log2(max(lengths) * len(lengths) / sum(lengths)))
-    pow2 = [1 << (n - 1).bit_length() for n in (batch, max(lengths))]
-    return ("paged", inputs.q.dtype, head_dim, hkv, hq // hkv, sq, inputs.page_size, *pow2, spread)
 
 
 def paged_launch(inputs, scale: float, config: dict):

@@ -1,0 +1,172 @@
+"""Our cuTile kernels for the serving operations (``impls._serving``), registered as ``cutile``:
+
+- ``paged``: split-KV decode over the paged cache with GQA packing (``decode.py``), then the combine; the key
+  tile width, how pages are read (gathered row by row, or a page at a time with block loads) and the load
+  latencies are tuned per decode shape class, the split plan (``impls._serving.split_plan``) follows from the
+  tile width and the batch's lengths;
+- ``varlen``: the dense kernel's query-tile work on each packed sequence (``kernel.fmha_varlen``), with the
+  dense kernel's Hopper candidates that launch one block per query tile, tuned per shape class.
+
+Both are prepared the way the dense entry is: inputs validated and every launch's arguments made once, so
+that the timed call only launches. Construction touches no GPU (the SM count is passed in), so the CPU tests
+compile the very launches a GPU would run (``export.export_launch``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from impls._registry import HALF, Prepared, Unsupported, length_class, parallel_class, register
+from impls._serving import PagedKV, Varlen, decode_shape_class, split_plan
+from impls._tuning import fastest
+from impls.cutile import (
+    HEAD_DIMS,
+    TUNING,
+    Launches,
+    Variant,
+    _sm_count,
+    needs_int64,
+    requires,
+    search_space,
+    tile_d,
+    tuned,
+)
+
+DECODE_HEAD_DIMS = (16, 32, 64, 128, 256)  # the Q tile, the accumulator and the partial outputs are TILE_D wide
+MAX_PACKED_ROWS = 128  # query heads per kv head x new tokens in one tile
+COMBINE_LATENCY = 4
+
+
+@dataclass(frozen=True)
+class DecodeVariant:
+    """One compiled form of the decode kernel: key tile width, how a tile is read from the pages
+    (``decode.ROWS`` or ``decode.PAGES``) and how far ahead K and V loads are issued."""
+
+    tile_n: int
+    pages: bool = False  # a page at a time (block loads; the page size a multiple of tile_n)
+    k_latency: int = 2
+    v_latency: int = 2
+
+    def fits(self, page_size: int) -> bool:
+        return not self.pages or page_size % self.tile_n == 0
+
+    def describe(self) -> dict:
+        return asdict(self)
+
+
+# Row gathers take any page size; page loads take the tiles a page holds whole.
+DECODE_SPACE = [DecodeVariant(64), DecodeVariant(128), DecodeVariant(64, k_latency=4, v_latency=4),
+                DecodeVariant(16, pages=True, k_latency=4, v_latency=4), DecodeVariant(32, pages=True, k_latency=4,
+                                                                                       v_latency=4),
+                DecodeVariant(64, pages=True, k_latency=3, v_latency=3)]
+
+
+class DecodeCall(Launches):
+    """One decode step with ``variant``: the split launch, and the combine where a sequence has more than one
+    chunk."""
+
+    def __init__(self, variant: DecodeVariant, inputs: PagedKV, *, scale: float, sm_count: int) -> None:
+        from impls.cutile.decode import PAGES, ROWS, paged_decode_combine, paged_decode_split, paged_decode_split_int64
+
+        self.variant, self.out = variant, inputs.output_like()
+        q, k_cache, v_cache = inputs.q, inputs.k_cache, inputs.v_cache
+        batch, sq, hq, head_dim = q.shape
+        hkv = k_cache.shape[2]
+        group, width = hq // hkv, tile_d(head_dim)
+        tile_m = max(16, 1 << (group * sq - 1).bit_length())
+        self.num_splits, self.split_len = split_plan(inputs.seqlens, hkv, variant.tile_n, sm_count)
+        split = self.num_splits > 1
+        parts = (batch * hkv, self.num_splits, tile_m) if split else (1, 1, 1)  # unused without a split
+        self.part = torch.empty((*parts, width if split else 1), dtype=torch.float32, device=q.device)
+        self.lse = torch.empty(parts, dtype=torch.float32, device=q.device)
+        kernel = paged_decode_split_int64 if needs_int64(k_cache, v_cache) else paged_decode_split
+        tiles = (group, sq, tile_m)
+        self.launches = [((self.num_splits, batch * hkv, 1), kernel, (
+            q, k_cache, v_cache, inputs.block_table, inputs.cache_seqlens, self.part, self.lse, self.out, scale, hkv,
+            self.split_len, *tiles, variant.tile_n, width, inputs.page_size, PAGES if variant.pages else ROWS, split,
+            variant.k_latency, variant.v_latency))]
+        if split:
+            self.launches.append(((batch * hkv, 1, 1), paged_decode_combine, (
+                self.part, self.lse, inputs.cache_seqlens, self.out, hkv, self.split_len, *tiles, width,
+                COMBINE_LATENCY)))
+
+    def prepared(self, **config) -> Prepared:
+        return super().prepared(num_splits=self.num_splits, split_len=self.split_len, **config)
+
+
+def decode_space(page_size: int) -> list[DecodeVariant]:
+    return [variant for variant in DECODE_SPACE if variant.fits(page_size)]
+
+
+_DECODE_TUNED: dict[str, tuple[DecodeVariant, bool]] = {}
+
+
+@register("cutile", op="paged", family="cutile", dtypes=HALF, devices=("cuda",), head_dims=DECODE_HEAD_DIMS,
+          requires=requires,
+          description="our cuTile split-KV decode: all query heads of a kv head in one tile (K/V read once), "
+                      "pages gathered by row or loaded a page at a time, chunks merged by log-sum-exp; autotuned")
+def prepare_paged(inputs: PagedKV, *, scale: float) -> Prepared:
+    _, sq, hq, _ = inputs.q.shape
+    rows = hq // inputs.k_cache.shape[2] * sq
+    if rows > MAX_PACKED_ROWS:
+        raise Unsupported(f"{hq // inputs.k_cache.shape[2]} query heads per kv head x {sq} new tokens = {rows} "
+                          f"rows: this kernel packs at most {MAX_PACKED_ROWS} in one tile")
+    sm_count = _sm_count(inputs.q.device.index)
+    key = TUNING.key(inputs.q.device, decode_shape_class(inputs))
+    if key not in _DECODE_TUNED:
+        def search() -> dict:
+            calls = [(variant, DecodeCall(variant, inputs, scale=scale, sm_count=sm_count))
+                     for variant in decode_space(inputs.page_size)]
+            return fastest(calls).describe()
+
+        config, cached = TUNING.lookup(key, search)
+        _DECODE_TUNED[key] = (DecodeVariant(**config), cached)
+    variant, cached = _DECODE_TUNED[key]
+    return DecodeCall(variant, inputs, scale=scale, sm_count=sm_count).prepared(
+        chosen="tuning cache" if cached else "autotuned")
+
+
+class VarlenCall(Launches):
+    """One packed prefill with a dense ``variant`` (one block per query tile): the kernel reads the packed
+    tensors through (1, H, total, D) views."""
+
+    def __init__(self, variant: Variant, inputs: Varlen, *, scale: float, out: torch.Tensor | None = None) -> None:
+        self.variant = variant
+        self.out = inputs.output_like() if out is None else out
+        q, k, v, o = (t.transpose(0, 1)[None] for t in (inputs.q, inputs.k, inputs.v, self.out))
+        heads, head_dim = inputs.q.shape[1], inputs.head_dim
+        group = variant.heads_per_group(causal=inputs.causal, kv_len=inputs.max_seqlen_k, head_dim=head_dim,
+                                        itemsize=inputs.q.element_size())
+        tiles = -(-inputs.max_seqlen_q // variant.tile_m)
+        kernel = variant.kernel(int64=needs_int64(inputs.q, inputs.k, inputs.v), base="fmha_varlen")
+        self.launches = [((tiles, inputs.batch * heads, 1), kernel, (
+            q, k, v, o, inputs.cu_seqlens_q, inputs.cu_seqlens_k, scale, heads, heads // inputs.k.shape[1],
+            tile_d(head_dim), tile_d(head_dim), variant.tile_m, variant.tile_n, inputs.causal, variant.fast_math,
+            variant.reverse_order, variant.k_latency, variant.v_latency, group))]
+
+
+def varlen_space(capability: tuple[int, int], head_dim: int, causal: bool) -> list[Variant]:
+    """The dense search space's forms with one block per query tile (a persistent block would need the
+    sequences' tile counts to find its work)."""
+    return [variant for variant in search_space(capability, head_dim, causal=causal)
+            if not (variant.persistent or variant.two_launch)]
+
+
+@register("cutile", op="varlen", family="cutile", dtypes=HALF, devices=("cuda",), head_dims=HEAD_DIMS,
+          requires=requires,
+          description="our cuTile kernel on each packed sequence (sliced out of the packed tensors in the kernel), "
+                      "tile shape and occupancy autotuned")
+def prepare_varlen(inputs: Varlen, *, scale: float) -> Prepared:
+    if any(nq and not nk for nq, nk in zip(inputs.seqlens_q(), inputs.seqlens_k(), strict=True)):
+        raise Unsupported("a sequence with queries but no keys: the kernel slices each sequence's keys out of the "
+                          "packed tensor, and cuTile cannot slice an empty range")
+    heads, head_dim = inputs.q.shape[1], inputs.head_dim
+    shape = ("varlen", inputs.q.dtype, head_dim, inputs.causal, heads // inputs.k.shape[1],
+             length_class(inputs.max_seqlen_q), length_class(inputs.max_seqlen_k), parallel_class(inputs.batch * heads))
+    out = inputs.output_like()
+    space = varlen_space(torch.cuda.get_device_capability(inputs.q.device), head_dim, inputs.causal)
+    variant, cached = tuned(shape, inputs.q.device, space,
+                            lambda candidate: VarlenCall(candidate, inputs, scale=scale, out=out))
+    return VarlenCall(variant, inputs, scale=scale).prepared(chosen="tuning cache" if cached else "autotuned")
