@@ -83,3 +83,40 @@ def test_every_candidate(family, case: Case, amplitude: float):
         if not result.passed:
             failures.append(f"{name}: {result.message}")
     assert not failures, "\n".join(failures)
+
+
+# The serving operations: every decode form (key tile width, rows / pages / indexed reads) and every varlen
+# candidate of our cuTile kernels, on the serving twins (NaN in every unused cache slot, ragged lengths over
+# page boundaries, several new tokens, splits merged by the combine).
+def serving_cases() -> list[Case]:
+    from suite.cases import preset
+
+    return preset("serving-cpu") + preset("varlen-cpu")
+
+
+def cutile_serving_candidates(inputs) -> list[tuple[str, Callable[[], torch.Tensor]]]:
+    pytest.importorskip("cuda.tile")
+    from impls.cutile import precompile
+    from impls.cutile.serving import DecodeCall, VarlenCall, decode_space, varlen_space
+
+    scale = inputs.head_dim ** -0.5
+    if inputs.op == "paged":  # one SM: the short twins split into several chunks
+        calls = [DecodeCall(var, inputs, scale=scale, sm_count=1) for var in decode_space(inputs.page_size)]
+    else:
+        space = varlen_space(torch.cuda.get_device_capability(), inputs.head_dim, inputs.causal)
+        calls = [VarlenCall(var, inputs, scale=scale) for var in space]
+    precompile(calls)
+    return [(str(call.variant), call) for call in calls]
+
+
+@pytest.mark.parametrize("case", serving_cases(), ids=lambda c: c.id)
+def test_every_serving_candidate(case: Case):
+    inputs = case.make_inputs("cuda")
+    oracle = Oracle.serving(inputs)
+    failures = []
+    for name, call in cutile_serving_candidates(inputs):
+        call.out.fill_(float("nan"))
+        result = oracle.check(call())
+        if not result.passed:
+            failures.append(f"{name}: {result.message}")
+    assert not failures, "\n".join(failures)

@@ -11,12 +11,14 @@ enough blocks to keep HBM busy:
    normalised output and log-sum-exp; ``paged_decode_combine`` merges a row's chunks, weighting each by
    ``2^(lse - max lse)``. With one chunk per sequence the split kernel writes the output itself.
 3. Pages: position ``p`` of sequence ``b`` lives in slot ``p % PAGE_SIZE`` of page
-   ``block_table[b, p // PAGE_SIZE]``. Two ways to read a key tile (GATHER):
-   - ``ROWS``: gather the tile element-wise through the table; any page size, positions past the sequence
-     are not loaded at all (they read zeros);
-   - ``PAGES``: a tile lies within one page (PAGE_SIZE a multiple of TILE_N), so it is one block load
-     (TMA on Hopper) at the page the table names; the last tile of a sequence is masked after loading, so
-     whatever the slots past the end hold (NaN included) never reaches the output.
+   ``block_table[b, p // PAGE_SIZE]``. Three ways to read a key tile (GATHER):
+   - ``ROWS``: gather it element by element through the table; any page size, and positions past the
+     sequence are not loaded at all (they read zeros). Measured on an H200: at most 1.4 TB/s;
+   - ``PAGES``: block loads (TMA on Hopper) of whole pages, or of the part of one page a tile lies in;
+     a tile of several pages joins them;
+   - ``INDEXED``: the tile's pages in one indexed load over the page axis (``ct.load_advanced_indexing``).
+   The last tile of a sequence is masked after loading, so that whatever the slots past its end hold (NaN
+   included) never reaches the output; table entries past its last page are never followed.
 
 Causal within each sequence, bottom-right: new token ``t`` of ``SQ`` sees positions ``<= L - SQ + t``.
 Query row ``r`` of a tile is query head ``kv_head * GROUP + r // SQ``, new token ``r % SQ``.
@@ -30,7 +32,7 @@ import cuda.tile as ct
 
 from impls.cutile.kernel import INV_LOG_2, ConstBool, ConstInt, finite, softmax_step, with_int64_indexing
 
-ROWS, PAGES = 0, 1  # GATHER: how a key tile is read from the pages (module docstring)
+ROWS, PAGES, INDEXED = 0, 1, 2  # GATHER: how a key tile is read from the pages (module docstring)
 
 
 @ct.kernel
@@ -90,19 +92,9 @@ def paged_decode_split(
 
 def key_tile(KCache, VCache, BlockTable, batch, kv_head, j, seq_len, dims, TILE_N, TILE_D, PAGE_SIZE, GATHER,
              MASKED, K_LATENCY, V_LATENCY):
-    """Key tile j of a sequence: K as (TILE_D, TILE_N) for Q K^T, V as (TILE_N, TILE_D); positions past the
-    sequence are zeros in V (where MASKED), so that P V never multiplies what an unused slot holds."""
-    if GATHER == PAGES:
-        page = ct.gather(BlockTable, (batch, j * TILE_N // PAGE_SIZE)).item()
-        in_page = j % (PAGE_SIZE // TILE_N)  # the tile's index within its page
-        k = ct.load(KCache, index=(page, 0, kv_head, in_page), shape=(1, TILE_D, 1, TILE_N), order=(0, 3, 2, 1),
-                    latency=K_LATENCY, padding_mode=ct.PaddingMode.ZERO).reshape((TILE_D, TILE_N))
-        v = ct.load(VCache, index=(page, in_page, kv_head, 0), shape=(1, TILE_N, 1, TILE_D),
-                    latency=V_LATENCY, padding_mode=ct.PaddingMode.ZERO).reshape((TILE_N, TILE_D))
-        if MASKED:
-            positions = j * TILE_N + ct.arange(TILE_N, dtype=ct.int32)[:, None]
-            v = ct.where(positions < seq_len, v, 0.0)  # an unused slot may hold NaN, and 0 * NaN is NaN
-    else:
+    """Key tile j of a sequence: K as (TILE_D, TILE_N) for Q K^T, V as (TILE_N, TILE_D); where MASKED,
+    positions past the sequence are zeros in V, so that P V never multiplies what an unused slot holds."""
+    if GATHER == ROWS:
         positions = j * TILE_N + ct.arange(TILE_N, dtype=ct.int32)
         in_seq = positions < seq_len
         page = ct.gather(BlockTable, (batch, positions // PAGE_SIZE), mask=in_seq)
@@ -111,7 +103,64 @@ def key_tile(KCache, VCache, BlockTable, batch, kv_head, j, seq_len, dims, TILE_
                       latency=K_LATENCY)
         v = ct.gather(VCache, (page[:, None], slot[:, None], kv_head, dims[None, :]), mask=in_seq[:, None],
                       latency=V_LATENCY)
+    else:
+        if GATHER == INDEXED:
+            k, v = indexed_pages(KCache, VCache, BlockTable, batch, kv_head, j, seq_len, TILE_N, TILE_D, PAGE_SIZE,
+                                 K_LATENCY, V_LATENCY)
+        else:
+            k, v = page_loads(KCache, VCache, BlockTable, batch, kv_head, j, seq_len, TILE_N, TILE_D, PAGE_SIZE,
+                              K_LATENCY, V_LATENCY)
+        if MASKED:
+            positions = j * TILE_N + ct.arange(TILE_N, dtype=ct.int32)[:, None]
+            v = ct.where(positions < seq_len, v, 0.0)  # an unused slot may hold NaN, and 0 * NaN is NaN
     return k, v
+
+
+def page_of(BlockTable, batch, page_index, seq_len, PAGE_SIZE):
+    """The cache page that holds page ``page_index`` of the sequence (a scalar or a tile of them); page 0
+    where the sequence has no such page, since table entries past its last page may hold anything."""
+    page = ct.gather(BlockTable, (batch, page_index))
+    return ct.where(page_index * PAGE_SIZE < seq_len, page, 0)
+
+
+def page_loads(KCache, VCache, BlockTable, batch, kv_head, j, seq_len, TILE_N, TILE_D, PAGE_SIZE, K_LATENCY,
+               V_LATENCY):
+    """PAGES: key tile j as block loads (TMA on Hopper): the part of one page it lies in, or the
+    TILE_N / PAGE_SIZE whole pages it spans, concatenated."""
+    rows = min(TILE_N, PAGE_SIZE)  # rows per load
+    k_parts = ()
+    v_parts = ()
+    for part in ct.static_iter(range(TILE_N // rows)):
+        first = j * TILE_N + part * rows  # the part's first position
+        page = page_of(BlockTable, batch, first // PAGE_SIZE, seq_len, PAGE_SIZE).item()
+        in_page = first % PAGE_SIZE // rows  # the part's index within its page, in units of ``rows``
+        k_parts += (ct.load(KCache, index=(page, 0, kv_head, in_page), shape=(1, TILE_D, 1, rows),
+                            order=(0, 3, 2, 1), latency=K_LATENCY,
+                            padding_mode=ct.PaddingMode.ZERO).reshape((TILE_D, rows)),)
+        v_parts += (ct.load(VCache, index=(page, in_page, kv_head, 0), shape=(1, rows, 1, TILE_D),
+                            latency=V_LATENCY, padding_mode=ct.PaddingMode.ZERO).reshape((rows, TILE_D)),)
+    return concatenate(k_parts, 1), concatenate(v_parts, 0)
+
+
+def concatenate(parts, axis):
+    """One tile of a power-of-two number of equal tiles, joined pairwise along ``axis``."""
+    for _ in ct.static_iter(range(len(parts).bit_length() - 1)):
+        joined = ()
+        for i in ct.static_iter(range(len(parts) // 2)):
+            joined += (ct.cat((parts[2 * i], parts[2 * i + 1]), axis),)
+        parts = joined
+    return parts[0]
+
+
+def indexed_pages(KCache, VCache, BlockTable, batch, kv_head, j, seq_len, TILE_N, TILE_D, PAGE_SIZE, K_LATENCY,
+                  V_LATENCY):
+    """INDEXED: the TILE_N / PAGE_SIZE pages of key tile j in one indexed load over the page axis."""
+    pages = TILE_N // PAGE_SIZE
+    page = page_of(BlockTable, batch, j * pages + ct.arange(pages, dtype=ct.int32), seq_len, PAGE_SIZE)
+    where = (page, ct.Slice(0, PAGE_SIZE), ct.Slice(kv_head, 1), ct.Slice(0, TILE_D))
+    k = ct.load_advanced_indexing(KCache, where, padding_mode=ct.PaddingMode.ZERO, latency=K_LATENCY)
+    v = ct.load_advanced_indexing(VCache, where, padding_mode=ct.PaddingMode.ZERO, latency=V_LATENCY)
+    return ct.transpose(k.reshape((TILE_N, TILE_D))), v.reshape((TILE_N, TILE_D))
 
 
 def fold(acc, l_i, m_i, qk, v, score_scale_log2, MAY_BE_EMPTY):

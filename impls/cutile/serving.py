@@ -28,6 +28,7 @@ from impls.cutile import (
     Variant,
     _sm_count,
     needs_int64,
+    precompile,
     requires,
     search_space,
     tile_d,
@@ -41,26 +42,36 @@ COMBINE_LATENCY = 4
 
 @dataclass(frozen=True)
 class DecodeVariant:
-    """One compiled form of the decode kernel: key tile width, how a tile is read from the pages
-    (``decode.ROWS`` or ``decode.PAGES``) and how far ahead K and V loads are issued."""
+    """One compiled form of the decode kernel: key tile width, how a tile is read from the pages (``read``:
+    "rows", "pages" or "indexed", decode.py's GATHER) and how far ahead K and V loads are issued."""
 
     tile_n: int
-    pages: bool = False  # a page at a time (block loads; the page size a multiple of tile_n)
-    k_latency: int = 2
-    v_latency: int = 2
+    read: str = "pages"
+    k_latency: int = 3
+    v_latency: int = 3
 
     def fits(self, page_size: int) -> bool:
-        return not self.pages or page_size % self.tile_n == 0
+        """Rows take any page size; block loads take tiles that hold whole pages or lie within one; an
+        indexed load takes whole pages."""
+        if self.read == "rows":
+            return True
+        return self.tile_n % page_size == 0 or (self.read == "pages" and page_size % self.tile_n == 0)
+
+    @property
+    def gather(self) -> int:
+        from impls.cutile import decode
+
+        return {"rows": decode.ROWS, "pages": decode.PAGES, "indexed": decode.INDEXED}[self.read]
 
     def describe(self) -> dict:
         return asdict(self)
 
 
-# Row gathers take any page size; page loads take the tiles a page holds whole.
-DECODE_SPACE = [DecodeVariant(64), DecodeVariant(128), DecodeVariant(64, k_latency=4, v_latency=4),
-                DecodeVariant(16, pages=True, k_latency=4, v_latency=4), DecodeVariant(32, pages=True, k_latency=4,
-                                                                                       v_latency=4),
-                DecodeVariant(64, pages=True, k_latency=3, v_latency=3)]
+# Session 7, H200, first version: row gathers reached 1.4 TB/s, a tile of 16 keys (one page of 16) 0.7, a
+# page load of 64 keys (pages of 64) 3.9. Hence tiles of 64 and 128 keys over whole pages, and row gathers only
+# where no page form fits the page size.
+DECODE_SPACE = [DecodeVariant(64), DecodeVariant(128), DecodeVariant(64, "indexed"), DecodeVariant(128, "indexed")]
+ROWS_FALLBACK = DecodeVariant(64, "rows", 2, 2)
 
 
 class DecodeCall(Launches):
@@ -68,7 +79,7 @@ class DecodeCall(Launches):
     chunk."""
 
     def __init__(self, variant: DecodeVariant, inputs: PagedKV, *, scale: float, sm_count: int) -> None:
-        from impls.cutile.decode import PAGES, ROWS, paged_decode_combine, paged_decode_split, paged_decode_split_int64
+        from impls.cutile.decode import paged_decode_combine, paged_decode_split, paged_decode_split_int64
 
         self.variant, self.out = variant, inputs.output_like()
         q, k_cache, v_cache = inputs.q, inputs.k_cache, inputs.v_cache
@@ -85,7 +96,7 @@ class DecodeCall(Launches):
         tiles = (group, sq, tile_m)
         self.launches = [((self.num_splits, batch * hkv, 1), kernel, (
             q, k_cache, v_cache, inputs.block_table, inputs.cache_seqlens, self.part, self.lse, self.out, scale, hkv,
-            self.split_len, *tiles, variant.tile_n, width, inputs.page_size, PAGES if variant.pages else ROWS, split,
+            self.split_len, *tiles, variant.tile_n, width, inputs.page_size, variant.gather, split,
             variant.k_latency, variant.v_latency))]
         if split:
             self.launches.append(((batch * hkv, 1, 1), paged_decode_combine, (
@@ -97,7 +108,7 @@ class DecodeCall(Launches):
 
 
 def decode_space(page_size: int) -> list[DecodeVariant]:
-    return [variant for variant in DECODE_SPACE if variant.fits(page_size)]
+    return [variant for variant in DECODE_SPACE if variant.fits(page_size)] or [ROWS_FALLBACK]
 
 
 _DECODE_TUNED: dict[str, tuple[DecodeVariant, bool]] = {}
@@ -117,9 +128,10 @@ def prepare_paged(inputs: PagedKV, *, scale: float) -> Prepared:
     key = TUNING.key(inputs.q.device, decode_shape_class(inputs))
     if key not in _DECODE_TUNED:
         def search() -> dict:
-            calls = [(variant, DecodeCall(variant, inputs, scale=scale, sm_count=sm_count))
+            calls = [DecodeCall(variant, inputs, scale=scale, sm_count=sm_count)
                      for variant in decode_space(inputs.page_size)]
-            return fastest(calls).describe()
+            precompile(calls)
+            return fastest((call.variant, call) for call in calls).describe()
 
         config, cached = TUNING.lookup(key, search)
         _DECODE_TUNED[key] = (DecodeVariant(**config), cached)
