@@ -310,24 +310,35 @@ def shape_class(q: torch.Tensor, k: torch.Tensor, causal: bool, window: tuple[in
             length_class(k.shape[2]), parallel_class(q.shape[0] * q.shape[1]), window != NO_WINDOW, softcap > 0)
 
 
-def precompile(calls: list[Launches]) -> None:
+def precompile(calls: list[Launches]) -> list[Launches]:
     """Make every candidate's first call from as many threads: each first launch compiles (tileiras runs as a
     process of its own), so the search then times compiled kernels and a cold tune costs about one compile.
-    The calls share one output; the search overwrites it."""
+    The calls share one output; the search overwrites it. Returns the calls that compiled: a candidate the
+    compiler gives up on (its time limit) drops out of the search; if none compiled, the first error is raised."""
     from concurrent.futures import ThreadPoolExecutor
 
+    import cuda.tile as ct
+
     if not calls:
-        return
+        return []
     stream = torch.cuda.current_stream()
 
-    def first_call(call: Launches) -> None:
+    def first_call(call: Launches) -> ct.TileError | None:
         torch.cuda.set_device(stream.device)  # the thread's current context, which cuTile's launch asks for
         with torch.cuda.stream(stream):
-            call()
+            try:
+                call()
+            except ct.TileError as error:
+                return error
+        return None
 
     with ThreadPoolExecutor(max_workers=min(len(calls), os.cpu_count() or 1)) as pool:
-        list(pool.map(first_call, calls))
+        errors = list(pool.map(first_call, calls))
     torch.cuda.synchronize()
+    compiled = [call for call, error in zip(calls, errors, strict=True) if error is None]
+    if not compiled:
+        raise errors[0]
+    return compiled
 
 
 def only_launch(call: Launches) -> tuple:
@@ -347,11 +358,10 @@ def tuned(shape: tuple, device: torch.device, space: list[Variant],
             import cuda.tile as ct
             from cuda.tile.tune import exhaustive_search
 
-            calls = [make_call(variant) for variant in space]
-            launches = {call.variant: only_launch(call) for call in calls}
             with ct.compiler_timeout(COMPILE_TIMEOUT_S):
-                precompile(calls)
-                result = exhaustive_search(space, torch.cuda.current_stream(),
+                calls = precompile([make_call(variant) for variant in space])
+                launches = {call.variant: only_launch(call) for call in calls}
+                result = exhaustive_search(list(launches), torch.cuda.current_stream(),
                                            grid_fn=lambda var: launches[var][0],
                                            kernel=lambda var: launches[var][1],  # the hints travel with it
                                            args_fn=lambda var: launches[var][2], quiet=True)

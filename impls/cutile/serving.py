@@ -22,6 +22,7 @@ from impls._registry import HALF, Prepared, Unsupported, length_class, parallel_
 from impls._serving import PagedKV, Varlen, decode_shape_class, split_plan
 from impls._tuning import fastest
 from impls.cutile import (
+    COMPILE_TIMEOUT_S,
     HEAD_DIMS,
     TUNING,
     Launches,
@@ -70,7 +71,8 @@ class DecodeVariant:
 # Session 7, H200, first version: row gathers reached 1.4 TB/s, a tile of 16 keys (one page of 16) 0.7, a
 # page load of 64 keys (pages of 64) 3.9. Hence tiles of 64 and 128 keys over whole pages, and row gathers only
 # where no page form fits the page size.
-DECODE_SPACE = [DecodeVariant(64), DecodeVariant(128), DecodeVariant(64, "indexed"), DecodeVariant(128, "indexed")]
+DECODE_TILES = (64, 128)
+DECODE_SPACE = [DecodeVariant(n, read) for read in ("pages", "indexed") for n in DECODE_TILES]
 ROWS_FALLBACK = DecodeVariant(64, "rows", 2, 2)
 
 
@@ -107,8 +109,14 @@ class DecodeCall(Launches):
         return super().prepared(num_splits=self.num_splits, split_len=self.split_len, **config)
 
 
-def decode_space(page_size: int) -> list[DecodeVariant]:
-    return [variant for variant in DECODE_SPACE if variant.fits(page_size)] or [ROWS_FALLBACK]
+def decode_space(page_size: int, huge: bool = False) -> list[DecodeVariant]:
+    """The candidates for this page size. ``huge``: a cache of 2**31 elements or more, which needs 64-bit
+    offsets; there the first version's tiles of eight joined pages compiled for minutes (H200, session 7), so
+    only the smallest page-load tile is tried."""
+    space = [variant for variant in DECODE_SPACE if variant.fits(page_size)]
+    if huge:
+        space = [variant for variant in space if variant.read == "pages" and variant.tile_n == min(DECODE_TILES)]
+    return space or [ROWS_FALLBACK]
 
 
 _DECODE_TUNED: dict[str, tuple[DecodeVariant, bool]] = {}
@@ -128,9 +136,11 @@ def prepare_paged(inputs: PagedKV, *, scale: float) -> Prepared:
     key = TUNING.key(inputs.q.device, decode_shape_class(inputs))
     if key not in _DECODE_TUNED:
         def search() -> dict:
-            calls = [DecodeCall(variant, inputs, scale=scale, sm_count=sm_count)
-                     for variant in decode_space(inputs.page_size)]
-            precompile(calls)
+            import cuda.tile as ct
+
+            space = decode_space(inputs.page_size, huge=needs_int64(inputs.k_cache, inputs.v_cache))
+            with ct.compiler_timeout(COMPILE_TIMEOUT_S):
+                calls = precompile([DecodeCall(variant, inputs, scale=scale, sm_count=sm_count) for variant in space])
             return fastest((call.variant, call) for call in calls).describe()
 
         config, cached = TUNING.lookup(key, search)

@@ -1,0 +1,90 @@
+"""Where a cuTile serving case's prepare time goes, and what each candidate costs (GPU).
+
+For one paged-decode case: building the inputs, the float64 oracle, and per decode candidate its first call
+(compile) and its time per call. For the equal-length varlen batch: each varlen candidate beside the dense
+kernel with the same variant on the same shape (the varlen path should cost nothing over dense). Prints JSON
+lines.
+
+    python scripts/serving_probe.py --case llama3-8b-paged-bf16-h32:8-q1-kv8192-uniform-p16-d128-b64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from impls.cutile import Call, _sm_count, needs_int64, precompile
+from impls.cutile.serving import DecodeCall, VarlenCall, decode_space, varlen_space
+from suite.cases import preset
+from suite.checks import Oracle
+
+
+def seconds(fn) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def per_call_ms(call, repeats: int = 20) -> float:
+    call()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        call()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
+def probe_decode(case_id: str) -> None:
+    case = next(c for c in preset("serving") if c.id == case_id)
+    t = time.perf_counter()
+    inputs = case.make_inputs("cuda")
+    torch.cuda.synchronize()
+    print(json.dumps({"case": case_id, "inputs_s": time.perf_counter() - t}), flush=True)
+    t = time.perf_counter()
+    oracle = Oracle.serving(inputs)
+    torch.cuda.synchronize()
+    print(json.dumps({"oracle_s": time.perf_counter() - t}), flush=True)
+    scale = inputs.head_dim ** -0.5
+    for variant in decode_space(inputs.page_size, huge=needs_int64(inputs.k_cache, inputs.v_cache)):
+        call = DecodeCall(variant, inputs, scale=scale, sm_count=_sm_count(None))
+        first = seconds(call)
+        ms = per_call_ms(call)
+        print(json.dumps({"variant": str(variant), "first_call_s": first, "ms": ms, "splits": call.num_splits,
+                          "gbps": sum(inputs.seqlens) * inputs.k_cache.shape[2] * inputs.head_dim * 4 / ms / 1e6,
+                          "passed": oracle.check(call()).passed}), flush=True)
+
+
+def probe_varlen() -> None:
+    dense_case, = [c for c in preset("varlen") if c.op == "dense"]
+    varlen_case, = [c for c in preset("varlen") if c.lengths == "equal"]
+    inputs = varlen_case.make_inputs("cuda")
+    q, k, v = dense_case.make_inputs("cuda")
+    scale = inputs.head_dim ** -0.5
+    for variant in varlen_space(torch.cuda.get_device_capability(), inputs.head_dim, True):
+        packed = VarlenCall(variant, inputs, scale=scale)
+        dense = Call(variant, q, k, v, causal=True, scale=scale)
+        precompile([packed, dense])
+        print(json.dumps({"variant": variant.label(), "varlen_ms": per_call_ms(packed),
+                          "dense_ms": per_call_ms(dense)}), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--case", action="append", help="a serving case id (repeatable)")
+    parser.add_argument("--skip-varlen", action="store_true")
+    args = parser.parse_args()
+    for case_id in args.case or ["llama3-8b-paged-bf16-h32:8-q1-kv8192-uniform-p16-d128-b64"]:
+        probe_decode(case_id)
+    if not args.skip_varlen:
+        probe_varlen()
+
+
+if __name__ == "__main__":
+    main()
