@@ -169,3 +169,54 @@ def test_a_two_launch_call_runs_the_diagonal_first_then_the_mask_free_part():
     assert all(args[4:8] == state for _, _, args in launches)  # both launches see one workspace
     (_, _, whole), = Variant(64, 64).launches(q, k, v, q, Variant(64, 64).state(q), causal=True, scale=0.125)
     assert whole[-1] == WHOLE
+
+
+# The serving kernels (impls/cutile/serving.py): the launches a prepared call would make, compiled as they are.
+def serving_inputs(preset_name: str, index: int):
+    from suite.cases import preset
+
+    return preset(preset_name)[index].make_inputs("cpu")
+
+
+def test_decode_space_reads_whole_pages_and_falls_back_to_rows():
+    from impls.cutile.serving import ROWS_FALLBACK, decode_space
+
+    assert {v.read for v in decode_space(16)} == {"pages", "indexed"}
+    assert all(v.tile_n % 64 == 0 for v in decode_space(64))
+    huge = decode_space(16, huge=True)
+    assert len(huge) == 1 and huge[0].read == "pages"  # 64-bit offsets: the one form that compiles in seconds
+    assert decode_space(24) == [ROWS_FALLBACK]  # no power-of-two tile holds whole pages of 24
+
+
+@pytest.mark.parametrize("read", ["pages", "indexed", "rows"])
+def test_decode_launches_compile(read):
+    from impls.cutile.export import export_launch
+    from impls.cutile.serving import DecodeCall, DecodeVariant
+
+    inputs = serving_inputs("serving-cpu", 4)  # MQA at batch 1, 300 tokens in pages of 16
+    call = DecodeCall(DecodeVariant(64, read), inputs, scale=0.125, sm_count=1)  # one SM: split in two
+    assert call.num_splits == 2 and len(call.launches) == 2  # the split launch, then the combine
+    (_, rows, _), combine_rows = call.launches[1][0], 4  # one combine block per query head of the kv head
+    assert rows == combine_rows
+    for _, kernel, arguments in call.launches:
+        assert export_launch(kernel, arguments, arch="sm_90")[:4] == b"\x7fELF"
+
+
+def test_decode_without_a_split_writes_the_output_directly():
+    from impls.cutile.serving import DecodeCall, DecodeVariant
+
+    inputs = serving_inputs("serving-cpu", 1)
+    call = DecodeCall(DecodeVariant(64), inputs, scale=0.125, sm_count=132)
+    assert call.num_splits == 1 and len(call.launches) == 1
+
+
+def test_varlen_launch_compiles():
+    from impls.cutile.export import export_launch
+    from impls.cutile.serving import VarlenCall, varlen_space
+
+    inputs = serving_inputs("varlen-cpu", 0)
+    space = varlen_space((9, 0), inputs.head_dim, inputs.causal)
+    assert space and not any(v.persistent or v.two_launch for v in space)
+    (grid, kernel, arguments), = VarlenCall(space[0], inputs, scale=0.125).launches
+    assert grid[1] == inputs.batch * inputs.q.shape[1]
+    assert export_launch(kernel, arguments, arch="sm_90")[:4] == b"\x7fELF"

@@ -173,37 +173,40 @@ def fold(acc, l_i, m_i, qk, v, score_scale_log2, MAY_BE_EMPTY):
 def paged_decode_combine(
     OutPart, LsePart, CacheSeqlens, Out,
     num_kv_heads: int, split_len: int,
-    GROUP: ConstInt, SQ: ConstInt, TILE_M: ConstInt, TILE_D: ConstInt, PART_LATENCY: ConstInt,
+    GROUP: ConstInt, SQ: ConstInt, TILE_D: ConstInt, CHUNKS: ConstInt,
 ):
-    """Block (batch * kv head): merge the chunks of every row by log-sum-exp and write the rows to ``Out``.
-    Only the chunks that hold keys of this sequence are read (a short sequence of a long-tailed batch has
-    few)."""
+    """Block (batch * kv head, row): merge the row's chunks by log-sum-exp, CHUNKS of them per step, and
+    write the row to ``Out``. Only the chunks that hold keys of this sequence are read (a short sequence of a
+    long-tailed batch has few); one block per row, so that hundreds of chunks (a long cache at batch 1) are
+    merged by as many blocks as there are rows, not one after the other by one block."""
     batch_kv = ct.bid(0)
+    row = ct.bid(1)
     batch = batch_kv // num_kv_heads
     kv_head = batch_kv % num_kv_heads
     seq_len = ct.gather(CacheSeqlens, batch).item()
     used = min(ct.cdiv(seq_len, split_len), OutPart.shape[1])
 
-    m = ct.full((TILE_M, 1), -math.inf, dtype=ct.float32)
-    total = ct.full((TILE_M, 1), 0.0, dtype=ct.float32)
-    acc = ct.full((TILE_M, TILE_D), 0.0, dtype=ct.float32)
-    for chunk in range(used):  # the same running-max merge as the softmax, one chunk at a time
-        lse = ct.load(LsePart, index=(batch_kv, chunk, 0), shape=(1, 1, TILE_M),
-                      latency=PART_LATENCY).reshape((TILE_M, 1))
-        part = ct.load(OutPart, index=(batch_kv, chunk, 0, 0), shape=(1, 1, TILE_M, TILE_D),
-                       latency=PART_LATENCY).reshape((TILE_M, TILE_D))
-        m_new = ct.maximum(m, lse)
-        m_ref = finite(m_new, True)  # a row may have seen no key in the chunks so far (several new tokens)
+    m = ct.full((1, 1), -math.inf, dtype=ct.float32)
+    total = ct.full((1, 1), 0.0, dtype=ct.float32)
+    acc = ct.full((1, TILE_D), 0.0, dtype=ct.float32)
+    for step in range(ct.cdiv(used, CHUNKS)):  # the softmax's running-max merge, CHUNKS chunks at a time
+        real = (step * CHUNKS + ct.arange(CHUNKS, dtype=ct.int32))[:, None] < used  # past ``used``: unwritten
+        lse = ct.load(LsePart, index=(batch_kv, step, row), shape=(1, CHUNKS, 1),
+                      padding_mode=ct.PaddingMode.ZERO).reshape((CHUNKS, 1))
+        part = ct.load(OutPart, index=(batch_kv, step, row, 0), shape=(1, CHUNKS, 1, TILE_D),
+                       padding_mode=ct.PaddingMode.ZERO).reshape((CHUNKS, TILE_D))
+        lse = ct.where(real, lse, -math.inf)
+        m_new = ct.maximum(m, ct.max(lse, axis=0, keepdims=True))
+        m_ref = finite(m_new, True)  # the row may have seen no key in the chunks so far (several new tokens)
         alpha = ct.exp2(m - m_ref)
         weight = ct.exp2(lse - m_ref)
-        acc = acc * alpha + part * weight
-        total = total * alpha + weight
+        acc = acc * alpha + ct.sum(ct.where(real, part, 0.0) * weight, axis=0, keepdims=True)
+        total = total * alpha + ct.sum(weight, axis=0, keepdims=True)
         m = m_new
 
-    rows = ct.arange(TILE_M, dtype=ct.int32)[:, None]
     dims = ct.arange(TILE_D, dtype=ct.int32)[None, :]
     out = ct.truediv(acc, ct.where(total == 0.0, 1.0, total)).astype(Out.dtype)
-    ct.scatter(Out, (batch, rows % SQ, kv_head * GROUP + rows // SQ, dims), out, mask=rows < GROUP * SQ)
+    ct.scatter(Out, (batch, row % SQ, kv_head * GROUP + row // SQ, dims), out)
 
 
 # A cache of 2**31 elements or more (64 sequences of 32K tokens, 8 kv heads of 128) needs 64-bit offsets.

@@ -38,7 +38,7 @@ from impls.cutile import (
 
 DECODE_HEAD_DIMS = (16, 32, 64, 128, 256)  # the Q tile, the accumulator and the partial outputs are TILE_D wide
 MAX_PACKED_ROWS = 128  # query heads per kv head x new tokens in one tile
-COMBINE_LATENCY = 4
+COMBINE_CHUNKS = 16  # chunks the combine merges per step
 
 
 @dataclass(frozen=True)
@@ -101,9 +101,9 @@ class DecodeCall(Launches):
             self.split_len, *tiles, variant.tile_n, width, inputs.page_size, variant.gather, split,
             variant.k_latency, variant.v_latency))]
         if split:
-            self.launches.append(((batch * hkv, 1, 1), paged_decode_combine, (
-                self.part, self.lse, inputs.cache_seqlens, self.out, hkv, self.split_len, *tiles, width,
-                COMBINE_LATENCY)))
+            self.launches.append(((batch * hkv, group * sq, 1), paged_decode_combine, (
+                self.part, self.lse, inputs.cache_seqlens, self.out, hkv, self.split_len, group, sq, width,
+                COMBINE_CHUNKS)))
 
     def prepared(self, **config) -> Prepared:
         return super().prepared(num_splits=self.num_splits, split_len=self.split_len, **config)
