@@ -105,19 +105,22 @@ class TuningCache:
         return config, False
 
 
+def mean_ms(call: Callable[[], object], *, warmup: int = 3, repeats: int = 10) -> float:
+    """Milliseconds per call of ``call`` on the GPU: warmed up (compiled) first, then ``repeats`` calls back to
+    back between two CUDA events."""
+    for _ in range(warmup):
+        call()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        call()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
 def fastest(candidates: Iterable[tuple[Any, Callable[[], object]]], *, warmup: int = 3, repeats: int = 10) -> Any:
-    """The candidate whose call takes the least GPU time: each call warmed up (compiled) first, then timed
-    ``repeats`` times back to back between two CUDA events, ranked by the mean. For tuners whose candidate is
-    more than one launch (split and combine), where ``cuda.tile.tune`` times one."""
-    timings = []
-    for candidate, call in candidates:
-        for _ in range(warmup):
-            call()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeats):
-            call()
-        end.record()
-        end.synchronize()
-        timings.append((start.elapsed_time(end), candidate))
+    """The candidate whose call takes the least GPU time (``mean_ms``). For tuners whose candidate is more than
+    one launch (split and combine), where ``cuda.tile.tune`` times one."""
+    timings = [(mean_ms(call, warmup=warmup, repeats=repeats), candidate) for candidate, call in candidates]
     return min(timings, key=lambda t: t[0])[1]

@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from impls._tuning import mean_ms
 from impls.cutile import Call, _sm_count, needs_int64, precompile
 from impls.cutile.serving import DecodeCall, VarlenCall, decode_space, varlen_space
 from suite.cases import preset
@@ -28,17 +29,6 @@ def seconds(fn) -> float:
     fn()
     torch.cuda.synchronize()
     return time.perf_counter() - start
-
-
-def per_call_ms(call, repeats: int = 20) -> float:
-    call()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        call()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / repeats
 
 
 def probe_decode(case_id: str) -> None:
@@ -55,7 +45,7 @@ def probe_decode(case_id: str) -> None:
     for variant in decode_space(inputs.page_size, huge=needs_int64(inputs.k_cache, inputs.v_cache)):
         call = DecodeCall(variant, inputs, scale=scale, sm_count=_sm_count(None))
         first = seconds(call)
-        ms = per_call_ms(call)
+        ms = mean_ms(call, repeats=20)
         print(json.dumps({"variant": str(variant), "first_call_s": first, "ms": ms, "splits": call.num_splits,
                           "gbps": sum(inputs.seqlens) * inputs.k_cache.shape[2] * inputs.head_dim * 4 / ms / 1e6,
                           "passed": oracle.check(call()).passed}), flush=True)
@@ -71,8 +61,8 @@ def probe_varlen() -> None:
         packed = VarlenCall(variant, inputs, scale=scale)
         dense = Call(variant, q, k, v, causal=True, scale=scale)
         precompile([packed, dense])
-        print(json.dumps({"variant": variant.label(), "varlen_ms": per_call_ms(packed),
-                          "dense_ms": per_call_ms(dense)}), flush=True)
+        print(json.dumps({"variant": variant.label(), "varlen_ms": mean_ms(packed, repeats=20),
+                          "dense_ms": mean_ms(dense, repeats=20)}), flush=True)
 
 
 def main() -> None:
