@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from impls._tuning import mean_ms
+
 MODES = ("eager", "graph", "kernel")
 GRAPH_REPLAY_S = 1e-3  # a replay lasts at least this long: the graph launch is amortised over many calls
 MAX_CALLS_PER_GRAPH = 256
@@ -205,13 +207,7 @@ class L2Flusher:
 def time_once(fn, device: torch.device, repeats: int = 3) -> float:
     """Seconds per call of ``fn`` after the warm-up, on the device's timeline (host clock on CPU)."""
     if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeats):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3 / repeats
+        return mean_ms(fn, warmup=0, repeats=repeats) / 1e3
     import time
 
     t0 = time.perf_counter()

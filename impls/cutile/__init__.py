@@ -16,6 +16,7 @@ import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 
@@ -301,7 +302,17 @@ for _name, (_variant, _what) in LADDER.items():
 
 # Tune once per machine: the chosen variant per shape class, on disk (impls/_tuning.py), and in the process.
 TUNING = TuningCache("cutile", [Path(__file__).with_name("kernel.py"), Path(__file__)], ["cuda-tile"])
-_TUNED: dict[str, tuple[Variant, bool]] = {}
+_TUNED: dict[str, tuple[Any, bool]] = {}
+Choice = TypeVar("Choice")
+
+
+def remembered(key: str, search: Callable[[], dict], build: Callable[..., Choice]) -> tuple[Choice, bool]:
+    """The choice for tuning key ``key``, made once per process: ``build(**config)`` of the config in the tuning
+    cache, or of ``search()``'s result (stored there); and whether it came from the cache."""
+    if key not in _TUNED:
+        config, cached = TUNING.lookup(key, search)
+        _TUNED[key] = (build(**config), cached)
+    return _TUNED[key]
 
 
 def shape_class(q: torch.Tensor, k: torch.Tensor, causal: bool, window: tuple[int, int] = NO_WINDOW,
@@ -352,24 +363,20 @@ def tuned(shape: tuple, device: torch.device, space: list[Variant],
           make_call: Callable[[Variant], Launches]) -> tuple[Variant, bool]:
     """The fastest variant of ``space`` for shape class ``shape`` (``make_call`` prepares one candidate; all
     share one output), and whether it came from the tuning cache."""
-    key = TUNING.key(device, shape)
-    if key not in _TUNED:
-        def search() -> dict:
-            import cuda.tile as ct
-            from cuda.tile.tune import exhaustive_search
+    def search() -> dict:
+        import cuda.tile as ct
+        from cuda.tile.tune import exhaustive_search
 
-            with ct.compiler_timeout(COMPILE_TIMEOUT_S):
-                calls = precompile([make_call(variant) for variant in space])
-                launches = {call.variant: only_launch(call) for call in calls}
-                result = exhaustive_search(list(launches), torch.cuda.current_stream(),
-                                           grid_fn=lambda var: launches[var][0],
-                                           kernel=lambda var: launches[var][1],  # the hints travel with it
-                                           args_fn=lambda var: launches[var][2], quiet=True)
-            return result.best.config.describe()
+        with ct.compiler_timeout(COMPILE_TIMEOUT_S):
+            calls = precompile([make_call(variant) for variant in space])
+            launches = {call.variant: only_launch(call) for call in calls}
+            result = exhaustive_search(list(launches), torch.cuda.current_stream(),
+                                       grid_fn=lambda var: launches[var][0],
+                                       kernel=lambda var: launches[var][1],  # the hints travel with it
+                                       args_fn=lambda var: launches[var][2], quiet=True)
+        return result.best.config.describe()
 
-        config, cached = TUNING.lookup(key, search)
-        _TUNED[key] = (Variant(**config), cached)
-    return _TUNED[key]
+    return remembered(TUNING.key(device, shape), search, Variant)
 
 
 def tune(q, k, v, *, causal: bool, scale: float, **variants) -> tuple[Variant, bool]:

@@ -30,6 +30,7 @@ from impls.cutile import (
     _sm_count,
     needs_int64,
     precompile,
+    remembered,
     requires,
     search_space,
     tile_d,
@@ -119,9 +120,6 @@ def decode_space(page_size: int, huge: bool = False) -> list[DecodeVariant]:
     return space or [ROWS_FALLBACK]
 
 
-_DECODE_TUNED: dict[str, tuple[DecodeVariant, bool]] = {}
-
-
 @register("cutile", op="paged", family="cutile", dtypes=HALF, devices=("cuda",), head_dims=DECODE_HEAD_DIMS,
           requires=requires,
           description="our cuTile split-KV decode: all query heads of a kv head in one tile (K/V read once), "
@@ -133,19 +131,16 @@ def prepare_paged(inputs: PagedKV, *, scale: float) -> Prepared:
         raise Unsupported(f"{hq // inputs.k_cache.shape[2]} query heads per kv head x {sq} new tokens = {rows} "
                           f"rows: this kernel packs at most {MAX_PACKED_ROWS} in one tile")
     sm_count = _sm_count(inputs.q.device.index)
-    key = TUNING.key(inputs.q.device, decode_shape_class(inputs))
-    if key not in _DECODE_TUNED:
-        def search() -> dict:
-            import cuda.tile as ct
 
-            space = decode_space(inputs.page_size, huge=needs_int64(inputs.k_cache, inputs.v_cache))
-            with ct.compiler_timeout(COMPILE_TIMEOUT_S):
-                calls = precompile([DecodeCall(variant, inputs, scale=scale, sm_count=sm_count) for variant in space])
-            return fastest((call.variant, call) for call in calls).describe()
+    def search() -> dict:
+        import cuda.tile as ct
 
-        config, cached = TUNING.lookup(key, search)
-        _DECODE_TUNED[key] = (DecodeVariant(**config), cached)
-    variant, cached = _DECODE_TUNED[key]
+        space = decode_space(inputs.page_size, huge=needs_int64(inputs.k_cache, inputs.v_cache))
+        with ct.compiler_timeout(COMPILE_TIMEOUT_S):
+            calls = precompile([DecodeCall(variant, inputs, scale=scale, sm_count=sm_count) for variant in space])
+        return fastest((call.variant, call) for call in calls).describe()
+
+    variant, cached = remembered(TUNING.key(inputs.q.device, decode_shape_class(inputs)), search, DecodeVariant)
     return DecodeCall(variant, inputs, scale=scale, sm_count=sm_count).prepared(
         chosen="tuning cache" if cached else "autotuned")
 
