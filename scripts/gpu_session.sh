@@ -18,10 +18,20 @@
 #   dynamic:  the dynamically scheduled persistent cuTile candidates beside the best fixed ones (sweep)
 #   shard-bench:   (several GPUs) blog benchmarks on one GPU, sharded over all, and on each (the fleet check)
 #   shard-correct: (several GPUs) the correctness preset cold over all GPUs, then warm over all and over one
+# The side-by-side serving run with every implementation, in the three calls of the flash-attn-4 carry (caches
+# under /tmp/fmha live as long as the machine; FlashInfer needs `source scripts/flashinfer_env.sh`):
+#   serve-prime: (call 1) serving correctness of the implementations without a carried package, 16 workers:
+#             fills the cuTile, Triton and inductor compile caches (no tuning cache: 16 processes share the GPU)
+#   serve-tune: (call 2) FlashInfer's serving correctness (its JIT compiles), then ours again on one process,
+#             tuning on an idle GPU into the tuning cache
+#   serve-all: (call 3) serving and varlen benchmarks, every implementation, graph timing
 set -u
 out=${OUT:-results}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
+export FMHA_TUNING_CACHE=${FMHA_TUNING_CACHE:-/tmp/fmha/tuning} CUDA_TILE_CACHE_DIR=${CUDA_TILE_CACHE_DIR:-/tmp/fmha/cutile} \
+  TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/fmha/triton} TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/fmha/inductor}
+serving=(--grid serving-cpu --grid varlen-cpu --grid serving --grid varlen)
 bench=(--benchmark-only -p no:cacheprovider -q --rounds 7 --round-ms 10 --warmup-rounds 2)
 step() {  # step NAME SECONDS COMMAND...: run with a limit, log to $out/NAME.log, print its tail
   local name=$1 limit=$2; shift 2
@@ -44,6 +54,20 @@ for part in "$@"; do
         --impl triton --grid serving-cpu --grid varlen-cpu --grid serving --grid varlen
       step serve-bench 330 python3 -m pytest suite "${bench[@]}" --grid serving --grid varlen --timing graph \
         --impl cutile --impl triton --benchmark-json="$out/serving-ours.json"
+      ;;
+    serve-prime)
+      step prime 420 python3 -m pytest suite -k correctness -q -p no:cacheprovider -rf --impl cutile --impl triton \
+        --impl flex --impl sdpa --impl naive "${serving[@]}" -n 16 --dist load --no-tuning-cache
+      ;;
+    serve-tune)
+      step fi-correct 300 python3 -m pytest suite -k correctness -q -p no:cacheprovider -rf --impl flashinfer \
+        "${serving[@]}" --durations=8
+      step tune 200 python3 -m pytest suite -k correctness -q -p no:cacheprovider -rf --impl cutile --impl triton \
+        "${serving[@]}" --durations=8
+      ;;
+    serve-all)
+      step serve-all 540 python3 -m pytest suite "${bench[@]}" --grid serving --grid varlen --timing graph \
+        --benchmark-json="$out/serving-all.json"
       ;;
     sanitize)
       step memcheck 200 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest suite -k correctness \

@@ -75,14 +75,22 @@ def test_every_candidate(family, case: Case, amplitude: float):
     q = (q.float() * amplitude).to(q.dtype)  # large scores: the row max keeps moving along the keys
     oracle = Oracle.dense(q, k, v, causal=case.causal, **case.variants)
     out = q.new_empty((*q.shape[:3], v.shape[-1]))
-    failures = []
-    for name, launch in family(case, q, k, v, out):
+    failures, launched = [], 0
+    candidates = family(case, q, k, v, out)
+    for name, launch in candidates:
         out.fill_(float("nan"))  # a row the candidate never writes stays NaN and fails
-        launch()
+        try:
+            launch()
+        except Exception as exc:
+            if type(exc).__name__ != "OutOfResources":
+                raise
+            continue  # more shared memory than this GPU has: Triton's autotuner skips such a config too
+        launched += 1
         result = oracle.check(out)
         if not result.passed:
             failures.append(f"{name}: {result.message}")
     assert not failures, "\n".join(failures)
+    assert launched or not candidates, "no candidate fits this GPU"
 
 
 # The serving operations: every decode form (key tile width, rows / pages / indexed reads) and every varlen

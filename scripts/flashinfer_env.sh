@@ -1,0 +1,28 @@
+# Source on the device machine after .gpu-env/env.sh: makes FlashInfer importable and its JIT able to compile.
+# - unpacks .gpu-fi/ (scripts/stage_flashinfer.sh) into /tmp/fisite once; later calls of the same machine find
+#   it there without carrying .gpu-fi again;
+# - FlashInfer compiles with the image's nvcc. env.sh points CUDA_HOME at cuTile's tileiras toolchain
+#   (/tmp/ctk: ptxas and libnvvm 13.4, no nvcc and no headers), which tileiras needs, so FlashInfer gets the
+#   image's nvcc through FLASHINFER_NVCC and the image's headers and libraries linked into /tmp/ctk;
+# - its JIT cache lives under /tmp/fmha/flashinfer, for the life of the machine.
+if [ ! -d /tmp/fisite/flashinfer ] && [ -d .gpu-fi ]; then
+  mkdir -p /tmp/fisite && tar -xJf .gpu-fi/flashinfer-site.tar.xz -C /tmp/fisite \
+    && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fisite .gpu-fi/apache_tvm_ffi-*.whl
+fi
+if [ -d /tmp/fisite/flashinfer ]; then
+  export PYTHONPATH=/tmp/fisite${PYTHONPATH:+:$PYTHONPATH}
+  _nvcc=$(PATH=$(echo "$PATH" | sed 's#/tmp/ctk/bin:##') command -v nvcc || ls /usr/local/cuda*/bin/nvcc 2>/dev/null | head -1)
+  if [ -n "$_nvcc" ]; then
+    export FLASHINFER_NVCC=$_nvcc
+    _cuda=$(dirname "$(dirname "$(readlink -f "$_nvcc")")")
+    if [ -n "${CUDA_HOME:-}" ] && [ "$CUDA_HOME" != "$_cuda" ]; then
+      for _d in include lib64; do
+        [ -e "$CUDA_HOME/$_d" ] || ln -s "$_cuda/$([ -d "$_cuda/$_d" ] && echo $_d || echo lib)" "$CUDA_HOME/$_d"
+      done
+    fi
+  fi
+  export FLASHINFER_WORKSPACE_BASE=/tmp/fmha/flashinfer MAX_JOBS=${MAX_JOBS:-16} FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-9.0a}
+  python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__, 'nvcc', '$_nvcc')" 2>&1 | tail -1
+else
+  echo "flashinfer: not here (carry .gpu-fi, made by scripts/stage_flashinfer.sh)"
+fi
