@@ -248,6 +248,22 @@ def split_plan(lengths: list[int] | tuple[int, ...], kv_heads: int, block_n: int
     return -(-max(tiles) // chunk), chunk * block_n
 
 
+COMBINE_STEP_ELEMENTS = 4096  # partial-output elements a combine program merges per step: 16 KB of fp32
+COMBINE_MIN_TILE_D = 16
+
+
+def combine_plan(num_splits: int, head_dim: int) -> tuple[int, int]:
+    """How the combine cuts one row's merge: ``(tile_d, chunks)``, a program per ``tile_d`` slice of the head
+    dim that merges ``chunks`` chunks per step.
+
+    A step's loads are dependent round trips to memory (about a microsecond each), so the merge should take as
+    few steps as it can: with many chunks (a long cache at batch 1: hundreds) the head-dim slice narrows until
+    all of them fit in one step, and the row is merged by ``head_dim / tile_d`` programs instead of one."""
+    chunks = 1 << max(num_splits - 1, 0).bit_length()
+    tile_d = max(COMBINE_MIN_TILE_D, min(head_dim, COMBINE_STEP_ELEMENTS // chunks))
+    return tile_d, min(chunks, COMBINE_STEP_ELEMENTS // tile_d)
+
+
 def decode_shape_class(inputs: PagedKV) -> tuple:
     """What a decode autotuner's choice depends on: dtype, head dim, heads, new tokens, page size, and the
     batch, longest length and spread of lengths in powers of two."""

@@ -1,7 +1,9 @@
 """Where a cuTile serving case's prepare time goes, and what each candidate costs (GPU).
 
 For one paged-decode case: building the inputs, the float64 oracle, and per decode candidate its first call
-(compile) and its time per call. For the equal-length varlen batch: each varlen candidate beside the dense
+(compile) and its time per call; ``--occupancy N`` (repeatable) adds each cuTile candidate with that many
+blocks per SM asked of the compiler, ``--triton`` sweeps a wider Triton decode space (TRITON_WIDE) beside the
+tuner's. For the equal-length varlen batch: each varlen candidate beside the dense
 kernel with the same variant on the same shape (the varlen path should cost nothing over dense). Prints JSON
 lines.
 
@@ -13,12 +15,15 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import replace
 
 import torch
 
-from impls._tuning import mean_ms
+from impls._tuning import graph_ms
 from impls.cutile import Call, _sm_count, needs_int64, precompile
 from impls.cutile.serving import DecodeCall, VarlenCall, decode_space, varlen_space
+from impls.triton_fa import DECODE_SPACE as TRITON_SPACE
+from impls.triton_fa import paged_launch
 from suite.cases import preset
 from suite.checks import Oracle
 
@@ -31,7 +36,20 @@ def seconds(fn) -> float:
     return time.perf_counter() - start
 
 
-def probe_decode(case_id: str) -> None:
+# Tile width, warps and pipeline stages beyond the Triton decode tuner's space.
+TRITON_WIDE = [{"BLOCK_N": n, "num_warps": w, "num_stages": st}
+               for n in (32, 64, 128, 256) for w in (4, 8) for st in (2, 3, 4)]
+
+
+def report(name: str, call, inputs, oracle, **extra) -> None:
+    first = seconds(call)
+    ms = graph_ms(call, repeats=20)
+    print(json.dumps({"variant": name, "first_call_s": round(first, 2), "ms": ms, **extra,
+                      "gbps": sum(inputs.seqlens) * inputs.k_cache.shape[2] * inputs.head_dim * 4 / ms / 1e6,
+                      "passed": oracle.check(call()).passed}), flush=True)
+
+
+def probe_decode(case_id: str, occupancies: list[int], triton_wide: bool) -> None:
     case = next(c for c in preset("serving") if c.id == case_id)
     t = time.perf_counter()
     inputs = case.make_inputs("cuda")
@@ -42,13 +60,17 @@ def probe_decode(case_id: str) -> None:
     torch.cuda.synchronize()
     print(json.dumps({"oracle_s": time.perf_counter() - t}), flush=True)
     scale = inputs.head_dim ** -0.5
-    for variant in decode_space(inputs.page_size, huge=needs_int64(inputs.k_cache, inputs.v_cache)):
+    space = decode_space(inputs.page_size, huge=needs_int64(inputs.k_cache, inputs.v_cache))
+    space += [replace(v, occupancy=n) for n in occupancies for v in space]
+    for variant in space:
         call = DecodeCall(variant, inputs, scale=scale, sm_count=_sm_count(None))
-        first = seconds(call)
-        ms = mean_ms(call, repeats=20)
-        print(json.dumps({"variant": str(variant), "first_call_s": first, "ms": ms, "splits": call.num_splits,
-                          "gbps": sum(inputs.seqlens) * inputs.k_cache.shape[2] * inputs.head_dim * 4 / ms / 1e6,
-                          "passed": oracle.check(call()).passed}), flush=True)
+        report(f"cutile {variant}", call, inputs, oracle, splits=call.num_splits)
+    for config in TRITON_WIDE if triton_wide else TRITON_SPACE:
+        try:
+            run, plan = paged_launch(inputs, scale, config)
+            report(f"triton {config}", run, inputs, oracle, splits=plan["num_splits"])
+        except Exception as exc:  # a config beyond the GPU's resources: say so, go on
+            print(json.dumps({"variant": f"triton {config}", "error": str(exc)[:200]}), flush=True)
 
 
 def probe_varlen() -> None:
@@ -61,17 +83,19 @@ def probe_varlen() -> None:
         packed = VarlenCall(variant, inputs, scale=scale)
         dense = Call(variant, q, k, v, causal=True, scale=scale)
         precompile([packed, dense])
-        print(json.dumps({"variant": variant.label(), "varlen_ms": mean_ms(packed, repeats=20),
-                          "dense_ms": mean_ms(dense, repeats=20)}), flush=True)
+        print(json.dumps({"variant": variant.label(), "varlen_ms": graph_ms(packed, repeats=20),
+                          "dense_ms": graph_ms(dense, repeats=20)}), flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--case", action="append", help="a serving case id (repeatable)")
     parser.add_argument("--skip-varlen", action="store_true")
+    parser.add_argument("--occupancy", action="append", type=int, default=[], help="cuTile blocks per SM to try")
+    parser.add_argument("--triton", action="store_true", help="sweep TRITON_WIDE, not the tuner's space")
     args = parser.parse_args()
     for case_id in args.case or ["llama3-8b-paged-bf16-h32:8-q1-kv8192-uniform-p16-d128-b64"]:
-        probe_decode(case_id)
+        probe_decode(case_id, args.occupancy, args.triton)
     if not args.skip_varlen:
         probe_varlen()
 

@@ -202,6 +202,18 @@ def test_decode_launches_compile(read):
         assert export_launch(kernel, arguments, arch="sm_90")[:4] == b"\x7fELF"
 
 
+def test_decode_combine_in_head_dim_slices_compiles(monkeypatch):
+    import impls._serving
+    from impls.cutile.export import export_launch
+    from impls.cutile.serving import DecodeCall, DecodeVariant
+
+    monkeypatch.setattr(impls._serving, "COMBINE_STEP_ELEMENTS", 32)  # as hundreds of chunks would make it
+    call = DecodeCall(DecodeVariant(64), serving_inputs("serving-cpu", 4), scale=0.125, sm_count=1)
+    (_, _, slices), kernel, arguments = call.launches[1]
+    assert slices == 4  # head dim 64 in slices of 16
+    assert export_launch(kernel, arguments, arch="sm_90")[:4] == b"\x7fELF"
+
+
 def test_decode_without_a_split_writes_the_output_directly():
     from impls.cutile.serving import DecodeCall, DecodeVariant
 

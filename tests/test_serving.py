@@ -121,6 +121,33 @@ def test_split_plan_fills_the_gpu_and_balances_long_tails():
     assert splits > 8 and length < 32768 // 8  # the long sequence is cut finely
 
 
+def test_combine_plan_merges_many_chunks_in_one_step():
+    from impls._serving import COMBINE_STEP_ELEMENTS, combine_plan
+
+    assert combine_plan(1, 128) == (128, 1) and combine_plan(5, 128) == (128, 8)  # few chunks: whole rows
+    tile_d, chunks = combine_plan(256, 128)  # batch 1, 128K: a row's 256 chunks in one step, 8 blocks a row
+    assert chunks == 256 and tile_d * chunks <= COMBINE_STEP_ELEMENTS and 128 % tile_d == 0
+    tile_d, chunks = combine_plan(1000, 64)  # beyond one step at the narrowest slice: the loop takes the rest
+    assert tile_d == 16 and chunks * tile_d == COMBINE_STEP_ELEMENTS
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's run of the narrowed combine: CPU")
+def test_triton_decode_with_a_narrowed_combine(monkeypatch):
+    """The Triton combine with head-dim slices (as many chunks make it) is correct: a small step budget narrows
+    the slices of a CPU twin's few chunks."""
+    pytest.importorskip("triton")
+    import impls._serving
+
+    monkeypatch.setattr(impls._serving, "COMBINE_STEP_ELEMENTS", 64)
+    inputs = PRESETS["serving-cpu"][4].make_inputs("cpu")  # MQA, 300 tokens: split under the interpreter
+    from impls.triton_fa import INTERPRETER_DECODE_CONFIG, paged_launch
+
+    run, plan = paged_launch(inputs, inputs.head_dim ** -0.5, INTERPRETER_DECODE_CONFIG)
+    assert plan["num_splits"] > 4 and impls._serving.combine_plan(plan["num_splits"], inputs.head_dim)[0] == 16
+    result = Oracle.serving(inputs).check(run())
+    assert result.passed, result.message
+
+
 @pytest.mark.parametrize("name", ["serving-cpu", "varlen-cpu"])
 def test_the_cpu_twins_cover_gqa_mqa_several_tokens_and_ragged_pages(name):
     grid = PRESETS[name]

@@ -175,12 +175,14 @@ def paged_decode_combine(
     num_kv_heads: int, split_len: int,
     GROUP: ConstInt, SQ: ConstInt, TILE_D: ConstInt, CHUNKS: ConstInt,
 ):
-    """Block (batch * kv head, row): merge the row's chunks by log-sum-exp, CHUNKS of them per step, and
-    write the row to ``Out``. Only the chunks that hold keys of this sequence are read (a short sequence of a
-    long-tailed batch has few); one block per row, so that hundreds of chunks (a long cache at batch 1) are
-    merged by as many blocks as there are rows, not one after the other by one block."""
+    """Block (batch * kv head, row, head-dim slice): merge the row's chunks by log-sum-exp over TILE_D of its
+    columns, CHUNKS chunks per step, and write them to ``Out``. Only the chunks that hold keys of this sequence
+    are read (a short sequence of a long-tailed batch has few). ``impls._serving.combine_plan`` narrows the
+    slice when there are many chunks (a long cache at batch 1: hundreds), so that one step takes them all and
+    the row is merged by several blocks at once instead of one block looping over dependent loads."""
     batch_kv = ct.bid(0)
     row = ct.bid(1)
+    column = ct.bid(2)
     batch = batch_kv // num_kv_heads
     kv_head = batch_kv % num_kv_heads
     seq_len = ct.gather(CacheSeqlens, batch).item()
@@ -193,7 +195,7 @@ def paged_decode_combine(
         real = (step * CHUNKS + ct.arange(CHUNKS, dtype=ct.int32))[:, None] < used  # past ``used``: unwritten
         lse = ct.load(LsePart, index=(batch_kv, step, row), shape=(1, CHUNKS, 1),
                       padding_mode=ct.PaddingMode.ZERO).reshape((CHUNKS, 1))
-        part = ct.load(OutPart, index=(batch_kv, step, row, 0), shape=(1, CHUNKS, 1, TILE_D),
+        part = ct.load(OutPart, index=(batch_kv, step, row, column), shape=(1, CHUNKS, 1, TILE_D),
                        padding_mode=ct.PaddingMode.ZERO).reshape((CHUNKS, TILE_D))
         lse = ct.where(real, lse, -math.inf)
         m_new = ct.maximum(m, ct.max(lse, axis=0, keepdims=True))
@@ -204,7 +206,7 @@ def paged_decode_combine(
         total = total * alpha + ct.sum(weight, axis=0, keepdims=True)
         m = m_new
 
-    dims = ct.arange(TILE_D, dtype=ct.int32)[None, :]
+    dims = column * TILE_D + ct.arange(TILE_D, dtype=ct.int32)[None, :]
     out = ct.truediv(acc, ct.where(total == 0.0, 1.0, total)).astype(Out.dtype)
     ct.scatter(Out, (batch, row % SQ, kv_head * GROUP + row // SQ, dims), out)
 

@@ -14,12 +14,13 @@ compile the very launches a GPU would run (``export.export_launch``).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
 
 import torch
 
 from impls._registry import HALF, Prepared, Unsupported, length_class, parallel_class, register
-from impls._serving import PagedKV, Varlen, decode_shape_class, split_plan
+from impls._serving import PagedKV, Varlen, combine_plan, decode_shape_class, split_plan
 from impls._tuning import fastest
 from impls.cutile import (
     COMPILE_TIMEOUT_S,
@@ -39,18 +40,23 @@ from impls.cutile import (
 
 DECODE_HEAD_DIMS = (16, 32, 64, 128, 256)  # the Q tile, the accumulator and the partial outputs are TILE_D wide
 MAX_PACKED_ROWS = 128  # query heads per kv head x new tokens in one tile
-COMBINE_CHUNKS = 16  # chunks the combine merges per step
 
 
 @dataclass(frozen=True)
 class DecodeVariant:
     """One compiled form of the decode kernel: key tile width, how a tile is read from the pages (``read``:
-    "rows", "pages" or "indexed", decode.py's GATHER) and how far ahead K and V loads are issued."""
+    "rows", "pages" or "indexed", decode.py's GATHER), how far ahead K and V loads are issued, and the blocks
+    per SM asked of the compiler (``occupancy``; None: its own choice)."""
 
     tile_n: int
     read: str = "pages"
     k_latency: int = 3
     v_latency: int = 3
+    occupancy: int | None = None
+
+    def split_kernel(self, int64: bool):
+        """The split kernel of this form: 64-bit cache offsets or not, with its occupancy hint."""
+        return _split_kernel(int64, self.occupancy)
 
     def fits(self, page_size: int) -> bool:
         """Rows take any page size; block loads take tiles that hold whole pages or lie within one; an
@@ -69,6 +75,14 @@ class DecodeVariant:
         return asdict(self)
 
 
+@functools.cache
+def _split_kernel(int64: bool, occupancy: int | None):
+    from impls.cutile.decode import paged_decode_split, paged_decode_split_int64
+
+    kernel = paged_decode_split_int64 if int64 else paged_decode_split
+    return kernel.replace_hints(occupancy=occupancy) if occupancy else kernel
+
+
 # Session 7, H200, first version: row gathers reached 1.4 TB/s, a tile of 16 keys (one page of 16) 0.7, a
 # page load of 64 keys (pages of 64) 3.9. Hence tiles of 64 and 128 keys over whole pages, and row gathers only
 # where no page form fits the page size.
@@ -82,7 +96,7 @@ class DecodeCall(Launches):
     chunk."""
 
     def __init__(self, variant: DecodeVariant, inputs: PagedKV, *, scale: float, sm_count: int) -> None:
-        from impls.cutile.decode import paged_decode_combine, paged_decode_split, paged_decode_split_int64
+        from impls.cutile.decode import paged_decode_combine
 
         self.variant, self.out = variant, inputs.output_like()
         q, k_cache, v_cache = inputs.q, inputs.k_cache, inputs.v_cache
@@ -95,16 +109,17 @@ class DecodeCall(Launches):
         parts = (batch * hkv, self.num_splits, tile_m) if split else (1, 1, 1)  # unused without a split
         self.part = torch.empty((*parts, width if split else 1), dtype=torch.float32, device=q.device)
         self.lse = torch.empty(parts, dtype=torch.float32, device=q.device)
-        kernel = paged_decode_split_int64 if needs_int64(k_cache, v_cache) else paged_decode_split
+        kernel = variant.split_kernel(needs_int64(k_cache, v_cache))
         tiles = (group, sq, tile_m)
         self.launches = [((self.num_splits, batch * hkv, 1), kernel, (
             q, k_cache, v_cache, inputs.block_table, inputs.cache_seqlens, self.part, self.lse, self.out, scale, hkv,
             self.split_len, *tiles, variant.tile_n, width, inputs.page_size, variant.gather, split,
             variant.k_latency, variant.v_latency))]
         if split:
-            self.launches.append(((batch * hkv, group * sq, 1), paged_decode_combine, (
-                self.part, self.lse, inputs.cache_seqlens, self.out, hkv, self.split_len, group, sq, width,
-                COMBINE_CHUNKS)))
+            slice_d, chunks = combine_plan(self.num_splits, width)
+            self.launches.append(((batch * hkv, group * sq, width // slice_d), paged_decode_combine, (
+                self.part, self.lse, inputs.cache_seqlens, self.out, hkv, self.split_len, group, sq, slice_d,
+                chunks)))
 
     def prepared(self, **config) -> Prepared:
         return super().prepared(num_splits=self.num_splits, split_len=self.split_len, **config)

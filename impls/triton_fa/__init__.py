@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from impls._registry import FLOATS, Prepared, Unsupported, length_class, module_available, register
-from impls._serving import SPLIT_MIN_TILES, decode_shape_class, split_plan
-from impls._tuning import TuningCache
+from impls._serving import SPLIT_MIN_TILES, combine_plan, decode_shape_class, split_plan
+from impls._tuning import TuningCache, fastest
 from impls._validate import NO_WINDOW, window_bounds
 
 # Any multiple of 8 from 16 (the smallest dot) to 256: a head dim that is not a power of two is padded to the
@@ -199,6 +199,11 @@ def prepared_launch(args: tuple, meta: dict, grid, out: torch.Tensor, *, pointer
     return Prepared(run, config={**config, "chosen": source})
 
 
+def descriptors_fit(head_dim: int, value_dim: int) -> bool:
+    """Tensor descriptors (TMA) need the exact power of two, in both head dims: padded ones run on pointers."""
+    return block_d(head_dim) == head_dim and block_d(value_dim) == value_dim
+
+
 def _make(name: str, paths: str, description: str) -> None:
     """Register one entry: ``paths`` is "pointer", "tma" or "pointer+tma" (the autotuner chooses)."""
     @register(name, family="triton", dtypes=FLOATS, head_dims=POW2_HEAD_DIMS if paths == "tma" else HEAD_DIMS,
@@ -210,9 +215,8 @@ def _make(name: str, paths: str, description: str) -> None:
 
         pointer = "pointer" in paths
         value_dim = v.shape[-1]  # within the declared head dims (the registry checks it like the query's)
-        # Descriptors need the exact power of two, in both head dims.
-        padded = block_d(q.shape[-1]) != q.shape[-1] or block_d(value_dim) != value_dim
-        tma = "tma" in paths and not padded and (paths == "tma" or tma_available(q.device.type))
+        tma = "tma" in paths and descriptors_fit(q.shape[-1], value_dim) and (
+            paths == "tma" or tma_available(q.device.type))
         if tma:  # descriptors address the contiguous (B*H, S, D) views; they need scratch memory
             q, k, v = (t.contiguous() for t in (q, k, v))
             if q.is_cuda:
@@ -267,7 +271,6 @@ DECODE_SPACE = [{"BLOCK_N": n, "num_warps": w, "num_stages": st}
                 for n, w, st in ((64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 3), (32, 4, 3))]
 INTERPRETER_DECODE_CONFIG = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
 INTERPRETER_SM_COUNT = 8  # the interpreter has no SMs: with these and one-tile chunks the CPU cases split
-COMBINE_SPLIT_CHUNK = 16
 
 
 def paged_launch(inputs, scale: float, config: dict):
@@ -289,19 +292,21 @@ def paged_launch(inputs, scale: float, config: dict):
     o_part = torch.empty(batch * hkv, num_splits, block_m, head_dim, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(batch * hkv * num_splits * block_m, dtype=torch.float32, device=q.device)
     out = inputs.output_like()
-    shape = {"GROUP": hq // hkv, "SQ": sq, "HEAD_DIM": head_dim, "BLOCK_M": block_m}
+    tile_rows = {"GROUP": hq // hkv, "SQ": sq, "BLOCK_M": block_m}
     split_args = (q, k_cache, v_cache, inputs.block_table, inputs.cache_seqlens, o_part, lse_part,
                   scale * LOG2_E, *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
                   inputs.block_table.stride(0), *o_part.stride()[:3], hkv, split_len)
     combine_args = (o_part, lse_part, inputs.cache_seqlens, out, *o_part.stride()[:3], *out.stride()[:3], hkv,
                     num_splits, split_len)
     dot_fp32 = interp or q.dtype == torch.float32
+    tile_d, chunks = combine_plan(num_splits, head_dim)
+    combine_meta = {**tile_rows, "MAX_SPLITS": triton.next_power_of_2(num_splits), "SPLIT_CHUNK": chunks,
+                    "BLOCK_D": tile_d}
 
     def run() -> torch.Tensor:
         paged_decode_split[(num_splits, batch * hkv)](
-            *split_args, PAGE_SIZE=inputs.page_size, DOT_FP32=dot_fp32, **shape, **config)
-        paged_decode_combine[(batch * hkv, rows)](
-            *combine_args, **shape, MAX_SPLITS=triton.next_power_of_2(num_splits), SPLIT_CHUNK=COMBINE_SPLIT_CHUNK)
+            *split_args, PAGE_SIZE=inputs.page_size, HEAD_DIM=head_dim, DOT_FP32=dot_fp32, **tile_rows, **config)
+        paged_decode_combine[(batch * hkv, rows, head_dim // tile_d)](*combine_args, **combine_meta)
         return out
 
     return run, {"num_splits": num_splits, "split_len": split_len, "BLOCK_M": block_m}
@@ -320,13 +325,7 @@ def prepare_paged(inputs, *, scale: float) -> Prepared:
         config, source = INTERPRETER_DECODE_CONFIG, "fixed (interpreter)"
     else:
         def tune() -> dict:
-            import triton
-
-            timings = []
-            for candidate in DECODE_SPACE:
-                candidate_run, _ = paged_launch(inputs, scale, candidate)
-                timings.append((triton.testing.do_bench(candidate_run, warmup=5, rep=25), candidate))
-            return min(timings, key=lambda t: t[0])[1]
+            return fastest((candidate, paged_launch(inputs, scale, candidate)[0]) for candidate in DECODE_SPACE)
 
         config, cached = TUNING.lookup(TUNING.key(inputs.q.device, decode_shape_class(inputs)), tune)
         source = "tuning cache" if cached else "autotuned"

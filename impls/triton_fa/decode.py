@@ -105,13 +105,15 @@ def paged_decode_combine(
     stride_ob, stride_os, stride_or,
     stride_b, stride_t, stride_h,
     num_kv_heads, num_splits, split_len,
-    GROUP: tl.constexpr, SQ: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-    MAX_SPLITS: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
+    GROUP: tl.constexpr, SQ: tl.constexpr, BLOCK_M: tl.constexpr,
+    MAX_SPLITS: tl.constexpr, SPLIT_CHUNK: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Program (batch * kv head, row): merge the row's chunks by log-sum-exp and write it to ``Out``.
+    """Program (batch * kv head, row, head-dim slice): merge the row's chunks by log-sum-exp over BLOCK_D of
+    its columns and write them to ``Out``.
 
-    The log-sum-exps of all chunks fit in registers (one float each); the partial outputs are read
-    SPLIT_CHUNK chunks at a time, so that hundreds of chunks (a long cache at batch 1) do not spill.
+    The log-sum-exps of all chunks fit in registers (one float each); the partial outputs are read SPLIT_CHUNK
+    chunks at a time (``impls._serving.combine_plan``: with many chunks the slice narrows so that one step
+    takes them all, instead of a loop of dependent loads).
     """
     bk = tl.program_id(0)
     row = tl.program_id(1)
@@ -123,9 +125,9 @@ def paged_decode_combine(
     lse = tl.load(LSE_part + (bk * num_splits + splits) * BLOCK_M + row, mask=splits < used, other=float("-inf"))
     lse_max = tl.max(lse, 0)  # the row saw a key somewhere: finite
     total = tl.sum(tl.math.exp2(lse - lse_max), 0)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     chunk = tl.arange(0, SPLIT_CHUNK)
-    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for first in range(0, used, SPLIT_CHUNK):
         s = first + chunk
         keep = s < used
