@@ -86,8 +86,11 @@ def _split_kernel(int64: bool, occupancy: int | None):
 # Session 7, H200, first version: row gathers reached 1.4 TB/s, a tile of 16 keys (one page of 16) 0.7, a
 # page load of 64 keys (pages of 64) 3.9. Hence tiles of 64 and 128 keys over whole pages, and row gathers only
 # where no page form fits the page size.
-DECODE_TILES = (64, 128)
-DECODE_SPACE = [DecodeVariant(n, read) for read in ("pages", "indexed") for n in DECODE_TILES]
+# Session 8 (H200, probe): two blocks per SM asked of the compiler lift the 64-key page load by 10-40% (8B, 16 x
+# 32K: 3.68 -> 4.07 TB/s; the 70B slice at batch 1, 128K: 1.38 -> 2.11) and sink the 128-key one (its pipeline
+# no longer fits); the indexed load with 64-key tiles was never the fastest, so it left the space.
+DECODE_SPACE = [DecodeVariant(64, "pages", occupancy=2), DecodeVariant(64, "pages"), DecodeVariant(128, "pages"),
+                DecodeVariant(128, "indexed")]
 ROWS_FALLBACK = DecodeVariant(64, "rows", 2, 2)
 
 
@@ -131,7 +134,7 @@ def decode_space(page_size: int, huge: bool = False) -> list[DecodeVariant]:
     only the smallest page-load tile is tried."""
     space = [variant for variant in DECODE_SPACE if variant.fits(page_size)]
     if huge:
-        space = [variant for variant in space if variant.read == "pages" and variant.tile_n == min(DECODE_TILES)]
+        space = [variant for variant in space if variant.read == "pages" and variant.tile_n == 64]
     return space or [ROWS_FALLBACK]
 
 

@@ -267,8 +267,11 @@ def _describe(cfg) -> dict:
 
 # Paged decode (decode.py): the split plan is impls._serving.split_plan, shared with the cuTile kernel.
 # Candidates of the decode autotuner (tuned per shape class, kept in the tuning cache).
+# Session 8 (H200, scripts/serving_probe.py --triton over 24 configs): 128 keys, 4 warps, 3 stages leads at
+# large batch (8B, 16 x 32K: 4.23 TB/s) and for the 70B slice at batch 1; 64 keys, 4 warps, 2 stages for 8B at
+# batch 1; 8 warps with 3+ stages and 256-key tiles lost everywhere.
 DECODE_SPACE = [{"BLOCK_N": n, "num_warps": w, "num_stages": st}
-                for n, w, st in ((64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 3), (32, 4, 3))]
+                for n, w, st in ((128, 4, 3), (128, 4, 2), (64, 4, 2), (64, 8, 2), (32, 4, 2))]
 INTERPRETER_DECODE_CONFIG = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
 INTERPRETER_SM_COUNT = 8  # the interpreter has no SMs: with these and one-tile chunks the CPU cases split
 
