@@ -21,9 +21,9 @@
 # The side-by-side serving run with every implementation, in the three calls of the flash-attn-4 carry (caches
 # under /tmp/fmha live as long as the machine; FlashInfer needs `source scripts/flashinfer_env.sh`):
 #   serve-prime: (call 1) serving correctness of the implementations without a carried package, 16 workers:
-#             fills the cuTile, Triton and inductor compile caches (no tuning cache: 16 processes share the GPU)
-#   serve-tune: (call 2) FlashInfer's serving correctness (its JIT compiles), then ours again on one process,
-#             tuning on an idle GPU into the tuning cache
+#             fills the cuTile, Triton and inductor compile caches (no tuning cache: 16 processes share the
+#             GPU); then ours again in one process, tuning on an idle GPU into the tuning cache
+#   serve-flashinfer: (call 2) FlashInfer's serving correctness: its JIT compiles the kernels (minutes)
 #   serve-all: (call 3) serving and varlen benchmarks, every implementation, graph timing
 set -u
 out=${OUT:-results}
@@ -56,17 +56,18 @@ for part in "$@"; do
         --impl cutile --impl triton --benchmark-json="$out/serving-ours.json"
       ;;
     serve-prime)
-      step prime 420 python3 -m pytest suite -k correctness -q -p no:cacheprovider -rf --impl cutile --impl triton \
+      step prime 300 python3 -m pytest suite -k correctness -q -p no:cacheprovider -rf --impl cutile --impl triton \
         --impl flex --impl sdpa --impl naive "${serving[@]}" -n 16 --dist load --no-tuning-cache
-      ;;
-    serve-tune)
-      step fi-correct 300 python3 -m pytest suite -k correctness -q -p no:cacheprovider -rf --impl flashinfer \
-        "${serving[@]}" --durations=8
       step tune 200 python3 -m pytest suite -k correctness -q -p no:cacheprovider -rf --impl cutile --impl triton \
-        "${serving[@]}" --durations=8
+        --grid serving --grid varlen --durations=8
+      ;;
+    serve-flashinfer)
+      step fi-correct 330 python3 -m pytest suite -k correctness -q -p no:cacheprovider -rf --impl flashinfer \
+        --grid serving --grid varlen --durations=8
       ;;
     serve-all)
       step serve-all 540 python3 -m pytest suite "${bench[@]}" --grid serving --grid varlen --timing graph \
+        --impl cutile --impl triton --impl flash-attn4 --impl flashinfer --impl sdpa --impl flex --impl naive \
         --benchmark-json="$out/serving-all.json"
       ;;
     sanitize)
