@@ -18,6 +18,9 @@
 #   dynamic:  the dynamically scheduled persistent cuTile candidates beside the best fixed ones (sweep)
 #   shard-bench:   (several GPUs) blog benchmarks on one GPU, sharded over all, and on each (the fleet check)
 #   shard-correct: (several GPUs) the correctness preset cold over all GPUs, then warm over all and over one
+#   node:     (several GPUs) issue 14's evidence in one call, PER_GPU workers a GPU (default: the cores / GPUs):
+#             the correctness preset cold and warm over all GPUs, warm over one; the fleet check of blog; blog
+#             benchmarks on one GPU and sharded over all (warm). Logs in $out/node-logs.tgz
 # The side-by-side serving run with every implementation, in the three calls of the flash-attn-4 carry (caches
 # under /tmp/fmha live as long as the machine; FlashInfer needs `source scripts/flashinfer_env.sh`):
 #   serve-prime: (call 1) serving correctness of the implementations without a carried package, 16 workers:
@@ -143,6 +146,28 @@ for part in "$@"; do
         step "shard-correct-warm-${gpus}gpu" 90 "${correct[@]}" -n $((per_gpu * gpus))
         CUDA_VISIBLE_DEVICES=0 step shard-correct-warm-1gpu 150 "${correct[@]}" -n $per_gpu
       fi
+      ;;
+    node)
+      gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
+      per_gpu=${PER_GPU:-$(( $(nproc) / gpus ))}
+      logs=$(mktemp -d) results=$out
+      export FMHA_TUNING_CACHE=/tmp/node/tuning CUDA_TILE_CACHE_DIR=/tmp/node/cutile TRITON_CACHE_DIR=/tmp/node/triton \
+        TORCHINDUCTOR_CACHE_DIR=/tmp/node/inductor
+      correct=(python3 -m pytest suite -k correctness --grid gpu -q -p no:cacheprovider --dist loadgroup
+               --max-worker-restart 2)
+      blog=(python3 -m pytest suite -k benchmark --grid blog --timing graph -q -p no:cacheprovider --rounds 7
+            --round-ms 10 --impl cutile --impl triton --impl sdpa-cudnn --impl sdpa)
+      (
+        out=$logs
+        step "correct-cold-${gpus}gpu" 160 "${correct[@]}" -n $((per_gpu * gpus))
+        step "correct-warm-${gpus}gpu" 50 "${correct[@]}" -n $((per_gpu * gpus))
+        CUDA_VISIBLE_DEVICES=0 step correct-warm-1gpu 80 "${correct[@]}" -n "$per_gpu"
+        step fleet 100 "${blog[@]}" -n "$gpus" --dist each --benchmark-json="$results/fleet-blog.json"
+        CUDA_VISIBLE_DEVICES=0 step blog-1gpu 45 "${blog[@]}" -n 1 --benchmark-json="$results/blog-1gpu.json"
+        step "blog-${gpus}gpu" 35 "${blog[@]}" -n "$gpus" --dist loadgroup \
+          --benchmark-json="$results/blog-${gpus}gpu.json"
+      )
+      tar -czf "$out/node-logs.tgz" -C "$logs" .
       ;;
     *) echo "unknown part: $part" >&2; exit 2 ;;
   esac
