@@ -1,11 +1,11 @@
 """Where a cuTile serving case's prepare time goes, and what each candidate costs (GPU).
 
 For one paged-decode case: building the inputs, the float64 oracle, and per decode candidate its first call
-(compile) and its time per call; ``--occupancy N`` (repeatable) adds each cuTile candidate with that many
-blocks per SM asked of the compiler, ``--triton`` sweeps a wider Triton decode space (TRITON_WIDE) beside the
-tuner's. For the equal-length varlen batch: each varlen candidate beside the dense
-kernel with the same variant on the same shape (the varlen path should cost nothing over dense). Prints JSON
-lines.
+(compile) and its time per call (one replay of a CUDA graph of 20 calls). ``--occupancy N`` and ``--latency
+K,V`` (repeatable) add each cuTile candidate with that many blocks per SM asked of the compiler or those load
+latencies; ``--triton wide`` sweeps a wider Triton decode space (TRITON_WIDE) than the tuner's. For the
+equal-length varlen batch: each varlen candidate beside the dense kernel with the same variant on the same
+shape (the varlen path should cost nothing over dense). Prints JSON lines.
 
     python scripts/serving_probe.py --case llama3-8b-paged-bf16-h32:8-q1-kv8192-uniform-p16-d128-b64
 """
@@ -49,7 +49,7 @@ def report(name: str, call, inputs, oracle, **extra) -> None:
                       "passed": oracle.check(call()).passed}), flush=True)
 
 
-def probe_decode(case_id: str, occupancies: list[int], triton_wide: bool) -> None:
+def probe_decode(case_id: str, occupancies: list[int], triton: str, latencies: list[str]) -> None:
     case = next(c for c in preset("serving") if c.id == case_id)
     t = time.perf_counter()
     inputs = case.make_inputs("cuda")
@@ -62,10 +62,13 @@ def probe_decode(case_id: str, occupancies: list[int], triton_wide: bool) -> Non
     scale = inputs.head_dim ** -0.5
     space = decode_space(inputs.page_size, huge=needs_int64(inputs.k_cache, inputs.v_cache))
     space += [replace(v, occupancy=n) for n in occupancies for v in space]
+    for pair in latencies:  # K and V load latencies of each candidate's form
+        k, v = (int(x) for x in pair.split(","))
+        space += [replace(var, k_latency=k, v_latency=v) for var in space if (var.k_latency, var.v_latency) == (3, 3)]
     for variant in space:
         call = DecodeCall(variant, inputs, scale=scale, sm_count=_sm_count(None))
         report(f"cutile {variant}", call, inputs, oracle, splits=call.num_splits)
-    for config in TRITON_WIDE if triton_wide else TRITON_SPACE:
+    for config in {"tuner": TRITON_SPACE, "wide": TRITON_WIDE, "none": []}[triton]:
         try:
             run, plan = paged_launch(inputs, scale, config)
             report(f"triton {config}", run, inputs, oracle, splits=plan["num_splits"])
@@ -92,10 +95,13 @@ def main() -> None:
     parser.add_argument("--case", action="append", help="a serving case id (repeatable)")
     parser.add_argument("--skip-varlen", action="store_true")
     parser.add_argument("--occupancy", action="append", type=int, default=[], help="cuTile blocks per SM to try")
-    parser.add_argument("--triton", action="store_true", help="sweep TRITON_WIDE, not the tuner's space")
+    parser.add_argument("--triton", choices=("tuner", "wide", "none"), default="tuner",
+                        help="the Triton configs beside cuTile's: the tuner's space, TRITON_WIDE, or none")
+    parser.add_argument("--latency", action="append", default=[], metavar="K,V",
+                        help="cuTile K and V load latencies to try on every candidate (repeatable)")
     args = parser.parse_args()
     for case_id in args.case or ["llama3-8b-paged-bf16-h32:8-q1-kv8192-uniform-p16-d128-b64"]:
-        probe_decode(case_id, args.occupancy, args.triton)
+        probe_decode(case_id, args.occupancy, args.triton, args.latency)
     if not args.skip_varlen:
         probe_varlen()
 
