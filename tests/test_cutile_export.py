@@ -188,8 +188,16 @@ def test_decode_space_reads_whole_pages_and_falls_back_to_rows():
     assert decode_space(24) == [ROWS_FALLBACK]  # no power-of-two tile holds whole pages of 24
 
 
+@pytest.fixture
+def short_chunks(monkeypatch):
+    """Chunks of one key tile: the CPU twins' short caches split (and need the combine) on one SM."""
+    import impls._serving
+
+    monkeypatch.setattr(impls._serving, "SPLIT_MIN_TILES", 1)
+
+
 @pytest.mark.parametrize("read", ["pages", "indexed", "rows"])
-def test_decode_launches_compile(read):
+def test_decode_launches_compile(read, short_chunks):
     from impls.cutile.export import export_launch
     from impls.cutile.serving import DecodeCall, DecodeVariant
 
@@ -202,7 +210,7 @@ def test_decode_launches_compile(read):
         assert export_launch(kernel, arguments, arch="sm_90")[:4] == b"\x7fELF"
 
 
-def test_decode_combine_in_head_dim_slices_compiles(monkeypatch):
+def test_decode_combine_in_head_dim_slices_compiles(monkeypatch, short_chunks):
     import impls._serving
     from impls.cutile.export import export_launch
     from impls.cutile.serving import DecodeCall, DecodeVariant

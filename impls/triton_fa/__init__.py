@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from impls._registry import FLOATS, Prepared, Unsupported, length_class, module_available, register
-from impls._serving import SPLIT_MIN_TILES, combine_plan, decode_shape_class, split_plan
+from impls._serving import combine_plan, decode_shape_class, split_plan
 from impls._tuning import TuningCache, fastest
 from impls._validate import NO_WINDOW, window_bounds
 
@@ -290,7 +290,7 @@ def paged_launch(inputs, scale: float, config: dict):
     interp = interpreting()
     sm_count = INTERPRETER_SM_COUNT if interp else torch.cuda.get_device_properties(q.device).multi_processor_count
     num_splits, split_len = split_plan(list(inputs.seqlens), hkv, config["BLOCK_N"], sm_count,
-                                       min_tiles=1 if interp else SPLIT_MIN_TILES)
+                                       min_tiles=1 if interp else None)
     block_m = max(16, triton.next_power_of_2(rows))
     o_part = torch.empty(batch * hkv, num_splits, block_m, head_dim, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(batch * hkv * num_splits * block_m, dtype=torch.float32, device=q.device)
