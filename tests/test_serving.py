@@ -121,7 +121,7 @@ def test_split_plan_fills_the_gpu_and_balances_long_tails():
     assert splits > 8 and length < 32768 // 8  # the long sequence is cut finely
     assert split_plan([8192] * 64, kv_heads=8, block_n=128, sm_count=132) == (1, 8192)  # no sliver of 2 tiles
     splits, length = split_plan([32768] * 16, kv_heads=8, block_n=128, sm_count=132)
-    assert splits * length == 32768 and splits > 1  # equal chunks
+    assert splits > 1 and 0 <= splits * length - 32768 < splits * 128  # equal chunks, no sliver
 
 
 def test_combine_plan_merges_many_chunks_in_one_step():
