@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 
 from impls._sass import sass_summary
@@ -58,7 +59,7 @@ def describe(cubin: bytes) -> dict[str, int]:
     return sass_summary(cubin)
 
 
-def main(argv: list[str] | None = None) -> None:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="compile the Triton kernel for an arch; print its resources")
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--tma", action="store_true")
@@ -69,11 +70,28 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--full", action="store_true", help="non-causal (default causal)")
     parser.add_argument("--window", action="store_true", help="with the sliding-window masks")
     parser.add_argument("--softcap", type=float, default=0.0, help="with this softcap (0: none)")
-    args = parser.parse_args(argv)
+    parser.add_argument("--each", action="store_true",
+                        help="read one line of these options per configuration from stdin; print a JSON line each "
+                             "(one process for many compiles)")
+    return parser
+
+
+def resources(args: argparse.Namespace) -> dict[str, int]:
     cubin = compile_cubin(args.arch, head_dim=args.d, causal=not args.full, block_m=args.block[0],
                           block_n=args.block[1], num_warps=args.warps, num_stages=args.stages, use_tma=args.tma,
                           window=args.window, softcap=args.softcap)
-    print(json.dumps(describe(cubin)))
+    return describe(cubin)
+
+
+def main(argv: list[str] | None = None) -> None:
+    options = parser()
+    args = options.parse_args(argv)
+    if not args.each:
+        print(json.dumps(resources(args)))
+        return
+    for line in sys.stdin:
+        if line.strip():
+            print(json.dumps(resources(options.parse_args(shlex.split(line)))), flush=True)
 
 
 if __name__ == "__main__":
