@@ -236,8 +236,6 @@ def scatter_sequence(out: torch.Tensor, inputs: PagedKV | Varlen, b: int, o: tor
 # longest sequence, so a long-tailed batch splits its long sequences finely and leaves its short ones whole.
 SPLIT_MIN_TILES = 4
 PROGRAMS_PER_SM = 4
-
-
 UNSPLIT_SLACK = 1.25  # a batch whose longest sequence is at most this many target chunks runs unsplit
 
 
