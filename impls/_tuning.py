@@ -105,18 +105,22 @@ class TuningCache:
         return config, False
 
 
+def _event_ms(fn: Callable[[], object]) -> float:
+    """Milliseconds of GPU time between CUDA events recorded before and after ``fn()``."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
 def mean_ms(call: Callable[[], object], *, warmup: int = 3, repeats: int = 10) -> float:
     """Milliseconds per call of ``call`` on the GPU: warmed up (compiled) first, then ``repeats`` calls back to
     back between two CUDA events."""
     for _ in range(warmup):
         call()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        call()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / repeats
+    return _event_ms(lambda: [call() for _ in range(repeats)]) / repeats
 
 
 def graph_ms(call: Callable[[], object], *, warmup: int = 3, repeats: int = 10) -> float:
@@ -134,12 +138,7 @@ def graph_ms(call: Callable[[], object], *, warmup: int = 3, repeats: int = 10) 
     except RuntimeError:
         return mean_ms(call, warmup=0, repeats=repeats)
     graph.replay()  # the first replay uploads the graph
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / repeats
+    return _event_ms(graph.replay) / repeats
 
 
 def fastest(candidates: Iterable[tuple[Any, Callable[[], object]]], *, warmup: int = 3, repeats: int = 10) -> Any:

@@ -24,6 +24,7 @@ from impls.cutile import Call, _sm_count, needs_int64, precompile
 from impls.cutile.serving import DecodeCall, VarlenCall, decode_space, varlen_space
 from impls.triton_fa import DECODE_SPACE as TRITON_SPACE
 from impls.triton_fa import paged_launch
+from suite import metrics
 from suite.cases import preset
 from suite.checks import Oracle
 
@@ -41,12 +42,11 @@ TRITON_WIDE = [{"BLOCK_N": n, "num_warps": w, "num_stages": st}
                for n in (32, 64, 128, 256) for w in (4, 8) for st in (2, 3, 4)]
 
 
-def report(name: str, call, inputs, oracle, **extra) -> None:
+def report(name: str, call, case, oracle, **extra) -> None:
     first = seconds(call)
     ms = graph_ms(call, repeats=20)
     print(json.dumps({"variant": name, "first_call_s": round(first, 2), "ms": ms, **extra,
-                      "gbps": sum(inputs.seqlens) * inputs.k_cache.shape[2] * inputs.head_dim * 4 / ms / 1e6,
-                      "passed": oracle.check(call()).passed}), flush=True)
+                      "gbps": metrics.kv_bytes(case) / ms / 1e6, "passed": oracle.check(call()).passed}), flush=True)
 
 
 def probe_decode(case_id: str, occupancies: list[int], triton: str, latencies: list[str]) -> None:
@@ -67,11 +67,11 @@ def probe_decode(case_id: str, occupancies: list[int], triton: str, latencies: l
         space += [replace(var, k_latency=k, v_latency=v) for var in space if (var.k_latency, var.v_latency) == (3, 3)]
     for variant in space:
         call = DecodeCall(variant, inputs, scale=scale, sm_count=_sm_count(None))
-        report(f"cutile {variant}", call, inputs, oracle, splits=call.num_splits)
+        report(f"cutile {variant}", call, case, oracle, splits=call.num_splits)
     for config in {"tuner": TRITON_SPACE, "wide": TRITON_WIDE, "none": []}[triton]:
         try:
             run, plan = paged_launch(inputs, scale, config)
-            report(f"triton {config}", run, inputs, oracle, splits=plan["num_splits"])
+            report(f"triton {config}", run, case, oracle, splits=plan["num_splits"])
         except Exception as exc:  # a config beyond the GPU's resources: say so, go on
             print(json.dumps({"variant": f"triton {config}", "error": str(exc)[:200]}), flush=True)
 

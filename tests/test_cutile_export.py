@@ -202,7 +202,7 @@ def test_decode_launches_compile(read, short_chunks):
     from impls.cutile.serving import DecodeCall, DecodeVariant
 
     inputs = serving_inputs("serving-cpu", 4)  # MQA at batch 1, 300 tokens in pages of 16
-    call = DecodeCall(DecodeVariant(64, read), inputs, scale=0.125, sm_count=1)  # one SM: split in two
+    call = DecodeCall(DecodeVariant(64, read), inputs, scale=0.125, sm_count=1)  # one SM, one-tile chunks: split
     assert call.num_splits > 1 and len(call.launches) == 2  # the split launch, then the combine
     (_, rows, _), combine_rows = call.launches[1][0], 4  # one combine block per query head of the kv head
     assert rows == combine_rows

@@ -11,6 +11,7 @@ and the cubin export use (``tests/test_cutile_export.py`` checks that they reach
 from __future__ import annotations
 
 import functools
+import importlib
 import math
 import os
 from collections.abc import Callable
@@ -149,11 +150,10 @@ def _sm_count(device_index: int | None) -> int:
 
 
 @functools.cache
-def _kernel_with_hints(base: str, hints: tuple[tuple[str, int], ...]):
-    """One kernel object per kernel and set of hints: each has its own JIT cache, so it is made once."""
-    from impls.cutile import kernel
-
-    plain = getattr(kernel, base)
+def _kernel_with_hints(base: str, hints: tuple[tuple[str, int], ...], module: str = "kernel"):
+    """One kernel object per kernel (``base`` of ``impls.cutile.<module>``) and set of hints: each has its own
+    JIT cache, so it is made once."""
+    plain = getattr(importlib.import_module(f"impls.cutile.{module}"), base)
     return plain.replace_hints(**dict(hints)) if hints else plain
 
 

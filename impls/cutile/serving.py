@@ -14,7 +14,6 @@ compile the very launches a GPU would run (``export.export_launch``).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import asdict, dataclass
 
 import torch
@@ -28,6 +27,7 @@ from impls.cutile import (
     TUNING,
     Launches,
     Variant,
+    _kernel_with_hints,
     _sm_count,
     needs_int64,
     precompile,
@@ -56,7 +56,8 @@ class DecodeVariant:
 
     def split_kernel(self, int64: bool):
         """The split kernel of this form: 64-bit cache offsets or not, with its occupancy hint."""
-        return _split_kernel(int64, self.occupancy)
+        hints = (("occupancy", self.occupancy),) if self.occupancy else ()
+        return _kernel_with_hints("paged_decode_split" + ("_int64" if int64 else ""), hints, module="decode")
 
     def fits(self, page_size: int) -> bool:
         """Rows take any page size; block loads take tiles that hold whole pages or lie within one; an
@@ -73,14 +74,6 @@ class DecodeVariant:
 
     def describe(self) -> dict:
         return asdict(self)
-
-
-@functools.cache
-def _split_kernel(int64: bool, occupancy: int | None):
-    from impls.cutile.decode import paged_decode_split, paged_decode_split_int64
-
-    kernel = paged_decode_split_int64 if int64 else paged_decode_split
-    return kernel.replace_hints(occupancy=occupancy) if occupancy else kernel
 
 
 # Session 7, H200, first version: row gathers reached 1.4 TB/s, a tile of 16 keys (one page of 16) 0.7, a
