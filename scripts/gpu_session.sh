@@ -30,6 +30,12 @@
 #   serve-all: (call 3) serving and varlen benchmarks, every implementation, graph timing
 set -u
 out=${OUT:-results}
+# pytest-xdist 3.8 ignores xdist_group (--dist loadgroup) under pytest 9, which the image has: a carried .whl/ with
+# pytest 8.4.2 (`pip download --no-deps -d .whl pytest==8.4.2`, git-ignored) takes its place when present.
+if compgen -G ".whl/pytest-8*.whl" >/dev/null && [ ! -d /tmp/pytest8/_pytest ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/pytest8 .whl/pytest-8*.whl
+fi
+[ -d /tmp/pytest8/_pytest ] && export PYTHONPATH=/tmp/pytest8${PYTHONPATH:+:$PYTHONPATH}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 export FMHA_TUNING_CACHE=${FMHA_TUNING_CACHE:-/tmp/fmha/tuning} CUDA_TILE_CACHE_DIR=${CUDA_TILE_CACHE_DIR:-/tmp/fmha/cutile} \
@@ -156,15 +162,16 @@ for part in "$@"; do
       correct=(python3 -m pytest suite -k correctness --grid gpu -q -p no:cacheprovider --dist loadgroup
                --max-worker-restart 2)
       blog=(python3 -m pytest suite -k benchmark --grid blog --timing graph -q -p no:cacheprovider --rounds 7
-            --round-ms 10 --impl cutile --impl triton --impl sdpa-cudnn --impl sdpa)
+            --round-ms 10 --impl cutile --impl triton --impl sdpa-cudnn --impl sdpa --impl flash-attn4)
+      python3 -c "import pytest; print('pytest', pytest.__version__)"
       (
         out=$logs
         step "correct-cold-${gpus}gpu" 160 "${correct[@]}" -n $((per_gpu * gpus))
         step "correct-warm-${gpus}gpu" 50 "${correct[@]}" -n $((per_gpu * gpus))
         CUDA_VISIBLE_DEVICES=0 step correct-warm-1gpu 80 "${correct[@]}" -n "$per_gpu"
-        step fleet 100 "${blog[@]}" -n "$gpus" --dist each --benchmark-json="$results/fleet-blog.json"
-        CUDA_VISIBLE_DEVICES=0 step blog-1gpu 45 "${blog[@]}" -n 1 --benchmark-json="$results/blog-1gpu.json"
-        step "blog-${gpus}gpu" 35 "${blog[@]}" -n "$gpus" --dist loadgroup \
+        step fleet 120 "${blog[@]}" -n "$gpus" --dist each --benchmark-json="$results/fleet-blog.json"
+        CUDA_VISIBLE_DEVICES=0 step blog-1gpu 60 "${blog[@]}" -n 1 --benchmark-json="$results/blog-1gpu.json"
+        step "blog-${gpus}gpu" 45 "${blog[@]}" -n "$gpus" --dist loadgroup \
           --benchmark-json="$results/blog-${gpus}gpu.json"
       )
       tar -czf "$out/node-logs.tgz" -C "$logs" .
