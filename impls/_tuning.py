@@ -12,6 +12,8 @@ config, which still goes into every benchmark's JSON.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import json
@@ -87,13 +89,25 @@ class TuningCache:
     def put(self, key: str, config: dict) -> None:
         if mode() == "off":
             return
-        entries = {**self._entries(), key: config}
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        # Atomic: processes tuning side by side (--isolate, pytest-xdist) never leave a torn file.
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.family}-")
-        with os.fdopen(fd, "w") as f:
-            json.dump(entries, f, indent=1, sort_keys=True)
-        os.replace(tmp, self.path)
+        # Processes tune side by side (--isolate, pytest-xdist: 32 on a two-GPU node). The lock makes read, add
+        # and write one step, so that no process's entry is lost to another's write; the rename keeps readers,
+        # which do not lock, from ever seeing a torn file.
+        with self._locked():
+            entries = {**self._entries(), key: config}
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.family}-")
+            with os.fdopen(fd, "w") as f:
+                json.dump(entries, f, indent=1, sort_keys=True)
+            os.replace(tmp, self.path)
+
+    @contextlib.contextmanager
+    def _locked(self):
+        with open(self.path.with_suffix(".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
 
     def lookup(self, key: str, tune: Callable[[], dict]) -> tuple[dict, bool]:
         """The cached config for ``key``, or ``tune()``'s result, stored. Returns (config, from_cache)."""

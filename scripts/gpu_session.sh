@@ -18,9 +18,10 @@
 #   dynamic:  the dynamically scheduled persistent cuTile candidates beside the best fixed ones (sweep)
 #   shard-bench:   (several GPUs) blog benchmarks on one GPU, sharded over all, and on each (the fleet check)
 #   shard-correct: (several GPUs) the correctness preset cold over all GPUs, then warm over all and over one
-#   node:     (several GPUs) issue 14's evidence in one call, PER_GPU workers a GPU (default: the cores / GPUs):
-#             the correctness preset cold and warm over all GPUs, warm over one; the fleet check of blog; blog
-#             benchmarks on one GPU and sharded over all (warm). Logs in $out/node-logs.tgz
+#   node:     (several GPUs) issue 14's evidence, PER_GPU workers a GPU (default: the cores / GPUs), as two parts
+#             that each fit one call: node-correct (the correctness preset cold and warm over all GPUs, cold over
+#             one; heartbeats time a stopped pass) and node-bench (the fleet check of blog; blog on one GPU and
+#             sharded over all)
 # The side-by-side serving run with every implementation, in the three calls of the flash-attn-4 carry (caches
 # under /tmp/fmha live as long as the machine; FlashInfer needs `source scripts/flashinfer_env.sh`):
 #   serve-prime: (call 1) serving correctness of the implementations without a carried package, 16 workers:
@@ -153,28 +154,47 @@ for part in "$@"; do
         CUDA_VISIBLE_DEVICES=0 step shard-correct-warm-1gpu 150 "${correct[@]}" -n $per_gpu
       fi
       ;;
-    node)
+    node|node-correct|node-bench)
+      # issue 14's evidence, PER_GPU workers a GPU (default: the cores / GPUs); logs in $out/<part>-logs.tgz
       gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
       per_gpu=${PER_GPU:-$(( $(nproc) / gpus ))}
       logs=$(mktemp -d) results=$out
-      export FMHA_TUNING_CACHE=/tmp/node/tuning CUDA_TILE_CACHE_DIR=/tmp/node/cutile TRITON_CACHE_DIR=/tmp/node/triton \
-        TORCHINDUCTOR_CACHE_DIR=/tmp/node/inductor
+      python3 -c "import pytest; print('pytest', pytest.__version__)"
       correct=(python3 -m pytest suite -k correctness --grid gpu -q -p no:cacheprovider --dist loadgroup
                --max-worker-restart 2)
       blog=(python3 -m pytest suite -k benchmark --grid blog --timing graph -q -p no:cacheprovider --rounds 7
             --round-ms 10 --impl cutile --impl triton --impl sdpa-cudnn --impl sdpa --impl flash-attn4)
-      python3 -c "import pytest; print('pytest', pytest.__version__)"
+      caches() {  # caches NAME: every tuning and compile cache in a folder of its own (a cold pass starts empty)
+        export FMHA_TUNING_CACHE=/tmp/$1/tuning CUDA_TILE_CACHE_DIR=/tmp/$1/cutile TRITON_CACHE_DIR=/tmp/$1/triton \
+          TORCHINDUCTOR_CACHE_DIR=/tmp/$1/inductor
+      }
       (
         out=$logs
-        step "correct-cold-${gpus}gpu" 160 "${correct[@]}" -n $((per_gpu * gpus))
-        step "correct-warm-${gpus}gpu" 50 "${correct[@]}" -n $((per_gpu * gpus))
-        CUDA_VISIBLE_DEVICES=0 step correct-warm-1gpu 80 "${correct[@]}" -n "$per_gpu"
-        step fleet 120 "${blog[@]}" -n "$gpus" --dist each --benchmark-json="$results/fleet-blog.json"
-        CUDA_VISIBLE_DEVICES=0 step blog-1gpu 60 "${blog[@]}" -n 1 --benchmark-json="$results/blog-1gpu.json"
-        step "blog-${gpus}gpu" 45 "${blog[@]}" -n "$gpus" --dist loadgroup \
-          --benchmark-json="$results/blog-${gpus}gpu.json"
+        if [ "$part" != node-bench ]; then  # the correctness preset, cold then warm, over all GPUs and over one
+          caches node-all
+          step "correct-cold-${gpus}gpu" 200 "${correct[@]}" -n $((per_gpu * gpus)) --heartbeat="$logs/cold-all.hb"
+          step "correct-warm-${gpus}gpu" 60 "${correct[@]}" -n $((per_gpu * gpus)) --heartbeat="$logs/warm-all.hb"
+          caches node-one
+          CUDA_VISIBLE_DEVICES=0 step correct-cold-1gpu 250 "${correct[@]}" -n "$per_gpu" \
+            --heartbeat="$logs/cold-one.hb"
+        fi
+        if [ "$part" != node-correct ]; then  # the fleet check of blog; blog on one GPU and sharded over all
+          caches node-all
+          step fleet 120 "${blog[@]}" -n "$gpus" --dist each --benchmark-json="$results/fleet-blog.json"
+          CUDA_VISIBLE_DEVICES=0 step blog-1gpu 60 "${blog[@]}" -n 1 --benchmark-json="$results/blog-1gpu.json"
+          step "blog-${gpus}gpu" 45 "${blog[@]}" -n "$gpus" --dist loadgroup \
+            --benchmark-json="$results/blog-${gpus}gpu.json"
+        fi
       )
-      tar -czf "$out/node-logs.tgz" -C "$logs" .
+      python3 - "$logs"/*.hb <<'PY'
+import json, sys  # a pass's span from its heartbeats: what it did by the time it ended or was stopped
+for path in sys.argv[1:]:
+    events = [json.loads(line) for line in open(path)]
+    done = sum(e["event"] == "finish" for e in events)
+    span = max(e["t"] for e in events) - min(e["t"] for e in events)
+    print(f"{path.rsplit('/', 1)[-1]}: {done} tests finished, first start to last finish {span:.0f} s")
+PY
+      tar -czf "$out/$part-logs.tgz" -C "$logs" .
       ;;
     *) echo "unknown part: $part" >&2; exit 2 ;;
   esac

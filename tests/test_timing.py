@@ -3,6 +3,8 @@ The GPU half (graph and kernel modes measuring) is tests/test_gpu_timing.py."""
 
 import copy
 import json
+import multiprocessing
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -124,6 +126,24 @@ def test_tuning_cache_modes(tmp_path, monkeypatch):
     monkeypatch.setenv("FMHA_TUNING", "sometimes")
     with pytest.raises(ValueError, match="FMHA_TUNING='sometimes'"):
         cache.get("k")
+
+
+def _store_entries(directory: str, worker: int, count: int) -> None:
+    os.environ["FMHA_TUNING_CACHE"] = directory
+    cache = _tuning.TuningCache("toy", [Path(__file__)], ["torch"])
+    for i in range(count):
+        cache.put(f"w{worker}-{i}", {"i": i})
+
+
+def test_processes_storing_side_by_side_lose_no_entry(tmp_path, monkeypatch):
+    """Workers tuning at once (pytest-xdist on a node) each add entries to one file: none may be lost to
+    another's read-modify-write."""
+    monkeypatch.setenv("FMHA_TUNING", "on")
+    workers, count = 6, 40
+    with multiprocessing.get_context("fork").Pool(workers) as pool:
+        pool.starmap(_store_entries, [(str(tmp_path), w, count) for w in range(workers)])
+    stored = json.loads((tmp_path / "toy.json").read_text())
+    assert len(stored) == workers * count
 
 
 def test_the_source_hash_changes_with_the_kernel(tmp_path):
