@@ -240,10 +240,10 @@ UNSPLIT_SLACK = 1.25  # a batch whose longest sequence is at most this many targ
 
 
 def split_plan(lengths: list[int] | tuple[int, ...], kv_heads: int, block_n: int, sm_count: int,
-               min_tiles: int | None = None) -> tuple[int, int]:
+               min_tiles: int | None = None, programs_per_sm: int = PROGRAMS_PER_SM) -> tuple[int, int]:
     """(num_splits, split_len): the longest sequence cut into equal chunks of whole key tiles, at least
-    ``min_tiles`` long, about as long as the batch's tiles (over every kv head) shared among PROGRAMS_PER_SM
-    programs per SM (the target).
+    ``min_tiles`` long, about as long as the batch's tiles (over every kv head) shared among ``programs_per_sm``
+    programs per SM (the target; a tuner may try several).
 
     A batch whose longest sequence is at most UNSPLIT_SLACK targets long runs unsplit, and the chunks are equal.
     Session 8 (H200, Nsight Compute, 8B 64 x 8K): cutting at the target length left each sequence 62 tiles and
@@ -253,7 +253,7 @@ def split_plan(lengths: list[int] | tuple[int, ...], kv_heads: int, block_n: int
     min_tiles = SPLIT_MIN_TILES if min_tiles is None else min_tiles
     tiles = [-(-n // block_n) for n in lengths]
     longest = max(tiles)
-    target = max(min_tiles, -(-kv_heads * sum(tiles) // (PROGRAMS_PER_SM * sm_count)))
+    target = max(min_tiles, -(-kv_heads * sum(tiles) // (programs_per_sm * sm_count)))
     splits = 1 if longest <= UNSPLIT_SLACK * target else min(-(-longest // target), longest // min_tiles)
     chunk = -(-longest // splits)
     return -(-longest // chunk), chunk * block_n

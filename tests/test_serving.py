@@ -151,6 +151,23 @@ def test_triton_decode_with_a_narrowed_combine(monkeypatch):
     assert result.passed, result.message
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's run of the split plans: CPU")
+def test_triton_decode_plans_for_more_or_fewer_programs_are_correct():
+    """The decode tuner's PLAN_PROGRAMS axis changes the chunk count; each plan is still correct."""
+    pytest.importorskip("triton")
+    from impls.triton_fa import INTERPRETER_DECODE_CONFIG, paged_launch
+
+    inputs = PRESETS["serving-cpu"][4].make_inputs("cpu")  # MQA, 300 tokens
+    splits = set()
+    for programs in (2, 8):
+        run, plan = paged_launch(inputs, inputs.head_dim ** -0.5, {**INTERPRETER_DECODE_CONFIG,
+                                                                   "PLAN_PROGRAMS": programs})
+        result = Oracle.serving(inputs).check(run())
+        assert result.passed, result.message
+        splits.add(plan["num_splits"])
+    assert len(splits) == 2
+
+
 @pytest.mark.parametrize("name", ["serving-cpu", "varlen-cpu"])
 def test_the_cpu_twins_cover_gqa_mqa_several_tokens_and_ragged_pages(name):
     grid = PRESETS[name]

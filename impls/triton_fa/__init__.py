@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from impls._registry import FLOATS, Prepared, Unsupported, length_class, module_available, register
-from impls._serving import combine_plan, decode_shape_class, split_plan
+from impls._serving import PROGRAMS_PER_SM, combine_plan, decode_shape_class, split_plan
 from impls._tuning import TuningCache, fastest
 from impls._validate import NO_WINDOW, window_bounds
 
@@ -269,10 +269,13 @@ def _describe(cfg) -> dict:
 # Candidates of the decode autotuner (tuned per shape class, kept in the tuning cache).
 # Session 8 (H200, scripts/serving_probe.py --triton over 24 configs): 128 keys, 4 warps, 3 stages leads at
 # large batch (8B, 16 x 32K: 4.23 TB/s) and for the 70B slice at batch 1; 64 keys, 4 warps, 2 stages for 8B at
-# batch 1; 8 warps with 3+ stages and 256-key tiles lost everywhere.
-DECODE_SPACE = [{"BLOCK_N": n, "num_warps": w, "num_stages": st}
-                for n, w, st in ((128, 4, 3), (128, 4, 2), (64, 4, 2), (64, 8, 2), (32, 4, 2))]
-INTERPRETER_DECODE_CONFIG = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+# batch 1; 8 warps with 3+ stages and 256-key tiles lost everywhere. Each of these is tried with the split plans
+# that aim at 2, 4 and 8 programs per SM (PLAN_PROGRAMS): the chunk count is part of the search, so that a batch
+# whose plan lands just past a wave can take fewer or more chunks (no other split kernel is compiled for it).
+DECODE_TILES = ((128, 4, 3), (128, 4, 2), (64, 4, 2), (64, 8, 2), (32, 4, 2))
+DECODE_SPACE = [{"BLOCK_N": n, "num_warps": w, "num_stages": st, "PLAN_PROGRAMS": programs}
+                for n, w, st in DECODE_TILES for programs in (2, PROGRAMS_PER_SM, 8)]
+INTERPRETER_DECODE_CONFIG = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "PLAN_PROGRAMS": PROGRAMS_PER_SM}
 INTERPRETER_SM_COUNT = 8  # the interpreter has no SMs: with these and one-tile chunks the CPU cases split
 
 
@@ -289,8 +292,10 @@ def paged_launch(inputs, scale: float, config: dict):
     rows = hq // hkv * sq
     interp = interpreting()
     sm_count = INTERPRETER_SM_COUNT if interp else torch.cuda.get_device_properties(q.device).multi_processor_count
+    split_config = {name: value for name, value in config.items() if name != "PLAN_PROGRAMS"}
     num_splits, split_len = split_plan(list(inputs.seqlens), hkv, config["BLOCK_N"], sm_count,
-                                       min_tiles=1 if interp else None)
+                                       min_tiles=1 if interp else None,
+                                       programs_per_sm=config.get("PLAN_PROGRAMS", PROGRAMS_PER_SM))
     block_m = max(16, triton.next_power_of_2(rows))
     o_part = torch.empty(batch * hkv, num_splits, block_m, head_dim, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(batch * hkv * num_splits * block_m, dtype=torch.float32, device=q.device)
@@ -308,7 +313,8 @@ def paged_launch(inputs, scale: float, config: dict):
 
     def run() -> torch.Tensor:
         paged_decode_split[(num_splits, batch * hkv)](
-            *split_args, PAGE_SIZE=inputs.page_size, HEAD_DIM=head_dim, DOT_FP32=dot_fp32, **tile_rows, **config)
+            *split_args, PAGE_SIZE=inputs.page_size, HEAD_DIM=head_dim, DOT_FP32=dot_fp32, **tile_rows,
+            **split_config)
         paged_decode_combine[(batch * hkv, rows, head_dim // tile_d)](*combine_args, **combine_meta)
         return out
 
@@ -328,7 +334,12 @@ def prepare_paged(inputs, *, scale: float) -> Prepared:
         config, source = INTERPRETER_DECODE_CONFIG, "fixed (interpreter)"
     else:
         def tune() -> dict:
-            return fastest((candidate, paged_launch(inputs, scale, candidate)[0]) for candidate in DECODE_SPACE)
+            distinct = {}  # several PLAN_PROGRAMS often make one plan: time each kernel and plan once
+            for candidate in DECODE_SPACE:
+                run, plan = paged_launch(inputs, scale, candidate)
+                form = (candidate["BLOCK_N"], candidate["num_warps"], candidate["num_stages"], plan["num_splits"])
+                distinct.setdefault(form, (candidate, run))
+            return fastest(distinct.values())
 
         config, cached = TUNING.lookup(TUNING.key(inputs.q.device, decode_shape_class(inputs)), tune)
         source = "tuning cache" if cached else "autotuned"
