@@ -16,12 +16,10 @@
 #   prefill:  blog and fa3 presets, graph timing: cutile, flash-attn4, sdpa-cudnn, triton side by side
 #   models:   the models preset, every implementation that runs it, graph timing
 #   dynamic:  the dynamically scheduled persistent cuTile candidates beside the best fixed ones (sweep)
-#   shard-bench:   (several GPUs) blog benchmarks on one GPU, sharded over all, and on each (the fleet check)
-#   shard-correct: (several GPUs) the correctness preset cold over all GPUs, then warm over all and over one
 #   node:     (several GPUs) issue 14's evidence, PER_GPU workers a GPU (default: the cores / GPUs), as two parts
 #             that each fit one call: node-correct (the correctness preset cold and warm over all GPUs, cold over
 #             one; heartbeats time a stopped pass) and node-bench (the fleet check of blog; blog on one GPU and
-#             sharded over all)
+#             sharded over all). They replace session 5's shard-correct and shard-bench.
 # The side-by-side serving run with every implementation, in the three calls of the flash-attn-4 carry (caches
 # under /tmp/fmha live as long as the machine; FlashInfer needs `source scripts/flashinfer_env.sh`):
 #   serve-prime: (call 1) serving correctness of the implementations without a carried package, 16 workers:
@@ -135,25 +133,6 @@ for part in "$@"; do
         --match "cutile:128x128:{'occupancy': 1, 'num_worker_warps': 8}:L3,6:persistent:g-auto" \
         --out "$out/dynamic-sweep.json"
       ;;
-    shard-bench|shard-correct)
-      gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
-      per_gpu=4
-      export FMHA_TUNING_CACHE=/tmp/tuning-shard
-      blog=(python3 -m pytest suite -k benchmark --grid blog --timing graph -q -p no:cacheprovider --rounds 7
-            --round-ms 10 --impl cutile --impl triton --impl sdpa-cudnn --impl sdpa)
-      correct=(python3 -m pytest suite -k correctness --grid gpu -q -p no:cacheprovider --dist loadgroup
-               --max-worker-restart 2)
-      if [ "$part" = shard-bench ]; then  # blog on one GPU, then sharded over all, then on every GPU (fleet)
-        CUDA_VISIBLE_DEVICES=0 step shard-blog-1gpu 120 "${blog[@]}" -n 1 --benchmark-json="$out/blog-1gpu.json"
-        step "shard-blog-${gpus}gpu" 100 "${blog[@]}" -n "$gpus" --dist loadgroup \
-          --benchmark-json="$out/blog-${gpus}gpu.json"
-        step fleet 120 "${blog[@]}" -n "$gpus" --dist each --benchmark-json="$out/fleet-blog.json"
-      else  # the correctness preset: cold over all GPUs, then warm over all and over one
-        step "shard-correct-cold-${gpus}gpu" 250 "${correct[@]}" -n $((per_gpu * gpus))
-        step "shard-correct-warm-${gpus}gpu" 90 "${correct[@]}" -n $((per_gpu * gpus))
-        CUDA_VISIBLE_DEVICES=0 step shard-correct-warm-1gpu 150 "${correct[@]}" -n $per_gpu
-      fi
-      ;;
     node|node-correct|node-bench)
       # issue 14's evidence, PER_GPU workers a GPU (default: the cores / GPUs); logs in $out/<part>-logs.tgz
       gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
@@ -187,12 +166,12 @@ for part in "$@"; do
         fi
       )
       python3 - "$logs"/*.hb <<'PY'
-import json, sys  # a pass's span from its heartbeats: what it did by the time it ended or was stopped
-for path in sys.argv[1:]:
-    events = [json.loads(line) for line in open(path)]
-    done = sum(e["event"] == "finish" for e in events)
-    span = max(e["t"] for e in events) - min(e["t"] for e in events)
-    print(f"{path.rsplit('/', 1)[-1]}: {done} tests finished, first start to last finish {span:.0f} s")
+import sys  # each pass's span from its heartbeats
+from pathlib import Path
+from suite.isolation import heartbeat_span
+for path in map(Path, sys.argv[1:]):
+    done, span = heartbeat_span(path)
+    print(f"{path.name}: {done} tests finished, first start to last finish {span:.0f} s")
 PY
       tar -czf "$out/$part-logs.tgz" -C "$logs" .
       ;;

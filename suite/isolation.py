@@ -65,21 +65,36 @@ def child_args(config: pytest.Config) -> list[str]:
     return args
 
 
-def read_heartbeat(path: Path) -> tuple[set[str], str | None, float]:
-    """(finished node ids, node id in flight, its start time) from a child's heartbeat file."""
-    finished, current, started = set(), None, 0.0
+def heartbeat_events(path: Path) -> list[dict]:
+    """The events of a heartbeat file (``--heartbeat``): ``{"event": "start" | "finish", "nodeid", "t"}``."""
+    events = []
     if path.exists():
         for line in path.read_text().splitlines():
             try:
-                event = json.loads(line)
+                events.append(json.loads(line))
             except json.JSONDecodeError:
                 continue  # a line cut short by a kill
-            if event["event"] == "start":
-                current, started = event["nodeid"], event["t"]
-            elif event["event"] == "finish":
-                finished.add(event["nodeid"])
-                current = None if current == event["nodeid"] else current
+    return events
+
+
+def read_heartbeat(path: Path) -> tuple[set[str], str | None, float]:
+    """(finished node ids, node id in flight, its start time) from a child's heartbeat file."""
+    finished, current, started = set(), None, 0.0
+    for event in heartbeat_events(path):
+        if event["event"] == "start":
+            current, started = event["nodeid"], event["t"]
+        elif event["event"] == "finish":
+            finished.add(event["nodeid"])
+            current = None if current == event["nodeid"] else current
     return finished, current, started
+
+
+def heartbeat_span(path: Path) -> tuple[int, float]:
+    """(tests finished, seconds from the first start to the last event) of a run's heartbeat file, shared by
+    all its xdist workers: what a pass did by the time it ended or was stopped."""
+    events = heartbeat_events(path)
+    times = [event["t"] for event in events]
+    return sum(event["event"] == "finish" for event in events), (max(times) - min(times) if times else 0.0)
 
 
 def run_isolated(config: pytest.Config, items: list[pytest.Item], workdir: Path) -> list[ChildResult]:

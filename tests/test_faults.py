@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from reports.build import load_run
-from suite.isolation import child_env
+from suite.isolation import child_env, heartbeat_span, read_heartbeat
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -103,3 +103,15 @@ def test_a_worker_that_dies_under_xdist_costs_only_its_case(tmp_path):
     died = [o for o in data["fmha"]["outcomes"] if o["status"] == "failed"]
     assert all(o["case"] == "fp32-causal-h2:2-s256x256-d64" and "worker process died" in o["message"] for o in died)
     assert proc.returncode == 1
+
+
+def test_a_heartbeat_cut_short_by_a_kill_still_reads(tmp_path):
+    """The heartbeat file of a stopped run ends in a torn line: the events before it still count."""
+    path = tmp_path / "run.hb"
+    events = [("start", "a", 10.0), ("finish", "a", 12.5), ("start", "b", 12.6), ("finish", "b", 15.0),
+              ("start", "c", 15.1)]
+    path.write_text("".join(json.dumps({"event": e, "nodeid": n, "t": t}) + "\n" for e, n, t in events)
+                    + '{"event": "fin')
+    assert heartbeat_span(path) == (2, 5.1)
+    assert read_heartbeat(path) == ({"a", "b"}, "c", 15.1)
+    assert heartbeat_span(tmp_path / "missing.hb") == (0, 0.0)
