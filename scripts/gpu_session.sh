@@ -15,6 +15,8 @@
 #   causal:   every causal cuTile candidate of the blog shapes, one and two launches, beside sdpa-cudnn (sweep)
 #   prefill:  blog and fa3 presets, graph timing: cutile, flash-attn4, sdpa-cudnn, triton side by side
 #   models:   the models preset, every implementation that runs it, graph timing
+#   tails:    head dims with a tail tile (cuTile): every cuTile candidate on the edge cases, the models preset's
+#             D=96 and MLA cases, and a sweep of the tuner's D=96 candidates with a tail against padded
 #   dynamic:  the dynamically scheduled persistent cuTile candidates beside the best fixed ones (sweep)
 #   node:     (several GPUs) issue 14's evidence, PER_GPU workers a GPU (default: the cores / GPUs), as two parts
 #             that each fit one call: node-correct (the correctness preset cold and warm over all GPUs, cold over
@@ -125,6 +127,13 @@ for part in "$@"; do
     models)
       step models 430 python3 -m pytest suite "${bench[@]}" --grid models --timing graph \
         --impl cutile --impl triton --impl flex --impl 'sdpa*' --impl flash-attn4 --benchmark-json="$out/models.json"
+      ;;
+    tails)
+      step tails-candidates 250 python3 -m pytest tests/test_gpu_candidates.py -k cutile -q -p no:cacheprovider -rf
+      step tails-models 170 python3 -m pytest suite "${bench[@]}" --grid models -k "phi3 or deepseek" --timing graph \
+        --impl cutile --impl triton --impl sdpa-cudnn --benchmark-json="$out/tails-models.json"
+      step tails-sweep 150 python3 scripts/sweep.py --d 96 --seqlens 4096 16384 --which sdpa cutile --tuner-space \
+        --match 'sdpa-cudnn' --match 'cutile:*' --out "$out/tails-sweep.json"
       ;;
     dynamic)
       step dynamic 150 python3 scripts/sweep.py --seqlens 2048 8192 16384 --causal both --which sdpa cutile \

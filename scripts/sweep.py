@@ -22,10 +22,10 @@ from suite.checks import Oracle
 from suite.metrics import flops
 
 
-def cutile_candidates(head_dim: int = 128):
+def cutile_candidates(head_dim: int = 128, extras: bool = True):
     from dataclasses import replace
 
-    from impls.cutile import LADDER, Call, Variant, other_forms, search_space
+    from impls.cutile import LADDER, Call, Variant, head_tiles, other_forms, search_space
 
     # Session 3's exploration (earlier lists: docs/h200-results-*.md); head groups sized to L2 throughout.
     wide = Variant(128, 128, occupancy=1, num_worker_warps=8, k_latency=3, v_latency=6, head_group=None)
@@ -40,8 +40,11 @@ def cutile_candidates(head_dim: int = 128):
              *(replace(persistent, two_launch=True, k_latency=k, v_latency=v) for k, v in ((2, 4), (4, 8))),
              replace(wide, two_launch=True), *other_forms()]
     seen = set()
-    named = [(name, v) for name, (v, _) in LADDER.items()]
-    space = [*search_space((9, 0), head_dim, causal=True), *search_space((9, 0), head_dim, causal=False), *extra]
+    named = [(name, v) for name, (v, _) in LADDER.items()] if extras else []
+    space = [*search_space((9, 0), head_dim, causal=True), *search_space((9, 0), head_dim, causal=False)]
+    if head_tiles(head_dim)[1]:  # a head dim with a tail tile: the tuner's candidates padded too
+        space += [replace(v, head_tail=False) for v in space]
+    space += extra if extras else []
     named += [(f"cutile:{v.label()}", v) for v in space if not (v in seen or seen.add(v))]
     for name, v in named:
         def make(q, k, v_, out, causal, scale, _v=v):
@@ -81,6 +84,9 @@ def main() -> None:
     p.add_argument("--which", nargs="+", default=["sdpa", "cutile", "triton"])
     p.add_argument("--match", action="append", default=[], metavar="GLOB", help="candidate names to keep")
     p.add_argument("--out", default=None)
+    p.add_argument("--tuner-space", action="store_true",
+                   help="cuTile: only the autotuner's candidates (padded too, for a head dim with a tail tile), "
+                        "not the ladder and the other forms")
     p.add_argument("--profile", action="store_true",
                    help="instead of timing, run each checked candidate once more inside an NVTX range 'profile' "
                         "(for ncu --nvtx --nvtx-include profile/); the order printed is ncu's order")
@@ -101,7 +107,7 @@ def main() -> None:
                         return impl.prepare(q, k, v_, causal=c, scale=sc)
                     cands.append((name, make))
         if "cutile" in a.which:
-            cands += list(cutile_candidates(a.d))
+            cands += list(cutile_candidates(a.d, extras=not a.tuner_space))
         if "triton" in a.which:
             cands += list(triton_candidates())
         cands = [(n, m) for n, m in cands if not a.match or any(fnmatchcase(n, g) for g in a.match)]

@@ -14,7 +14,7 @@ else:
     pytest.importorskip("cuda.tile", reason='cuTile not installed: pip install "cuda-tile[tileiras]"')
 
 from impls._sass import find_cuobjdump, sass_summary
-from impls.cutile import LADDER, Variant, search_space, tile_d
+from impls.cutile import LADDER, Variant, head_tiles, search_space, tile_d
 from impls.cutile.export import export_cubin, export_phases
 
 ARCHS = ["sm_80", "sm_90", "sm_100", "sm_120"]
@@ -100,6 +100,26 @@ def test_mla_head_dims_compile_without_spills():
 def test_head_dims_pad_to_the_next_power_of_two():
     assert [tile_d(d) for d in (16, 32, 40, 64, 80, 96, 128, 136, 192, 256)] == [
         16, 32, 64, 64, 128, 128, 128, 256, 256, 256]
+
+
+def test_head_dims_run_as_a_power_of_two_and_a_narrower_tail():
+    # 96 = 64 + 32 instead of 128 padded: a quarter less matrix work; no tail where it would save nothing.
+    assert {d: head_tiles(d) for d in (16, 40, 64, 72, 80, 96, 112, 128, 160, 192, 224, 256)} == {
+        16: (16, 0), 40: (32, 16), 64: (64, 0), 72: (64, 16), 80: (64, 16), 96: (64, 32), 112: (128, 0),
+        128: (128, 0), 160: (128, 32), 192: (128, 64), 224: (256, 0), 256: (256, 0)}
+    for d in range(16, 257, 8):
+        first, tail = head_tiles(d)
+        assert first + tail >= d and tail < first and head_tiles(d, tail=False) == (tile_d(d), 0)
+    assert Variant(64, 64).head_tiles(192, 128) == (128, 64, 128, 0)
+    assert Variant(64, 64, head_tail=False).head_tiles(96) == (128, 0, 128, 0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sm90_head_tail_candidates_do_not_spill(causal):
+    # Every Hopper candidate at D=96 (64 + 32) keeps its two accumulators in registers.
+    for variant in search_space((9, 0), 96, causal=causal):
+        usage = sass(export_cubin(variant, arch="sm_90", dtype=torch.bfloat16, head_dim=96, causal=causal))
+        assert usage["stack"] == 0 and usage["hgmma"] > 0, (variant.label(), usage)
 
 
 def test_two_launch_variants_pass_the_softmax_state_between_launches():

@@ -54,6 +54,7 @@ class Variant:
     persistent: bool = False  # one block per SM slot, looping over the query tiles
     two_launch: bool = False  # the masked tiles in a launch of their own, then the mask-free ones (kernel PHASE)
     dynamic: bool = False  # persistent: the next work item from an atomic counter (kernel DYNAMIC)
+    head_tail: bool = True  # a head dim that is not a power of two: one and a tail tile, not padded (head_tiles)
 
     def heads_per_group(self, *, causal: bool, kv_len: int, head_dim: int, itemsize: int) -> int:
         """HEAD_GROUP for this launch: 1 unless the causal blocks run heaviest first. The automatic choice keeps
@@ -79,9 +80,13 @@ class Variant:
                   window: bool = False, softcap: float = 0.0, value_dim: int | None = None) -> tuple:
         """The kernel's compile-time arguments, in its parameter order (after the runtime ones)."""
         group = self.heads_per_group(causal=causal, kv_len=kv_len, head_dim=head_dim, itemsize=itemsize)
-        return (tile_d(head_dim), tile_d(value_dim or head_dim), self.tile_m, self.tile_n, causal,
+        return (*self.head_tiles(head_dim, value_dim), self.tile_m, self.tile_n, causal,
                 kv_len % self.tile_n == 0, window, float(softcap), self.fast_math, self.loop_split, self.mask_branch,
                 self.reverse_order, self.k_latency, self.v_latency, group, self.persistent, self.dynamic, phase)
+
+    def head_tiles(self, head_dim: int, value_dim: int | None = None) -> tuple[int, int, int, int]:
+        """The kernel's TILE_D, TILE_D_TAIL, TILE_DV, TILE_DV_TAIL for these head dims."""
+        return (*head_tiles(head_dim, self.head_tail), *head_tiles(value_dim or head_dim, self.head_tail))
 
     def arguments(self, q, k, v, out, state, *, causal: bool, scale: float, phase: int = 0,
                   window: tuple[int, int] = NO_WINDOW, softcap: float = 0.0) -> tuple:
@@ -132,7 +137,7 @@ class Variant:
     def label(self) -> str:
         """A short name: tiles, hints, latencies and the switches that differ from the defaults."""
         flags = (("nosplit", not self.loop_split), ("branch", self.mask_branch), ("persistent", self.persistent),
-                 ("dynamic", self.dynamic), ("two-launch", self.two_launch))
+                 ("dynamic", self.dynamic), ("two-launch", self.two_launch), ("padded", not self.head_tail))
         switches = "".join(f":{flag}" for flag, on in flags if on)
         group = {1: "", None: ":g-auto"}.get(self.head_group, f":g{self.head_group}")
         return f"{self.tile_m}x{self.tile_n}:{self.hints()}:L{self.k_latency},{self.v_latency}{switches}{group}"
@@ -142,6 +147,20 @@ def tile_d(head_dim: int) -> int:
     """The tile width a head dim runs in: the next power of two (cuTile tiles are powers of two), at least 16
     (the smallest K of a tensor-core product)."""
     return max(16, 1 << (head_dim - 1).bit_length())
+
+
+def head_tiles(head_dim: int, tail: bool = True) -> tuple[int, int]:
+    """The tiles a head dim runs in: (a power of two, a narrower power of two beside it, or 0 for none).
+
+    Padded (``tail`` False, or where a tail would save nothing): the next power of two, ``tile_d``. With a
+    tail: half of that and the tail's own ``tile_d`` (96 = 64 + 32, 80 = 64 + 16, 72 = 64 + 16 with 8 columns
+    padded, 192 = 128 + 64), where the tail is narrower than the first tile (112 pads to 128)."""
+    padded = tile_d(head_dim)
+    first = padded // 2
+    rest = tile_d(head_dim - first) if head_dim > first else padded
+    if not tail or head_dim == padded or rest >= first:
+        return padded, 0
+    return first, rest
 
 
 @functools.cache

@@ -26,6 +26,9 @@ Every step of the blog's optimisation ladder is a compile-time switch of this on
                  tile and leaves its softmax state (running max, sum, unnormalised float32 accumulator) in a
                  workspace; launch 2 (OFF_DIAGONAL) starts from that state and runs only the mask-free tiles.
                  The online softmax does not care in which order key tiles arrive.
+- TILE_D_TAIL:   not in the blog: a head dim that is not a power of two (cuTile tiles are) runs as one and a
+                 narrower tail tile beside it (96 = 64 + 32, 80 = 64 + 16, 192 = 128 + 64) instead of padded to
+                 the next power of two (128, 128, 256): up to a quarter less matrix work and accumulator.
 
 Measured on an H200 and dropped (docs/h200-results-*.md, git history): FlashAttention-4's lazy rescaling (a
 block-wide vote costs more than the multiplies it saves) and a software-pipelined Q K^T (within noise).
@@ -62,7 +65,9 @@ def fmha_fwd(
     window_left: int, window_right: int,
     num_heads: int,
     group: int,
-    TILE_D: ConstInt, TILE_DV: ConstInt,  # Q/K's head dim and V/Out's (the same unless MLA), padded
+    # Q/K's head dim and V/Out's (the same unless MLA), each as a power-of-two tile and a narrower tail tile
+    # beside it (0: none), see HEAD_TAILS
+    TILE_D: ConstInt, TILE_D_TAIL: ConstInt, TILE_DV: ConstInt, TILE_DV_TAIL: ConstInt,
     TILE_M: ConstInt, TILE_N: ConstInt,
     CAUSAL: ConstBool, EVEN_N: ConstBool, HAS_WINDOW: ConstBool, SOFTCAP: ConstFloat,
     FAST_MATH: ConstBool, LOOP_SPLIT: ConstBool, MASK_BRANCH: ConstBool, REVERSE_ORDER: ConstBool,
@@ -71,8 +76,8 @@ def fmha_fwd(
 ):
     """One block per work item (grid: query tiles x batch * heads), or PERSISTENT: a grid of one block per SM
     slot, each taking every ``num_blocks``-th item in turn. The state arrays (B, Hq, Sq) float32 for the max
-    and the sum, (B, Hq, Sq, TILE_DV) for the accumulator, are read and written only by a split PHASE; NextItem
-    (one int32, zero at launch) only by a DYNAMIC one."""
+    and the sum, (B, Hq, Sq, at least TILE_DV + TILE_DV_TAIL) for the accumulator, are read and written only by
+    a split PHASE; NextItem (one int32, zero at launch) only by a DYNAMIC one."""
     num_m = ct.cdiv(Q.shape[2], TILE_M)
     num_bh = Q.shape[0] * num_heads
     heaviest_first = CAUSAL and REVERSE_ORDER and PHASE != DIAGONAL  # diagonal items are all alike
@@ -82,23 +87,23 @@ def fmha_fwd(
         while linear < num_items:
             tile_m, batch_head = work_item(linear, num_m, num_bh, heaviest_first, HEAD_GROUP)
             attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_head, qk_scale,
-                              causal_offset, window_left, window_right, num_heads, group, TILE_D, TILE_DV, TILE_M,
-                              TILE_N, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP, FAST_MATH, LOOP_SPLIT, MASK_BRANCH,
-                              K_LATENCY, V_LATENCY, PHASE)
+                              causal_offset, window_left, window_right, num_heads, group, TILE_D, TILE_D_TAIL,
+                              TILE_DV, TILE_DV_TAIL, TILE_M, TILE_N, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP, FAST_MATH,
+                              LOOP_SPLIT, MASK_BRANCH, K_LATENCY, V_LATENCY, PHASE)
             linear = ct.num_blocks(0) + ct.atomic_add(NextItem, 0, 1)
     elif PERSISTENT:
         for linear in range(ct.bid(0), num_items, ct.num_blocks(0)):
             tile_m, batch_head = work_item(linear, num_m, num_bh, heaviest_first, HEAD_GROUP)
             attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_head, qk_scale,
-                              causal_offset, window_left, window_right, num_heads, group, TILE_D, TILE_DV, TILE_M,
-                              TILE_N, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP, FAST_MATH, LOOP_SPLIT, MASK_BRANCH,
-                              K_LATENCY, V_LATENCY, PHASE)
+                              causal_offset, window_left, window_right, num_heads, group, TILE_D, TILE_D_TAIL,
+                              TILE_DV, TILE_DV_TAIL, TILE_M, TILE_N, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP, FAST_MATH,
+                              LOOP_SPLIT, MASK_BRANCH, K_LATENCY, V_LATENCY, PHASE)
     else:
         tile_m, batch_head = work_item(ct.bid(1) * num_m + ct.bid(0), num_m, num_bh, heaviest_first, HEAD_GROUP)
         attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_head, qk_scale,
-                          causal_offset, window_left, window_right, num_heads, group, TILE_D, TILE_DV, TILE_M, TILE_N,
-                          CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP, FAST_MATH, LOOP_SPLIT, MASK_BRANCH, K_LATENCY,
-                          V_LATENCY, PHASE)
+                          causal_offset, window_left, window_right, num_heads, group, TILE_D, TILE_D_TAIL, TILE_DV,
+                          TILE_DV_TAIL, TILE_M, TILE_N, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP, FAST_MATH, LOOP_SPLIT,
+                          MASK_BRANCH, K_LATENCY, V_LATENCY, PHASE)
 
 
 @ct.kernel
@@ -107,7 +112,8 @@ def fmha_varlen(
     qk_scale: float,
     num_heads: int,
     group: int,
-    TILE_D: ConstInt, TILE_DV: ConstInt, TILE_M: ConstInt, TILE_N: ConstInt,
+    TILE_D: ConstInt, TILE_D_TAIL: ConstInt, TILE_DV: ConstInt, TILE_DV_TAIL: ConstInt,
+    TILE_M: ConstInt, TILE_N: ConstInt,
     CAUSAL: ConstBool, FAST_MATH: ConstBool, REVERSE_ORDER: ConstBool, K_LATENCY: ConstInt, V_LATENCY: ConstInt,
     HEAD_GROUP: ConstInt,
 ):
@@ -131,8 +137,9 @@ def fmha_varlen(
         k, v = K.slice(axis=2, start=k_start, stop=k_end), V.slice(axis=2, start=k_start, stop=k_end)
         # batch 0 of the slices; no workspace (one launch), no window, no softcap, ragged ends masked
         attend_query_tile(q, k, v, out, q, q, q, tile_m, batch_head % num_heads, qk_scale,
-                          (k_end - k_start) - (q_end - q_start), 0, 0, num_heads, group, TILE_D, TILE_DV, TILE_M,
-                          TILE_N, CAUSAL, False, False, 0.0, FAST_MATH, True, False, K_LATENCY, V_LATENCY, WHOLE)
+                          (k_end - k_start) - (q_end - q_start), 0, 0, num_heads, group, TILE_D, TILE_D_TAIL, TILE_DV,
+                          TILE_DV_TAIL, TILE_M, TILE_N, CAUSAL, False, False, 0.0, FAST_MATH, True, False, K_LATENCY,
+                          V_LATENCY, WHOLE)
 
 
 def work_item(linear, num_m, num_bh, HEAVIEST_FIRST, HEAD_GROUP):
@@ -156,10 +163,15 @@ def work_item(linear, num_m, num_bh, HEAVIEST_FIRST, HEAD_GROUP):
 
 
 def attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_head, qk_scale, causal_offset,
-                      window_left, window_right, num_heads, group, TILE_D, TILE_DV, TILE_M, TILE_N, CAUSAL, EVEN_N,
-                      HAS_WINDOW, SOFTCAP, FAST_MATH, LOOP_SPLIT, MASK_BRANCH, K_LATENCY, V_LATENCY, PHASE):
+                      window_left, window_right, num_heads, group, TILE_D, TILE_D_TAIL, TILE_DV, TILE_DV_TAIL, TILE_M,
+                      TILE_N, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP, FAST_MATH, LOOP_SPLIT, MASK_BRANCH, K_LATENCY,
+                      V_LATENCY, PHASE):
     """Output rows ``tile_m`` of one (batch, query head): the whole FlashAttention forward for one Q tile, or
-    the masked (DIAGONAL) or mask-free (OFF_DIAGONAL) part of it."""
+    the masked (DIAGONAL) or mask-free (OFF_DIAGONAL) part of it.
+
+    A head dim runs as a power-of-two tile (TILE_D) and, where it is not one, a narrower tail tile beside it
+    (TILE_D_TAIL, columns TILE_D on): Q K^T sums the two products, and P V fills two accumulators, ``acc`` and
+    ``acc_tail``. Without a tail, ``acc_tail`` is a placeholder that nothing reads."""
     batch = batch_head // num_heads
     head = batch_head % num_heads
     kv_head = head // group  # GQA by index: K/V are never repeated in memory
@@ -170,15 +182,17 @@ def attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_
         score_scale_log2 = qk_scale * INV_LOG_2
     offs_m = (tile_m * TILE_M + ct.arange(TILE_M, dtype=ct.int32))[:, None]
     if PHASE == OFF_DIAGONAL:  # carry on from where launch 1 left this tile
-        m_i, l_i, acc = load_state(MaxState, SumState, AccState, batch, head, tile_m, TILE_M, TILE_DV)
+        m_i, l_i, acc, acc_tail = load_state(MaxState, SumState, AccState, batch, head, tile_m, TILE_M, TILE_DV,
+                                             TILE_DV_TAIL)
     else:
         m_i = ct.full((TILE_M, 1), -math.inf, dtype=ct.float32)
         l_i = ct.full((TILE_M, 1), 0.0, dtype=ct.float32)
         acc = ct.full((TILE_M, TILE_DV), 0.0, dtype=ct.float32)
-    # A head dim below TILE_D reads zeros past its end: they add nothing to Q K^T, and P V's extra columns
-    # are never stored.
-    q = ct.load(Q, index=(batch, head, tile_m, 0), shape=(1, 1, TILE_M, TILE_D),
-                padding_mode=ZERO_PAD).reshape((TILE_M, TILE_D))
+        acc_tail = ct.full((TILE_M, max(TILE_DV_TAIL, 1)), 0.0, dtype=ct.float32)
+    # A head dim below TILE_D (+ TILE_D_TAIL) reads zeros past its end: they add nothing to Q K^T, and P V's
+    # extra columns are never stored.
+    q = load_rows(Q, batch, head, tile_m, TILE_M, TILE_D, 0, None)
+    q_tail = load_rows(Q, batch, head, tile_m, TILE_M, TILE_D_TAIL, TILE_D, None) if TILE_D_TAIL > 0 else q
 
     kv_len = K.shape[2]
     first, free_start, free_end, end = key_tiles(tile_m, kv_len, causal_offset, window_left, window_right,
@@ -191,16 +205,16 @@ def attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_
     # OFF_DIAGONAL only the mask-free ones; MASK_BRANCH runs the last two as one loop with a run-time branch.
     if HAS_WINDOW and PHASE != OFF_DIAGONAL:
         for j in range(first, free_start):
-            acc, l_i, m_i = attend_key_tile(acc, l_i, m_i, q, K, V, batch, kv_head, j, offs_m, qk_scale,
-                                            score_scale_log2, kv_len, causal_offset, window_left, window_right,
-                                            TILE_M, TILE_N, TILE_D, TILE_DV, True, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP,
-                                            True, FAST_MATH, K_LATENCY, V_LATENCY)
+            acc, acc_tail, l_i, m_i = attend_key_tile(
+                acc, acc_tail, l_i, m_i, q, q_tail, K, V, batch, kv_head, j, offs_m, qk_scale, score_scale_log2,
+                kv_len, causal_offset, window_left, window_right, TILE_M, TILE_N, TILE_D, TILE_D_TAIL, TILE_DV,
+                TILE_DV_TAIL, True, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP, True, FAST_MATH, K_LATENCY, V_LATENCY)
     if PHASE != DIAGONAL and not MASK_BRANCH:
         for j in range(free_start, free_end):
-            acc, l_i, m_i = attend_key_tile(acc, l_i, m_i, q, K, V, batch, kv_head, j, offs_m, qk_scale,
-                                            score_scale_log2, kv_len, causal_offset, window_left, window_right,
-                                            TILE_M, TILE_N, TILE_D, TILE_DV, False, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP,
-                                            False, FAST_MATH, K_LATENCY, V_LATENCY)
+            acc, acc_tail, l_i, m_i = attend_key_tile(
+                acc, acc_tail, l_i, m_i, q, q_tail, K, V, batch, kv_head, j, offs_m, qk_scale, score_scale_log2,
+                kv_len, causal_offset, window_left, window_right, TILE_M, TILE_N, TILE_D, TILE_D_TAIL, TILE_DV,
+                TILE_DV_TAIL, False, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP, False, FAST_MATH, K_LATENCY, V_LATENCY)
     # The mask-free launch has no masked loop at all, not even an empty one, and neither has a kernel that needs
     # no mask (its mask-free loop ran every tile): a loop the compiler cannot prove empty keeps its pipeline
     # shallow (132 KB instead of 198 on sm_90).
@@ -208,21 +222,20 @@ def attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_
         masked_from = free_start if MASK_BRANCH and PHASE == WHOLE else free_end
         for j in range(masked_from, end):
             masked = needs_mask and (not MASK_BRANCH or j >= free_end)
-            acc, l_i, m_i = attend_key_tile(acc, l_i, m_i, q, K, V, batch, kv_head, j, offs_m, qk_scale,
-                                            score_scale_log2, kv_len, causal_offset, window_left, window_right,
-                                            TILE_M, TILE_N, TILE_D, TILE_DV, masked, CAUSAL, EVEN_N, HAS_WINDOW,
-                                            SOFTCAP, needs_mask, FAST_MATH, K_LATENCY, V_LATENCY)
+            acc, acc_tail, l_i, m_i = attend_key_tile(
+                acc, acc_tail, l_i, m_i, q, q_tail, K, V, batch, kv_head, j, offs_m, qk_scale, score_scale_log2,
+                kv_len, causal_offset, window_left, window_right, TILE_M, TILE_N, TILE_D, TILE_D_TAIL, TILE_DV,
+                TILE_DV_TAIL, masked, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP, needs_mask, FAST_MATH, K_LATENCY,
+                V_LATENCY)
 
     if PHASE == DIAGONAL:
-        store_state(MaxState, SumState, AccState, m_i, l_i, acc, batch, head, tile_m, TILE_M, TILE_DV)
+        store_state(MaxState, SumState, AccState, m_i, l_i, acc, acc_tail, batch, head, tile_m, TILE_M, TILE_DV,
+                    TILE_DV_TAIL)
     else:
         l_i = ct.where(l_i == 0.0, 1.0, l_i)  # rows that saw no key: 0 / 1 = 0
-        if FAST_MATH:
-            acc = ct.truediv(acc, l_i, flush_to_zero=True, rounding_mode=ct.RoundingMode.APPROX)
-        else:
-            acc = ct.truediv(acc, l_i)
-        out = acc.reshape((1, 1, TILE_M, TILE_DV)).astype(Out.dtype)
-        ct.store(Out, index=(batch, head, tile_m, 0), tile=out)
+        store_rows(Out, normalised(acc, l_i, FAST_MATH).astype(Out.dtype), batch, head, tile_m, 0)
+        if TILE_DV_TAIL > 0:
+            store_rows(Out, normalised(acc_tail, l_i, FAST_MATH).astype(Out.dtype), batch, head, tile_m, TILE_DV)
 
 
 def key_tiles(tile_m, kv_len, causal_offset, window_left, window_right, TILE_M, TILE_N, CAUSAL, HAS_WINDOW):
@@ -247,42 +260,86 @@ def key_tiles(tile_m, kv_len, causal_offset, window_left, window_right, TILE_M, 
     return any_start // TILE_N, free_start, free_end, end
 
 
-def attend_key_tile(acc, l_i, m_i, q, K, V, batch, kv_head, j, offs_m, qk_scale, score_scale_log2, kv_len,
-                    causal_offset, window_left, window_right, TILE_M, TILE_N, TILE_D, TILE_DV, MASKED, CAUSAL, EVEN_N,
-                    HAS_WINDOW, SOFTCAP, MAY_BE_EMPTY, FAST_MATH, K_LATENCY, V_LATENCY):
+def attend_key_tile(acc, acc_tail, l_i, m_i, q, q_tail, K, V, batch, kv_head, j, offs_m, qk_scale, score_scale_log2,
+                    kv_len, causal_offset, window_left, window_right, TILE_M, TILE_N, TILE_D, TILE_D_TAIL, TILE_DV,
+                    TILE_DV_TAIL, MASKED, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP, MAY_BE_EMPTY, FAST_MATH, K_LATENCY,
+                    V_LATENCY):
     """Fold key tile j into the running state: its scores (capped, then masked where MASKED), the online
-    softmax, P V. MAY_BE_EMPTY: a row may have seen no key yet (see ``online_softmax``)."""
-    qk = scores(q, K, batch, kv_head, j, qk_scale, TILE_M, TILE_N, TILE_D, SOFTCAP, K_LATENCY)
+    softmax, P V. MAY_BE_EMPTY: a row may have seen no key yet (see ``finite``)."""
+    qk = scores(q, q_tail, K, batch, kv_head, j, qk_scale, TILE_M, TILE_N, TILE_D, TILE_D_TAIL, SOFTCAP, K_LATENCY)
     if MASKED:
         qk = mask_scores(qk, offs_m, j, kv_len, causal_offset, window_left, window_right, TILE_N, CAUSAL, EVEN_N,
                          HAS_WINDOW)
-    return online_softmax(acc, l_i, m_i, qk, V, batch, kv_head, j, score_scale_log2, TILE_N, TILE_DV, MAY_BE_EMPTY,
-                          FAST_MATH, V_LATENCY)
+    p, alpha, l_i, m_new = softmax_step(qk, l_i, m_i, score_scale_log2, MAY_BE_EMPTY, FAST_MATH)
+    p = p.astype(V.dtype)  # tensor cores take P in the input dtype
+    acc = ct.mma(p, load_rows(V, batch, kv_head, j, TILE_N, TILE_DV, 0, V_LATENCY), acc * alpha)
+    if TILE_DV_TAIL > 0:
+        v_tail = load_rows(V, batch, kv_head, j, TILE_N, TILE_DV_TAIL, TILE_DV, V_LATENCY)
+        acc_tail = ct.mma(p, v_tail, acc_tail * alpha)
+    return acc, acc_tail, l_i, m_new
 
 
-def load_state(MaxState, SumState, AccState, batch, head, tile_m, TILE_M, TILE_DV):
-    """The running max, sum and unnormalised accumulator of one query tile, as launch 1 left them."""
+def load_rows(A, batch, head, row_tile, ROWS, WIDTH, FIRST_COLUMN, LATENCY):
+    """Rows ``row_tile`` (tiles of ROWS) of one (batch, head) of a (B, H, S, D) array, columns FIRST_COLUMN to
+    FIRST_COLUMN + WIDTH (a multiple of WIDTH: load indices count tiles), as a (ROWS, WIDTH) tile; zeros past
+    the array's ends (0 * garbage could be NaN)."""
+    tile = ct.load(A, index=(batch, head, row_tile, FIRST_COLUMN // WIDTH), shape=(1, 1, ROWS, WIDTH),
+                   latency=LATENCY, padding_mode=ZERO_PAD)
+    return tile.reshape((ROWS, WIDTH))
+
+
+def store_rows(A, tile, batch, head, row_tile, FIRST_COLUMN):
+    """The (ROWS, WIDTH) ``tile`` into rows ``row_tile`` of one (batch, head), from column FIRST_COLUMN (a
+    multiple of WIDTH); what lies past the array's ends is not stored."""
+    rows, width = tile.shape
+    ct.store(A, index=(batch, head, row_tile, FIRST_COLUMN // width), tile=tile.reshape((1, 1, rows, width)))
+
+
+def normalised(acc, l_i, FAST_MATH):
+    if FAST_MATH:
+        return ct.truediv(acc, l_i, flush_to_zero=True, rounding_mode=ct.RoundingMode.APPROX)
+    return ct.truediv(acc, l_i)
+
+
+def load_state(MaxState, SumState, AccState, batch, head, tile_m, TILE_M, TILE_DV, TILE_DV_TAIL):
+    """The running max, sum and unnormalised accumulator(s) of one query tile, as launch 1 left them."""
     m_i = ct.load(MaxState, index=(batch, head, tile_m), shape=(1, 1, TILE_M)).reshape((TILE_M, 1))
     l_i = ct.load(SumState, index=(batch, head, tile_m), shape=(1, 1, TILE_M)).reshape((TILE_M, 1))
-    acc = ct.load(AccState, index=(batch, head, tile_m, 0), shape=(1, 1, TILE_M, TILE_DV))
-    return m_i, l_i, acc.reshape((TILE_M, TILE_DV))
+    acc = load_rows(AccState, batch, head, tile_m, TILE_M, TILE_DV, 0, None)
+    if TILE_DV_TAIL > 0:
+        acc_tail = load_rows(AccState, batch, head, tile_m, TILE_M, TILE_DV_TAIL, TILE_DV, None)
+    else:
+        acc_tail = ct.full((TILE_M, 1), 0.0, dtype=ct.float32)
+    return m_i, l_i, acc, acc_tail
 
 
-def store_state(MaxState, SumState, AccState, m_i, l_i, acc, batch, head, tile_m, TILE_M, TILE_DV):
+def store_state(MaxState, SumState, AccState, m_i, l_i, acc, acc_tail, batch, head, tile_m, TILE_M, TILE_DV,
+                TILE_DV_TAIL):
     ct.store(MaxState, index=(batch, head, tile_m), tile=m_i.reshape((1, 1, TILE_M)))
     ct.store(SumState, index=(batch, head, tile_m), tile=l_i.reshape((1, 1, TILE_M)))
-    ct.store(AccState, index=(batch, head, tile_m, 0), tile=acc.reshape((1, 1, TILE_M, TILE_DV)))
+    store_rows(AccState, acc, batch, head, tile_m, 0)
+    if TILE_DV_TAIL > 0:
+        store_rows(AccState, acc_tail, batch, head, tile_m, TILE_DV)
 
 
-def scores(q, K, batch, kv_head, j, qk_scale, TILE_M, TILE_N, TILE_D, SOFTCAP, K_LATENCY):
-    """Q K^T for key tile j, in float32, unscaled; with SOFTCAP, tanh(Q K^T * qk_scale / SOFTCAP) (the online
-    softmax multiplies by SOFTCAP). K is loaded transposed through the load's dimension order."""
-    k = ct.load(K, index=(batch, kv_head, 0, j), shape=(1, 1, TILE_D, TILE_N), order=(0, 1, 3, 2),
-                latency=K_LATENCY, padding_mode=ZERO_PAD).reshape((TILE_D, TILE_N))
-    qk = ct.mma(q, k, ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32))
+def scores(q, q_tail, K, batch, kv_head, j, qk_scale, TILE_M, TILE_N, TILE_D, TILE_D_TAIL, SOFTCAP, K_LATENCY):
+    """Q K^T for key tile j, in float32, unscaled (over the tail columns too, where there is a tail); with
+    SOFTCAP, tanh(Q K^T * qk_scale / SOFTCAP) (the online softmax multiplies by SOFTCAP)."""
+    qk = ct.mma(q, load_keys(K, batch, kv_head, j, TILE_N, TILE_D, 0, K_LATENCY),
+                ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32))
+    if TILE_D_TAIL > 0:
+        qk = ct.mma(q_tail, load_keys(K, batch, kv_head, j, TILE_N, TILE_D_TAIL, TILE_D, K_LATENCY), qk)
     if SOFTCAP > 0:  # the precise tanh: the approximate one's error, times a cap of 50, moves a score by ~0.03
         qk = ct.tanh(qk * (qk_scale / SOFTCAP))
     return qk
+
+
+def load_keys(K, batch, kv_head, j, TILE_N, WIDTH, FIRST_COLUMN, K_LATENCY):
+    """Key tile j, columns FIRST_COLUMN to FIRST_COLUMN + WIDTH, transposed (WIDTH, TILE_N) through the load's
+    dimension order, ready to be the right operand of Q K^T."""
+    tile = ct.load(K, index=(batch, kv_head, FIRST_COLUMN // WIDTH, j), shape=(1, 1, WIDTH, TILE_N),
+                   order=(0, 1, 3, 2), latency=K_LATENCY, padding_mode=ZERO_PAD)
+    return tile.reshape((WIDTH, TILE_N))
 
 
 def mask_scores(qk, offs_m, j, kv_len, causal_offset, window_left, window_right, TILE_N, CAUSAL, EVEN_N,
@@ -301,21 +358,6 @@ def mask_scores(qk, offs_m, j, kv_len, causal_offset, window_left, window_right,
     return ct.where(visible, qk, -math.inf)
 
 
-def online_softmax(acc, l_i, m_i, qk, V, batch, kv_head, j, qk_scale_log2, TILE_N, TILE_DV, MASKED, FAST_MATH,
-                   V_LATENCY):
-    """Fold key tile j (its scores ``qk``, already masked) into the running max, sum and accumulator.
-
-    ``m_i`` is the reference max (log2 units) the scores are exponentiated against. Where MASKED, a row may
-    have seen no key yet: its max is -inf, which ``finite`` replaces by 0 wherever it is subtracted
-    (-inf - -inf is NaN).
-    """
-    p, alpha, l_i, m_new = softmax_step(qk, l_i, m_i, qk_scale_log2, MASKED, FAST_MATH)
-    v = ct.load(V, index=(batch, kv_head, j, 0), shape=(1, 1, TILE_N, TILE_DV),
-                latency=V_LATENCY, padding_mode=ZERO_PAD).reshape((TILE_N, TILE_DV))
-    acc = ct.mma(p.astype(V.dtype), v, acc * alpha)  # tensor cores take P in the input dtype
-    return acc, l_i, m_new
-
-
 def softmax_step(qk, l_i, m_i, qk_scale_log2, MAY_BE_EMPTY, FAST_MATH):
     """The probabilities ``p`` of a score tile against the new running max, the factor ``alpha`` that rescales
     what was accumulated so far, the new running sum and max (log2 units); P V is the caller's."""
@@ -330,7 +372,8 @@ def softmax_step(qk, l_i, m_i, qk_scale_log2, MAY_BE_EMPTY, FAST_MATH):
 
 
 def finite(m, MAY_BE_EMPTY):
-    """The reference max with -inf (a row that has seen no key) replaced by 0."""
+    """The reference max with -inf (a row that has seen no key yet, possible only where MAY_BE_EMPTY) replaced
+    by 0 wherever it is subtracted: -inf - -inf is NaN."""
     if MAY_BE_EMPTY:
         return ct.where(m == -math.inf, 0.0, m)
     return m

@@ -171,8 +171,8 @@ class VarlenCall(Launches):
         kernel = variant.kernel(int64=needs_int64(inputs.q, inputs.k, inputs.v), base="fmha_varlen")
         self.launches = [((tiles, inputs.batch * heads, 1), kernel, (
             q, k, v, o, inputs.cu_seqlens_q, inputs.cu_seqlens_k, scale, heads, heads // inputs.k.shape[1],
-            tile_d(head_dim), tile_d(head_dim), variant.tile_m, variant.tile_n, inputs.causal, variant.fast_math,
-            variant.reverse_order, variant.k_latency, variant.v_latency, group))]
+            *variant.head_tiles(head_dim, inputs.v.shape[-1]), variant.tile_m, variant.tile_n, inputs.causal,
+            variant.fast_math, variant.reverse_order, variant.k_latency, variant.v_latency, group))]
 
 
 def varlen_space(capability: tuple[int, int], head_dim: int, causal: bool) -> list[Variant]:
