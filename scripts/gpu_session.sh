@@ -14,7 +14,9 @@
 #             cases, then the two-launch ones under compute-sanitizer memcheck
 #   causal:   every causal cuTile candidate of the blog shapes, one and two launches, beside sdpa-cudnn (sweep)
 #   prefill:  blog and fa3 presets, graph timing: cutile, flash-attn4, sdpa-cudnn, triton side by side
-#   models:   the models preset, every implementation that runs it, graph timing
+#   models:   the models preset, every implementation that runs it, graph timing (in the flash-attn-4 carry's
+#             last call; fi-models, FlashInfer's checks of the preset, in its second, fills FlashInfer's JIT cache)
+#   gqa:      blog causal 4K, fp16 and bf16, MHA and GQA 32:8: cuTile's candidates, sdpa-cudnn, flash-attn4 (sweep)
 #   tails:    head dims with a tail tile (cuTile): every cuTile candidate on the edge cases, the models preset's
 #             D=96 and MLA cases, and a sweep of the tuner's D=96 candidates with a tail against padded
 #   dynamic:  the dynamically scheduled persistent cuTile candidates beside the best fixed ones (sweep)
@@ -125,8 +127,17 @@ for part in "$@"; do
         --impl cutile --impl flash-attn4 --impl sdpa-cudnn --impl triton --benchmark-json="$out/prefill.json"
       ;;
     models)
-      step models 430 python3 -m pytest suite "${bench[@]}" --grid models --timing graph \
-        --impl cutile --impl triton --impl flex --impl 'sdpa*' --impl flash-attn4 --benchmark-json="$out/models.json"
+      step models 540 python3 -m pytest suite "${bench[@]}" --grid models --timing graph --impl cutile --impl triton \
+        --impl flex --impl 'sdpa*' --impl flash-attn4 --impl flashinfer --benchmark-json="$out/models.json"
+      ;;
+    fi-models)
+      step fi-models 240 python3 -m pytest suite -k correctness -q -p no:cacheprovider -rf --impl flashinfer \
+        --grid models --durations=8
+      ;;
+    gqa)
+      step gqa 100 python3 scripts/sweep.py --seqlens 4096 --causal causal --dtype fp16 bf16 --hkv 32 8 \
+        --which sdpa cutile --tuner-space --match sdpa-cudnn --match flash-attn4 --match 'cutile:*' \
+        --out "$out/gqa-sweep.json"
       ;;
     tails)
       step tails-candidates 250 python3 -m pytest tests/test_gpu_candidates.py -k cutile -q -p no:cacheprovider -rf

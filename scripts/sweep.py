@@ -81,6 +81,8 @@ def main() -> None:
     p.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 16384])
     p.add_argument("--causal", choices=["both", "causal", "full"], default="both")
     p.add_argument("--d", type=int, default=128)
+    p.add_argument("--dtype", nargs="+", default=["fp16"], choices=["fp16", "bf16"])
+    p.add_argument("--hkv", type=int, nargs="+", default=[32], help="kv heads (of 32 query heads): GQA below 32")
     p.add_argument("--which", nargs="+", default=["sdpa", "cutile", "triton"])
     p.add_argument("--match", action="append", default=[], metavar="GLOB", help="candidate names to keep")
     p.add_argument("--out", default=None)
@@ -93,8 +95,8 @@ def main() -> None:
     a = p.parse_args()
     causal_opts = {"both": [True, False], "causal": [True], "full": [False]}[a.causal]
     rows = []
-    for causal, s in itertools.product(causal_opts, a.seqlens):
-        case = Case(4, 32, 32, s, s, a.d, "fp16", causal)
+    for causal, s, dtype, hkv in itertools.product(causal_opts, a.seqlens, a.dtype, a.hkv):
+        case = Case(4, 32, hkv, s, s, a.d, dtype, causal)
         q, k, v = case.make_inputs("cuda")
         oracle = Oracle.dense(q, k, v, causal=causal)
         scale = a.d ** -0.5
@@ -128,7 +130,8 @@ def main() -> None:
                 chk, ms = None, None
                 print(f"{case.id} {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
             tf = flops(case) / (ms * 1e-3) / 1e12 if ms else None
-            rows.append({"case": case.id, "seq": s, "causal": causal, "name": name, "ms": ms, "tflops": tf,
+            rows.append({"case": case.id, "seq": s, "causal": causal, "dtype": dtype, "hkv": hkv, "name": name,
+                         "ms": ms, "tflops": tf,
                          "passed": chk.passed if chk else False, "err": chk.max_error if chk else None})
             shown = f"{tf:.1f}" if tf else "profiled" if a.profile and chk and chk.passed else "FAIL"
             print(f"{case.id:40s} {name:55s} {shown:>8} "
