@@ -12,7 +12,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-COUNTED = {"hgmma": "HGMMA", "hmma": " HMMA", "utmaldg": "UTMALDG", "ldl": "LDL", "stl": "STL"}
+COUNTED = {"hgmma": "HGMMA", "hmma": " HMMA", "utmaldg": "UTMALDG", "ldl": "LDL", "stl": "STL",
+           "mufu_tanh": "MUFU.TANH"}
 
 
 def find_cuobjdump() -> str | None:

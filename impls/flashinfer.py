@@ -28,6 +28,10 @@ WORKSPACE_BYTES = 128 << 20  # FlashInfer's examples' float workspace (split-KV 
 REFUSALS = (RuntimeError, ValueError, NotImplementedError, TypeError, AssertionError)
 
 requires = module_available("flashinfer", "pip install flashinfer-python")
+# FlashInfer's prefill kernels validate no head dim, and one that is not a multiple of 64 reads out of bounds
+# (flashinfer-ai/flashinfer#4299). On an H200, 0.7.2.post1 at D=96 (Phi-3) JIT-compiled, then raised an illegal
+# memory access that took the process's CUDA context with it (session 10): declared, so refused with the reason.
+HEAD_DIMS = (64, 128, 256)
 
 
 @functools.cache
@@ -59,7 +63,7 @@ def _ragged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tenso
     return lambda: wrapper.run(q, k, v)
 
 
-@register("flashinfer", family="flashinfer", dtypes=HALF, devices=("cuda",), requires=requires,
+@register("flashinfer", family="flashinfer", dtypes=HALF, devices=("cuda",), head_dims=HEAD_DIMS, requires=requires,
           variants=("window", "softcap"),
           description="flashinfer.BatchPrefillWithRaggedKVCacheWrapper over the equal-length batch")
 def prepare_dense(q, k, v, *, causal: bool, scale: float, window: tuple[int, int] = NO_WINDOW,
@@ -78,7 +82,8 @@ def prepare_dense(q, k, v, *, causal: bool, scale: float, window: tuple[int, int
     return Prepared(probe(call, *REFUSALS), config={"layout": LAYOUT})
 
 
-@register("flashinfer", op="varlen", family="flashinfer", dtypes=HALF, devices=("cuda",), requires=requires,
+@register("flashinfer", op="varlen", family="flashinfer", dtypes=HALF, devices=("cuda",), head_dims=HEAD_DIMS,
+          requires=requires,
           description="flashinfer.BatchPrefillWithRaggedKVCacheWrapper")
 def prepare_varlen(inputs, *, scale: float) -> Prepared:
     run = _ragged(inputs.q, inputs.k, inputs.v, inputs.cu_seqlens_q, inputs.cu_seqlens_k, causal=inputs.causal,
@@ -86,7 +91,8 @@ def prepare_varlen(inputs, *, scale: float) -> Prepared:
     return Prepared(probe(run, *REFUSALS), config={"layout": LAYOUT})
 
 
-@register("flashinfer", op="paged", family="flashinfer", dtypes=HALF, devices=("cuda",), requires=requires,
+@register("flashinfer", op="paged", family="flashinfer", dtypes=HALF, devices=("cuda",), head_dims=HEAD_DIMS,
+          requires=requires,
           description="flashinfer.BatchDecodeWithPagedKVCacheWrapper (tensor cores) for one new token, "
                       "BatchPrefillWithPagedKVCacheWrapper (causal) for several")
 def prepare_paged(inputs, *, scale: float) -> Prepared:

@@ -16,6 +16,8 @@
 #   prefill:  blog and fa3 presets, graph timing: cutile, flash-attn4, sdpa-cudnn, triton side by side
 #   models:   the models preset, every implementation that runs it, graph timing (in the flash-attn-4 carry's
 #             last call; fi-models, FlashInfer's checks of the preset, in its second, fills FlashInfer's JIT cache)
+#   models-prime: cuTile's candidates on the softcap edge cases; the models preset's checks of ours, flex and
+#             sdpa-cudnn (compile and tuning caches filled for the models part)
 #   gqa:      blog causal 4K, fp16 and bf16, MHA and GQA 32:8: cuTile's candidates, sdpa-cudnn, flash-attn4 (sweep)
 #   tails:    head dims with a tail tile (cuTile): every cuTile candidate on the edge cases, the models preset's
 #             D=96 and MLA cases, and a sweep of the tuner's D=96 candidates with a tail against padded
@@ -127,11 +129,21 @@ for part in "$@"; do
         --impl cutile --impl flash-attn4 --impl sdpa-cudnn --impl triton --benchmark-json="$out/prefill.json"
       ;;
     models)
-      step models 540 python3 -m pytest suite "${bench[@]}" --grid models --timing graph --impl cutile --impl triton \
-        --impl flex --impl 'sdpa*' --impl flash-attn4 --impl flashinfer --benchmark-json="$out/models.json"
+      # --isolate: one process per implementation (a device fault costs only its own cases); the children's
+      # files under $out (TMPDIR) come back even if the step limit stops the parent before it merges them
+      mkdir -p "$out/isolate"
+      TMPDIR=$out/isolate step models 570 python3 -m pytest suite "${bench[@]}" --grid models --timing graph \
+        --impl cutile --impl triton --impl flex --impl 'sdpa*' --impl flash-attn4 --impl flashinfer --isolate \
+        --benchmark-json="$out/models.json"
+      ;;
+    models-prime)
+      step softcap-candidates 200 python3 -m pytest tests/test_gpu_candidates.py -k "cutile and cap" -q \
+        -p no:cacheprovider -rf
+      step models-tune 300 python3 -m pytest suite -k correctness -q -p no:cacheprovider -rf --grid models \
+        --impl cutile --impl triton --impl flex --impl sdpa-cudnn --durations=8
       ;;
     fi-models)
-      step fi-models 240 python3 -m pytest suite -k correctness -q -p no:cacheprovider -rf --impl flashinfer \
+      step fi-models 420 python3 -m pytest suite -k correctness -q -p no:cacheprovider -rf --impl flashinfer \
         --grid models --durations=8
       ;;
     gqa)

@@ -4,6 +4,7 @@ No GPU is needed: ``cuda.tile.compilation.export_kernel`` runs the whole compile
 """
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -83,6 +84,15 @@ def test_window_and_softcap_compile(arch):
     if arch == "sm_90":
         usage = sass(cubin)
         assert usage["stack"] == 0 and usage["hgmma"] > 0, usage
+
+
+def test_fast_math_softcap_is_one_hardware_tanh_per_score():
+    # Gemma 2's softcap: the tuned kernel (fast math) takes the hardware's tanh; the precise one, a dozen
+    # instructions per score, is left to the fast_math=False form.
+    variant = search_space((9, 0), 256, causal=True)[1]
+    fast, precise = (sass(export_cubin(replace(variant, fast_math=on), arch="sm_90", dtype=torch.bfloat16,
+                                       head_dim=256, causal=True, softcap=50.0)) for on in (True, False))
+    assert fast["mufu_tanh"] > 0 and precise["mufu_tanh"] == 0, (fast, precise)
 
 
 def test_mla_head_dims_compile_without_spills():

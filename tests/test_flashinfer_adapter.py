@@ -1,5 +1,7 @@
 """The FlashInfer adapter without FlashInfer: its page list, and the reason it gives where it cannot run."""
 
+from dataclasses import replace
+
 import torch
 
 from impls import load_all
@@ -37,3 +39,13 @@ def test_every_operation_says_why_it_cannot_run_here():
         assert reason and "cuda" in reason
         if not torch.cuda.is_available():
             assert impl.availability("cuda")
+
+
+def test_head_dims_that_read_out_of_bounds_are_refused_with_the_reason():
+    # FlashInfer's prefill kernels take any head dim and read out of bounds below multiples of 64 (an illegal
+    # memory access on an H200 at D=96, which ends the process's CUDA context): refused before any launch.
+    load_all()
+    for op in ("dense", "paged", "varlen"):
+        impl = replace(REGISTRY[op, "flashinfer"], devices=("cpu",), requires=None)  # as if it were installed
+        assert "head dim 96 not supported" in impl.support_reason(torch.bfloat16, "cpu", 96)
+        assert impl.support_reason(torch.bfloat16, "cpu", 128) is None
