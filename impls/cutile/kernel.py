@@ -67,7 +67,7 @@ def fmha_fwd(
     num_heads: int,
     group: int,
     # Q/K's head dim and V/Out's (the same unless MLA), each as a power-of-two tile and a narrower tail tile
-    # beside it (0: none), see HEAD_TAILS
+    # beside it (0: none), as impls.cutile.head_tiles splits it
     TILE_D: ConstInt, TILE_D_TAIL: ConstInt, TILE_DV: ConstInt, TILE_DV_TAIL: ConstInt,
     TILE_M: ConstInt, TILE_N: ConstInt,
     CAUSAL: ConstBool, EVEN_N: ConstBool, HAS_WINDOW: ConstBool, SOFTCAP: ConstFloat,
@@ -188,8 +188,8 @@ def attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_
     else:
         m_i = ct.full((TILE_M, 1), -math.inf, dtype=ct.float32)
         l_i = ct.full((TILE_M, 1), 0.0, dtype=ct.float32)
-        acc = ct.full((TILE_M, TILE_DV), 0.0, dtype=ct.float32)
-        acc_tail = ct.full((TILE_M, max(TILE_DV_TAIL, 1)), 0.0, dtype=ct.float32)
+        acc = zero_accumulator(TILE_M, TILE_DV)
+        acc_tail = zero_accumulator(TILE_M, TILE_DV_TAIL)
     # A head dim below TILE_D (+ TILE_D_TAIL) reads zeros past its end: they add nothing to Q K^T, and P V's
     # extra columns are never stored.
     q = load_rows(Q, batch, head, tile_m, TILE_M, TILE_D, 0, None)
@@ -297,6 +297,12 @@ def store_rows(A, tile, batch, head, row_tile, FIRST_COLUMN):
     ct.store(A, index=(batch, head, row_tile, FIRST_COLUMN // width), tile=tile.reshape((1, 1, rows, width)))
 
 
+def zero_accumulator(TILE_M, WIDTH):
+    """A float32 accumulator of zeros, TILE_M x WIDTH; for a tail of width 0, a one-column placeholder that
+    nothing reads."""
+    return ct.full((TILE_M, max(WIDTH, 1)), 0.0, dtype=ct.float32)
+
+
 def normalised(acc, l_i, FAST_MATH):
     if FAST_MATH:
         return ct.truediv(acc, l_i, flush_to_zero=True, rounding_mode=ct.RoundingMode.APPROX)
@@ -311,7 +317,7 @@ def load_state(MaxState, SumState, AccState, batch, head, tile_m, TILE_M, TILE_D
     if TILE_DV_TAIL > 0:
         acc_tail = load_rows(AccState, batch, head, tile_m, TILE_M, TILE_DV_TAIL, TILE_DV, None)
     else:
-        acc_tail = ct.full((TILE_M, 1), 0.0, dtype=ct.float32)
+        acc_tail = zero_accumulator(TILE_M, TILE_DV_TAIL)
     return m_i, l_i, acc, acc_tail
 
 
