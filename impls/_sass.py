@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 COUNTED = {"hgmma": "HGMMA", "hmma": " HMMA", "utmaldg": "UTMALDG", "ldl": "LDL", "stl": "STL",
-           "mufu_tanh": "MUFU.TANH"}
+           "mufu_tanh": "MUFU.TANH", "mufu_ex2": "MUFU.EX2"}
 
 
 def find_cuobjdump() -> str | None:

@@ -188,17 +188,38 @@ def test_sm90_cubin_is_the_one_that_runs():
 
 
 def test_a_two_launch_call_runs_the_diagonal_first_then_the_mask_free_part():
-    from impls.cutile.kernel import DIAGONAL, OFF_DIAGONAL, WHOLE
+    import inspect
 
+    from impls.cutile.kernel import DIAGONAL, OFF_DIAGONAL, WHOLE, fmha_fwd
+
+    phase = list(inspect.signature(fmha_fwd._pyfunc).parameters).index("PHASE")
     q = torch.empty((2, 4, 300, 64), device="meta", dtype=torch.float16)
     k = v = torch.empty((2, 2, 300, 64), device="meta", dtype=torch.float16)
     split = Variant(64, 64, two_launch=True)
     state = split.state(q)
     launches = split.launches(q, k, v, q, state, causal=True, scale=0.125)
-    assert [args[-1] for _, _, args in launches] == [DIAGONAL, OFF_DIAGONAL]  # PHASE is the last argument
+    assert [args[phase] for _, _, args in launches] == [DIAGONAL, OFF_DIAGONAL]
     assert all(args[4:8] == state for _, _, args in launches)  # both launches see one workspace
     (_, _, whole), = Variant(64, 64).launches(q, k, v, q, Variant(64, 64).state(q), causal=True, scale=0.125)
-    assert whole[-1] == WHOLE
+    assert whole[phase] == WHOLE
+
+
+def test_key_parts_and_the_polynomial_exp2_reach_the_compiler():
+    """A key tile in two parts, one with exp2 on the FMA units: fewer MUFU.EX2 in the SASS than the plain form
+    (non-causal D=64, where every tile is mask-free), and a form that asks for parts that do not fit is refused."""
+    plain = sass(export_cubin(Variant(128, 128, occupancy=1, num_worker_warps=8), arch="sm_90", head_dim=64,
+                              causal=False))
+    half = sass(export_cubin(Variant(128, 128, occupancy=1, num_worker_warps=8, key_parts=2, poly_parts=1),
+                             arch="sm_90", head_dim=64, causal=False))
+    everything = sass(export_cubin(Variant(128, 128, occupancy=1, num_worker_warps=8, poly_parts=1),
+                                   arch="sm_90", head_dim=64, causal=False))
+    assert plain["mufu_ex2"] > 0 and plain["hgmma"] > 0
+    assert everything["mufu_ex2"] < plain["mufu_ex2"] / 8  # only the running max's rescale factors remain
+    assert half["hgmma"] > 0 and half["mufu_ex2"] > 0
+    with pytest.raises(ValueError, match="key_parts=3"):
+        Variant(64, 64, key_parts=3)
+    with pytest.raises(ValueError, match="poly_parts=2"):
+        Variant(64, 64, key_parts=1, poly_parts=2)
 
 
 # The serving kernels (impls/cutile/serving.py): the launches a prepared call would make, compiled as they are.
@@ -238,6 +259,21 @@ def test_decode_launches_compile(read, short_chunks):
     assert rows == combine_rows
     for _, kernel, arguments in call.launches:
         assert export_launch(kernel, arguments, arch="sm_90")[:4] == b"\x7fELF"
+
+
+def test_decode_combine_is_small_enough_for_many_blocks_per_sm(short_chunks):
+    """The combine's occupancy hint reaches the compiler: few registers, little shared memory (session 10's
+    combine, left to the compiler, took 255 registers and ran two blocks per SM)."""
+    from impls._sass import find_cuobjdump, sass_summary
+    from impls.cutile.export import export_launch
+    from impls.cutile.serving import DecodeCall, DecodeVariant
+
+    if find_cuobjdump() is None:
+        pytest.skip("cuobjdump not found")
+    call = DecodeCall(DecodeVariant(64), serving_inputs("serving-cpu", 4), scale=0.125, sm_count=1)
+    _, kernel, arguments = call.launches[1]
+    usage = sass_summary(export_launch(kernel, arguments, arch="sm_90"))
+    assert usage["reg"] <= 64 and usage["shared"] <= 8192 and usage["stack"] == 0, usage
 
 
 def test_decode_combine_in_head_dim_slices_compiles(monkeypatch, short_chunks):

@@ -168,6 +168,24 @@ def test_triton_decode_plans_for_more_or_fewer_programs_are_correct():
     assert len(splits) == 2
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's run of the unsplit decode: CPU")
+def test_triton_decode_without_a_split_writes_the_output_directly(monkeypatch):
+    """One chunk per sequence: the split kernel writes the output rows, and no combine is launched."""
+    pytest.importorskip("triton")
+    import impls.triton_fa.decode
+    from impls.triton_fa import INTERPRETER_DECODE_CONFIG, paged_launch
+
+    def no_combine(*args, **kwargs):
+        raise AssertionError("the combine was launched for an unsplit decode")
+
+    monkeypatch.setattr(impls.triton_fa.decode, "paged_decode_combine", no_combine)
+    inputs = PRESETS["serving-cpu"][4].make_inputs("cpu")  # MQA, 300 tokens: one chunk of 512 keys
+    run, plan = paged_launch(inputs, inputs.head_dim ** -0.5, {**INTERPRETER_DECODE_CONFIG, "BLOCK_N": 512})
+    assert plan["num_splits"] == 1
+    result = Oracle.serving(inputs).check(run())
+    assert result.passed, result.message
+
+
 @pytest.mark.parametrize("name", ["serving-cpu", "varlen-cpu"])
 def test_the_cpu_twins_cover_gqa_mqa_several_tokens_and_ragged_pages(name):
     grid = PRESETS[name]

@@ -55,6 +55,14 @@ class Variant:
     two_launch: bool = False  # the masked tiles in a launch of their own, then the mask-free ones (kernel PHASE)
     dynamic: bool = False  # persistent: the next work item from an atomic counter (kernel DYNAMIC)
     head_tail: bool = True  # a head dim that is not a power of two: one and a tail tile, not padded (head_tiles)
+    key_parts: int = 1  # a key tile as this many narrower ones sharing one running max (kernel KEY_PARTS)
+    poly_parts: int = 0  # of them, how many take exp2 on the FMA units where no mask applies (kernel POLY_PARTS)
+
+    def __post_init__(self) -> None:
+        if self.key_parts < 1 or self.tile_n % self.key_parts or self.key_parts & (self.key_parts - 1):
+            raise ValueError(f"key_parts={self.key_parts}: a power of two that divides tile_n={self.tile_n}")
+        if not 0 <= self.poly_parts <= self.key_parts:
+            raise ValueError(f"poly_parts={self.poly_parts}: from 0 to key_parts={self.key_parts}")
 
     def heads_per_group(self, *, causal: bool, kv_len: int, head_dim: int, itemsize: int) -> int:
         """HEAD_GROUP for this launch: 1 unless the causal blocks run heaviest first. The automatic choice keeps
@@ -82,7 +90,8 @@ class Variant:
         group = self.heads_per_group(causal=causal, kv_len=kv_len, head_dim=head_dim, itemsize=itemsize)
         return (*self.head_tiles(head_dim, value_dim), self.tile_m, self.tile_n, causal,
                 kv_len % self.tile_n == 0, window, float(softcap), self.fast_math, self.loop_split, self.mask_branch,
-                self.reverse_order, self.k_latency, self.v_latency, group, self.persistent, self.dynamic, phase)
+                self.reverse_order, self.k_latency, self.v_latency, group, self.persistent, self.dynamic, phase,
+                self.key_parts, self.poly_parts)
 
     def head_tiles(self, head_dim: int, value_dim: int | None = None) -> tuple[int, int, int, int]:
         """The kernel's TILE_D, TILE_D_TAIL, TILE_DV, TILE_DV_TAIL for these head dims."""
@@ -137,7 +146,8 @@ class Variant:
     def label(self) -> str:
         """A short name: tiles, hints, latencies and the switches that differ from the defaults."""
         flags = (("nosplit", not self.loop_split), ("branch", self.mask_branch), ("persistent", self.persistent),
-                 ("dynamic", self.dynamic), ("two-launch", self.two_launch), ("padded", not self.head_tail))
+                 ("dynamic", self.dynamic), ("two-launch", self.two_launch), ("padded", not self.head_tail),
+                 (f"parts{self.key_parts}/poly{self.poly_parts}", self.key_parts > 1 or self.poly_parts > 0))
         switches = "".join(f":{flag}" for flag, on in flags if on)
         group = {1: "", None: ":g-auto"}.get(self.head_group, f":g{self.head_group}")
         return f"{self.tile_m}x{self.tile_n}:{self.hints()}:L{self.k_latency},{self.v_latency}{switches}{group}"

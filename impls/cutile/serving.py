@@ -85,6 +85,10 @@ class DecodeVariant:
 DECODE_SPACE = [DecodeVariant(64, "pages", occupancy=2), DecodeVariant(64, "pages"), DecodeVariant(128, "pages"),
                 DecodeVariant(128, "indexed")]
 ROWS_FALLBACK = DecodeVariant(64, "rows", 2, 2)
+# The combine is a small reduction per row; left to itself the compiler gave it 255 registers, 17 KB of shared
+# memory and TMA loads (sm_90), so about two blocks ran per SM: 54 us for the 2048 rows of a 70B slice at batch
+# 256 (session 10, H200; Triton's combine: 3.3 us). Asking for 16 blocks per SM gives 31 registers and 3 KB.
+COMBINE_OCCUPANCY = 16
 
 
 class DecodeCall(Launches):
@@ -92,8 +96,6 @@ class DecodeCall(Launches):
     chunk."""
 
     def __init__(self, variant: DecodeVariant, inputs: PagedKV, *, scale: float, sm_count: int) -> None:
-        from impls.cutile.decode import paged_decode_combine
-
         self.variant, self.out = variant, inputs.output_like()
         q, k_cache, v_cache = inputs.q, inputs.k_cache, inputs.v_cache
         batch, sq, hq, head_dim = q.shape
@@ -113,7 +115,8 @@ class DecodeCall(Launches):
             variant.k_latency, variant.v_latency))]
         if split:
             slice_d, chunks = combine_plan(self.num_splits, width)
-            self.launches.append(((batch * hkv, group * sq, width // slice_d), paged_decode_combine, (
+            combine = _kernel_with_hints("paged_decode_combine", (("occupancy", COMBINE_OCCUPANCY),), module="decode")
+            self.launches.append(((batch * hkv, group * sq, width // slice_d), combine, (
                 self.part, self.lse, inputs.cache_seqlens, self.out, hkv, self.split_len, group, sq, slice_d,
                 chunks)))
 
@@ -172,7 +175,8 @@ class VarlenCall(Launches):
         self.launches = [((tiles, inputs.batch * heads, 1), kernel, (
             q, k, v, o, inputs.cu_seqlens_q, inputs.cu_seqlens_k, scale, heads, heads // inputs.k.shape[1],
             *variant.head_tiles(head_dim, inputs.v.shape[-1]), variant.tile_m, variant.tile_n, inputs.causal,
-            variant.fast_math, variant.reverse_order, variant.k_latency, variant.v_latency, group))]
+            variant.fast_math, variant.reverse_order, variant.k_latency, variant.v_latency, group, variant.key_parts,
+            variant.poly_parts))]
 
 
 def varlen_space(capability: tuple[int, int], head_dim: int, causal: bool) -> list[Variant]:

@@ -280,7 +280,8 @@ INTERPRETER_SM_COUNT = 8  # the interpreter has no SMs: with these and one-tile 
 
 
 def paged_launch(inputs, scale: float, config: dict):
-    """The two launches of one decode step with ``config`` (split, then combine), and the split plan."""
+    """The launches of one decode step with ``config`` (split, then combine where a sequence has more than one
+    chunk), and the split plan."""
     import triton
 
     from impls.triton_fa.decode import paged_decode_combine, paged_decode_split
@@ -296,26 +297,30 @@ def paged_launch(inputs, scale: float, config: dict):
     num_splits, split_len = split_plan(list(inputs.seqlens), hkv, config["BLOCK_N"], sm_count,
                                        min_tiles=1 if interp else None,
                                        programs_per_sm=config.get("PLAN_PROGRAMS", PROGRAMS_PER_SM))
+    split = num_splits > 1
     block_m = max(16, triton.next_power_of_2(rows))
-    o_part = torch.empty(batch * hkv, num_splits, block_m, head_dim, dtype=torch.float32, device=q.device)
-    lse_part = torch.empty(batch * hkv * num_splits * block_m, dtype=torch.float32, device=q.device)
+    parts = (batch * hkv, num_splits, block_m) if split else (1, 1, 1)  # unused without a split
+    o_part = torch.empty(*parts, head_dim if split else 1, dtype=torch.float32, device=q.device)
+    lse_part = torch.empty(parts, dtype=torch.float32, device=q.device)
     out = inputs.output_like()
     tile_rows = {"GROUP": hq // hkv, "SQ": sq, "BLOCK_M": block_m}
-    split_args = (q, k_cache, v_cache, inputs.block_table, inputs.cache_seqlens, o_part, lse_part,
+    split_args = (q, k_cache, v_cache, inputs.block_table, inputs.cache_seqlens, o_part, lse_part, out,
                   scale * LOG2_E, *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
-                  inputs.block_table.stride(0), *o_part.stride()[:3], hkv, split_len)
-    combine_args = (o_part, lse_part, inputs.cache_seqlens, out, *o_part.stride()[:3], *out.stride()[:3], hkv,
-                    num_splits, split_len)
-    dot_fp32 = interp or q.dtype == torch.float32
-    tile_d, chunks = combine_plan(num_splits, head_dim)
-    combine_meta = {**tile_rows, "MAX_SPLITS": triton.next_power_of_2(num_splits), "SPLIT_CHUNK": chunks,
-                    "BLOCK_D": tile_d}
+                  inputs.block_table.stride(0), *o_part.stride()[:3], *out.stride()[:3], hkv, split_len)
+    split_meta = {"PAGE_SIZE": inputs.page_size, "HEAD_DIM": head_dim, "DOT_FP32": interp or q.dtype == torch.float32,
+                  "SPLIT": split, **tile_rows, **split_config}
+    launches = [(paged_decode_split, (num_splits, batch * hkv), split_args, split_meta)]
+    if split:
+        tile_d, chunks = combine_plan(num_splits, head_dim)
+        combine_args = (o_part, lse_part, inputs.cache_seqlens, out, *o_part.stride()[:3], *out.stride()[:3], hkv,
+                        num_splits, split_len)
+        combine_meta = {**tile_rows, "MAX_SPLITS": triton.next_power_of_2(num_splits), "SPLIT_CHUNK": chunks,
+                        "BLOCK_D": tile_d}
+        launches.append((paged_decode_combine, (batch * hkv, rows, head_dim // tile_d), combine_args, combine_meta))
 
     def run() -> torch.Tensor:
-        paged_decode_split[(num_splits, batch * hkv)](
-            *split_args, PAGE_SIZE=inputs.page_size, HEAD_DIM=head_dim, DOT_FP32=dot_fp32, **tile_rows,
-            **split_config)
-        paged_decode_combine[(batch * hkv, rows, head_dim // tile_d)](*combine_args, **combine_meta)
+        for kernel, grid, args, meta in launches:
+            kernel[grid](*args, **meta)
         return out
 
     return run, {"num_splits": num_splits, "split_len": split_len, "BLOCK_M": block_m}

@@ -9,7 +9,9 @@ So the kernel is built around reading the cache once, from enough programs to ke
 2. Split-KV: a (batch, kv head) pair alone is far too little parallelism at small batch (Llama-3-8B at batch 1
    has 8 kv heads for 132 SMs), so each sequence's cache is cut into ``num_splits`` chunks of ``split_len``
    tokens, one program each. Every program writes its chunk's normalised partial output and log-sum-exp; a
-   second kernel combines the chunks of a row, weighting each by ``2^(lse - max lse)``.
+   second kernel combines the chunks of a row, weighting each by ``2^(lse - max lse)``. With one chunk per
+   sequence (``SPLIT`` off) the split kernel writes the output rows itself and there is no second launch: on
+   the H200 the combine cost 2.6-7 us a step, 10% of a 70B slice's 256 x 512 decode.
 3. Pages: key position ``p`` of sequence ``b`` lives in slot ``p % page_size`` of page
    ``block_table[b, p // page_size]``. A key tile gathers its rows through the table, so any page size works;
    positions past the sequence read zeros (masked loads) and never reach the output, whatever the unused
@@ -26,17 +28,20 @@ import triton.language as tl
 
 @triton.jit
 def paged_decode_split(
-    Q, K_cache, V_cache, block_table, cache_seqlens, O_part, LSE_part, qk_scale,
+    Q, K_cache, V_cache, block_table, cache_seqlens, O_part, LSE_part, Out, qk_scale,
     stride_qb, stride_qt, stride_qh,
     stride_kp, stride_ks, stride_kh,
     stride_vp, stride_vs, stride_vh,
     stride_bt,
     stride_ob, stride_os, stride_or,  # O_part (B*Hkv, splits, rows, D)
+    stride_b, stride_t, stride_h,  # Out (B, Sq_new, Hq, D)
     num_kv_heads, split_len,
     GROUP: tl.constexpr, SQ: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, SPLIT: tl.constexpr,
 ):
-    """Program (split, batch * kv head): attention of the GROUP x SQ query rows over one chunk of the cache."""
+    """Program (split, batch * kv head): attention of the GROUP x SQ query rows over one chunk of the cache.
+    SPLIT: its normalised output and log-sum-exp go to O_part and LSE_part for the combine; otherwise (one
+    chunk per sequence) the output rows go to Out."""
     split = tl.program_id(0)
     bk = tl.program_id(1)
     batch = (bk // num_kv_heads).to(tl.int64)
@@ -92,11 +97,15 @@ def paged_decode_split(
 
     # The chunk's normalised output and its log-sum-exp in log2 units (-inf where a row saw no key here).
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
-    part = bk * stride_ob + split * stride_os
-    tl.store(O_part + part + rows[:, None] * stride_or + offs_d[None, :], acc / l_safe[:, None],
-             mask=row_valid[:, None])
-    tl.store(LSE_part + (bk * tl.num_programs(0) + split) * BLOCK_M + rows, lse, mask=row_valid)
+    if SPLIT:
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
+        part = bk * stride_ob + split * stride_os
+        tl.store(O_part + part + rows[:, None] * stride_or + offs_d[None, :], acc / l_safe[:, None],
+                 mask=row_valid[:, None])
+        tl.store(LSE_part + (bk * tl.num_programs(0) + split) * BLOCK_M + rows, lse, mask=row_valid)
+    else:
+        out_ptrs = Out + batch * stride_b + token[:, None] * stride_t + head[:, None] * stride_h + offs_d[None, :]
+        tl.store(out_ptrs, (acc / l_safe[:, None]).to(Out.dtype.element_ty), mask=row_valid[:, None])
 
 
 @triton.jit
