@@ -158,33 +158,6 @@ for part in "$@"; do
       step tails-sweep 150 python3 scripts/sweep.py --d 96 --seqlens 4096 16384 --which sdpa cutile --tuner-space \
         --match 'sdpa-cudnn' --match 'cutile:*' --out "$out/tails-sweep.json"
       ;;
-    poly)
-      # exp2 on the FMA units (kernel KEY_PARTS / POLY_PARTS) on the tuner's forms that lead each head dim and mask
-      # (a spec: head dim, mask, candidate patterns): compiled and checked by one process per spec side by side,
-      # then timed one sweep at a time
-      specs=("64 full *:persistent:* cutile:64x128:*"
-             "64 causal cutile:128x64:* cutile:64x128:* cutile:128x128:*L2,4:*"
-             "128 causal cutile:64x128:* cutile:128x128:*L2,4:*"
-             "128 full cutile:128x128:*L3,6:persistent:*")
-      poly_args() {  # poly_args D MASK PATTERN...: the sweep's arguments, in the array poly
-        local d=$1 mask=$2 pattern; shift 2
-        poly=(--d "$d" --causal "$mask" --seqlens 4096 16384 --which sdpa cutile --tuner-space
-              --key-parts 2,0 2,1 4,1 1,1 --match sdpa-cudnn)
-        for pattern in "$@"; do poly+=(--match "$pattern"); done
-      }
-      for spec in "${specs[@]}"; do
-        read -ra words <<< "$spec"
-        poly_args "${words[@]}"
-        step "poly-compile-${words[0]}-${words[1]}" 300 python3 scripts/sweep.py "${poly[@]}" --check-only &
-      done
-      wait
-      for spec in "${specs[@]}"; do
-        read -ra words <<< "$spec"
-        poly_args "${words[@]}"
-        step "poly-${words[0]}-${words[1]}" 150 python3 scripts/sweep.py "${poly[@]}" \
-          --out "$out/poly-${words[0]}-${words[1]}.json"
-      done
-      ;;
     decode-probe)
       # the serving cases where a peer led ours in session 10, as the probe times them (graph of 20 calls)
       step decode-probe 300 python3 scripts/serving_probe.py --skip-varlen \

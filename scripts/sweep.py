@@ -22,9 +22,9 @@ from suite.checks import Oracle
 from suite.metrics import flops
 
 
-def cutile_candidates(head_dim: int = 128, extras: bool = True, key_parts: tuple[tuple[int, int], ...] = ()):
-    """Every cuTile candidate (the ladder, the tuner's spaces and session 3's extras; only the spaces without
-    ``extras``), and each of them again with every (key_parts, poly_parts) pair of ``key_parts``."""
+def cutile_candidates(head_dim: int = 128, extras: bool = True):
+    """Every cuTile candidate: the ladder, the tuner's spaces and session 3's extras (only the spaces without
+    ``extras``)."""
     from dataclasses import replace
 
     from impls.cutile import LADDER, Call, Variant, head_tiles, other_forms, search_space
@@ -47,7 +47,6 @@ def cutile_candidates(head_dim: int = 128, extras: bool = True, key_parts: tuple
     if head_tiles(head_dim)[1]:  # a head dim with a tail tile: the tuner's candidates padded too
         space += [replace(v, head_tail=False) for v in space]
     space += extra if extras else []
-    space += [replace(v, key_parts=k, poly_parts=p) for k, p in key_parts for v in space if v.tile_n % k == 0]
     named += [(f"cutile:{v.label()}", v) for v in space if not (v in seen or seen.add(v))]
     for name, v in named:
         def make(q, k, v_, out, causal, scale, _v=v):
@@ -92,9 +91,6 @@ def main() -> None:
     p.add_argument("--tuner-space", action="store_true",
                    help="cuTile: only the autotuner's candidates (padded too, for a head dim with a tail tile), "
                         "not the ladder and the other forms")
-    p.add_argument("--key-parts", nargs="+", default=[], metavar="K,P",
-                   help="cuTile: every candidate again with its key tile as K parts, P of them with exp2 on the FMA "
-                        "units (kernel KEY_PARTS, POLY_PARTS)")
     p.add_argument("--check-only", action="store_true",
                    help="compile and check every candidate, no timing (fills the compile caches: several such runs "
                         "side by side compile in parallel before one timed run)")
@@ -118,8 +114,7 @@ def main() -> None:
                         return impl.prepare(q, k, v_, causal=c, scale=sc)
                     cands.append((name, make))
         if "cutile" in a.which:
-            pairs = tuple(tuple(int(x) for x in pair.split(",")) for pair in a.key_parts)
-            cands += list(cutile_candidates(a.d, extras=not a.tuner_space, key_parts=pairs))
+            cands += list(cutile_candidates(a.d, extras=not a.tuner_space))
         if "triton" in a.which:
             cands += list(triton_candidates())
         cands = [(n, m) for n, m in cands if not a.match or any(fnmatchcase(n, g) for g in a.match)]

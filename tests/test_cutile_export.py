@@ -204,25 +204,6 @@ def test_a_two_launch_call_runs_the_diagonal_first_then_the_mask_free_part():
     assert whole[phase] == WHOLE
 
 
-def test_key_parts_and_the_polynomial_exp2_reach_the_compiler():
-    """A key tile in two parts, one with exp2 on the FMA units: fewer MUFU.EX2 in the SASS than the plain form
-    (non-causal D=64, where every tile is mask-free), and a form that asks for parts that do not fit is refused."""
-    plain = sass(export_cubin(Variant(128, 128, occupancy=1, num_worker_warps=8), arch="sm_90", head_dim=64,
-                              causal=False))
-    half = sass(export_cubin(Variant(128, 128, occupancy=1, num_worker_warps=8, key_parts=2, poly_parts=1),
-                             arch="sm_90", head_dim=64, causal=False))
-    everything = sass(export_cubin(Variant(128, 128, occupancy=1, num_worker_warps=8, poly_parts=1),
-                                   arch="sm_90", head_dim=64, causal=False))
-    assert plain["mufu_ex2"] > 0 and plain["hgmma"] > 0
-    assert everything["mufu_ex2"] < plain["mufu_ex2"] / 8  # only the running max's rescale factors remain
-    assert half["hgmma"] > 0 and half["mufu_ex2"] > 0
-    with pytest.raises(ValueError, match="key_parts=3"):
-        Variant(64, 64, key_parts=3)
-    with pytest.raises(ValueError, match="poly_parts=2"):
-        Variant(64, 64, key_parts=1, poly_parts=2)
-
-
-# The serving kernels (impls/cutile/serving.py): the launches a prepared call would make, compiled as they are.
 def serving_inputs(preset_name: str, index: int):
     from suite.cases import preset
 

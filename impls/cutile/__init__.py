@@ -55,14 +55,6 @@ class Variant:
     two_launch: bool = False  # the masked tiles in a launch of their own, then the mask-free ones (kernel PHASE)
     dynamic: bool = False  # persistent: the next work item from an atomic counter (kernel DYNAMIC)
     head_tail: bool = True  # a head dim that is not a power of two: one and a tail tile, not padded (head_tiles)
-    key_parts: int = 1  # a key tile as this many narrower ones sharing one running max (kernel KEY_PARTS)
-    poly_parts: int = 0  # of them, how many take exp2 on the FMA units where no mask applies (kernel POLY_PARTS)
-
-    def __post_init__(self) -> None:
-        if self.key_parts < 1 or self.tile_n % self.key_parts or self.key_parts & (self.key_parts - 1):
-            raise ValueError(f"key_parts={self.key_parts}: a power of two that divides tile_n={self.tile_n}")
-        if not 0 <= self.poly_parts <= self.key_parts:
-            raise ValueError(f"poly_parts={self.poly_parts}: from 0 to key_parts={self.key_parts}")
 
     def heads_per_group(self, *, causal: bool, kv_len: int, head_dim: int, itemsize: int) -> int:
         """HEAD_GROUP for this launch: 1 unless the causal blocks run heaviest first. The automatic choice keeps
@@ -90,8 +82,7 @@ class Variant:
         group = self.heads_per_group(causal=causal, kv_len=kv_len, head_dim=head_dim, itemsize=itemsize)
         return (*self.head_tiles(head_dim, value_dim), self.tile_m, self.tile_n, causal,
                 kv_len % self.tile_n == 0, window, float(softcap), self.fast_math, self.loop_split, self.mask_branch,
-                self.reverse_order, self.k_latency, self.v_latency, group, self.persistent, self.dynamic, phase,
-                self.key_parts, self.poly_parts)
+                self.reverse_order, self.k_latency, self.v_latency, group, self.persistent, self.dynamic, phase)
 
     def head_tiles(self, head_dim: int, value_dim: int | None = None) -> tuple[int, int, int, int]:
         """The kernel's TILE_D, TILE_D_TAIL, TILE_DV, TILE_DV_TAIL for these head dims."""
@@ -146,8 +137,7 @@ class Variant:
     def label(self) -> str:
         """A short name: tiles, hints, latencies and the switches that differ from the defaults."""
         flags = (("nosplit", not self.loop_split), ("branch", self.mask_branch), ("persistent", self.persistent),
-                 ("dynamic", self.dynamic), ("two-launch", self.two_launch), ("padded", not self.head_tail),
-                 (f"parts{self.key_parts}/poly{self.poly_parts}", self.key_parts > 1 or self.poly_parts > 0))
+                 ("dynamic", self.dynamic), ("two-launch", self.two_launch), ("padded", not self.head_tail))
         switches = "".join(f":{flag}" for flag, on in flags if on)
         group = {1: "", None: ":g-auto"}.get(self.head_group, f":g{self.head_group}")
         return f"{self.tile_m}x{self.tile_n}:{self.hints()}:L{self.k_latency},{self.v_latency}{switches}{group}"
@@ -242,7 +232,9 @@ def hopper_space(width: int, causal: bool) -> list[Variant]:
     ran 1-4% behind the fixed share. 64x64 and 128x64 with occupancy 2 for short rows, 128x256 next best on
     long non-causal rows. Measured and left out (scripts/sweep.py reproduces them):
     256x128 (<=361), num_ctas=2 (11), the lazy rescale (5-20% slower), the software-pipelined Q K^T and the
-    split as a run-time branch (both within noise), 64x128 with occupancy 1.
+    split as a run-time branch (both within noise), 64x128 with occupancy 1, and (session 11) a key tile cut into
+    two or four parts sharing one max, with exp2 from a polynomial on the FMA units in some of them: all slower
+    (D=64 full 4K, persistent 128x128: 435 -> 337-382 TFLOPS).
 
     Head dims: up to 64 a score tile twice as wide fits beside the small accumulator; a 256-wide accumulator
     (head dims 136-256) takes half the rows per warpgroup (checked for spills with scripts/cutile_sass.py).

@@ -31,8 +31,11 @@ Every step of the blog's optimisation ladder is a compile-time switch of this on
                  narrower tail tile beside it (96 = 64 + 32, 80 = 64 + 16, 192 = 128 + 64) instead of padded to
                  the next power of two (128, 128, 256): up to a quarter less matrix work and accumulator.
 
-Measured on an H200 and dropped (docs/h200-results-*.md, git history): FlashAttention-4's lazy rescaling (a
-block-wide vote costs more than the multiplies it saves) and a software-pipelined Q K^T (within noise).
+Measured on an H200 and dropped (docs/h200-results-*.md, docs/h200-session11-*.md, git history):
+FlashAttention-4's lazy rescaling (a block-wide vote costs more than the multiplies it saves), a
+software-pipelined Q K^T (within noise), and FlashAttention-4's exp2 on the FMA units for part of a tile (a
+degree-3 polynomial and an exponent add; commit 1534338): every form lost, 8-23% at head dim 64, so the
+special-function unit is not what bounds this loop; cutting a key tile into parts that share one max lost too.
 
 Conventions (the suite's contract): causal is aligned bottom-right, i.e. query row i sees keys
 j <= i + causal_offset with causal_offset = Skv - Sq (the blog's ``input_pos``); a row that sees no key
@@ -73,7 +76,7 @@ def fmha_fwd(
     CAUSAL: ConstBool, EVEN_N: ConstBool, HAS_WINDOW: ConstBool, SOFTCAP: ConstFloat,
     FAST_MATH: ConstBool, LOOP_SPLIT: ConstBool, MASK_BRANCH: ConstBool, REVERSE_ORDER: ConstBool,
     K_LATENCY: ConstInt, V_LATENCY: ConstInt, HEAD_GROUP: ConstInt, PERSISTENT: ConstBool, DYNAMIC: ConstBool,
-    PHASE: ConstInt, KEY_PARTS: ConstInt, POLY_PARTS: ConstInt,
+    PHASE: ConstInt,
 ):
     """One block per work item (grid: query tiles x batch * heads), or PERSISTENT: a grid of one block per SM
     slot, each taking every ``num_blocks``-th item in turn. The state arrays (B, Hq, Sq) float32 for the max
@@ -90,8 +93,7 @@ def fmha_fwd(
             attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_head, qk_scale,
                               causal_offset, window_left, window_right, num_heads, group, TILE_D, TILE_D_TAIL,
                               TILE_DV, TILE_DV_TAIL, TILE_M, TILE_N, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP, FAST_MATH,
-                              LOOP_SPLIT, MASK_BRANCH, K_LATENCY, V_LATENCY, PHASE, KEY_PARTS,
-                              POLY_PARTS)
+                              LOOP_SPLIT, MASK_BRANCH, K_LATENCY, V_LATENCY, PHASE)
             linear = ct.num_blocks(0) + ct.atomic_add(NextItem, 0, 1)
     elif PERSISTENT:
         for linear in range(ct.bid(0), num_items, ct.num_blocks(0)):
@@ -99,14 +101,13 @@ def fmha_fwd(
             attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_head, qk_scale,
                               causal_offset, window_left, window_right, num_heads, group, TILE_D, TILE_D_TAIL,
                               TILE_DV, TILE_DV_TAIL, TILE_M, TILE_N, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP, FAST_MATH,
-                              LOOP_SPLIT, MASK_BRANCH, K_LATENCY, V_LATENCY, PHASE, KEY_PARTS,
-                              POLY_PARTS)
+                              LOOP_SPLIT, MASK_BRANCH, K_LATENCY, V_LATENCY, PHASE)
     else:
         tile_m, batch_head = work_item(ct.bid(1) * num_m + ct.bid(0), num_m, num_bh, heaviest_first, HEAD_GROUP)
         attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_head, qk_scale,
                           causal_offset, window_left, window_right, num_heads, group, TILE_D, TILE_D_TAIL, TILE_DV,
                           TILE_DV_TAIL, TILE_M, TILE_N, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP, FAST_MATH, LOOP_SPLIT,
-                          MASK_BRANCH, K_LATENCY, V_LATENCY, PHASE, KEY_PARTS, POLY_PARTS)
+                          MASK_BRANCH, K_LATENCY, V_LATENCY, PHASE)
 
 
 @ct.kernel
@@ -118,7 +119,7 @@ def fmha_varlen(
     TILE_D: ConstInt, TILE_D_TAIL: ConstInt, TILE_DV: ConstInt, TILE_DV_TAIL: ConstInt,
     TILE_M: ConstInt, TILE_N: ConstInt,
     CAUSAL: ConstBool, FAST_MATH: ConstBool, REVERSE_ORDER: ConstBool, K_LATENCY: ConstInt, V_LATENCY: ConstInt,
-    HEAD_GROUP: ConstInt, KEY_PARTS: ConstInt, POLY_PARTS: ConstInt,
+    HEAD_GROUP: ConstInt,
 ):
     """Packed variable-length prefill: the same query-tile work as ``fmha_fwd``, on one sequence of the batch.
 
@@ -142,7 +143,7 @@ def fmha_varlen(
         attend_query_tile(q, k, v, out, q, q, q, tile_m, batch_head % num_heads, qk_scale,
                           (k_end - k_start) - (q_end - q_start), 0, 0, num_heads, group, TILE_D, TILE_D_TAIL, TILE_DV,
                           TILE_DV_TAIL, TILE_M, TILE_N, CAUSAL, False, False, 0.0, FAST_MATH, True, False, K_LATENCY,
-                          V_LATENCY, WHOLE, KEY_PARTS, POLY_PARTS)
+                          V_LATENCY, WHOLE)
 
 
 def work_item(linear, num_m, num_bh, HEAVIEST_FIRST, HEAD_GROUP):
@@ -168,7 +169,7 @@ def work_item(linear, num_m, num_bh, HEAVIEST_FIRST, HEAD_GROUP):
 def attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_head, qk_scale, causal_offset,
                       window_left, window_right, num_heads, group, TILE_D, TILE_D_TAIL, TILE_DV, TILE_DV_TAIL, TILE_M,
                       TILE_N, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP, FAST_MATH, LOOP_SPLIT, MASK_BRANCH, K_LATENCY,
-                      V_LATENCY, PHASE, KEY_PARTS, POLY_PARTS):
+                      V_LATENCY, PHASE):
     """Output rows ``tile_m`` of one (batch, query head): the whole FlashAttention forward for one Q tile, or
     the masked (DIAGONAL) or mask-free (OFF_DIAGONAL) part of it.
 
@@ -211,15 +212,13 @@ def attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_
             acc, acc_tail, l_i, m_i = attend_key_tile(
                 acc, acc_tail, l_i, m_i, q, q_tail, K, V, batch, kv_head, j, offs_m, qk_scale, score_scale_log2,
                 kv_len, causal_offset, window_left, window_right, TILE_M, TILE_N, TILE_D, TILE_D_TAIL, TILE_DV,
-                TILE_DV_TAIL, True, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP, True, FAST_MATH, K_LATENCY, V_LATENCY,
-                KEY_PARTS, POLY_PARTS)
+                TILE_DV_TAIL, True, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP, True, FAST_MATH, K_LATENCY, V_LATENCY)
     if PHASE != DIAGONAL and not MASK_BRANCH:
         for j in range(free_start, free_end):
             acc, acc_tail, l_i, m_i = attend_key_tile(
                 acc, acc_tail, l_i, m_i, q, q_tail, K, V, batch, kv_head, j, offs_m, qk_scale, score_scale_log2,
                 kv_len, causal_offset, window_left, window_right, TILE_M, TILE_N, TILE_D, TILE_D_TAIL, TILE_DV,
-                TILE_DV_TAIL, False, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP, False, FAST_MATH, K_LATENCY, V_LATENCY,
-                KEY_PARTS, POLY_PARTS)
+                TILE_DV_TAIL, False, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP, False, FAST_MATH, K_LATENCY, V_LATENCY)
     # The mask-free launch has no masked loop at all, not even an empty one, and neither has a kernel that needs
     # no mask (its mask-free loop ran every tile): a loop the compiler cannot prove empty keeps its pipeline
     # shallow (132 KB instead of 198 on sm_90).
@@ -231,7 +230,7 @@ def attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_
                 acc, acc_tail, l_i, m_i, q, q_tail, K, V, batch, kv_head, j, offs_m, qk_scale, score_scale_log2,
                 kv_len, causal_offset, window_left, window_right, TILE_M, TILE_N, TILE_D, TILE_D_TAIL, TILE_DV,
                 TILE_DV_TAIL, masked, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP, needs_mask, FAST_MATH, K_LATENCY,
-                V_LATENCY, KEY_PARTS, POLY_PARTS)
+                V_LATENCY)
 
     if PHASE == DIAGONAL:
         store_state(MaxState, SumState, AccState, m_i, l_i, acc, acc_tail, batch, head, tile_m, TILE_M, TILE_DV,
@@ -268,42 +267,20 @@ def key_tiles(tile_m, kv_len, causal_offset, window_left, window_right, TILE_M, 
 def attend_key_tile(acc, acc_tail, l_i, m_i, q, q_tail, K, V, batch, kv_head, j, offs_m, qk_scale, score_scale_log2,
                     kv_len, causal_offset, window_left, window_right, TILE_M, TILE_N, TILE_D, TILE_D_TAIL, TILE_DV,
                     TILE_DV_TAIL, MASKED, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP, MAY_BE_EMPTY, FAST_MATH, K_LATENCY,
-                    V_LATENCY, KEY_PARTS, POLY_PARTS):
+                    V_LATENCY):
     """Fold key tile j into the running state: its scores (capped, then masked where MASKED), the online
-    softmax, P V. MAY_BE_EMPTY: a row may have seen no key yet (see ``finite``).
-
-    KEY_PARTS > 1 runs the tile as that many narrower key tiles that share one running max: Q K^T and P V per
-    part. Then, in a tile without a mask, the last POLY_PARTS parts take exp2 from ``exp2_polynomial`` on the
-    FMA units instead of the special-function unit (see there)."""
-    PART_N = TILE_N // KEY_PARTS
-    parts = ()
-    for part in ct.static_iter(range(KEY_PARTS)):
-        qk = scores(q, q_tail, K, batch, kv_head, j * KEY_PARTS + part, qk_scale, TILE_M, PART_N, TILE_D,
-                    TILE_D_TAIL, SOFTCAP, FAST_MATH, K_LATENCY)
-        if MASKED:
-            qk = mask_scores(qk, offs_m, j * KEY_PARTS + part, kv_len, causal_offset, window_left, window_right,
-                             PART_N, CAUSAL, EVEN_N, HAS_WINDOW)
-        parts += (qk,)
-    m_tile = ct.max(parts[0], axis=-1, keepdims=True)
-    for part in ct.static_iter(range(1, KEY_PARTS)):
-        m_tile = ct.maximum(m_tile, ct.max(parts[part], axis=-1, keepdims=True))
-    alpha, m_ref, m_new = running_max(m_tile, m_i, score_scale_log2, MAY_BE_EMPTY, FAST_MATH)
-    l_i = l_i * alpha
-    for part in ct.static_iter(range(KEY_PARTS)):
-        if not MASKED and part >= KEY_PARTS - POLY_PARTS:
-            p = exp2_polynomial(parts[part] * score_scale_log2 - m_ref)
-        else:
-            p = ct.exp2(parts[part] * score_scale_log2 - m_ref, flush_to_zero=FAST_MATH)
-        l_i = l_i + ct.sum(p, axis=-1, keepdims=True)
-        p = p.astype(V.dtype)  # tensor cores take P in the input dtype
-        if part == 0:  # the accumulator shrinks once per tile, before its first part
-            acc = acc * alpha
-            if TILE_DV_TAIL > 0:
-                acc_tail = acc_tail * alpha
-        acc = ct.mma(p, load_rows(V, batch, kv_head, j * KEY_PARTS + part, PART_N, TILE_DV, 0, V_LATENCY), acc)
-        if TILE_DV_TAIL > 0:
-            v_tail = load_rows(V, batch, kv_head, j * KEY_PARTS + part, PART_N, TILE_DV_TAIL, TILE_DV, V_LATENCY)
-            acc_tail = ct.mma(p, v_tail, acc_tail)
+    softmax, P V. MAY_BE_EMPTY: a row may have seen no key yet (see ``finite``)."""
+    qk = scores(q, q_tail, K, batch, kv_head, j, qk_scale, TILE_M, TILE_N, TILE_D, TILE_D_TAIL, SOFTCAP, FAST_MATH,
+                K_LATENCY)
+    if MASKED:
+        qk = mask_scores(qk, offs_m, j, kv_len, causal_offset, window_left, window_right, TILE_N, CAUSAL, EVEN_N,
+                         HAS_WINDOW)
+    p, alpha, l_i, m_new = softmax_step(qk, l_i, m_i, score_scale_log2, MAY_BE_EMPTY, FAST_MATH)
+    p = p.astype(V.dtype)  # tensor cores take P in the input dtype
+    acc = ct.mma(p, load_rows(V, batch, kv_head, j, TILE_N, TILE_DV, 0, V_LATENCY), acc * alpha)
+    if TILE_DV_TAIL > 0:
+        v_tail = load_rows(V, batch, kv_head, j, TILE_N, TILE_DV_TAIL, TILE_DV, V_LATENCY)
+        acc_tail = ct.mma(p, v_tail, acc_tail * alpha)
     return acc, acc_tail, l_i, m_new
 
 
@@ -401,44 +378,14 @@ def mask_scores(qk, offs_m, j, kv_len, causal_offset, window_left, window_right,
 def softmax_step(qk, l_i, m_i, qk_scale_log2, MAY_BE_EMPTY, FAST_MATH):
     """The probabilities ``p`` of a score tile against the new running max, the factor ``alpha`` that rescales
     what was accumulated so far, the new running sum and max (log2 units); P V is the caller's."""
-    alpha, m_ref, m_new = running_max(ct.max(qk, axis=-1, keepdims=True), m_i, qk_scale_log2, MAY_BE_EMPTY,
-                                      FAST_MATH)
+    # The tile's row max in log2 units: the scale multiplies the row max once, not the whole tile twice.
+    m_tile = ct.max(qk, axis=-1, keepdims=True) * qk_scale_log2
+    m_new = ct.maximum(m_i, m_tile)
+    m_ref = finite(m_new, MAY_BE_EMPTY)
+    alpha = ct.exp2(m_i - m_ref, flush_to_zero=FAST_MATH)  # what was summed so far shrinks by 2**(old - new)
     p = ct.exp2(qk * qk_scale_log2 - m_ref, flush_to_zero=FAST_MATH)
     l_i = l_i * alpha + ct.sum(p, axis=-1, keepdims=True)
     return p, alpha, l_i, m_new
-
-
-def running_max(m_tile, m_i, qk_scale_log2, MAY_BE_EMPTY, FAST_MATH):
-    """From a score tile's row max (unscaled): the factor ``alpha`` that rescales what was summed so far, the
-    max that this tile's exponents subtract (finite) and the new running max, in log2 units."""
-    # The scale multiplies the row max once, not the whole tile twice.
-    m_new = ct.maximum(m_i, m_tile * qk_scale_log2)
-    m_ref = finite(m_new, MAY_BE_EMPTY)
-    alpha = ct.exp2(m_i - m_ref, flush_to_zero=FAST_MATH)  # what was summed so far shrinks by 2**(old - new)
-    return alpha, m_ref, m_new
-
-
-# exp2 on the FMA units, as FlashAttention-4 offloads part of its exponentials on Blackwell: per element, the
-# special-function unit (MUFU) does 16 exp2 per clock and SM on Hopper, the FMA units 128 multiply-adds. At head
-# dim 64 a 128 x 128 tile's 16K exponentials take as many clocks as its two matrix products, so the softmax, not
-# the tensor cores, can bound the loop. 2**x = 2**round(x) * 2**f with f in [-0.5, 0.5]: the polynomial gives
-# 2**f (minimax, degree 3, relative error 7.5e-5: below the rounding of P to fp16 or bf16), an integer add puts
-# round(x) into the exponent bits.
-EXP2_COEFFICIENTS = (0.9999280571937561, 0.6932609677314758, 0.2426111400127411, 0.0551716573536396)
-ROUNDING_SHIFT = 12582912.0  # 1.5 * 2**23: x + this rounds x to an integer, held in the low mantissa bits
-EXP2_FLOOR = -125.0  # below this the exponent add would leave the normal range (2**-125 is about 2e-38)
-
-
-def exp2_polynomial(x):
-    """2**x for x <= 0 in multiply-adds and integer ops only (no MUFU). Only for scores without a mask: it
-    returns about 2e-38, not 0, for x = -inf."""
-    x = ct.maximum(x, EXP2_FLOOR)
-    shifted = x + ROUNDING_SHIFT
-    f = x - (shifted - ROUNDING_SHIFT)  # x - round(x)
-    c0, c1, c2, c3 = EXP2_COEFFICIENTS
-    power = ((c3 * f + c2) * f + c1) * f + c0
-    exponent = ct.bitwise_lshift(ct.bitcast(shifted, ct.int32), 23)  # round(x) << 23; the shift's high bits drop
-    return ct.bitcast(ct.bitcast(power, ct.int32) + exponent, ct.float32)
 
 
 def finite(m, MAY_BE_EMPTY):

@@ -175,8 +175,7 @@ class VarlenCall(Launches):
         self.launches = [((tiles, inputs.batch * heads, 1), kernel, (
             q, k, v, o, inputs.cu_seqlens_q, inputs.cu_seqlens_k, scale, heads, heads // inputs.k.shape[1],
             *variant.head_tiles(head_dim, inputs.v.shape[-1]), variant.tile_m, variant.tile_n, inputs.causal,
-            variant.fast_math, variant.reverse_order, variant.k_latency, variant.v_latency, group, variant.key_parts,
-            variant.poly_parts))]
+            variant.fast_math, variant.reverse_order, variant.k_latency, variant.v_latency, group))]
 
 
 def varlen_space(capability: tuple[int, int], head_dim: int, causal: bool) -> list[Variant]:
