@@ -72,13 +72,12 @@ def export_cubin(variant: Variant, *, arch: str, dtype: torch.dtype = torch.floa
 
 
 def export_phases(variant: Variant, *, arch: str, **options) -> list[tuple[str, bytes]]:
-    """The cubin of each launch ``variant`` makes, named: one, or the diagonal and the mask-free launch."""
-    from impls.cutile.kernel import DIAGONAL, OFF_DIAGONAL
-
-    if not variant.two_launch:
-        return [("", export_cubin(variant, arch=arch, **options))]
-    return [(" [diagonal]", export_cubin(variant.diagonal(), arch=arch, phase=DIAGONAL, **options)),
-            (" [mask-free]", export_cubin(variant, arch=arch, phase=OFF_DIAGONAL, **options))]
+    """The cubin of each launch ``variant`` makes (``Variant.phases``), named: one, or the diagonal and the
+    mask-free launch."""
+    phases = variant.phases()
+    names = [" [diagonal]", " [mask-free]"] if len(phases) == 2 else [""]
+    return [(name, export_cubin(form, arch=arch, phase=phase, **options))
+            for name, (form, phase) in zip(names, phases, strict=True)]
 
 
 def launch_signature(kernel, arguments: tuple):

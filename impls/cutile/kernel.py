@@ -55,8 +55,9 @@ ConstFloat = ct.Constant[float]
 
 INV_LOG_2 = 1.0 / math.log(2)  # exp(x) == exp2(x * INV_LOG_2)
 ZERO_PAD = ct.PaddingMode.ZERO  # ragged K/V tiles read zeros (0 * garbage could be NaN)
-# PHASE: the whole forward in one launch, or its masked / mask-free halves (see the module docstring).
-WHOLE, DIAGONAL, OFF_DIAGONAL = 0, 1, 2
+# PHASE: the whole forward in one launch, or its masked / mask-free halves (see the module docstring), or both
+# halves as two loops of one persistent launch (TWO_LOOPS).
+WHOLE, DIAGONAL, OFF_DIAGONAL, TWO_LOOPS = 0, 1, 2, 3
 ARRAYS = ("Q", "K", "V", "Out", "MaxState", "SumState", "AccState", "NextItem")
 
 
@@ -86,7 +87,22 @@ def fmha_fwd(
     num_bh = Q.shape[0] * num_heads
     heaviest_first = CAUSAL and REVERSE_ORDER and PHASE != DIAGONAL  # diagonal items are all alike
     num_items = num_m * num_bh
-    if PERSISTENT and DYNAMIC:  # the first item by block index, every next one from the shared counter
+    if PERSISTENT and PHASE == TWO_LOOPS:
+        # The masked tiles of every item of this block, then the mask-free rest of the same items, in the same
+        # order, from the state the first loop left in the workspace: the block reads back only what it wrote.
+        for linear in range(ct.bid(0), num_items, ct.num_blocks(0)):
+            tile_m, batch_head = work_item(linear, num_m, num_bh, heaviest_first, HEAD_GROUP)
+            attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_head, qk_scale,
+                              causal_offset, window_left, window_right, num_heads, group, TILE_D, TILE_D_TAIL,
+                              TILE_DV, TILE_DV_TAIL, TILE_M, TILE_N, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP, FAST_MATH,
+                              LOOP_SPLIT, MASK_BRANCH, K_LATENCY, V_LATENCY, DIAGONAL)
+        for linear in range(ct.bid(0), num_items, ct.num_blocks(0)):
+            tile_m, batch_head = work_item(linear, num_m, num_bh, heaviest_first, HEAD_GROUP)
+            attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_head, qk_scale,
+                              causal_offset, window_left, window_right, num_heads, group, TILE_D, TILE_D_TAIL,
+                              TILE_DV, TILE_DV_TAIL, TILE_M, TILE_N, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP, FAST_MATH,
+                              LOOP_SPLIT, MASK_BRANCH, K_LATENCY, V_LATENCY, OFF_DIAGONAL)
+    elif PERSISTENT and DYNAMIC:  # the first item by block index, every next one from the shared counter
         linear = ct.bid(0)
         while linear < num_items:
             tile_m, batch_head = work_item(linear, num_m, num_bh, heaviest_first, HEAD_GROUP)
