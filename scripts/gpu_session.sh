@@ -158,28 +158,6 @@ for part in "$@"; do
       step tails-sweep 150 python3 scripts/sweep.py --d 96 --seqlens 4096 16384 --which sdpa cutile --tuner-space \
         --match 'sdpa-cudnn' --match 'cutile:*' --out "$out/tails-sweep.json"
       ;;
-    loops)
-      # issue 15's last direction: the masked and the mask-free halves as two loops of one persistent launch
-      # (TWO_LOOPS), checked on the edge cases (and under memcheck), then timed beside the tuner's causal forms.
-      # Compiling and checking run side by side first; the timed sweeps one at a time.
-      loops=(--seqlens 2048 4096 8192 16384 --causal causal --which sdpa cutile --match sdpa-cudnn
-             --match 'cutile:*two-loops*' --match 'cutile:128x128:*:L3,6:persistent:g-auto'
-             --match 'cutile:*:persistent:dynamic:g-auto' --match "cutile:64x128:{'occupancy': 2}:L2,4:g-auto"
-             --match "cutile:128x64:{'occupancy': 2}:L2,4:g-auto"
-             --match "cutile:128x128:{'occupancy': 1, 'num_worker_warps': 8}:L2,4:g-auto")
-      FMHA_CANDIDATES='*two-loops*' step loops-candidates 200 python3 -m pytest tests/test_gpu_candidates.py \
-        -k cutile -q -p no:cacheprovider -rf &
-      for d in 128 64; do
-        step "loops-compile-d$d" 250 python3 scripts/sweep.py --d "$d" "${loops[@]}" --check-only --which cutile &
-      done
-      wait
-      FMHA_CANDIDATES='*two-loops*' step loops-memcheck 150 compute-sanitizer --tool memcheck --error-exitcode 9 \
-        python3 -m pytest tests/test_gpu_candidates.py -k "cutile and unit" -q -p no:cacheprovider
-      grep -E "ERROR SUMMARY|passed|failed" "$out/loops-memcheck.log" | tail -3
-      for d in 128 64; do
-        step "loops-d$d" 150 python3 scripts/sweep.py --d "$d" "${loops[@]}" --out "$out/loops-d$d.json"
-      done
-      ;;
     decode-probe)
       # the serving cases where a peer led ours in session 10, as the probe times them (graph of 20 calls)
       step decode-probe 300 python3 scripts/serving_probe.py --skip-varlen \

@@ -40,8 +40,7 @@ def cutile_candidates(head_dim: int = 128, extras: bool = True):
              replace(persistent, mask_branch=True), replace(persistent, loop_split=False),
              pair, replace(pair, persistent=True),
              *(replace(persistent, two_launch=True, k_latency=k, v_latency=v) for k, v in ((2, 4), (4, 8))),
-             replace(wide, two_launch=True), *other_forms(),
-             *(replace(persistent, two_loops=True, k_latency=k, v_latency=v) for k, v in ((2, 4), (4, 4), (4, 8)))]
+             replace(wide, two_launch=True), *other_forms()]
     seen = set()
     named = [(name, v) for name, (v, _) in LADDER.items()] if extras else []
     space = [*search_space((9, 0), head_dim, causal=True), *search_space((9, 0), head_dim, causal=False)]

@@ -54,13 +54,7 @@ class Variant:
     persistent: bool = False  # one block per SM slot, looping over the query tiles
     two_launch: bool = False  # the masked tiles in a launch of their own, then the mask-free ones (kernel PHASE)
     dynamic: bool = False  # persistent: the next work item from an atomic counter (kernel DYNAMIC)
-    two_loops: bool = False  # persistent: the masked tiles of a block's items, then their mask-free rest (TWO_LOOPS)
     head_tail: bool = True  # a head dim that is not a power of two: one and a tail tile, not padded (head_tiles)
-
-    def __post_init__(self) -> None:
-        if self.two_loops and not (self.persistent and not self.dynamic and not self.two_launch):
-            raise ValueError("two_loops is a form of the persistent kernel with a fixed share of the work items: "
-                             "not with dynamic or two_launch, and only with persistent")
 
     def heads_per_group(self, *, causal: bool, kv_len: int, head_dim: int, itemsize: int) -> int:
         """HEAD_GROUP for this launch: 1 unless the causal blocks run heaviest first. The automatic choice keeps
@@ -112,13 +106,13 @@ class Variant:
                 for form, phase in self.phases()]
 
     def phases(self) -> list[tuple[Variant, int]]:
-        """The form and kernel PHASE of each launch: the whole forward, its diagonal and mask-free launches
-        (``two_launch``), or both halves as two loops of one launch (``two_loops``)."""
-        from impls.cutile.kernel import DIAGONAL, OFF_DIAGONAL, TWO_LOOPS, WHOLE
+        """The form and kernel PHASE of each launch: the whole forward, or its diagonal and mask-free launches
+        (``two_launch``)."""
+        from impls.cutile.kernel import DIAGONAL, OFF_DIAGONAL, WHOLE
 
         if self.two_launch:
             return [(self.diagonal(), DIAGONAL), (self, OFF_DIAGONAL)]
-        return [(self, TWO_LOOPS if self.two_loops else WHOLE)]
+        return [(self, WHOLE)]
 
     def diagonal(self) -> Variant:
         """Launch 1 of a two-launch variant: one block per query tile, all alike (a tile or two of masked work
@@ -129,9 +123,8 @@ class Variant:
         """The kernel's workspace: the softmax state the two launches pass on (max and sum (B, Hq, Sq) and the
         unnormalised accumulator (B, Hq, Sq, TILE_DV), all float32, the kernel's own precision), then the
         dynamic scheduler's counter (one int32, zeroed before every launch). Unused parts are placeholders."""
-        split = self.two_launch or self.two_loops
-        rows = q.shape[:3] if split else (1, 1, 1)
-        width = tile_d(value_dim or q.shape[-1]) if split else 1
+        rows = q.shape[:3] if self.two_launch else (1, 1, 1)
+        width = tile_d(value_dim or q.shape[-1]) if self.two_launch else 1
         return (torch.empty(rows, dtype=torch.float32, device=q.device),
                 torch.empty(rows, dtype=torch.float32, device=q.device),
                 torch.empty((*rows, width), dtype=torch.float32, device=q.device),
@@ -150,8 +143,7 @@ class Variant:
     def label(self) -> str:
         """A short name: tiles, hints, latencies and the switches that differ from the defaults."""
         flags = (("nosplit", not self.loop_split), ("branch", self.mask_branch), ("persistent", self.persistent),
-                 ("dynamic", self.dynamic), ("two-launch", self.two_launch), ("two-loops", self.two_loops),
-                 ("padded", not self.head_tail))
+                 ("dynamic", self.dynamic), ("two-launch", self.two_launch), ("padded", not self.head_tail))
         switches = "".join(f":{flag}" for flag, on in flags if on)
         group = {1: "", None: ":g-auto"}.get(self.head_group, f":g{self.head_group}")
         return f"{self.tile_m}x{self.tile_n}:{self.hints()}:L{self.k_latency},{self.v_latency}{switches}{group}"
@@ -246,9 +238,10 @@ def hopper_space(width: int, causal: bool) -> list[Variant]:
     ran 1-4% behind the fixed share. 64x64 and 128x64 with occupancy 2 for short rows, 128x256 next best on
     long non-causal rows. Measured and left out (scripts/sweep.py reproduces them):
     256x128 (<=361), num_ctas=2 (11), the lazy rescale (5-20% slower), the software-pipelined Q K^T and the
-    split as a run-time branch (both within noise), 64x128 with occupancy 1, and (session 11) a key tile cut into
-    two or four parts sharing one max, with exp2 from a polynomial on the FMA units in some of them: all slower
-    (D=64 full 4K, persistent 128x128: 435 -> 337-382 TFLOPS).
+    split as a run-time branch (both within noise), 64x128 with occupancy 1. Session 11: a key tile cut into two
+    or four parts sharing one max, with exp2 from a polynomial on the FMA units in some of them, all slower (D=64
+    full 4K, persistent 128x128: 435 -> 337-382 TFLOPS); the causal halves as two loops of one persistent launch
+    (167-200 KB of pipeline, yet blog causal 2K / 16K 282 / 471 against 444 / 554 for one block per tile).
 
     Head dims: up to 64 a score tile twice as wide fits beside the small accumulator; a 256-wide accumulator
     (head dims 136-256) takes half the rows per warpgroup (checked for spills with scripts/cutile_sass.py).
@@ -273,7 +266,7 @@ def other_forms() -> list[Variant]:
     checked for correctness with the candidates: the causal persistent kernel with a dynamic scheduler, and
     two launches with a fixed or dynamic share."""
     return [replace(HOPPER_STREAMING, dynamic=True), replace(HOPPER_STREAMING, two_launch=True),
-            replace(HOPPER_STREAMING, dynamic=True, two_launch=True), replace(HOPPER_STREAMING, two_loops=True)]
+            replace(HOPPER_STREAMING, dynamic=True, two_launch=True)]
 
 
 def requires(device: str) -> str | None:

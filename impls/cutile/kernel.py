@@ -36,6 +36,10 @@ FlashAttention-4's lazy rescaling (a block-wide vote costs more than the multipl
 software-pipelined Q K^T (within noise), and FlashAttention-4's exp2 on the FMA units for part of a tile (a
 degree-3 polynomial and an exponent add; commit 1534338): every form lost, 8-23% at head dim 64, so the
 special-function unit is not what bounds this loop; cutting a key tile into parts that share one max lost too.
+Also measured and dropped (commit ccf50f3 has it): the PHASE halves as two loops of one persistent launch, the
+same block running the masked tiles of its items and then their mask-free rest (a deeper pipeline, 167-200 KB,
+but the fixed share of causal work and the state traffic cost more: blog causal 2K 282, 16K 471 TFLOPS against
+444 and 554 for one block per query tile).
 
 Conventions (the suite's contract): causal is aligned bottom-right, i.e. query row i sees keys
 j <= i + causal_offset with causal_offset = Skv - Sq (the blog's ``input_pos``); a row that sees no key
@@ -55,9 +59,8 @@ ConstFloat = ct.Constant[float]
 
 INV_LOG_2 = 1.0 / math.log(2)  # exp(x) == exp2(x * INV_LOG_2)
 ZERO_PAD = ct.PaddingMode.ZERO  # ragged K/V tiles read zeros (0 * garbage could be NaN)
-# PHASE: the whole forward in one launch, or its masked / mask-free halves (see the module docstring), or both
-# halves as two loops of one persistent launch (TWO_LOOPS).
-WHOLE, DIAGONAL, OFF_DIAGONAL, TWO_LOOPS = 0, 1, 2, 3
+# PHASE: the whole forward in one launch, or its masked / mask-free halves (see the module docstring).
+WHOLE, DIAGONAL, OFF_DIAGONAL = 0, 1, 2
 ARRAYS = ("Q", "K", "V", "Out", "MaxState", "SumState", "AccState", "NextItem")
 
 
@@ -87,22 +90,7 @@ def fmha_fwd(
     num_bh = Q.shape[0] * num_heads
     heaviest_first = CAUSAL and REVERSE_ORDER and PHASE != DIAGONAL  # diagonal items are all alike
     num_items = num_m * num_bh
-    if PERSISTENT and PHASE == TWO_LOOPS:
-        # The masked tiles of every item of this block, then the mask-free rest of the same items, in the same
-        # order, from the state the first loop left in the workspace: the block reads back only what it wrote.
-        for linear in range(ct.bid(0), num_items, ct.num_blocks(0)):
-            tile_m, batch_head = work_item(linear, num_m, num_bh, heaviest_first, HEAD_GROUP)
-            attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_head, qk_scale,
-                              causal_offset, window_left, window_right, num_heads, group, TILE_D, TILE_D_TAIL,
-                              TILE_DV, TILE_DV_TAIL, TILE_M, TILE_N, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP, FAST_MATH,
-                              LOOP_SPLIT, MASK_BRANCH, K_LATENCY, V_LATENCY, DIAGONAL)
-        for linear in range(ct.bid(0), num_items, ct.num_blocks(0)):
-            tile_m, batch_head = work_item(linear, num_m, num_bh, heaviest_first, HEAD_GROUP)
-            attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_head, qk_scale,
-                              causal_offset, window_left, window_right, num_heads, group, TILE_D, TILE_D_TAIL,
-                              TILE_DV, TILE_DV_TAIL, TILE_M, TILE_N, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP, FAST_MATH,
-                              LOOP_SPLIT, MASK_BRANCH, K_LATENCY, V_LATENCY, OFF_DIAGONAL)
-    elif PERSISTENT and DYNAMIC:  # the first item by block index, every next one from the shared counter
+    if PERSISTENT and DYNAMIC:  # the first item by block index, every next one from the shared counter
         linear = ct.bid(0)
         while linear < num_items:
             tile_m, batch_head = work_item(linear, num_m, num_bh, heaviest_first, HEAD_GROUP)
