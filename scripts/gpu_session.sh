@@ -158,6 +158,17 @@ for part in "$@"; do
       step tails-sweep 150 python3 scripts/sweep.py --d 96 --seqlens 4096 16384 --which sdpa cutile --tuner-space \
         --match 'sdpa-cudnn' --match 'cutile:*' --out "$out/tails-sweep.json"
       ;;
+    decode-wide)
+      # the long uniform serving cases where FlashInfer led ours by 0.5-2.2% in session 11: Triton's wider decode
+      # space beside FlashInfer, timed the same way in one process (carry .gpu-fi; cuTile not needed)
+      step decode-wide 420 python3 scripts/serving_probe.py --skip-varlen --no-cutile --triton wide \
+        --peer flashinfer --peer triton \
+        --case llama3-8b-paged-bf16-h32:8-q1-kv8192-uniform-p16-d128-b256 \
+        --case llama3-8b-paged-bf16-h32:8-q1-kv32768-uniform-p16-d128-b64 \
+        --case llama3-8b-paged-bf16-h32:8-q1-kv2048-uniform-p16-d128-b256 \
+        --case llama3-70b-tp8-paged-bf16-h8:1-q1-kv32768-uniform-p16-d128-b64 \
+        --case llama3-70b-tp8-paged-bf16-h8:1-q1-kv8192-uniform-p16-d128-b256
+      ;;
     decode-probe)
       # the serving cases where a peer led ours in session 10, as the probe times them (graph of 20 calls)
       step decode-probe 300 python3 scripts/serving_probe.py --skip-varlen \

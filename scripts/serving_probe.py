@@ -3,7 +3,9 @@
 For one paged-decode case: building the inputs, the float64 oracle, and per decode candidate its first call
 (compile) and its time per call (one replay of a CUDA graph of 20 calls). ``--occupancy N`` and ``--latency
 K,V`` (repeatable) add each cuTile candidate with that many blocks per SM asked of the compiler or those load
-latencies; ``--triton wide`` sweeps a wider Triton decode space (TRITON_WIDE) than the tuner's. For the
+latencies; ``--triton wide`` sweeps a wider Triton decode space (TRITON_WIDE) than the tuner's; ``--peer NAME``
+times a registered implementation of the operation the same way, in the same process (``--no-cutile`` leaves
+cuTile out, for a machine without its toolchain). For the
 equal-length varlen batch: each varlen candidate beside the dense kernel with the same variant on the same
 shape (the varlen path should cost nothing over dense). Prints JSON lines.
 
@@ -19,6 +21,7 @@ from dataclasses import replace
 
 import torch
 
+import impls
 from impls._tuning import graph_ms
 from impls.cutile import Call, _sm_count, needs_int64, precompile
 from impls.cutile.serving import DecodeCall, VarlenCall, decode_space, varlen_space
@@ -49,7 +52,8 @@ def report(name: str, call, case, oracle, **extra) -> None:
                       "gbps": metrics.kv_bytes(case) / ms / 1e6, "passed": oracle.check(call()).passed}), flush=True)
 
 
-def probe_decode(case_id: str, occupancies: list[int], triton: str, latencies: list[str]) -> None:
+def probe_decode(case_id: str, occupancies: list[int], triton: str, latencies: list[str], peers: list[str],
+                 cutile: bool = True) -> None:
     case = next(c for c in preset("serving") if c.id == case_id)
     t = time.perf_counter()
     inputs = case.make_inputs("cuda")
@@ -60,7 +64,13 @@ def probe_decode(case_id: str, occupancies: list[int], triton: str, latencies: l
     torch.cuda.synchronize()
     print(json.dumps({"oracle_s": time.perf_counter() - t}), flush=True)
     scale = inputs.head_dim ** -0.5
-    space = decode_space(inputs.page_size, huge=needs_int64(inputs.k_cache, inputs.v_cache))
+    for name in peers:
+        try:
+            prepared = impls.get(name, "paged").prepare(inputs, scale=scale)
+            report(name, prepared, case, oracle, config=str(prepared.config)[:200])
+        except Exception as exc:  # a peer that cannot run this case: say why, go on
+            print(json.dumps({"variant": name, "error": str(exc)[:200]}), flush=True)
+    space = decode_space(inputs.page_size, huge=needs_int64(inputs.k_cache, inputs.v_cache)) if cutile else []
     space += [replace(v, occupancy=n) for n in occupancies for v in space]
     for pair in latencies:  # K and V load latencies of each candidate's form
         k, v = (int(x) for x in pair.split(","))
@@ -97,11 +107,13 @@ def main() -> None:
     parser.add_argument("--occupancy", action="append", type=int, default=[], help="cuTile blocks per SM to try")
     parser.add_argument("--triton", choices=("tuner", "wide", "none"), default="tuner",
                         help="the Triton configs beside cuTile's: the tuner's space, TRITON_WIDE, or none")
+    parser.add_argument("--peer", action="append", default=[], help="a registered implementation to time too")
+    parser.add_argument("--no-cutile", action="store_true", help="leave cuTile's candidates out")
     parser.add_argument("--latency", action="append", default=[], metavar="K,V",
                         help="cuTile K and V load latencies to try on every candidate (repeatable)")
     args = parser.parse_args()
     for case_id in args.case or ["llama3-8b-paged-bf16-h32:8-q1-kv8192-uniform-p16-d128-b64"]:
-        probe_decode(case_id, args.occupancy, args.triton, args.latency)
+        probe_decode(case_id, args.occupancy, args.triton, args.latency, args.peer, cutile=not args.no_cutile)
     if not args.skip_varlen:
         probe_varlen()
 
