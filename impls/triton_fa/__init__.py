@@ -272,7 +272,10 @@ def _describe(cfg) -> dict:
 # batch 1; 8 warps with 3+ stages and 256-key tiles lost everywhere. Each of these is tried with the split plans
 # that aim at 2, 4 and 8 programs per SM (PLAN_PROGRAMS): the chunk count is part of the search, so that a batch
 # whose plan lands just past a wave can take fewer or more chunks (no other split kernel is compiled for it).
-DECODE_TILES = ((128, 4, 3), (128, 4, 2), (64, 4, 2), (64, 8, 2), (32, 4, 2))
+# Session 11 (H200, same probe beside FlashInfer): 64 keys with 3 stages, once the combine was gone from unsplit
+# steps, read 4.48 TB/s at 8B 256 x 8K and 4.38 at 256 x 2K (64 x 4 x 2: 4.16, 4.12; the tuner's choice 128 x 4 x 3:
+# 4.43, 4.31); a fourth stage added nothing.
+DECODE_TILES = ((128, 4, 3), (128, 4, 2), (64, 4, 3), (64, 4, 2), (64, 8, 2), (32, 4, 2))
 DECODE_SPACE = [{"BLOCK_N": n, "num_warps": w, "num_stages": st, "PLAN_PROGRAMS": programs}
                 for n, w, st in DECODE_TILES for programs in (2, PROGRAMS_PER_SM, 8)]
 INTERPRETER_DECODE_CONFIG = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "PLAN_PROGRAMS": PROGRAMS_PER_SM}
