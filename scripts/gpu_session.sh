@@ -22,6 +22,10 @@
 #   tails:    head dims with a tail tile (cuTile): every cuTile candidate on the edge cases, the models preset's
 #             D=96 and MLA cases, and a sweep of the tuner's D=96 candidates with a tail against padded
 #   dynamic:  the dynamically scheduled persistent cuTile candidates beside the best fixed ones (sweep)
+#   decode-probe: scripts/serving_probe.py on the 256-sequence serving cases: every cuTile decode candidate and
+#             Triton's tuner space (graph of 20 calls)
+#   decode-wide: the same probe on the long uniform cases: Triton's wide space beside FlashInfer in one process
+#             (carry .gpu-fi; no cuTile)
 #   node:     (several GPUs) issue 14's evidence, PER_GPU workers a GPU (default: the cores / GPUs), as two parts
 #             that each fit one call: node-correct (the correctness preset cold and warm over all GPUs, cold over
 #             one; heartbeats time a stopped pass) and node-bench (the fleet check of blog; blog on one GPU and

@@ -72,12 +72,13 @@ def export_cubin(variant: Variant, *, arch: str, dtype: torch.dtype = torch.floa
 
 
 def export_phases(variant: Variant, *, arch: str, **options) -> list[tuple[str, bytes]]:
-    """The cubin of each launch ``variant`` makes (``Variant.phases``), named: one, or the diagonal and the
-    mask-free launch."""
-    phases = variant.phases()
-    names = [" [diagonal]", " [mask-free]"] if len(phases) == 2 else [""]
-    return [(name, export_cubin(form, arch=arch, phase=phase, **options))
-            for name, (form, phase) in zip(names, phases, strict=True)]
+    """The cubin of each launch ``variant`` makes (``Variant.phases``), named by its PHASE: one, or the diagonal
+    and the mask-free launch."""
+    from impls.cutile.kernel import DIAGONAL, OFF_DIAGONAL, WHOLE
+
+    names = {WHOLE: "", DIAGONAL: " [diagonal]", OFF_DIAGONAL: " [mask-free]"}
+    return [(names[phase], export_cubin(form, arch=arch, phase=phase, **options))
+            for form, phase in variant.phases()]
 
 
 def launch_signature(kernel, arguments: tuple):
