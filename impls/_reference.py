@@ -98,5 +98,10 @@ def serving_attention_ref(inputs, *, scale: float | None = None, upcast: bool = 
     from impls._serving import sequences
 
     scale = inputs.scale(scale)
-    return {b: attention_ref(q, k, v, causal=causal, scale=scale, upcast=upcast)
-            for b, q, k, v, causal in sequences(inputs, indices)}
+
+    def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+        if 0 in (q.shape[2], k.shape[2]):  # a varlen sequence with no rows, or rows that see no key: zeros
+            return q.new_zeros((*q.shape[:3], v.shape[-1]))
+        return attention_ref(q, k, v, causal=causal, scale=scale, upcast=upcast)
+
+    return {b: reference(q, k, v, causal) for b, q, k, v, causal in sequences(inputs, indices)}

@@ -26,6 +26,8 @@
 #             Triton's tuner space (graph of 20 calls)
 #   decode-wide: the same probe on the long uniform cases: Triton's wide space beside FlashInfer in one process
 #             (carry .gpu-fi; no cuTile)
+#   varlen-probe: every cuTile serving candidate (varlen in both ways of finding a sequence's rows) on the
+#             twins and the uneven packed batches, then scripts/serving_probe.py --varlen-only
 #   node:     (several GPUs) issue 14's evidence, PER_GPU workers a GPU (default: the cores / GPUs), as two parts
 #             that each fit one call: node-correct (the correctness preset cold and warm over all GPUs, cold over
 #             one; heartbeats time a stopped pass) and node-bench (the fleet check of blog; blog on one GPU and
@@ -181,6 +183,11 @@ for part in "$@"; do
         --case llama3-70b-tp8-paged-bf16-h8:1-q1-kv8192-uniform-p16-d128-b256 \
         --case llama3-8b-paged-bf16-h32:8-q1-kv512-uniform-p16-d128-b256 \
         --case llama3-8b-paged-bf16-h32:8-q1-kv2048-uniform-p16-d128-b256
+      ;;
+    varlen-probe)
+      step varlen-candidates 300 python3 -m pytest tests/test_gpu_candidates.py -k "serving or uneven" -q \
+        -p no:cacheprovider
+      step varlen-probe 280 python3 scripts/serving_probe.py --varlen-only
       ;;
     dynamic)
       step dynamic 150 python3 scripts/sweep.py --seqlens 2048 8192 16384 --causal both --which sdpa cutile \

@@ -5,9 +5,10 @@ For one paged-decode case: building the inputs, the float64 oracle, and per deco
 K,V`` (repeatable) add each cuTile candidate with that many blocks per SM asked of the compiler or those load
 latencies; ``--triton wide`` sweeps a wider Triton decode space (TRITON_WIDE) than the tuner's; ``--peer NAME``
 times a registered implementation of the operation the same way, in the same process (``--no-cutile`` leaves
-cuTile out, for a machine without its toolchain). For the
-equal-length varlen batch: each varlen candidate beside the dense kernel with the same variant on the same
-shape (the varlen path should cost nothing over dense). Prints JSON lines.
+cuTile out, for a machine without its toolchain). Varlen (``--varlen-only``: nothing else): each varlen
+candidate in both of the kernel's ways of finding a sequence's rows, on every ``varlen`` case, and on the
+equal-length batch beside the dense kernel with the same variant on the same shape (the varlen path should
+cost nothing over dense). Prints JSON lines.
 
     python scripts/serving_probe.py --case llama3-8b-paged-bf16-h32:8-q1-kv8192-uniform-p16-d128-b64
 """
@@ -86,24 +87,41 @@ def probe_decode(case_id: str, occupancies: list[int], triton: str, latencies: l
             print(json.dumps({"variant": f"triton {config}", "error": str(exc)[:200]}), flush=True)
 
 
-def probe_varlen() -> None:
+def probe_varlen(rounds: int = 3) -> None:
+    """Each varlen candidate in both ways of finding a sequence's rows (row offsets into the packed tensors'
+    tensor maps, or slices: four tensor maps built per block) beside the dense kernel of the same variant on
+    the equal-length batch, in ``rounds`` interleaved rounds; then both forms on the random-length batches."""
     dense_case, = [c for c in preset("varlen") if c.op == "dense"]
-    varlen_case, = [c for c in preset("varlen") if c.lengths == "equal"]
-    inputs = varlen_case.make_inputs("cuda")
     q, k, v = dense_case.make_inputs("cuda")
-    scale = inputs.head_dim ** -0.5
-    for variant in varlen_space(torch.cuda.get_device_capability(), inputs.head_dim, True):
-        packed = VarlenCall(variant, inputs, scale=scale)
-        dense = Call(variant, q, k, v, causal=True, scale=scale)
-        precompile([packed, dense])
-        print(json.dumps({"variant": variant.label(), "varlen_ms": graph_ms(packed, repeats=20),
-                          "dense_ms": graph_ms(dense, repeats=20)}), flush=True)
+    for varlen_case in [c for c in preset("varlen") if c.op == "varlen"]:
+        inputs = varlen_case.make_inputs("cuda")
+        scale = inputs.head_dim ** -0.5
+        equal = varlen_case.lengths == "equal"
+        for variant in varlen_space(torch.cuda.get_device_capability(), inputs.head_dim, True):
+            calls = {"offsets": VarlenCall(variant, inputs, scale=scale),
+                     "sliced": VarlenCall(variant, inputs, scale=scale, row_offsets=False)}
+            if equal:
+                calls["dense"] = Call(variant, q, k, v, causal=True, scale=scale)
+            precompile(list(calls.values()))
+            oracle = Oracle.serving(inputs) if variant == varlen_space(torch.cuda.get_device_capability(),
+                                                                       inputs.head_dim, True)[0] else None
+            ms = {name: [] for name in calls}
+            for _ in range(rounds):
+                for name, call in calls.items():
+                    ms[name].append(graph_ms(call, repeats=20))
+            row = {"case": varlen_case.id, "variant": variant.label(),
+                   **{f"{name}_ms": sorted(times)[len(times) // 2] for name, times in ms.items()}}
+            if oracle is not None:
+                row["passed"] = {name: oracle.check(calls[name]()).passed for name in ("offsets", "sliced")}
+            print(json.dumps(row), flush=True)
+            del calls
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--case", action="append", help="a serving case id (repeatable)")
     parser.add_argument("--skip-varlen", action="store_true")
+    parser.add_argument("--varlen-only", action="store_true", help="no decode case, only the varlen probe")
     parser.add_argument("--occupancy", action="append", type=int, default=[], help="cuTile blocks per SM to try")
     parser.add_argument("--triton", choices=("tuner", "wide", "none"), default="tuner",
                         help="the Triton configs beside cuTile's: the tuner's space, TRITON_WIDE, or none")
@@ -112,7 +130,8 @@ def main() -> None:
     parser.add_argument("--latency", action="append", default=[], metavar="K,V",
                         help="cuTile K and V load latencies to try on every candidate (repeatable)")
     args = parser.parse_args()
-    for case_id in args.case or ["llama3-8b-paged-bf16-h32:8-q1-kv8192-uniform-p16-d128-b64"]:
+    default = [] if args.varlen_only else ["llama3-8b-paged-bf16-h32:8-q1-kv8192-uniform-p16-d128-b64"]
+    for case_id in args.case or default:
         probe_decode(case_id, args.occupancy, args.triton, args.latency, args.peer, cutile=not args.no_cutile)
     if not args.skip_varlen:
         probe_varlen()

@@ -235,6 +235,33 @@ def varlen(model: tuple[str, int, int, int], batch: int, total: int, *, lengths:
     return Case(batch, hq, hkv, total, total, d, dtype, causal, op="varlen", lengths=lengths, model=name)
 
 
+# Packed batches that the varlen cases do not make, as (query lengths, key lengths, causal): more keys than
+# queries (chunked prefill), sequences with no queries or no keys, sequences shorter than a tile, the last one
+# ending the packed tensors. For tests on CPU and GPU (``uneven_varlen``).
+UNEVEN_VARLEN = [
+    ([70, 0, 190, 3], [200, 64, 190, 3], True),
+    ([1, 129, 64, 0, 77], [1, 300, 0, 5, 77], False),
+    ([64, 1, 200], [0, 1, 333], True),  # the first sequence's rows see no key: zeros
+]
+
+
+def uneven_varlen(lengths_q: list[int], lengths_k: list[int], causal: bool, device: str | torch.device, *,
+                  heads: tuple[int, int] = (8, 2), head_dim: int = 128, dtype: torch.dtype = torch.bfloat16):
+    """A ``Varlen`` of random inputs with these per-sequence lengths."""
+    from impls._serving import Varlen
+
+    gen = torch.Generator(device=device).manual_seed(len(lengths_q))
+
+    def packed(rows: int, h: int) -> torch.Tensor:
+        return torch.randn((rows, h, head_dim), generator=gen, device=device).to(dtype)
+
+    cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32, device=device)
+                  for n in (lengths_q, lengths_k))
+    total_q, total_k = sum(lengths_q), sum(lengths_k)
+    return Varlen(packed(total_q, heads[0]), packed(total_k, heads[1]), packed(total_k, heads[1]), cu_q, cu_k,
+                  causal=causal)
+
+
 def _serving() -> list[Case]:
     """Decode steps of two models: batch x cache length up to MAX_SERVING_TOKENS, one token per sequence,
     pages of 16; then at two points the variations: long-tailed lengths, pages of 64, 4 new tokens."""

@@ -88,7 +88,8 @@ class Oracle:
     def serving(cls, inputs, *, scale: float | None = None) -> Oracle:
         """Sampled sequences of a paged-decode or varlen batch, every head and query row of each."""
         batch = inputs.q.shape[0] if inputs.op == "paged" else inputs.batch
-        seqs = sampled_sequences(batch)
+        rows = [1] * batch if inputs.op == "paged" else inputs.seqlens_q()
+        seqs = [b for b in sampled_sequences(batch) if rows[b]]  # a varlen sequence may have no rows to check
         refs = serving_attention_ref(inputs, scale=scale, upcast=True, indices=seqs)
         naives = serving_attention_ref(inputs, scale=scale, upcast=False, indices=seqs)
 

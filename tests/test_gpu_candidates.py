@@ -17,7 +17,7 @@ from fnmatch import fnmatchcase
 import pytest
 import torch
 
-from suite.cases import Case
+from suite.cases import UNEVEN_VARLEN, Case, uneven_varlen
 from suite.checks import Oracle
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -113,17 +113,13 @@ def cutile_serving_candidates(inputs) -> list[tuple[str, Callable[[], torch.Tens
         calls = [DecodeCall(var, inputs, scale=scale, sm_count=1) for var in decode_space(inputs.page_size)]
     else:
         space = varlen_space(torch.cuda.get_device_capability(), inputs.head_dim, inputs.causal)
-        calls = [VarlenCall(var, inputs, scale=scale) for var in space]
+        calls = [VarlenCall(var, inputs, scale=scale, row_offsets=offsets) for var in space for offsets in (True, False)
+                 if offsets or all(inputs.seqlens_k())]  # slices cannot be empty
     precompile(calls)
-    return [(str(call.variant), call) for call in calls]
+    return [(f"{call.variant} {'row offsets' if getattr(call, 'row_offsets', False) else ''}", call) for call in calls]
 
 
-@pytest.mark.parametrize("case", serving_cases(), ids=lambda c: c.id)
-def test_every_serving_candidate(case: Case, monkeypatch):
-    import impls._serving
-
-    monkeypatch.setattr(impls._serving, "SPLIT_MIN_TILES", 1)  # the short twins split, the combine runs
-    inputs = case.make_inputs("cuda")
+def check_serving_candidates(inputs) -> None:
     oracle = Oracle.serving(inputs)
     failures = []
     for name, call in cutile_serving_candidates(inputs):
@@ -132,3 +128,16 @@ def test_every_serving_candidate(case: Case, monkeypatch):
         if not result.passed:
             failures.append(f"{name}: {result.message}")
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("case", serving_cases(), ids=lambda c: c.id)
+def test_every_serving_candidate(case: Case, monkeypatch):
+    import impls._serving
+
+    monkeypatch.setattr(impls._serving, "SPLIT_MIN_TILES", 1)  # the short twins split, the combine runs
+    check_serving_candidates(case.make_inputs("cuda"))
+
+
+@pytest.mark.parametrize("lengths_q, lengths_k, causal", UNEVEN_VARLEN)
+def test_every_varlen_candidate_on_uneven_batches(lengths_q: list[int], lengths_k: list[int], causal: bool):
+    check_serving_candidates(uneven_varlen(lengths_q, lengths_k, causal, "cuda"))

@@ -10,7 +10,7 @@ import impls
 from impls import Prepared, register, unregister
 from impls._serving import PagedKV, Varlen
 from suite import metrics
-from suite.cases import PRESETS, Case, paged, varlen
+from suite.cases import PRESETS, UNEVEN_VARLEN, Case, paged, uneven_varlen, varlen
 from suite.checks import Oracle
 
 TINY = ("", 4, 2, 64)
@@ -52,6 +52,25 @@ def test_varlen_input_errors_name_the_problem(change, words):
     base = varlen_inputs()
     with pytest.raises((ValueError, TypeError), match=words):
         dataclasses.replace(base, **change(base))
+
+
+@pytest.mark.parametrize("name", [impl.name for impl in impls.select() if impl.op == "varlen"])
+@pytest.mark.parametrize(("lengths_q", "lengths_k", "causal"), UNEVEN_VARLEN)
+def test_uneven_varlen_batches_pass_or_are_refused_with_a_reason(name, lengths_q, lengths_k, causal):
+    """Sequences with no queries or no keys, more keys than queries: what runs here matches the oracle (rows
+    that see no key are zeros), what cannot run says why."""
+    impl = impls.get(name, "varlen")
+    reason = impl.availability("cpu")
+    if reason:
+        pytest.skip(reason)
+    inputs = uneven_varlen(lengths_q, lengths_k, causal, "cpu", heads=(4, 2), head_dim=64)
+    try:
+        prepared = impl.prepare(inputs)
+    except impls.Unsupported as exc:
+        assert str(exc), "a refusal names its reason"
+        pytest.skip(f"refused: {exc}")
+    result = Oracle.serving(inputs).check(prepared())
+    assert result.passed, result.message
 
 
 def test_an_implementation_of_one_operation_refuses_another():

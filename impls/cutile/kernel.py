@@ -123,15 +123,22 @@ def fmha_varlen(
     TILE_D: ConstInt, TILE_D_TAIL: ConstInt, TILE_DV: ConstInt, TILE_DV_TAIL: ConstInt,
     TILE_M: ConstInt, TILE_N: ConstInt,
     CAUSAL: ConstBool, FAST_MATH: ConstBool, REVERSE_ORDER: ConstBool, K_LATENCY: ConstInt, V_LATENCY: ConstInt,
-    HEAD_GROUP: ConstInt,
+    HEAD_GROUP: ConstInt, ROW_OFFSETS: ConstBool,
 ):
     """Packed variable-length prefill: the same query-tile work as ``fmha_fwd``, on one sequence of the batch.
 
     Q, K, V and Out are (1, H, total, D) views of the packed (total, H, D) tensors; sequence b is rows
-    ``CuSeqlens[b]:CuSeqlens[b + 1]``. Grid: query tiles of the longest sequence x B * Hq. A work item slices
-    its sequence out of the four arrays, so that its loads stop at the sequence's ends (reading zeros past
-    them, as a dense kernel does at Skv) and the dense code runs unchanged on the slices, with the causal
-    offset of that sequence. Tiles past a shorter sequence's end do nothing."""
+    ``CuSeqlens[b]:CuSeqlens[b + 1]``. Grid: query tiles of the longest sequence x B * Hq. Tiles past a shorter
+    sequence's end do nothing. The dense code runs unchanged on each sequence, with its own causal offset, in
+    one of two ways of finding its rows:
+    - ROW_OFFSETS: Q, K and V tiles are read at the sequence's first row plus a row offset (a view whose tiles
+      step by one row), through the packed tensors' own tensor maps. Rows past the sequence's end belong to
+      the next sequence: its keys are masked like the ragged end of a dense Skv (so its values are weighted by
+      zero), its queries give output rows that are never stored. Only Out is sliced, so that those rows stay
+      unwritten.
+    - otherwise each work item slices its sequence out of all four arrays, so that loads stop at its ends;
+      every block then builds four tensor maps at run time before its first load (session 8, SASS).
+    """
     num_m = ct.num_blocks(0)
     tile_m, batch_head = work_item(ct.bid(1) * num_m + ct.bid(0), num_m, ct.num_blocks(1),
                                    CAUSAL and REVERSE_ORDER, HEAD_GROUP)
@@ -141,13 +148,21 @@ def fmha_varlen(
     k_start = ct.gather(CuSeqlensK, batch).item()
     k_end = ct.gather(CuSeqlensK, batch + 1).item()
     if tile_m * TILE_M < q_end - q_start:
-        q, out = Q.slice(axis=2, start=q_start, stop=q_end), Out.slice(axis=2, start=q_start, stop=q_end)
-        k, v = K.slice(axis=2, start=k_start, stop=k_end), V.slice(axis=2, start=k_start, stop=k_end)
-        # batch 0 of the slices; no workspace (one launch), no window, no softcap, ragged ends masked
+        out = Out.slice(axis=2, start=q_start, stop=q_end)
+        if ROW_OFFSETS:
+            q, k, v, q_row0, kv_row0 = Q, K, V, q_start, k_start
+        else:
+            q, k, v = (Q.slice(axis=2, start=q_start, stop=q_end), K.slice(axis=2, start=k_start, stop=k_end),
+                       V.slice(axis=2, start=k_start, stop=k_end))
+            q_row0, kv_row0 = 0, 0
+        # batch 0 of the views; no workspace (one launch), no window, no softcap. EVEN_N (no bound on the key
+        # index) where causal: a sequence's query rows see only keys before its end anyway, and the rows past
+        # its end are not stored. Without causal the ragged end is masked.
         attend_query_tile(q, k, v, out, q, q, q, tile_m, batch_head % num_heads, qk_scale,
                           (k_end - k_start) - (q_end - q_start), 0, 0, num_heads, group, TILE_D, TILE_D_TAIL, TILE_DV,
-                          TILE_DV_TAIL, TILE_M, TILE_N, CAUSAL, False, False, 0.0, FAST_MATH, True, False, K_LATENCY,
-                          V_LATENCY, WHOLE)
+                          TILE_DV_TAIL, TILE_M, TILE_N, CAUSAL, CAUSAL, False, 0.0, FAST_MATH, True, False, K_LATENCY,
+                          V_LATENCY, WHOLE, q_row0=q_row0, kv_row0=kv_row0, kv_len=k_end - k_start,
+                          ROW_OFFSETS=ROW_OFFSETS)
 
 
 def work_item(linear, num_m, num_bh, HEAVIEST_FIRST, HEAD_GROUP):
@@ -173,9 +188,12 @@ def work_item(linear, num_m, num_bh, HEAVIEST_FIRST, HEAD_GROUP):
 def attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_head, qk_scale, causal_offset,
                       window_left, window_right, num_heads, group, TILE_D, TILE_D_TAIL, TILE_DV, TILE_DV_TAIL, TILE_M,
                       TILE_N, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP, FAST_MATH, LOOP_SPLIT, MASK_BRANCH, K_LATENCY,
-                      V_LATENCY, PHASE):
+                      V_LATENCY, PHASE, q_row0=0, kv_row0=0, kv_len=-1, ROW_OFFSETS=False):
     """Output rows ``tile_m`` of one (batch, query head): the whole FlashAttention forward for one Q tile, or
     the masked (DIAGONAL) or mask-free (OFF_DIAGONAL) part of it.
+
+    ROW_OFFSETS (varlen): Q rows start at row ``q_row0`` of Q, K/V rows at ``kv_row0``, and there are ``kv_len``
+    keys; otherwise the arrays hold exactly the rows of this work (K.shape[2] keys).
 
     A head dim runs as a power-of-two tile (TILE_D) and, where it is not one, a narrower tail tile beside it
     (TILE_D_TAIL, columns TILE_D on): Q K^T sums the two products, and P V fills two accumulators, ``acc`` and
@@ -199,10 +217,12 @@ def attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_
         acc_tail = zero_accumulator(TILE_M, TILE_DV_TAIL)
     # A head dim below TILE_D (+ TILE_D_TAIL) reads zeros past its end: they add nothing to Q K^T, and P V's
     # extra columns are never stored.
-    q = load_rows(Q, batch, head, tile_m, TILE_M, TILE_D, 0, None)
-    q_tail = load_rows(Q, batch, head, tile_m, TILE_M, TILE_D_TAIL, TILE_D, None) if TILE_D_TAIL > 0 else q
+    q = load_rows(Q, batch, head, tile_m, TILE_M, TILE_D, 0, None, q_row0, ROW_OFFSETS)
+    q_tail = (load_rows(Q, batch, head, tile_m, TILE_M, TILE_D_TAIL, TILE_D, None, q_row0, ROW_OFFSETS)
+              if TILE_D_TAIL > 0 else q)
 
-    kv_len = K.shape[2]
+    if not ROW_OFFSETS:
+        kv_len = K.shape[2]
     first, free_start, free_end, end = key_tiles(tile_m, kv_len, causal_offset, window_left, window_right,
                                                   TILE_M, TILE_N, CAUSAL, HAS_WINDOW)
     needs_mask = CAUSAL or not EVEN_N or HAS_WINDOW
@@ -216,13 +236,15 @@ def attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_
             acc, acc_tail, l_i, m_i = attend_key_tile(
                 acc, acc_tail, l_i, m_i, q, q_tail, K, V, batch, kv_head, j, offs_m, qk_scale, score_scale_log2,
                 kv_len, causal_offset, window_left, window_right, TILE_M, TILE_N, TILE_D, TILE_D_TAIL, TILE_DV,
-                TILE_DV_TAIL, True, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP, True, FAST_MATH, K_LATENCY, V_LATENCY)
+                TILE_DV_TAIL, True, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP, True, FAST_MATH, K_LATENCY, V_LATENCY,
+                kv_row0, ROW_OFFSETS)
     if PHASE != DIAGONAL and not MASK_BRANCH:
         for j in range(free_start, free_end):
             acc, acc_tail, l_i, m_i = attend_key_tile(
                 acc, acc_tail, l_i, m_i, q, q_tail, K, V, batch, kv_head, j, offs_m, qk_scale, score_scale_log2,
                 kv_len, causal_offset, window_left, window_right, TILE_M, TILE_N, TILE_D, TILE_D_TAIL, TILE_DV,
-                TILE_DV_TAIL, False, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP, False, FAST_MATH, K_LATENCY, V_LATENCY)
+                TILE_DV_TAIL, False, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP, False, FAST_MATH, K_LATENCY, V_LATENCY,
+                kv_row0, ROW_OFFSETS)
     # The mask-free launch has no masked loop at all, not even an empty one, and neither has a kernel that needs
     # no mask (its mask-free loop ran every tile): a loop the compiler cannot prove empty keeps its pipeline
     # shallow (132 KB instead of 198 on sm_90).
@@ -234,7 +256,7 @@ def attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_
                 acc, acc_tail, l_i, m_i, q, q_tail, K, V, batch, kv_head, j, offs_m, qk_scale, score_scale_log2,
                 kv_len, causal_offset, window_left, window_right, TILE_M, TILE_N, TILE_D, TILE_D_TAIL, TILE_DV,
                 TILE_DV_TAIL, masked, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP, needs_mask, FAST_MATH, K_LATENCY,
-                V_LATENCY)
+                V_LATENCY, kv_row0, ROW_OFFSETS)
 
     if PHASE == DIAGONAL:
         store_state(MaxState, SumState, AccState, m_i, l_i, acc, acc_tail, batch, head, tile_m, TILE_M, TILE_DV,
@@ -271,29 +293,34 @@ def key_tiles(tile_m, kv_len, causal_offset, window_left, window_right, TILE_M, 
 def attend_key_tile(acc, acc_tail, l_i, m_i, q, q_tail, K, V, batch, kv_head, j, offs_m, qk_scale, score_scale_log2,
                     kv_len, causal_offset, window_left, window_right, TILE_M, TILE_N, TILE_D, TILE_D_TAIL, TILE_DV,
                     TILE_DV_TAIL, MASKED, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP, MAY_BE_EMPTY, FAST_MATH, K_LATENCY,
-                    V_LATENCY):
+                    V_LATENCY, kv_row0=0, ROW_OFFSETS=False):
     """Fold key tile j into the running state: its scores (capped, then masked where MASKED), the online
     softmax, P V. MAY_BE_EMPTY: a row may have seen no key yet (see ``finite``)."""
     qk = scores(q, q_tail, K, batch, kv_head, j, qk_scale, TILE_M, TILE_N, TILE_D, TILE_D_TAIL, SOFTCAP, FAST_MATH,
-                K_LATENCY)
+                K_LATENCY, kv_row0, ROW_OFFSETS)
     if MASKED:
         qk = mask_scores(qk, offs_m, j, kv_len, causal_offset, window_left, window_right, TILE_N, CAUSAL, EVEN_N,
                          HAS_WINDOW)
     p, alpha, l_i, m_new = softmax_step(qk, l_i, m_i, score_scale_log2, MAY_BE_EMPTY, FAST_MATH)
     p = p.astype(V.dtype)  # tensor cores take P in the input dtype
-    acc = ct.mma(p, load_rows(V, batch, kv_head, j, TILE_N, TILE_DV, 0, V_LATENCY), acc * alpha)
+    acc = ct.mma(p, load_rows(V, batch, kv_head, j, TILE_N, TILE_DV, 0, V_LATENCY, kv_row0, ROW_OFFSETS), acc * alpha)
     if TILE_DV_TAIL > 0:
-        v_tail = load_rows(V, batch, kv_head, j, TILE_N, TILE_DV_TAIL, TILE_DV, V_LATENCY)
+        v_tail = load_rows(V, batch, kv_head, j, TILE_N, TILE_DV_TAIL, TILE_DV, V_LATENCY, kv_row0, ROW_OFFSETS)
         acc_tail = ct.mma(p, v_tail, acc_tail * alpha)
     return acc, acc_tail, l_i, m_new
 
 
-def load_rows(A, batch, head, row_tile, ROWS, WIDTH, FIRST_COLUMN, LATENCY):
+def load_rows(A, batch, head, row_tile, ROWS, WIDTH, FIRST_COLUMN, LATENCY, row0=0, ROW_OFFSETS=False):
     """Rows ``row_tile`` (tiles of ROWS) of one (batch, head) of a (B, H, S, D) array, columns FIRST_COLUMN to
     FIRST_COLUMN + WIDTH (a multiple of WIDTH: load indices count tiles), as a (ROWS, WIDTH) tile; zeros past
-    the array's ends (0 * garbage could be NaN)."""
-    tile = ct.load(A, index=(batch, head, row_tile, FIRST_COLUMN // WIDTH), shape=(1, 1, ROWS, WIDTH),
-                   latency=LATENCY, padding_mode=ZERO_PAD)
+    the array's ends (0 * garbage could be NaN). ROW_OFFSETS: the rows from row ``row0 + row_tile * ROWS``, any
+    row, through a view whose tiles step by one row (the tensor map stays the array's)."""
+    if ROW_OFFSETS:
+        rows = A.tiled_view((1, 1, ROWS, WIDTH), padding_mode=ZERO_PAD, traversal_steps=(1, 1, 1, WIDTH))
+        tile = rows.load((batch, head, row0 + row_tile * ROWS, FIRST_COLUMN // WIDTH), latency=LATENCY)
+    else:
+        tile = ct.load(A, index=(batch, head, row_tile, FIRST_COLUMN // WIDTH), shape=(1, 1, ROWS, WIDTH),
+                       latency=LATENCY, padding_mode=ZERO_PAD)
     return tile.reshape((ROWS, WIDTH))
 
 
@@ -338,13 +365,14 @@ def store_state(MaxState, SumState, AccState, m_i, l_i, acc, acc_tail, batch, he
 
 
 def scores(q, q_tail, K, batch, kv_head, j, qk_scale, TILE_M, TILE_N, TILE_D, TILE_D_TAIL, SOFTCAP, FAST_MATH,
-           K_LATENCY):
+           K_LATENCY, kv_row0=0, ROW_OFFSETS=False):
     """Q K^T for key tile j, in float32, unscaled (over the tail columns too, where there is a tail); with
     SOFTCAP, tanh(Q K^T * qk_scale / SOFTCAP) (the online softmax multiplies by SOFTCAP)."""
-    qk = ct.mma(q, load_keys(K, batch, kv_head, j, TILE_N, TILE_D, 0, K_LATENCY),
+    qk = ct.mma(q, load_keys(K, batch, kv_head, j, TILE_N, TILE_D, 0, K_LATENCY, kv_row0, ROW_OFFSETS),
                 ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32))
     if TILE_D_TAIL > 0:
-        qk = ct.mma(q_tail, load_keys(K, batch, kv_head, j, TILE_N, TILE_D_TAIL, TILE_D, K_LATENCY), qk)
+        qk = ct.mma(q_tail, load_keys(K, batch, kv_head, j, TILE_N, TILE_D_TAIL, TILE_D, K_LATENCY, kv_row0,
+                                      ROW_OFFSETS), qk)
     if SOFTCAP > 0:
         # FAST_MATH: the hardware's tanh (one MUFU op; relative error about 2**-11, so a score capped at 50 moves
         # by at most ~0.025, and a typical one, far below the cap, by much less), as FlashInfer's softcap does.
@@ -355,9 +383,12 @@ def scores(q, q_tail, K, batch, kv_head, j, qk_scale, TILE_M, TILE_N, TILE_D, TI
     return qk
 
 
-def load_keys(K, batch, kv_head, j, TILE_N, WIDTH, FIRST_COLUMN, K_LATENCY):
+def load_keys(K, batch, kv_head, j, TILE_N, WIDTH, FIRST_COLUMN, K_LATENCY, row0=0, ROW_OFFSETS=False):
     """Key tile j, columns FIRST_COLUMN to FIRST_COLUMN + WIDTH, transposed (WIDTH, TILE_N) through the load's
-    dimension order, ready to be the right operand of Q K^T."""
+    dimension order, ready to be the right operand of Q K^T (ROW_OFFSETS: as ``load_rows`` reads them, then
+    transposed, since a row-stepped view has no dimension order)."""
+    if ROW_OFFSETS:
+        return ct.transpose(load_rows(K, batch, kv_head, j, TILE_N, WIDTH, FIRST_COLUMN, K_LATENCY, row0, True))
     tile = ct.load(K, index=(batch, kv_head, FIRST_COLUMN // WIDTH, j), shape=(1, 1, WIDTH, TILE_N),
                    order=(0, 1, 3, 2), latency=K_LATENCY, padding_mode=ZERO_PAD)
     return tile.reshape((WIDTH, TILE_N))

@@ -163,8 +163,9 @@ class VarlenCall(Launches):
     """One packed prefill with a dense ``variant`` (one block per query tile): the kernel reads the packed
     tensors through (1, H, total, D) views."""
 
-    def __init__(self, variant: Variant, inputs: Varlen, *, scale: float, out: torch.Tensor | None = None) -> None:
-        self.variant = variant
+    def __init__(self, variant: Variant, inputs: Varlen, *, scale: float, out: torch.Tensor | None = None,
+                 row_offsets: bool = True) -> None:
+        self.variant, self.row_offsets = variant, row_offsets
         self.out = inputs.output_like() if out is None else out
         q, k, v, o = (t.transpose(0, 1)[None] for t in (inputs.q, inputs.k, inputs.v, self.out))
         heads, head_dim = inputs.q.shape[1], inputs.head_dim
@@ -175,7 +176,7 @@ class VarlenCall(Launches):
         self.launches = [((tiles, inputs.batch * heads, 1), kernel, (
             q, k, v, o, inputs.cu_seqlens_q, inputs.cu_seqlens_k, scale, heads, heads // inputs.k.shape[1],
             *variant.head_tiles(head_dim, inputs.v.shape[-1]), variant.tile_m, variant.tile_n, inputs.causal,
-            variant.fast_math, variant.reverse_order, variant.k_latency, variant.v_latency, group))]
+            variant.fast_math, variant.reverse_order, variant.k_latency, variant.v_latency, group, row_offsets))]
 
 
 def varlen_space(capability: tuple[int, int], head_dim: int, causal: bool) -> list[Variant]:
@@ -187,12 +188,9 @@ def varlen_space(capability: tuple[int, int], head_dim: int, causal: bool) -> li
 
 @register("cutile", op="varlen", family="cutile", dtypes=HALF, devices=("cuda",), head_dims=HEAD_DIMS,
           requires=requires,
-          description="our cuTile kernel on each packed sequence (sliced out of the packed tensors in the kernel), "
+          description="our cuTile kernel on each packed sequence (read at its row offset in the packed tensors), "
                       "tile shape and occupancy autotuned")
 def prepare_varlen(inputs: Varlen, *, scale: float) -> Prepared:
-    if any(nq and not nk for nq, nk in zip(inputs.seqlens_q(), inputs.seqlens_k(), strict=True)):
-        raise Unsupported("a sequence with queries but no keys: the kernel slices each sequence's keys out of the "
-                          "packed tensor, and cuTile cannot slice an empty range")
     heads, head_dim = inputs.q.shape[1], inputs.head_dim
     shape = ("varlen", inputs.q.dtype, head_dim, inputs.causal, heads // inputs.k.shape[1],
              length_class(inputs.max_seqlen_q), length_class(inputs.max_seqlen_k), parallel_class(inputs.batch * heads))
