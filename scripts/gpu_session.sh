@@ -26,8 +26,8 @@
 #             Triton's tuner space (graph of 20 calls)
 #   decode-wide: the same probe on the long uniform cases: Triton's wide space beside FlashInfer in one process
 #             (carry .gpu-fi; no cuTile)
-#   varlen-probe: every cuTile serving candidate (varlen in both ways of finding a sequence's rows) on the
-#             twins and the uneven packed batches, then scripts/serving_probe.py --varlen-only
+#   varlen-probe: every cuTile serving candidate on the twins and the uneven packed batches, then
+#             scripts/serving_probe.py --varlen-only
 #   node:     (several GPUs) issue 14's evidence, PER_GPU workers a GPU (default: the cores / GPUs), as two parts
 #             that each fit one call: node-correct (the correctness preset cold and warm over all GPUs, cold over
 #             one; heartbeats time a stopped pass) and node-bench (the fleet check of blog; blog on one GPU and

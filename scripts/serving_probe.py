@@ -6,9 +6,8 @@ K,V`` (repeatable) add each cuTile candidate with that many blocks per SM asked 
 latencies; ``--triton wide`` sweeps a wider Triton decode space (TRITON_WIDE) than the tuner's; ``--peer NAME``
 times a registered implementation of the operation the same way, in the same process (``--no-cutile`` leaves
 cuTile out, for a machine without its toolchain). Varlen (``--varlen-only``: nothing else): each varlen
-candidate in both of the kernel's ways of finding a sequence's rows, on every ``varlen`` case, and on the
-equal-length batch beside the dense kernel with the same variant on the same shape (the varlen path should
-cost nothing over dense). Prints JSON lines.
+candidate on every ``varlen`` case, and on the equal-length batch beside the dense kernel with the same variant
+on the same shape (the varlen path should cost nothing over dense). Prints JSON lines.
 
     python scripts/serving_probe.py --case llama3-8b-paged-bf16-h32:8-q1-kv8192-uniform-p16-d128-b64
 """
@@ -88,33 +87,26 @@ def probe_decode(case_id: str, occupancies: list[int], triton: str, latencies: l
 
 
 def probe_varlen(rounds: int = 3) -> None:
-    """Each varlen candidate in both ways of finding a sequence's rows (row offsets into the packed tensors'
-    tensor maps, or slices: four tensor maps built per block) beside the dense kernel of the same variant on
-    the equal-length batch, in ``rounds`` interleaved rounds; then both forms on the random-length batches."""
+    """Each varlen candidate on every ``varlen`` case, and on the equal-length batch beside the dense kernel of
+    the same variant, in ``rounds`` interleaved rounds (median)."""
     dense_case, = [c for c in preset("varlen") if c.op == "dense"]
     q, k, v = dense_case.make_inputs("cuda")
     for varlen_case in [c for c in preset("varlen") if c.op == "varlen"]:
         inputs = varlen_case.make_inputs("cuda")
         scale = inputs.head_dim ** -0.5
-        equal = varlen_case.lengths == "equal"
+        oracle = Oracle.serving(inputs)
         for variant in varlen_space(torch.cuda.get_device_capability(), inputs.head_dim, True):
-            calls = {"offsets": VarlenCall(variant, inputs, scale=scale),
-                     "sliced": VarlenCall(variant, inputs, scale=scale, row_offsets=False)}
-            if equal:
+            calls = {"varlen": VarlenCall(variant, inputs, scale=scale)}
+            if varlen_case.lengths == "equal":
                 calls["dense"] = Call(variant, q, k, v, causal=True, scale=scale)
             precompile(list(calls.values()))
-            oracle = Oracle.serving(inputs) if variant == varlen_space(torch.cuda.get_device_capability(),
-                                                                       inputs.head_dim, True)[0] else None
             ms = {name: [] for name in calls}
             for _ in range(rounds):
                 for name, call in calls.items():
                     ms[name].append(graph_ms(call, repeats=20))
-            row = {"case": varlen_case.id, "variant": variant.label(),
-                   **{f"{name}_ms": sorted(times)[len(times) // 2] for name, times in ms.items()}}
-            if oracle is not None:
-                row["passed"] = {name: oracle.check(calls[name]()).passed for name in ("offsets", "sliced")}
-            print(json.dumps(row), flush=True)
-            del calls
+            print(json.dumps({"case": varlen_case.id, "variant": variant.label(),
+                              **{f"{name}_ms": sorted(times)[len(times) // 2] for name, times in ms.items()},
+                              "passed": oracle.check(calls["varlen"]()).passed}), flush=True)
 
 
 def main() -> None:

@@ -113,10 +113,9 @@ def cutile_serving_candidates(inputs) -> list[tuple[str, Callable[[], torch.Tens
         calls = [DecodeCall(var, inputs, scale=scale, sm_count=1) for var in decode_space(inputs.page_size)]
     else:
         space = varlen_space(torch.cuda.get_device_capability(), inputs.head_dim, inputs.causal)
-        calls = [VarlenCall(var, inputs, scale=scale, row_offsets=offsets) for var in space for offsets in (True, False)
-                 if offsets or all(inputs.seqlens_k())]  # slices cannot be empty
+        calls = [VarlenCall(var, inputs, scale=scale) for var in space]
     precompile(calls)
-    return [(f"{call.variant} {'row offsets' if getattr(call, 'row_offsets', False) else ''}", call) for call in calls]
+    return [(str(call.variant), call) for call in calls]
 
 
 def check_serving_candidates(inputs) -> None:

@@ -163,9 +163,8 @@ class VarlenCall(Launches):
     """One packed prefill with a dense ``variant`` (one block per query tile): the kernel reads the packed
     tensors through (1, H, total, D) views."""
 
-    def __init__(self, variant: Variant, inputs: Varlen, *, scale: float, out: torch.Tensor | None = None,
-                 row_offsets: bool = True) -> None:
-        self.variant, self.row_offsets = variant, row_offsets
+    def __init__(self, variant: Variant, inputs: Varlen, *, scale: float, out: torch.Tensor | None = None) -> None:
+        self.variant = variant
         self.out = inputs.output_like() if out is None else out
         q, k, v, o = (t.transpose(0, 1)[None] for t in (inputs.q, inputs.k, inputs.v, self.out))
         heads, head_dim = inputs.q.shape[1], inputs.head_dim
@@ -176,7 +175,7 @@ class VarlenCall(Launches):
         self.launches = [((tiles, inputs.batch * heads, 1), kernel, (
             q, k, v, o, inputs.cu_seqlens_q, inputs.cu_seqlens_k, scale, heads, heads // inputs.k.shape[1],
             *variant.head_tiles(head_dim, inputs.v.shape[-1]), variant.tile_m, variant.tile_n, inputs.causal,
-            variant.fast_math, variant.reverse_order, variant.k_latency, variant.v_latency, group, row_offsets))]
+            variant.fast_math, variant.reverse_order, variant.k_latency, variant.v_latency, group))]
 
 
 def varlen_space(capability: tuple[int, int], head_dim: int, causal: bool) -> list[Variant]:
