@@ -287,3 +287,19 @@ def test_varlen_launch_compiles():
     (grid, kernel, arguments), = VarlenCall(space[0], inputs, scale=0.125).launches
     assert grid[1] == inputs.batch * inputs.q.shape[1]
     assert export_launch(kernel, arguments, arch="sm_90")[:4] == b"\x7fELF"
+
+
+def test_arguments_are_bound_by_the_kernels_parameter_names():
+    """The launch arguments follow the kernel's signature, whatever order they are given in; a parameter left
+    without a value is named."""
+    pytest.importorskip("cuda.tile")
+    import inspect
+
+    from impls.cutile import bind, kernel
+
+    names = list(inspect.signature(kernel.fmha_varlen._pyfunc).parameters)
+    values = {name: i for i, name in enumerate(reversed(names))}
+    assert bind("fmha_varlen", **values, EXTRA=-1) == tuple(values[name] for name in names)
+    del values["HEAD_GROUP"]
+    with pytest.raises(TypeError, match="fmha_varlen: no value for HEAD_GROUP"):
+        bind("fmha_varlen", **values)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import math
 import os
 from collections.abc import Callable
@@ -77,12 +78,16 @@ class Variant:
         return _kernel_with_hints(base + ("_int64" if int64 else ""), tuple(sorted(self.hints().items())))
 
     def constants(self, *, head_dim: int, causal: bool, kv_len: int, itemsize: int, phase: int = 0,
-                  window: bool = False, softcap: float = 0.0, value_dim: int | None = None) -> tuple:
-        """The kernel's compile-time arguments, in its parameter order (after the runtime ones)."""
+                  window: bool = False, softcap: float = 0.0, value_dim: int | None = None) -> dict[str, Any]:
+        """The kernels' compile-time arguments by parameter name (``fmha_varlen`` takes a subset)."""
         group = self.heads_per_group(causal=causal, kv_len=kv_len, head_dim=head_dim, itemsize=itemsize)
-        return (*self.head_tiles(head_dim, value_dim), self.tile_m, self.tile_n, causal,
-                kv_len % self.tile_n == 0, window, float(softcap), self.fast_math, self.loop_split, self.mask_branch,
-                self.reverse_order, self.k_latency, self.v_latency, group, self.persistent, self.dynamic, phase)
+        tiles = dict(zip(("TILE_D", "TILE_D_TAIL", "TILE_DV", "TILE_DV_TAIL"), self.head_tiles(head_dim, value_dim),
+                         strict=True))
+        return {**tiles, "TILE_M": self.tile_m, "TILE_N": self.tile_n, "CAUSAL": causal,
+                "EVEN_N": kv_len % self.tile_n == 0, "HAS_WINDOW": window, "SOFTCAP": float(softcap),
+                "FAST_MATH": self.fast_math, "LOOP_SPLIT": self.loop_split, "MASK_BRANCH": self.mask_branch,
+                "REVERSE_ORDER": self.reverse_order, "K_LATENCY": self.k_latency, "V_LATENCY": self.v_latency,
+                "HEAD_GROUP": group, "PERSISTENT": self.persistent, "DYNAMIC": self.dynamic, "PHASE": phase}
 
     def head_tiles(self, head_dim: int, value_dim: int | None = None) -> tuple[int, int, int, int]:
         """The kernel's TILE_D, TILE_D_TAIL, TILE_DV, TILE_DV_TAIL for these head dims."""
@@ -93,10 +98,12 @@ class Variant:
         """Everything ``fmha_fwd`` takes, in order."""
         heads, q_len, head_dim = q.shape[1:]
         kv_len = k.shape[2]
-        return (q, k, v, out, *state, scale, kv_len - q_len, *window_bounds(window, causal), heads,
-                heads // k.shape[1],
-                *self.constants(head_dim=head_dim, causal=causal, kv_len=kv_len, itemsize=q.element_size(),
-                                phase=phase, window=window != NO_WINDOW, softcap=softcap, value_dim=v.shape[-1]))
+        window_left, window_right = window_bounds(window, causal)
+        constants = self.constants(head_dim=head_dim, causal=causal, kv_len=kv_len, itemsize=q.element_size(),
+                                   phase=phase, window=window != NO_WINDOW, softcap=softcap, value_dim=v.shape[-1])
+        return bind("fmha_fwd", Q=q, K=k, V=v, Out=out, **state_arrays(state), qk_scale=scale,
+                    causal_offset=kv_len - q_len, window_left=window_left, window_right=window_right,
+                    num_heads=heads, group=heads // k.shape[1], **constants)
 
     def launches(self, q, k, v, out, state, *, causal: bool, scale: float, **variants) -> list[tuple]:
         """(grid, kernel, arguments) of each launch one call makes, in order; ``variants``: window, softcap."""
@@ -175,6 +182,26 @@ def _sm_count(device_index: int | None) -> int:
 
 
 @functools.cache
+def bind(base: str, **values: Any) -> tuple:
+    """The arguments of kernel ``base`` (of kernel.py) in its parameter order, taken by name from ``values``,
+    which may name more (the compile-time constants of both kernels); a parameter without a value is an error.
+    The order lives in the kernel's signature only."""
+    from impls.cutile import kernel
+
+    names = list(inspect.signature(getattr(kernel, base)._pyfunc).parameters)
+    missing = [name for name in names if name not in values]
+    if missing:
+        raise TypeError(f"{base}: no value for {', '.join(missing)}")
+    return tuple(values[name] for name in names)
+
+
+def state_arrays(state: tuple) -> dict[str, Any]:
+    """The workspace (``Variant.state``, or constraints on it) by the kernel's parameter names."""
+    from impls.cutile.kernel import ARRAYS
+
+    return dict(zip(ARRAYS[4:], state, strict=True))
+
+
 def _kernel_with_hints(base: str, hints: tuple[tuple[str, int], ...], module: str = "kernel"):
     """One kernel object per kernel (``base`` of ``impls.cutile.<module>``) and set of hints: each has its own
     JIT cache, so it is made once."""

@@ -8,7 +8,7 @@ import typing
 
 import torch
 
-from impls.cutile import Variant
+from impls.cutile import Variant, bind, state_arrays
 
 TORCH_TO_TILE = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
                  torch.int32: "int32"}
@@ -51,12 +51,13 @@ def signature(variant: Variant, *, dtype: torch.dtype, head_dim: int, causal: bo
     vo = array_constraint(dtype, (batch, heads, seq, value_dim), int64=int64)
     q = torch.empty((batch, heads, seq, head_dim), device="meta", dtype=dtype)
     state = [array_constraint(t.dtype, tuple(t.shape), int64=int64) for t in variant.state(q, value_dim)]
-    # scale, then causal offset, window left and right, heads, group
-    runtime = [ScalarConstraint(ct.float32)] + [ScalarConstraint(ct.int32)] * 5
+    float32, int32 = ScalarConstraint(ct.float32), ScalarConstraint(ct.int32)
     constants = variant.constants(head_dim=head_dim, causal=causal, kv_len=seq, itemsize=dtype.itemsize,
                                   phase=phase, window=window, softcap=softcap, value_dim=value_dim)
-    arrays = [qk, qk, vo, vo]  # Q, K, V, Out
-    return KernelSignature(arrays + state + runtime + list(constants), CallingConvention.cutile_python_v1())
+    parameters = bind("fmha_fwd", Q=qk, K=qk, V=vo, Out=vo, **state_arrays(state), qk_scale=float32,
+                      causal_offset=int32, window_left=int32, window_right=int32, num_heads=int32, group=int32,
+                      **constants)
+    return KernelSignature(list(parameters), CallingConvention.cutile_python_v1())
 
 
 def export_cubin(variant: Variant, *, arch: str, dtype: torch.dtype = torch.float16, head_dim: int = 128,

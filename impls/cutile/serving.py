@@ -29,6 +29,7 @@ from impls.cutile import (
     Variant,
     _kernel_with_hints,
     _sm_count,
+    bind,
     needs_int64,
     precompile,
     remembered,
@@ -167,15 +168,14 @@ class VarlenCall(Launches):
         self.variant = variant
         self.out = inputs.output_like() if out is None else out
         q, k, v, o = (t.transpose(0, 1)[None] for t in (inputs.q, inputs.k, inputs.v, self.out))
-        heads, head_dim = inputs.q.shape[1], inputs.head_dim
-        group = variant.heads_per_group(causal=inputs.causal, kv_len=inputs.max_seqlen_k, head_dim=head_dim,
-                                        itemsize=inputs.q.element_size())
+        heads = inputs.q.shape[1]
+        constants = variant.constants(head_dim=inputs.head_dim, causal=inputs.causal, kv_len=inputs.max_seqlen_k,
+                                      itemsize=inputs.q.element_size(), value_dim=inputs.v.shape[-1])
         tiles = -(-inputs.max_seqlen_q // variant.tile_m)
         kernel = variant.kernel(int64=needs_int64(inputs.q, inputs.k, inputs.v), base="fmha_varlen")
-        self.launches = [((tiles, inputs.batch * heads, 1), kernel, (
-            q, k, v, o, inputs.cu_seqlens_q, inputs.cu_seqlens_k, scale, heads, heads // inputs.k.shape[1],
-            *variant.head_tiles(head_dim, inputs.v.shape[-1]), variant.tile_m, variant.tile_n, inputs.causal,
-            variant.fast_math, variant.reverse_order, variant.k_latency, variant.v_latency, group))]
+        self.launches = [((tiles, inputs.batch * heads, 1), kernel, bind(
+            "fmha_varlen", Q=q, K=k, V=v, Out=o, CuSeqlensQ=inputs.cu_seqlens_q, CuSeqlensK=inputs.cu_seqlens_k,
+            qk_scale=scale, num_heads=heads, group=heads // inputs.k.shape[1], **constants))]
 
 
 def varlen_space(capability: tuple[int, int], head_dim: int, causal: bool) -> list[Variant]:
