@@ -26,8 +26,6 @@
 #             Triton's tuner space (graph of 20 calls)
 #   decode-wide: the same probe on the long uniform cases: Triton's wide space beside FlashInfer in one process
 #             (carry .gpu-fi; no cuTile)
-#   decode-fused: the probe on the cases below 85% of HBM and those where FlashInfer led in session 12: the
-#             Triton tuner's space (with and without FUSED merges) beside FlashInfer (carry .gpu-fi; no cuTile)
 #   varlen-probe: every cuTile serving candidate on the twins and the uneven packed batches, then
 #             scripts/serving_probe.py --varlen-only
 #   node:     (several GPUs) issue 14's evidence, PER_GPU workers a GPU (default: the cores / GPUs), as two parts
@@ -185,18 +183,6 @@ for part in "$@"; do
         --case llama3-70b-tp8-paged-bf16-h8:1-q1-kv8192-uniform-p16-d128-b256 \
         --case llama3-8b-paged-bf16-h32:8-q1-kv512-uniform-p16-d128-b256 \
         --case llama3-8b-paged-bf16-h32:8-q1-kv2048-uniform-p16-d128-b256
-      ;;
-    decode-fused)
-      step decode-fused 540 python3 scripts/serving_probe.py --skip-varlen --no-cutile --triton tuner \
-        --peer flashinfer \
-        --case llama3-8b-paged-bf16-h32:8-q1-kv131072-uniform-p16-d128 \
-        --case llama3-70b-tp8-paged-bf16-h8:1-q1-kv32768-uniform-p16-d128-b16 \
-        --case llama3-8b-paged-bf16-h32:8-q1-kv32768-uniform-p16-d128 \
-        --case llama3-70b-tp8-paged-bf16-h8:1-q1-kv131072-uniform-p16-d128 \
-        --case llama3-8b-paged-bf16-h32:8-q1-kv32768-uniform-p16-d128-b64 \
-        --case llama3-70b-tp8-paged-bf16-h8:1-q1-kv32768-uniform-p16-d128-b64 \
-        --case llama3-8b-paged-bf16-h32:8-q1-kv8192-uniform-p16-d128-b256 \
-        --case llama3-70b-tp8-paged-bf16-h8:1-q1-kv512-uniform-p16-d128-b64
       ;;
     varlen-probe)
       step varlen-candidates 300 python3 -m pytest tests/test_gpu_candidates.py -k "serving or uneven" -q \

@@ -187,25 +187,6 @@ def test_triton_decode_plans_for_more_or_fewer_programs_are_correct():
     assert len(splits) == 2
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's run of the fused merge: CPU")
-@pytest.mark.parametrize("index", [0, 1, 4])  # long-tailed GQA, several new tokens, MQA in many chunks
-def test_triton_decode_merged_by_the_last_program_is_correct_twice(index):
-    """FUSED: no combine launch; the last program of each (batch, kv head) merges its chunks and resets the
-    pair's counter, so that a second step is correct too."""
-    pytest.importorskip("triton")
-    from impls.triton_fa import INTERPRETER_DECODE_CONFIG, paged_launch
-
-    inputs = PRESETS["serving-cpu"][index].make_inputs("cpu")
-    run, plan = paged_launch(inputs, inputs.head_dim ** -0.5, {**INTERPRETER_DECODE_CONFIG, "FUSED": True})
-    assert plan["num_splits"] > 1 and plan["launches"] == 1
-    oracle = Oracle.serving(inputs)
-    for _ in range(2):
-        out = run()
-        result = oracle.check(out)
-        assert result.passed, result.message
-        out.fill_(float("nan"))  # a step whose merge does not run leaves NaN
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's run of the unsplit decode: CPU")
 def test_triton_decode_without_a_split_writes_the_output_directly(monkeypatch):
     """One chunk per sequence: the split kernel writes the output rows, and no combine is launched."""

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from impls._registry import FLOATS, Prepared, Unsupported, length_class, module_available, register
-from impls._serving import COMBINE_STEP_ELEMENTS, PROGRAMS_PER_SM, combine_plan, decode_shape_class, split_plan
+from impls._serving import PROGRAMS_PER_SM, combine_plan, decode_shape_class, split_plan
 from impls._tuning import TuningCache, fastest
 from impls._validate import NO_WINDOW, window_bounds
 
@@ -276,17 +276,15 @@ def _describe(cfg) -> dict:
 # steps, read 4.48 TB/s at 8B 256 x 8K and 4.38 at 256 x 2K (64 x 4 x 2: 4.16, 4.12; the tuner's choice 128 x 4 x 3:
 # 4.43, 4.31); a fourth stage added nothing.
 DECODE_TILES = ((128, 4, 3), (128, 4, 2), (64, 4, 3), (64, 4, 2), (64, 8, 2), (32, 4, 2))
-# Session 12: each also with FUSED (the split kernel's last program of a pair merges its chunks: no combine
-# launch), which the tuner keeps where the launch costs more than one program's merge.
-DECODE_SPACE = [{"BLOCK_N": n, "num_warps": w, "num_stages": st, "PLAN_PROGRAMS": programs, "FUSED": fused}
-                for n, w, st in DECODE_TILES for programs in (2, PROGRAMS_PER_SM, 8) for fused in (False, True)]
+DECODE_SPACE = [{"BLOCK_N": n, "num_warps": w, "num_stages": st, "PLAN_PROGRAMS": programs}
+                for n, w, st in DECODE_TILES for programs in (2, PROGRAMS_PER_SM, 8)]
 INTERPRETER_DECODE_CONFIG = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "PLAN_PROGRAMS": PROGRAMS_PER_SM}
 INTERPRETER_SM_COUNT = 8  # the interpreter has no SMs: with these and one-tile chunks the CPU cases split
 
 
 def paged_launch(inputs, scale: float, config: dict):
     """The launches of one decode step with ``config`` (split, then combine where a sequence has more than one
-    chunk, unless ``FUSED``: the split kernel's last program of each pair merges), and the split plan."""
+    chunk), and the split plan."""
     import triton
 
     from impls.triton_fa.decode import paged_decode_combine, paged_decode_split
@@ -298,32 +296,29 @@ def paged_launch(inputs, scale: float, config: dict):
     rows = hq // hkv * sq
     interp = interpreting()
     sm_count = INTERPRETER_SM_COUNT if interp else torch.cuda.get_device_properties(q.device).multi_processor_count
-    split_config = {name: value for name, value in config.items() if name not in ("PLAN_PROGRAMS", "FUSED")}
+    split_config = {name: value for name, value in config.items() if name != "PLAN_PROGRAMS"}
     num_splits, split_len = split_plan(list(inputs.seqlens), hkv, config["BLOCK_N"], sm_count,
                                        min_tiles=1 if interp else None,
                                        programs_per_sm=config.get("PLAN_PROGRAMS", PROGRAMS_PER_SM))
     split = num_splits > 1
-    fused = split and config.get("FUSED", False)
     block_m = max(16, triton.next_power_of_2(rows))
     parts = (batch * hkv, num_splits, block_m) if split else (1, 1, 1)  # unused without a split
     o_part = torch.empty(*parts, head_dim if split else 1, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(parts, dtype=torch.float32, device=q.device)
     out = inputs.output_like()
-    done = torch.zeros(batch * hkv if fused else 1, dtype=torch.int32, device=q.device)  # FUSED's counters
     tile_rows = {"GROUP": hq // hkv, "SQ": sq, "BLOCK_M": block_m}
-    tile_d, chunks = combine_plan(num_splits, head_dim)  # the combine launch's; FUSED merges whole rows
-    merge = {"MAX_SPLITS": triton.next_power_of_2(num_splits),
-             "SPLIT_CHUNK": max(1, COMBINE_STEP_ELEMENTS // head_dim) if fused else chunks}
-    split_args = (q, k_cache, v_cache, inputs.block_table, inputs.cache_seqlens, o_part, lse_part, out, done,
+    split_args = (q, k_cache, v_cache, inputs.block_table, inputs.cache_seqlens, o_part, lse_part, out,
                   scale * LOG2_E, *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
                   inputs.block_table.stride(0), *o_part.stride()[:3], *out.stride()[:3], hkv, split_len)
     split_meta = {"PAGE_SIZE": inputs.page_size, "HEAD_DIM": head_dim, "DOT_FP32": interp or q.dtype == torch.float32,
-                  "SPLIT": split, "FUSED": fused, **tile_rows, **merge, **split_config}
+                  "SPLIT": split, **tile_rows, **split_config}
     launches = [(paged_decode_split, (num_splits, batch * hkv), split_args, split_meta)]
-    if split and not fused:
+    if split:
+        tile_d, chunks = combine_plan(num_splits, head_dim)
         combine_args = (o_part, lse_part, inputs.cache_seqlens, out, *o_part.stride()[:3], *out.stride()[:3], hkv,
                         num_splits, split_len)
-        combine_meta = {**tile_rows, **merge, "BLOCK_D": tile_d}
+        combine_meta = {**tile_rows, "MAX_SPLITS": triton.next_power_of_2(num_splits), "SPLIT_CHUNK": chunks,
+                        "BLOCK_D": tile_d}
         launches.append((paged_decode_combine, (batch * hkv, rows, head_dim // tile_d), combine_args, combine_meta))
 
     def run() -> torch.Tensor:
@@ -331,7 +326,7 @@ def paged_launch(inputs, scale: float, config: dict):
             kernel[grid](*args, **meta)
         return out
 
-    return run, {"num_splits": num_splits, "split_len": split_len, "BLOCK_M": block_m, "launches": len(launches)}
+    return run, {"num_splits": num_splits, "split_len": split_len, "BLOCK_M": block_m}
 
 
 @register("triton", op="paged", family="triton", dtypes=FLOATS, head_dims=POW2_HEAD_DIMS, requires=requires,
@@ -350,8 +345,7 @@ def prepare_paged(inputs, *, scale: float) -> Prepared:
             distinct = {}  # several PLAN_PROGRAMS often make one plan: time each kernel and plan once
             for candidate in DECODE_SPACE:
                 run, plan = paged_launch(inputs, scale, candidate)
-                form = (candidate["BLOCK_N"], candidate["num_warps"], candidate["num_stages"], plan["num_splits"],
-                        plan["launches"])  # FUSED changes nothing in an unsplit plan
+                form = (candidate["BLOCK_N"], candidate["num_warps"], candidate["num_stages"], plan["num_splits"])
                 distinct.setdefault(form, (candidate, run))
             return fastest(distinct.values())
 

@@ -11,9 +11,7 @@ So the kernel is built around reading the cache once, from enough programs to ke
    tokens, one program each. Every program writes its chunk's normalised partial output and log-sum-exp; a
    second kernel combines the chunks of a row, weighting each by ``2^(lse - max lse)``. With one chunk per
    sequence (``SPLIT`` off) the split kernel writes the output rows itself and there is no second launch: on
-   the H200 the combine cost 2.6-7 us a step, 10% of a 70B slice's 256 x 512 decode. FUSED: no second launch
-   either; the last program to finish a (batch, kv head) merges its chunks (a counter per pair, taken with an
-   acquire-release atomic, tells it that it is the last; it resets the counter for the next step).
+   the H200 the combine cost 2.6-7 us a step, 10% of a 70B slice's 256 x 512 decode.
 3. Pages: key position ``p`` of sequence ``b`` lives in slot ``p % page_size`` of page
    ``block_table[b, p // page_size]``. A key tile gathers its rows through the table, so any page size works;
    positions past the sequence read zeros (masked loads) and never reach the output, whatever the unused
@@ -30,7 +28,7 @@ import triton.language as tl
 
 @triton.jit
 def paged_decode_split(
-    Q, K_cache, V_cache, block_table, cache_seqlens, O_part, LSE_part, Out, Done, qk_scale,
+    Q, K_cache, V_cache, block_table, cache_seqlens, O_part, LSE_part, Out, qk_scale,
     stride_qb, stride_qt, stride_qh,
     stride_kp, stride_ks, stride_kh,
     stride_vp, stride_vs, stride_vh,
@@ -40,12 +38,10 @@ def paged_decode_split(
     num_kv_heads, split_len,
     GROUP: tl.constexpr, SQ: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, SPLIT: tl.constexpr,
-    FUSED: tl.constexpr, MAX_SPLITS: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
 ):
     """Program (split, batch * kv head): attention of the GROUP x SQ query rows over one chunk of the cache.
-    SPLIT: its normalised output and log-sum-exp go to O_part and LSE_part for the combine (FUSED: the last
-    program of the pair merges them; Done holds a zeroed int32 per pair); otherwise (one chunk per sequence)
-    the output rows go to Out."""
+    SPLIT: its normalised output and log-sum-exp go to O_part and LSE_part for the combine; otherwise (one
+    chunk per sequence) the output rows go to Out."""
     split = tl.program_id(0)
     bk = tl.program_id(1)
     batch = (bk // num_kv_heads).to(tl.int64)
@@ -107,15 +103,6 @@ def paged_decode_split(
         tl.store(O_part + part + rows[:, None] * stride_or + offs_d[None, :], acc / l_safe[:, None],
                  mask=row_valid[:, None])
         tl.store(LSE_part + (bk * tl.num_programs(0) + split) * BLOCK_M + rows, lse, mask=row_valid)
-        if FUSED:
-            tl.debug_barrier()  # every thread's stores made before the release below
-            used = tl.minimum(tl.cdiv(seq_len, split_len), tl.num_programs(0))
-            if tl.atomic_add(Done + bk, 1, sem="acq_rel", scope="gpu") == used - 1:  # the pair's last chunk
-                tl.store(Done + bk, 0)
-                for row in range(0, GROUP * SQ):
-                    merge_row(O_part, LSE_part, Out, bk, row, batch, kv_head, used, tl.num_programs(0),
-                              offs_d, stride_ob, stride_os, stride_or, stride_b, stride_t, stride_h, GROUP, SQ,
-                              BLOCK_M, MAX_SPLITS, SPLIT_CHUNK)
     else:
         out_ptrs = Out + batch * stride_b + token[:, None] * stride_t + head[:, None] * stride_h + offs_d[None, :]
         tl.store(out_ptrs, (acc / l_safe[:, None]).to(Out.dtype.element_ty), mask=row_valid[:, None])
@@ -130,42 +117,33 @@ def paged_decode_combine(
     GROUP: tl.constexpr, SQ: tl.constexpr, BLOCK_M: tl.constexpr,
     MAX_SPLITS: tl.constexpr, SPLIT_CHUNK: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Program (batch * kv head, row, head-dim slice): merge the row's chunks over BLOCK_D of its columns.
+    """Program (batch * kv head, row, head-dim slice): merge the row's chunks by log-sum-exp over BLOCK_D of
+    its columns and write them to ``Out``.
 
-    With many chunks the slice narrows (``impls._serving.combine_plan``) so that one step takes them all,
-    instead of a loop of dependent loads."""
+    The log-sum-exps of all chunks fit in registers (one float each); the partial outputs are read SPLIT_CHUNK
+    chunks at a time (``impls._serving.combine_plan``: with many chunks the slice narrows so that one step
+    takes them all, instead of a loop of dependent loads).
+    """
     bk = tl.program_id(0)
+    row = tl.program_id(1)
     batch = bk // num_kv_heads
+    kv_head = bk % num_kv_heads
     seq_len = tl.load(cache_seqlens + batch)
     used = tl.minimum(tl.cdiv(seq_len, split_len), num_splits)  # chunks that hold keys
-    offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
-    merge_row(O_part, LSE_part, Out, bk, tl.program_id(1), batch, bk % num_kv_heads, used, num_splits, offs_d,
-              stride_ob, stride_os, stride_or, stride_b, stride_t, stride_h, GROUP, SQ, BLOCK_M, MAX_SPLITS,
-              SPLIT_CHUNK)
-
-
-@triton.jit
-def merge_row(O_part, LSE_part, Out, bk, row, batch, kv_head, used, num_splits, offs_d,
-              stride_ob, stride_os, stride_or, stride_b, stride_t, stride_h,
-              GROUP: tl.constexpr, SQ: tl.constexpr, BLOCK_M: tl.constexpr, MAX_SPLITS: tl.constexpr,
-              SPLIT_CHUNK: tl.constexpr):
-    """Row ``row`` of pair ``bk``, columns ``offs_d``: its ``used`` chunks weighted by 2^(lse - max lse), into
-    Out. The log-sum-exps of all chunks fit in registers (one float each); the partial outputs are read
-    SPLIT_CHUNK chunks at a time, past L1 (another SM wrote them in this launch where FUSED)."""
     splits = tl.arange(0, MAX_SPLITS)
-    lse = tl.load(LSE_part + (bk * num_splits + splits) * BLOCK_M + row, mask=splits < used, other=float("-inf"),
-                  cache_modifier=".cg")
+    lse = tl.load(LSE_part + (bk * num_splits + splits) * BLOCK_M + row, mask=splits < used, other=float("-inf"))
     lse_max = tl.max(lse, 0)  # the row saw a key somewhere: finite
     total = tl.sum(tl.math.exp2(lse - lse_max), 0)
+    offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     chunk = tl.arange(0, SPLIT_CHUNK)
-    acc = tl.zeros(offs_d.shape, dtype=tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for first in range(0, used, SPLIT_CHUNK):
         s = first + chunk
         keep = s < used
         weight = tl.math.exp2(tl.load(LSE_part + (bk * num_splits + s) * BLOCK_M + row, mask=keep,
-                                      other=float("-inf"), cache_modifier=".cg") - lse_max)
+                                      other=float("-inf")) - lse_max)
         parts = tl.load(O_part + bk * stride_ob + s[:, None] * stride_os + row * stride_or + offs_d[None, :],
-                        mask=keep[:, None], other=0.0, cache_modifier=".cg")
+                        mask=keep[:, None], other=0.0)
         acc += tl.sum(parts * weight[:, None], 0)
     head = kv_head * GROUP + row // SQ
     token = row % SQ
