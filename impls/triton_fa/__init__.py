@@ -275,6 +275,11 @@ def _describe(cfg) -> dict:
 # Session 11 (H200, same probe beside FlashInfer): 64 keys with 3 stages, once the combine was gone from unsplit
 # steps, read 4.48 TB/s at 8B 256 x 8K and 4.38 at 256 x 2K (64 x 4 x 2: 4.16, 4.12; the tuner's choice 128 x 4 x 3:
 # 4.43, 4.31); a fourth stage added nothing.
+# Session 12 (H200, the same probe, 8 cases beside FlashInfer): the split kernel's last program of each (batch,
+# kv head) merging the chunks itself after an acquire-release count (no combine launch; commit 34a4c4c has it)
+# was correct but slower in 96 of 98 config pairs: 0.45-0.64 of the two-launch form at 2 chunks, 0.07-0.96 at
+# 5-1024 (the tail merge is serial per pair, and the kernel compiles heavier). Its one lead (8B 64 x 32K, 3
+# chunks, +1.4% over the best two-launch plan) was within run spread. Dropped.
 DECODE_TILES = ((128, 4, 3), (128, 4, 2), (64, 4, 3), (64, 4, 2), (64, 8, 2), (32, 4, 2))
 DECODE_SPACE = [{"BLOCK_N": n, "num_warps": w, "num_stages": st, "PLAN_PROGRAMS": programs}
                 for n, w, st in DECODE_TILES for programs in (2, PROGRAMS_PER_SM, 8)]
