@@ -277,9 +277,10 @@ def _describe(cfg) -> dict:
 # 4.43, 4.31); a fourth stage added nothing.
 # Session 12 (H200, the same probe, 8 cases beside FlashInfer): the split kernel's last program of each (batch,
 # kv head) merging the chunks itself after an acquire-release count (no combine launch; commit 34a4c4c has it)
-# was correct but slower in 96 of 98 config pairs: 0.45-0.64 of the two-launch form at 2 chunks, 0.07-0.96 at
-# 5-1024 (the tail merge is serial per pair, and the kernel compiles heavier). Its one lead (8B 64 x 32K, 3
-# chunks, +1.4% over the best two-launch plan) was within run spread. Dropped.
+# was correct, but slower than the same config with the combine launch in 102 of 108 pairs (0.45-0.64 at 2
+# chunks, down to 0.07 at 1024: the tail merge is serial per pair, and the kernel compiles heavier). Where it
+# led (3-9 chunks of 8B / 70B 64 x 32K), it stayed within 1.4% of, or below, the best two-launch plan of the
+# case. Dropped.
 DECODE_TILES = ((128, 4, 3), (128, 4, 2), (64, 4, 3), (64, 4, 2), (64, 8, 2), (32, 4, 2))
 DECODE_SPACE = [{"BLOCK_N": n, "num_warps": w, "num_stages": st, "PLAN_PROGRAMS": programs}
                 for n, w, st in DECODE_TILES for programs in (2, PROGRAMS_PER_SM, 8)]
