@@ -26,6 +26,7 @@
 #             Triton's tuner space (graph of 20 calls)
 #   decode-wide: the same probe on the long uniform cases: Triton's wide space beside FlashInfer in one process
 #             (carry .gpu-fi; no cuTile)
+#   clocks:   scripts/clock_probe.py: per-round times and SM clocks over 2 s of sustained work after a rest
 #   varlen-probe: every cuTile serving candidate on the twins and the uneven packed batches, then
 #             scripts/serving_probe.py --varlen-only
 #   node:     (several GPUs) issue 14's evidence, PER_GPU workers a GPU (default: the cores / GPUs), as two parts
@@ -183,6 +184,10 @@ for part in "$@"; do
         --case llama3-70b-tp8-paged-bf16-h8:1-q1-kv8192-uniform-p16-d128-b256 \
         --case llama3-8b-paged-bf16-h32:8-q1-kv512-uniform-p16-d128-b256 \
         --case llama3-8b-paged-bf16-h32:8-q1-kv2048-uniform-p16-d128-b256
+      ;;
+    clocks)
+      step clocks 300 python3 scripts/clock_probe.py --case llama3-8b-bf16-causal-h32:8-s4096x4096-d128-b4 \
+        --impl cutile --impl sdpa-cudnn --impl triton --seconds 2.5
       ;;
     varlen-probe)
       step varlen-candidates 300 python3 -m pytest tests/test_gpu_candidates.py -k "serving or uneven" -q \
