@@ -186,8 +186,10 @@ for part in "$@"; do
         --case llama3-8b-paged-bf16-h32:8-q1-kv2048-uniform-p16-d128-b256
       ;;
     clocks)
-      step clocks 300 python3 scripts/clock_probe.py --case llama3-8b-bf16-causal-h32:8-s4096x4096-d128-b4 \
-        --impl cutile --impl sdpa-cudnn --impl triton --seconds 2.5
+      for impl in ${CLOCK_IMPLS:-cutile sdpa-cudnn triton}; do  # a process each (one segfaulted after cutile)
+        step "clocks-$impl" 120 python3 scripts/clock_probe.py --case llama3-8b-bf16-causal-h32:8-s4096x4096-d128-b4 \
+          --impl "$impl" --seconds 2.5
+      done
       ;;
     varlen-probe)
       step varlen-candidates 300 python3 -m pytest tests/test_gpu_candidates.py -k "serving or uneven" -q \
