@@ -27,6 +27,8 @@
 #   decode-wide: the same probe on the long uniform cases: Triton's wide space beside FlashInfer in one process
 #             (carry .gpu-fi; no cuTile)
 #   clocks:   scripts/clock_probe.py: per-round times and SM clocks over 2 s of sustained work after a rest
+#   settle:   the equal-length varlen batch and its dense twin, cutile / sdpa-cudnn / triton, graph timing, twice
+#             with --settle-ms 0 and twice with the default (benchmarks timed at sustained clocks)
 #   varlen-probe: every cuTile serving candidate on the twins and the uneven packed batches, then
 #             scripts/serving_probe.py --varlen-only
 #   node:     (several GPUs) issue 14's evidence, PER_GPU workers a GPU (default: the cores / GPUs), as two parts
@@ -189,6 +191,13 @@ for part in "$@"; do
       for impl in ${CLOCK_IMPLS:-cutile sdpa-cudnn triton}; do  # a process each (one segfaulted after cutile)
         step "clocks-$impl" 120 python3 scripts/clock_probe.py --case llama3-8b-bf16-causal-h32:8-s4096x4096-d128-b4 \
           --impl "$impl" --seconds 2.5
+      done
+      ;;
+    settle)
+      for run in 0a 250a 0b 250b; do
+        step "settle-$run" 150 python3 -m pytest suite "${bench[@]}" --grid varlen -k "equal or s4096x4096" \
+          --timing graph --impl cutile --impl sdpa-cudnn --impl triton --settle-ms "${run%?}" \
+          --benchmark-json="$out/settle-$run.json"
       done
       ;;
     varlen-probe)

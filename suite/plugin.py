@@ -51,6 +51,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="where to run; default cuda when available")
     group.addoption("--rounds", type=int, default=None, help="timed rounds per benchmark (default 20 GPU, 5 CPU)")
     group.addoption("--warmup-rounds", type=int, default=3, help="untimed rounds before timing (default 3)")
+    group.addoption("--settle-ms", type=float, default=None,
+                    help="run each benchmark's call back to back this long before its warm-up rounds, so that "
+                         "the GPU's clocks have come down to what its power limit sustains (default 250 on a "
+                         "GPU, 0 on CPU; 0: time from whatever state the previous work left)")
     group.addoption("--round-ms", type=float, default=None,
                     help="target length of a round; calls per round follow from it (default 20 GPU, 50 CPU)")
     group.addoption("--cold-l2", action="store_true",

@@ -23,6 +23,7 @@ from suite.timing import (
     graph_repeats,
     iterations_for,
     profile_kernels,
+    settle,
     time_once,
 )
 
@@ -95,14 +96,18 @@ def measure(benchmark, impl: Impl, case: Case, problem: Problem, record: Recorde
     elif timing == "kernel":
         clock = cuda_clock.kernel_time()
 
+    seconds = per_call if target is prepared else time_once(target, device)  # a graph: one replay
     if cold_l2 and info["measured_as"] != "graph":
         schedule = {"setup": L2Flusher(device), "iterations": 1}
     else:
-        seconds = per_call if target is prepared else time_once(target, device)  # a graph: one replay
         schedule = {"iterations": iterations_for(seconds, round_s)}
     peak_bytes = peak_memory_bytes(prepared, device)
 
     benchmark.group = f"{case.id} [{timing}]"
+    settle_ms = pytestconfig.getoption("--settle-ms")
+    settle_s = (250 if on_gpu else 0) / 1e3 if settle_ms is None else settle_ms / 1e3
+    info["settle_s"] = settle_s if settle(target, settle_s, seconds, torch.cuda.synchronize if on_gpu
+                                          else lambda: None) else 0.0
     with clock:
         benchmark.pedantic(target, rounds=rounds, warmup_rounds=pytestconfig.getoption("--warmup-rounds"),
                            **schedule)

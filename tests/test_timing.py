@@ -93,6 +93,21 @@ def test_decode_ranks_by_bandwidth(cpu_modes, tmp_path):
     assert "GB/s against cache length" in html and "dashed" not in html  # no HBM peak on CPU, no line
 
 
+def test_settling_runs_the_call_for_the_time_asked_then_waits():
+    from suite.timing import settle
+
+    calls, syncs = [], []
+    assert settle(lambda: calls.append(1), 0.25, 0.01, lambda: syncs.append(1)) == 25
+    assert len(calls) == 25 and syncs == [1]  # queued calls, then one wait for all of them
+    assert settle(lambda: calls.append(1), 0.25, 1.0, lambda: None) == 1  # a long call: once
+    assert settle(lambda: calls.append(1), 0.0, 0.01, lambda: syncs.append(1)) == 0 and syncs == [1]
+
+
+def test_cpu_benchmarks_do_not_settle_unless_asked(cpu_modes):
+    _, data = cpu_modes
+    assert {b["extra_info"]["settle_s"] for b in data["benchmarks"]} == {0.0}
+
+
 def test_graph_repeats_fill_about_a_millisecond():
     from suite.timing import graph_repeats
 
