@@ -303,3 +303,15 @@ def test_arguments_are_bound_by_the_kernels_parameter_names():
     del values["HEAD_GROUP"]
     with pytest.raises(TypeError, match="fmha_varlen: no value for HEAD_GROUP"):
         bind("fmha_varlen", **values)
+
+
+def test_a_kernel_and_its_hints_are_made_once():
+    """Launches share one kernel object per kernel and set of hints: a new object per call would compile again,
+    and would free its module while a CUDA graph captured from it still runs (session 12: a segfault)."""
+    pytest.importorskip("cuda.tile")
+    from impls.cutile import Variant
+
+    variant = Variant(64, 128, occupancy=2)
+    assert variant.kernel() is variant.kernel()
+    assert variant.kernel(base="fmha_varlen") is Variant(64, 128, occupancy=2).kernel(base="fmha_varlen")
+    assert variant.kernel() is not Variant(64, 128, occupancy=1).kernel()

@@ -181,7 +181,6 @@ def _sm_count(device_index: int | None) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-@functools.cache
 def bind(base: str, **values: Any) -> tuple:
     """The arguments of kernel ``base`` (of kernel.py) in its parameter order, taken by name from ``values``,
     which may name more (the compile-time constants of both kernels); a parameter without a value is an error.
@@ -202,6 +201,7 @@ def state_arrays(state: tuple) -> dict[str, Any]:
     return dict(zip(ARRAYS[4:], state, strict=True))
 
 
+@functools.cache
 def _kernel_with_hints(base: str, hints: tuple[tuple[str, int], ...], module: str = "kernel"):
     """One kernel object per kernel (``base`` of ``impls.cutile.<module>``) and set of hints: each has its own
     JIT cache, so it is made once."""
