@@ -14,6 +14,7 @@
 #             cases, then the two-launch ones under compute-sanitizer memcheck
 #   causal:   every causal cuTile candidate of the blog shapes, one and two launches, beside sdpa-cudnn (sweep)
 #   prefill:  blog and fa3 presets, graph timing: cutile, flash-attn4, sdpa-cudnn, triton side by side
+#   prefill-prime: (carry call 1) their checks for cutile, triton and sdpa-cudnn: tuning and compile caches filled
 #   models:   the models preset, every implementation that runs it, graph timing (in the flash-attn-4 carry's
 #             last call; fi-models, FlashInfer's checks of the preset, in its second, fills FlashInfer's JIT cache)
 #   models-prime: cuTile's candidates on the softcap edge cases; the models preset's checks of ours, flex and
@@ -136,6 +137,10 @@ for part in "$@"; do
     prefill)
       step prefill 420 python3 -m pytest suite --benchmark-only -p no:cacheprovider -q --grid blog --grid fa3 --timing graph \
         --impl cutile --impl flash-attn4 --impl sdpa-cudnn --impl triton --benchmark-json="$out/prefill.json"
+      ;;
+    prefill-prime)
+      step prefill-prime 420 python3 -m pytest suite -k correctness -q -p no:cacheprovider -rf --grid blog --grid fa3 \
+        --impl cutile --impl triton --impl sdpa-cudnn --durations=5
       ;;
     models)
       # --isolate: one process per implementation (a device fault costs only its own cases); the children's
