@@ -48,6 +48,7 @@ class Measurement:
     pct_of_hbm: float | None = None
     kernels: dict[str, dict] = field(default_factory=dict)
     gpu: dict[str, Any] = field(default_factory=dict)  # name, uuid, NVML state after the benchmark
+    settle_s: float = 0.0  # seconds of back-to-back calls before the warm-up (--settle-ms)
 
     @property
     def gpu_label(self) -> str:
@@ -132,6 +133,7 @@ def load_run(path: Path) -> Run:
                 timing=str(info.get("timing", "eager")), measured_as=str(info.get("measured_as", "eager")),
                 fallback=info.get("fallback"), pct_of_hbm=_num(info.get("pct_of_hbm")),
                 kernels=dict(info.get("kernels") or {}), gpu=dict(info.get("gpu") or {}),
+                settle_s=float(info.get("settle_s") or 0.0),
             ))
         except (KeyError, TypeError, ValueError) as exc:
             raise ReportError(f"{path}: benchmark #{i} ({bench.get('name', '?')}) is missing or has a bad "
@@ -340,6 +342,8 @@ def build_context(runs: list[Run], baseline: str) -> dict[str, Any]:
         })
     return {
         "runs": runs, "baseline": baseline, "sections": sections,
+        "settled_ms": sorted({round(1e3 * m.settle_s) for r in runs for m in r.measurements}),
+        "on_gpu": any(m.gpu for r in runs for m in r.measurements),
         "matrices": [(r.label, correctness_matrix(r), r.unavailable) for r in runs],
         "ladders": [(r.label, lad) for r in runs if (lad := ladder(r))],
         "fleets": [(r.label, f) for r in runs if (f := fleet(r))],

@@ -36,6 +36,22 @@ def test_report_has_every_section(results, tmp_path):
     assert not re.search(r"""(src|href)=["']?(https?:)?//""", html), "the report must not fetch anything"
 
 
+def test_report_says_whether_calls_settled_before_timing(results, tmp_path):
+    data = json.loads(results.read_text())
+    html = write_report([results], tmp_path / "cpu.html").read_text()
+    assert "--settle-ms" not in html  # a CPU run: no clocks to settle, nothing said
+    for bench in data["benchmarks"]:
+        bench["extra_info"]["gpu"] = {"name": "NVIDIA H200", "uuid": "GPU-0"}
+    unsettled = tmp_path / "unsettled.json"
+    unsettled.write_text(json.dumps(data))
+    assert "timed without settling first" in write_report([unsettled], tmp_path / "u.html").read_text()
+    for bench in data["benchmarks"]:
+        bench["extra_info"]["settle_s"] = 0.25
+    settled = tmp_path / "settled.json"
+    settled.write_text(json.dumps(data))
+    assert "back to back for 250 ms" in write_report([settled], tmp_path / "s.html").read_text()
+
+
 def test_two_runs_side_by_side(results, tmp_path):
     other = tmp_path / "other.json"
     other.write_text(results.read_text())
