@@ -342,8 +342,8 @@ def build_context(runs: list[Run], baseline: str) -> dict[str, Any]:
         })
     return {
         "runs": runs, "baseline": baseline, "sections": sections,
-        "settled_ms": sorted({round(1e3 * m.settle_s) for r in runs for m in r.measurements}),
-        "on_gpu": any(m.gpu for r in runs for m in r.measurements),
+        "settled_ms": sorted({round(1e3 * m.settle_s) for r in runs for m in r.measurements if m.settle_s}),
+        "unsettled": any(m.gpu and not m.settle_s for r in runs for m in r.measurements),
         "matrices": [(r.label, correctness_matrix(r), r.unavailable) for r in runs],
         "ladders": [(r.label, lad) for r in runs if (lad := ladder(r))],
         "fleets": [(r.label, f) for r in runs if (f := fleet(r))],
