@@ -1,7 +1,7 @@
 """How a GPU's clocks move under sustained attention work, and how long they take to settle (GPU).
 
 For each implementation on one dense case: rest (idle) for ``--rest`` seconds, then replay a CUDA graph of
-about ``--round-ms`` of calls back to back for ``--seconds``, one round at a time; after each round print its
+calls back to back in rounds of about ``--round-ms`` for ``--seconds``, one round at a time; after each round print its
 time per call (CUDA events) and NVML's SM clock, power and throttle reasons. The suite's benchmark of a case
 is a few hundred milliseconds of such rounds: if the clocks are still falling then, its median depends on how
 long the GPU rested before (which implementation ran before, how long the compile took).
@@ -19,17 +19,9 @@ import torch
 
 import impls
 from suite import metrics
-from suite.cases import PRESETS, Case
+from suite.cases import case_by_id
 from suite.telemetry import gpu_state
-from suite.timing import GraphTarget, iterations_for, time_once
-
-
-def find_case(case_id: str) -> Case:
-    for cases in PRESETS.values():
-        for case in cases:
-            if case.id == case_id:
-                return case
-    raise SystemExit(f"no case {case_id!r} in any preset")
+from suite.timing import GraphTarget, graph_repeats, iterations_for, time_once
 
 
 def main() -> None:
@@ -40,13 +32,13 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=2.0, help="seconds of rounds per implementation")
     p.add_argument("--round-ms", type=float, default=10.0)
     a = p.parse_args()
-    case = find_case(a.case)
+    case = case_by_id(a.case)
     q, k, v = case.make_inputs("cuda")
     uuid = str(torch.cuda.get_device_properties(0).uuid)
     for name in a.impl:
         run = impls.get(name).prepare(q, k, v, causal=case.causal, **case.variants)
         per_call = time_once(run, q.device)
-        graph = GraphTarget([run], max(1, int(a.round_ms / 1e3 / per_call)))
+        graph = GraphTarget([run], graph_repeats(per_call, 1))  # a replay of about a millisecond
         rounds = iterations_for(time_once(graph, q.device), a.round_ms / 1e3)
         torch.cuda.synchronize()
         time.sleep(a.rest)

@@ -16,16 +16,8 @@ import argparse
 import torch
 
 import impls
-from suite.cases import PRESETS
+from suite.cases import case_by_id
 from suite.checks import Oracle
-
-
-def find_case(case_id: str):
-    for cases in PRESETS.values():
-        for case in cases:
-            if case.id == case_id:
-                return case
-    raise SystemExit(f"no preset has a case {case_id!r}")
 
 
 def main() -> None:
@@ -34,7 +26,7 @@ def main() -> None:
     parser.add_argument("--impl", action="append", required=True, help="an implementation (repeatable)")
     parser.add_argument("--calls", type=int, default=1, help="calls inside each range")
     args = parser.parse_args()
-    case = find_case(args.case)
+    case = case_by_id(args.case)
     inputs = case.make_inputs("cuda")
     oracle = Oracle.serving(inputs) if case.op != "dense" else Oracle.dense(*inputs, causal=case.causal,
                                                                             **case.variants)

@@ -28,7 +28,7 @@ from impls.cutile.serving import DecodeCall, VarlenCall, decode_space, varlen_sp
 from impls.triton_fa import DECODE_SPACE as TRITON_SPACE
 from impls.triton_fa import paged_launch
 from suite import metrics
-from suite.cases import preset
+from suite.cases import case_by_id, preset
 from suite.checks import Oracle
 
 
@@ -54,7 +54,7 @@ def report(name: str, call, case, oracle, **extra) -> None:
 
 def probe_decode(case_id: str, occupancies: list[int], triton: str, latencies: list[str], peers: list[str],
                  cutile: bool = True) -> None:
-    case = next(c for c in preset("serving") if c.id == case_id)
+    case = case_by_id(case_id)
     t = time.perf_counter()
     inputs = case.make_inputs("cuda")
     torch.cuda.synchronize()

@@ -379,6 +379,15 @@ def preset(name: str) -> list[Case]:
         raise ValueError(f"unknown grid preset {name!r}; known: {', '.join(PRESETS)}") from None
 
 
+def case_by_id(case_id: str) -> Case:
+    """The case with this id, from whichever preset holds it (for scripts that take a case id)."""
+    for grid_cases in PRESETS.values():
+        for case in grid_cases:
+            if case.id == case_id:
+                return case
+    raise ValueError(f"no preset has a case {case_id!r}")
+
+
 def cases(names: Iterable[str]) -> Iterator[tuple[str, Case]]:
     """(preset, case) for each named preset, each case once per run (first preset wins)."""
     seen: set[Case] = set()

@@ -105,9 +105,8 @@ def measure(benchmark, impl: Impl, case: Case, problem: Problem, record: Recorde
 
     benchmark.group = f"{case.id} [{timing}]"
     settle_ms = pytestconfig.getoption("--settle-ms")
-    settle_s = (250 if on_gpu else 0) / 1e3 if settle_ms is None else settle_ms / 1e3
-    info["settle_s"] = settle_s if settle(target, settle_s, seconds, torch.cuda.synchronize if on_gpu
-                                          else lambda: None) else 0.0
+    info["settle_s"] = max(0.0, (250 if on_gpu else 0) if settle_ms is None else settle_ms) / 1e3
+    settle(target, info["settle_s"], seconds, torch.cuda.synchronize if on_gpu else lambda: None)
     with clock:
         benchmark.pedantic(target, rounds=rounds, warmup_rounds=pytestconfig.getoption("--warmup-rounds"),
                            **schedule)

@@ -53,3 +53,12 @@ def test_iterations_fill_a_round_and_are_bounded():
     assert iterations_for(0.5, 0.02) == 1  # a long call is timed one per round
     assert iterations_for(1e-9, 0.02) == 1000  # capped
     assert iterations_for(0.0, 0.02) == 1000
+
+
+def test_a_case_is_found_by_its_id_in_any_preset():
+    from suite.cases import PRESETS, case_by_id
+
+    case = PRESETS["serving-cpu"][1]
+    assert case_by_id(case.id) is case
+    with pytest.raises(ValueError, match="no preset has a case 'nope'"):
+        case_by_id("nope")
