@@ -23,8 +23,6 @@
 #   tails:    head dims with a tail tile (cuTile): every cuTile candidate on the edge cases, the models preset's
 #             D=96 and MLA cases, and a sweep of the tuner's D=96 candidates with a tail against padded
 #   dynamic:  the dynamically scheduled persistent cuTile candidates beside the best fixed ones (sweep)
-#   pdl:      Triton decode without and with programmatic dependent launch beside FlashInfer (serving_probe.py
-#             --triton pdl; carry .gpu-fi), then the serving twins' checks of Triton
 #   decode-probe: scripts/serving_probe.py on the 256-sequence serving cases: every cuTile decode candidate and
 #             Triton's tuner space (graph of 20 calls)
 #   decode-wide: the same probe on the long uniform cases: Triton's wide space beside FlashInfer in one process
@@ -184,23 +182,6 @@ for part in "$@"; do
         --case llama3-8b-paged-bf16-h32:8-q1-kv2048-uniform-p16-d128-b256 \
         --case llama3-70b-tp8-paged-bf16-h8:1-q1-kv32768-uniform-p16-d128-b64 \
         --case llama3-70b-tp8-paged-bf16-h8:1-q1-kv8192-uniform-p16-d128-b256
-      ;;
-    pdl)
-      # Triton decode without and with programmatic dependent launch, beside FlashInfer (which launches its
-      # kernels that way by default on Hopper): the cases of issue 12's targets (a) and (b) that ours misses
-      # (carry .gpu-fi; no cuTile); then the CPU twins' checks with PDL on
-      step pdl-probe 470 python3 scripts/serving_probe.py --skip-varlen --no-cutile --triton pdl --peer flashinfer \
-        --case llama3-8b-paged-bf16-h32:8-q1-kv131072-uniform-p16-d128 \
-        --case llama3-70b-tp8-paged-bf16-h8:1-q1-kv32768-uniform-p16-d128-b16 \
-        --case llama3-8b-paged-bf16-h32:8-q1-kv32768-uniform-p16-d128-b64 \
-        --case llama3-70b-tp8-paged-bf16-h8:1-q1-kv32768-uniform-p16-d128-b64 \
-        --case llama3-8b-paged-bf16-h32:8-q1-kv8192-uniform-p16-d128-b256 \
-        --case llama3-70b-tp8-paged-bf16-h8:1-q1-kv8192-uniform-p16-d128-b256 \
-        --case llama3-70b-tp8-paged-bf16-h8:1-q1-kv8192-uniform-p64-d128-b64 \
-        --case llama3-8b-paged-bf16-h32:8-q1-kv8192-uniform-p16-d128-b64 \
-        --case llama3-8b-paged-bf16-h32:8-q1-kv8192-uniform-p64-d128-b64
-      step pdl-correct 100 python3 -m pytest suite -k correctness -q -p no:cacheprovider -rf --impl triton \
-        --grid serving-cpu
       ;;
     decode-probe)
       # the serving cases where a peer led ours in session 10, as the probe times them (graph of 20 calls)

@@ -3,8 +3,7 @@
 For one paged-decode case: building the inputs, the float64 oracle, and per decode candidate its first call
 (compile) and its time per call (one replay of a CUDA graph of 20 calls). ``--occupancy N`` and ``--latency
 K,V`` (repeatable) add each cuTile candidate with that many blocks per SM asked of the compiler or those load
-latencies; ``--triton wide`` sweeps a wider Triton decode space (TRITON_WIDE) than the tuner's, ``--triton pdl``
-the tuner's space without and with programmatic dependent launch; ``--peer NAME``
+latencies; ``--triton wide`` sweeps a wider Triton decode space (TRITON_WIDE) than the tuner's; ``--peer NAME``
 times a registered implementation of the operation the same way, in the same process (``--no-cutile`` leaves
 cuTile out, for a machine without its toolchain). Varlen (``--varlen-only``: nothing else): each varlen
 candidate on every ``varlen`` case, and on the equal-length batch beside the dense kernel with the same variant
@@ -79,8 +78,7 @@ def probe_decode(case_id: str, occupancies: list[int], triton: str, latencies: l
     for variant in space:
         call = DecodeCall(variant, inputs, scale=scale, sm_count=_sm_count(None))
         report(f"cutile {variant}", call, case, oracle, splits=call.num_splits)
-    with_pdl = [{**config, "PDL": pdl} for config in TRITON_SPACE for pdl in (False, True)]
-    for config in {"tuner": TRITON_SPACE, "wide": TRITON_WIDE, "pdl": with_pdl, "none": []}[triton]:
+    for config in {"tuner": TRITON_SPACE, "wide": TRITON_WIDE, "none": []}[triton]:
         try:
             run, plan = paged_launch(inputs, scale, config)
             report(f"triton {config}", run, case, oracle, splits=plan["num_splits"])
@@ -117,9 +115,8 @@ def main() -> None:
     parser.add_argument("--skip-varlen", action="store_true")
     parser.add_argument("--varlen-only", action="store_true", help="no decode case, only the varlen probe")
     parser.add_argument("--occupancy", action="append", type=int, default=[], help="cuTile blocks per SM to try")
-    parser.add_argument("--triton", choices=("tuner", "wide", "pdl", "none"), default="tuner",
-                        help="the Triton configs beside cuTile's: the tuner's space, TRITON_WIDE, the tuner's "
-                             "space without and with programmatic dependent launch, or none")
+    parser.add_argument("--triton", choices=("tuner", "wide", "none"), default="tuner",
+                        help="the Triton configs beside cuTile's: the tuner's space, TRITON_WIDE, or none")
     parser.add_argument("--peer", action="append", default=[], help="a registered implementation to time too")
     parser.add_argument("--no-cutile", action="store_true", help="leave cuTile's candidates out")
     parser.add_argument("--latency", action="append", default=[], metavar="K,V",

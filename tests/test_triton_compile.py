@@ -47,27 +47,3 @@ def test_ampere_padded_head_dims_window_and_softcap_compile_without_spills():
     assert ampere["reg"] > 0 and ampere["hgmma"] == 0
     for result in hopper:
         assert result["hgmma"] > 0 and result["stack"] == 0, result
-
-
-def test_decode_waits_for_the_kernel_before_it_only_under_programmatic_dependent_launch():
-    # Under PDL a kernel may start before the one it follows has finished: the wait must come before the first
-    # load of either decode kernel (the combine reads the split kernel's partial results), and without PDL the
-    # kernels carry no grid-dependency instruction at all.
-    script = """
-import json
-from impls.triton_fa.aot import compile_decode_ptx
-found = {}
-for pdl in (False, True):
-    for name, ptx in compile_decode_ptx(90, use_pdl=pdl).items():
-        found[f"{name} {pdl}"] = [ptx.count("griddepcontrol.wait"), ptx.count("griddepcontrol.launch_dependents"),
-                                  ptx.find("griddepcontrol.wait") < ptx.find("ld.global")]
-print(json.dumps(found))
-"""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    found = json.loads(proc.stdout.strip().splitlines()[-1])
-    for name in ("split", "combine"):
-        assert found[f"{name} True"] == [1, 1, True], found
-        assert found[f"{name} False"][:2] == [0, 0], found

@@ -286,12 +286,6 @@ DECODE_SPACE = [{"BLOCK_N": n, "num_warps": w, "num_stages": st, "PLAN_PROGRAMS"
                 for n, w, st in DECODE_TILES for programs in (2, PROGRAMS_PER_SM, 8)]
 INTERPRETER_DECODE_CONFIG = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "PLAN_PROGRAMS": PROGRAMS_PER_SM}
 INTERPRETER_SM_COUNT = 8  # the interpreter has no SMs: with these and one-tile chunks the CPU cases split
-PLAN_KEYS = ("PLAN_PROGRAMS", "PDL")  # decode config entries for the launch, not kernel parameters
-
-
-def pdl_available(device: torch.device) -> bool:
-    """Programmatic dependent launch (decode.py's ``USE_PDL``): compiled kernels on Hopper and later."""
-    return not interpreting() and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def paged_launch(inputs, scale: float, config: dict):
@@ -308,9 +302,7 @@ def paged_launch(inputs, scale: float, config: dict):
     rows = hq // hkv * sq
     interp = interpreting()
     sm_count = INTERPRETER_SM_COUNT if interp else torch.cuda.get_device_properties(q.device).multi_processor_count
-    split_config = {name: value for name, value in config.items() if name not in PLAN_KEYS}
-    pdl = config.get("PDL", True) and pdl_available(q.device)
-    launch_options = {"USE_PDL": pdl, **({"launch_pdl": True} if pdl else {})}
+    split_config = {name: value for name, value in config.items() if name != "PLAN_PROGRAMS"}
     num_splits, split_len = split_plan(list(inputs.seqlens), hkv, config["BLOCK_N"], sm_count,
                                        min_tiles=1 if interp else None,
                                        programs_per_sm=config.get("PLAN_PROGRAMS", PROGRAMS_PER_SM))
@@ -325,14 +317,14 @@ def paged_launch(inputs, scale: float, config: dict):
                   scale * LOG2_E, *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
                   inputs.block_table.stride(0), *o_part.stride()[:3], *out.stride()[:3], hkv, split_len)
     split_meta = {"PAGE_SIZE": inputs.page_size, "HEAD_DIM": head_dim, "DOT_FP32": interp or q.dtype == torch.float32,
-                  "SPLIT": split, **tile_rows, **split_config, **launch_options}
+                  "SPLIT": split, **tile_rows, **split_config}
     launches = [(paged_decode_split, (num_splits, batch * hkv), split_args, split_meta)]
     if split:
         tile_d, chunks = combine_plan(num_splits, head_dim)
         combine_args = (o_part, lse_part, inputs.cache_seqlens, out, *o_part.stride()[:3], *out.stride()[:3], hkv,
                         num_splits, split_len)
         combine_meta = {**tile_rows, "MAX_SPLITS": triton.next_power_of_2(num_splits), "SPLIT_CHUNK": chunks,
-                        "BLOCK_D": tile_d, **launch_options}
+                        "BLOCK_D": tile_d}
         launches.append((paged_decode_combine, (batch * hkv, rows, head_dim // tile_d), combine_args, combine_meta))
 
     def run() -> torch.Tensor:
@@ -340,7 +332,7 @@ def paged_launch(inputs, scale: float, config: dict):
             kernel[grid](*args, **meta)
         return out
 
-    return run, {"num_splits": num_splits, "split_len": split_len, "BLOCK_M": block_m, "PDL": pdl}
+    return run, {"num_splits": num_splits, "split_len": split_len, "BLOCK_M": block_m}
 
 
 @register("triton", op="paged", family="triton", dtypes=FLOATS, head_dims=POW2_HEAD_DIMS, requires=requires,

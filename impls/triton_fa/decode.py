@@ -17,13 +17,6 @@ So the kernel is built around reading the cache once, from enough programs to ke
    positions past the sequence read zeros (masked loads) and never reach the output, whatever the unused
    slots hold.
 
-4. Programmatic dependent launch (``USE_PDL``, Hopper and later): both kernels are launched so that the next
-   kernel in the stream may start before this one has finished. Each waits (``gdc_wait``) before its first load
-   -- the combine for the split kernel's partial results, the split kernel for whatever wrote Q and the cache --
-   and lets its dependents launch (``gdc_launch_dependents``) as soon as it runs. What overlaps is only the
-   launch and block scheduling of the next kernel with this one's last wave, a few microseconds a step: what a
-   server that launches its kernels this way gets (FlashInfer's kernels do by default on Hopper).
-
 Causal within each sequence, bottom-right: new token ``t`` (of ``Sq_new``) sees positions ``<= L - Sq_new + t``.
 """
 
@@ -31,15 +24,6 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-
-
-@triton.jit
-def await_inputs(USE_PDL: tl.constexpr):
-    """Under programmatic dependent launch: wait until the kernel before this one in the stream has finished
-    and its writes are visible, then let the next kernel launch (its programs wait here in turn)."""
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
@@ -54,12 +38,10 @@ def paged_decode_split(
     num_kv_heads, split_len,
     GROUP: tl.constexpr, SQ: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, SPLIT: tl.constexpr,
-    USE_PDL: tl.constexpr,
 ):
     """Program (split, batch * kv head): attention of the GROUP x SQ query rows over one chunk of the cache.
     SPLIT: its normalised output and log-sum-exp go to O_part and LSE_part for the combine; otherwise (one
     chunk per sequence) the output rows go to Out."""
-    await_inputs(USE_PDL)
     split = tl.program_id(0)
     bk = tl.program_id(1)
     batch = (bk // num_kv_heads).to(tl.int64)
@@ -133,7 +115,7 @@ def paged_decode_combine(
     stride_b, stride_t, stride_h,
     num_kv_heads, num_splits, split_len,
     GROUP: tl.constexpr, SQ: tl.constexpr, BLOCK_M: tl.constexpr,
-    MAX_SPLITS: tl.constexpr, SPLIT_CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
+    MAX_SPLITS: tl.constexpr, SPLIT_CHUNK: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Program (batch * kv head, row, head-dim slice): merge the row's chunks by log-sum-exp over BLOCK_D of
     its columns and write them to ``Out``.
@@ -142,7 +124,6 @@ def paged_decode_combine(
     chunks at a time (``impls._serving.combine_plan``: with many chunks the slice narrows so that one step
     takes them all, instead of a loop of dependent loads).
     """
-    await_inputs(USE_PDL)
     bk = tl.program_id(0)
     row = tl.program_id(1)
     batch = bk // num_kv_heads
