@@ -281,6 +281,11 @@ def _describe(cfg) -> dict:
 # chunks, down to 0.07 at 1024: the tail merge is serial per pair, and the kernel compiles heavier). Where it
 # led (3-9 chunks of 8B / 70B 64 x 32K), it stayed within 1.4% of, or below, the best two-launch plan of the
 # case. Dropped.
+# Session 13 (H200, the same probe, 9 cases of targets (a) and (b) beside FlashInfer): programmatic dependent
+# launch of both kernels (each waits before its first load and lets the next one launch early, as FlashInfer's
+# kernels run by default on Hopper; commit c5d00f4 has it, with a compile test) was correct, and changed the
+# best config of each case by -0.5 to +1.0% (8B 1 x 128K 134.0 -> 133.1 us; median over config pairs 0.994-1.007):
+# launch latency is not what the gap to 85% of HBM or to FlashInfer is made of. Dropped.
 DECODE_TILES = ((128, 4, 3), (128, 4, 2), (64, 4, 3), (64, 4, 2), (64, 8, 2), (32, 4, 2))
 DECODE_SPACE = [{"BLOCK_N": n, "num_warps": w, "num_stages": st, "PLAN_PROGRAMS": programs}
                 for n, w, st in DECODE_TILES for programs in (2, PROGRAMS_PER_SM, 8)]
