@@ -23,6 +23,7 @@
 #   tails:    head dims with a tail tile (cuTile): every cuTile candidate on the edge cases, the models preset's
 #             D=96 and MLA cases, and a sweep of the tuner's D=96 candidates with a tail against padded
 #   dynamic:  the dynamically scheduled persistent cuTile candidates beside the best fixed ones (sweep)
+#   tall:     head dim 64: 256-row cuTile blocks beside the tuner's picks and cuDNN (sweep)
 #   decode-probe: scripts/serving_probe.py on the 256-sequence serving cases: every cuTile decode candidate and
 #             Triton's tuner space (graph of 20 calls)
 #   decode-wide: the same probe on the long uniform cases: Triton's wide space beside FlashInfer in one process
@@ -182,6 +183,14 @@ for part in "$@"; do
         --case llama3-8b-paged-bf16-h32:8-q1-kv2048-uniform-p16-d128-b256 \
         --case llama3-70b-tp8-paged-bf16-h8:1-q1-kv32768-uniform-p16-d128-b64 \
         --case llama3-70b-tp8-paged-bf16-h8:1-q1-kv8192-uniform-p16-d128-b256
+      ;;
+    tall)
+      # head dim 64 with 256 query rows a block (two warpgroups of 128 rows, 64-key tiles) beside the tuner's
+      # usual picks and cuDNN (sweep)
+      step tall 420 python3 scripts/sweep.py --d 64 --seqlens 2048 4096 8192 16384 --causal both \
+        --which sdpa cutile --match sdpa-cudnn --match 'cutile:256x64*' --match 'cutile:128x64:*' \
+        --match "cutile:64x128:{'occupancy': 2}:L2,4:g-auto" --match "cutile:128x128:*8}:L2,4:g-auto" \
+        --match "cutile:128x128:*8}:L3,6:persistent:g-auto" --match 'cutile:128x256:*' --out "$out/tall-sweep.json"
       ;;
     decode-probe)
       # the serving cases where a peer led ours in session 10, as the probe times them (graph of 20 calls)

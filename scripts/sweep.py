@@ -41,6 +41,10 @@ def cutile_candidates(head_dim: int = 128, extras: bool = True):
              pair, replace(pair, persistent=True),
              *(replace(persistent, two_launch=True, k_latency=k, v_latency=v) for k, v in ((2, 4), (4, 8))),
              replace(wide, two_launch=True), *other_forms()]
+    if head_dim <= 64:  # 256 query rows a block, 128 a warpgroup: at D=64 no spill with 64-key tiles (128 spill)
+        tall = replace(wide, tile_m=256, tile_n=64)
+        extra += [tall, replace(tall, k_latency=2, v_latency=4), replace(tall, persistent=True),
+                  replace(tall, persistent=True, k_latency=4, v_latency=8)]
     seen = set()
     named = [(name, v) for name, (v, _) in LADDER.items()] if extras else []
     space = [*search_space((9, 0), head_dim, causal=True), *search_space((9, 0), head_dim, causal=False)]
