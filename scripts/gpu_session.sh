@@ -24,6 +24,7 @@
 #             D=96 and MLA cases, and a sweep of the tuner's D=96 candidates with a tail against padded
 #   dynamic:  the dynamically scheduled persistent cuTile candidates beside the best fixed ones (sweep)
 #   tall:     head dim 64: 256-row cuTile blocks beside the tuner's picks and cuDNN (sweep)
+#   d64causal: the persistent 128x256 causal candidate at D<=64: edge cases, memcheck, fa3/GPT-2 benchmarks
 #   decode-probe: scripts/serving_probe.py on the 256-sequence serving cases: every cuTile decode candidate and
 #             Triton's tuner space (graph of 20 calls)
 #   decode-wide: the same probe on the long uniform cases: Triton's wide space beside FlashInfer in one process
@@ -191,6 +192,17 @@ for part in "$@"; do
         --which sdpa cutile --match sdpa-cudnn --match 'cutile:256x64*' --match 'cutile:128x64:*' \
         --match "cutile:64x128:{'occupancy': 2}:L2,4:g-auto" --match "cutile:128x128:*8}:L2,4:g-auto" \
         --match "cutile:128x128:*8}:L3,6:persistent:g-auto" --match 'cutile:128x256:*' --out "$out/tall-sweep.json"
+      ;;
+    d64causal)
+      # the persistent 128x256 causal candidate at head dims 33-64: the edge cases (and under memcheck), then
+      # the fa3 D=64 causal and GPT-2 benchmarks with the tuner's pick beside cuDNN
+      FMHA_CANDIDATES='*128x256*persistent*' step d64-candidates 150 python3 -m pytest tests/test_gpu_candidates.py \
+        -k "cutile and (d64 or d40)" -q -p no:cacheprovider -rf
+      FMHA_CANDIDATES='*128x256*persistent*' step memcheck 150 compute-sanitizer --tool memcheck --error-exitcode 9 \
+        python3 -m pytest tests/test_gpu_candidates.py -k "cutile and unit and (d64 or d40)" -q -p no:cacheprovider
+      grep -E "ERROR SUMMARY|passed|failed" "$out/memcheck.log" | tail -3
+      step d64-bench 280 python3 -m pytest suite "${bench[@]}" --grid fa3 --grid models -k "(d64 and causal) or gpt2" \
+        --timing graph --impl cutile --impl sdpa-cudnn --benchmark-json="$out/d64.json"
       ;;
     decode-probe)
       # the serving cases where a peer led ours in session 10, as the probe times them (graph of 20 calls)

@@ -272,6 +272,11 @@ def hopper_space(width: int, causal: bool) -> list[Variant]:
 
     Head dims: up to 64 a score tile twice as wide fits beside the small accumulator; a 256-wide accumulator
     (head dims 136-256) takes half the rows per warpgroup (checked for spills with scripts/cutile_sass.py).
+    At head dims 33-64 the persistent 128x256 runs causal too, the one persistent causal candidate: half the
+    masked loop's trips, 83 KB of pipeline, no spill (at 32 it spills). Session 13 (H200, do_bench, fp16, B=4,
+    H=32, D=64 causal, 2K/4K/8K/16K): 268/389/434/460 TFLOPS against 360/392/420/438 for the best one-block-per-
+    tile candidate and 368/408/429/444 for cuDNN, so the tuner takes it for long rows only. 256x64 blocks (two
+    warpgroups of 128 rows, no spill at D=64) trailed everywhere (causal 413, full 411 at 16K; 256x128 spills).
     """
     wide, streaming = HOPPER_WIDE, HOPPER_STREAMING
     if width > 128:
@@ -280,10 +285,10 @@ def hopper_space(width: int, causal: bool) -> list[Variant]:
     space = [Variant(64, 64, occupancy=2, head_group=None), Variant(128, 64, occupancy=2, head_group=None),
              Variant(64, 128, occupancy=2, head_group=None), wide, replace(wide, k_latency=3, v_latency=6),
              replace(wide, tile_n=256)]
-    # Causal: no persistent candidate (see above). The two-launch and dynamically scheduled forms stay
-    # switches of the kernel for scripts/sweep.py; on the H200 they lost to the candidates here.
+    # Causal: no persistent candidate but one at head dims 33-64 (see above). The two-launch and dynamically
+    # scheduled forms stay switches of the kernel for scripts/sweep.py; on the H200 they lost to these.
     streams = [] if causal else [streaming, replace(streaming, k_latency=4, v_latency=4)]
-    if width <= 64 and not causal:
+    if width == 64 or (width < 64 and not causal):
         streams.append(replace(streaming, tile_n=256))
     return space + streams
 
