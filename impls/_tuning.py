@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import tempfile
+import time
 from collections.abc import Callable, Iterable
 from importlib import metadata
 from pathlib import Path
@@ -155,8 +156,31 @@ def graph_ms(call: Callable[[], object], *, warmup: int = 3, repeats: int = 10) 
     return _event_ms(graph.replay) / repeats
 
 
+SETTLE_S = 0.25  # as the suite's --settle-ms default on a GPU
+
+
+def settle_gpu(device: torch.device | None = None, seconds: float = SETTLE_S) -> None:
+    """Keep ``device``'s tensor cores busy for about ``seconds`` (a matrix product back to back), then wait: what a
+    tuner times next runs at the clocks the GPU's power limit sustains, not at the boost clocks of the first
+    0.15-0.2 s after a pause (compiling the candidates is one; ``suite.timing.settle`` has the H200's numbers). A
+    tuner that times its candidates one after another otherwise favours the first ones: on an H200 the cuTile
+    tuner's pick for one causal D=64 shape was the 64x128 tile (400 TFLOPS) after a pause and the persistent
+    128x256 one (416) in a run that had settled. Nothing off CUDA."""
+    device = torch.device("cuda") if device is None else device
+    if device.type != "cuda" or seconds <= 0:
+        return
+    a = torch.ones(4096, 4096, device=device, dtype=torch.bfloat16)
+    start = time.perf_counter()  # a duration of load, not a measurement: the host clock is enough
+    while time.perf_counter() - start < seconds:
+        for _ in range(8):  # about 2 ms of work between host checks
+            a @ a
+        torch.cuda.synchronize(device)
+
+
 def fastest(candidates: Iterable[tuple[Any, Callable[[], object]]], *, warmup: int = 3, repeats: int = 10) -> Any:
-    """The candidate whose call takes the least GPU time (``graph_ms``). For tuners whose candidate is more than
-    one launch (split and combine), where ``cuda.tile.tune`` and Triton's autotuner time one kernel."""
+    """The candidate whose call takes the least GPU time (``graph_ms``), on a settled GPU (``settle_gpu``). For
+    tuners whose candidate is more than one launch (split and combine), where ``cuda.tile.tune`` and Triton's
+    autotuner time one kernel."""
+    settle_gpu()
     timings = [(graph_ms(call, warmup=warmup, repeats=repeats), candidate) for candidate, call in candidates]
     return min(timings, key=lambda t: t[0])[1]

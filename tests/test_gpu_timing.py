@@ -53,3 +53,11 @@ def test_a_host_sync_cannot_be_captured_and_says_why():
     a = torch.randn(64, device="cuda")
     with pytest.raises(GraphCaptureError):
         GraphTarget([lambda: a * float(a.sum())], repeats=1)  # .item()-like sync inside the call
+
+
+def test_tuners_settle_the_gpu_for_the_time_asked():
+    from impls._tuning import settle_gpu
+
+    start = cuda_clock()
+    settle_gpu(torch.device("cuda"), seconds=0.1)
+    assert cuda_clock() - start >= 0.09  # device time between the events: the load ran and was waited for

@@ -7,9 +7,11 @@ import multiprocessing
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from impls import _tuning
 from reports.build import load_run, render
@@ -297,3 +299,11 @@ def test_dist_each_runs_every_benchmark_on_every_worker(tmp_path):
                      "cpu-bench", FMHA_XDIST_BENCHMARKS="1")
     workers = [b["extra_info"]["worker"] for b in data["benchmarks"]]
     assert sorted(workers) == ["gw0"] * 4 + ["gw1"] * 4
+
+
+def test_settling_a_tuner_is_nothing_off_cuda():
+    from impls._tuning import settle_gpu
+
+    start = time.perf_counter()
+    settle_gpu(torch.device("cpu"), seconds=10.0)
+    assert time.perf_counter() - start < 1.0

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import torch
 
 from impls._registry import HALF, Prepared, length_class, module_available, parallel_class, register
-from impls._tuning import TuningCache
+from impls._tuning import TuningCache, settle_gpu
 from impls._validate import NO_WINDOW, window_bounds
 
 HEAD_DIMS = tuple(range(16, 257, 8))  # the autotuned kernel: a head dim pads to the next power of two
@@ -430,6 +430,7 @@ def tuned(shape: tuple, device: torch.device, space: list[Variant],
         with ct.compiler_timeout(COMPILE_TIMEOUT_S):
             calls = precompile([make_call(variant) for variant in space])
             launches = {call.variant: only_launch(call) for call in calls}
+            settle_gpu(device)  # compiling was a pause: time every candidate at sustained clocks
             result = exhaustive_search(list(launches), torch.cuda.current_stream(),
                                        grid_fn=lambda var: launches[var][0],
                                        kernel=lambda var: launches[var][1],  # the hints travel with it

@@ -18,7 +18,7 @@ import torch
 
 from impls._registry import FLOATS, Prepared, Unsupported, length_class, module_available, register
 from impls._serving import PROGRAMS_PER_SM, combine_plan, decode_shape_class, split_plan
-from impls._tuning import TuningCache, fastest
+from impls._tuning import TuningCache, fastest, settle_gpu
 from impls._validate import NO_WINDOW, window_bounds
 
 # Any multiple of 8 from 16 (the smallest dot) to 256: a head dim that is not a power of two is padded to the
@@ -182,6 +182,7 @@ def prepared_launch(args: tuple, meta: dict, grid, out: torch.Tensor, *, pointer
     else:
         def tune() -> dict:
             precompile(kernel, args, meta, grid, configs(pointer, tma))
+            settle_gpu(out.device)  # compiling was a pause: time every config at sustained clocks
             tuner = autotuned(pointer, tma)
             tuner[grid](*args, **meta)
             return _describe(tuner.best_config)
