@@ -17,9 +17,9 @@ import fcntl
 import functools
 import hashlib
 import json
+import math
 import os
 import tempfile
-import time
 from collections.abc import Callable, Iterable
 from importlib import metadata
 from pathlib import Path
@@ -156,31 +156,51 @@ def graph_ms(call: Callable[[], object], *, warmup: int = 3, repeats: int = 10) 
     return _event_ms(graph.replay) / repeats
 
 
-SETTLE_S = 0.25  # as the suite's --settle-ms default on a GPU
+SETTLE_S = 0.25  # seconds: the suite's --settle-ms default on a GPU, and what the tuners settle for
+
+
+def settle(target: Callable[[], object], seconds: float, seconds_per_call: float,
+           sync: Callable[[], None]) -> int:
+    """Calls ``target`` back to back for about ``seconds`` (at least once, none for 0) and waits for them; returns
+    how many. Under a power limit a GPU's clocks fall after the first 0.15-0.2 s of sustained tensor-core work
+    (H200 at 700 W, session 12, scripts/clock_probe.py: 1980 -> 1575 MHz for our cuTile kernel, 1680 for cuDNN,
+    1875 for Triton; 574 -> 496 TFLOPS): a benchmark timed within that window measures boost clocks, one timed
+    after another's load measures the sustained ones. Settling first times every benchmark at the latter."""
+    if seconds <= 0:
+        return 0
+    calls = max(1, math.ceil(seconds / max(seconds_per_call, 1e-9)))
+    for _ in range(calls):
+        target()
+    sync()
+    return calls
 
 
 def settle_gpu(device: torch.device | None = None, seconds: float = SETTLE_S) -> None:
-    """Keep ``device``'s tensor cores busy for about ``seconds`` (a matrix product back to back), then wait: what a
-    tuner times next runs at the clocks the GPU's power limit sustains, not at the boost clocks of the first
-    0.15-0.2 s after a pause (compiling the candidates is one; ``suite.timing.settle`` has the H200's numbers). A
-    tuner that times its candidates one after another otherwise favours the first ones: on an H200 the cuTile
-    tuner's pick for one causal D=64 shape was the 64x128 tile (400 TFLOPS) after a pause and the persistent
-    128x256 one (416) in a run that had settled. Nothing off CUDA."""
+    """``settle`` with a matrix product on ``device``'s tensor cores, for tuners: what a tuner times next runs at
+    the clocks the GPU's power limit sustains, not at the boost clocks after a pause (compiling the candidates
+    is one). A tuner that times its candidates one after another otherwise favours the first ones: on an H200
+    the cuTile tuner's pick for one causal D=64 shape was the 64x128 tile (400 TFLOPS) after a pause and the
+    persistent 128x256 one (416) in a run that had settled. Nothing off CUDA."""
     device = torch.device("cuda") if device is None else device
     if device.type != "cuda" or seconds <= 0:
         return
     a = torch.ones(4096, 4096, device=device, dtype=torch.bfloat16)
-    start = time.perf_counter()  # a duration of load, not a measurement: the host clock is enough
-    while time.perf_counter() - start < seconds:
-        for _ in range(8):  # about 2 ms of work between host checks
-            a @ a
-        torch.cuda.synchronize(device)
+
+    def product() -> None:
+        a @ a
+
+    with torch.cuda.device(device):  # the events of mean_ms on the product's device
+        settle(product, seconds, mean_ms(product, warmup=1, repeats=4) / 1e3, torch.cuda.synchronize)
 
 
 def fastest(candidates: Iterable[tuple[Any, Callable[[], object]]], *, warmup: int = 3, repeats: int = 10) -> Any:
     """The candidate whose call takes the least GPU time (``graph_ms``), on a settled GPU (``settle_gpu``). For
     tuners whose candidate is more than one launch (split and combine), where ``cuda.tile.tune`` and Triton's
-    autotuner time one kernel."""
+    autotuner time one kernel. Every candidate is called once (compiled) before the GPU settles, so that no
+    compile pause falls between the settling and the timing."""
+    candidates = list(candidates)
+    for _, call in candidates:
+        call()
     settle_gpu()
     timings = [(graph_ms(call, warmup=warmup, repeats=repeats), candidate) for candidate, call in candidates]
     return min(timings, key=lambda t: t[0])[1]

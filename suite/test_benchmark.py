@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from impls import Impl, Prepared
+from impls._tuning import SETTLE_S, settle
 from suite import metrics
 from suite.cases import Case
 from suite.plugin import Problem, Recorder
@@ -23,7 +24,6 @@ from suite.timing import (
     graph_repeats,
     iterations_for,
     profile_kernels,
-    settle,
     time_once,
 )
 
@@ -105,7 +105,7 @@ def measure(benchmark, impl: Impl, case: Case, problem: Problem, record: Recorde
 
     benchmark.group = f"{case.id} [{timing}]"
     settle_ms = pytestconfig.getoption("--settle-ms")
-    info["settle_s"] = max(0.0, (250 if on_gpu else 0) if settle_ms is None else settle_ms) / 1e3
+    info["settle_s"] = max(0.0, (SETTLE_S * 1e3 if on_gpu else 0) if settle_ms is None else settle_ms) / 1e3
     settle(target, info["settle_s"], seconds, torch.cuda.synchronize if on_gpu else lambda: None)
     with clock:
         benchmark.pedantic(target, rounds=rounds, warmup_rounds=pytestconfig.getoption("--warmup-rounds"),

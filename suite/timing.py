@@ -231,22 +231,6 @@ def event_rounds_median(target, calls_per_iteration: int = 1, rounds: int = 15, 
     return statistics.median(samples[3:])
 
 
-def settle(target: Callable[[], object], seconds: float, seconds_per_call: float,
-           sync: Callable[[], None]) -> int:
-    """Calls ``target`` back to back for about ``seconds`` (at least once, none for 0) and waits for them; returns
-    how many. Under a power limit a GPU's clocks fall after the first 0.15-0.2 s of sustained tensor-core work
-    (H200 at 700 W, session 12, scripts/clock_probe.py: 1980 -> 1575 MHz for our cuTile kernel, 1680 for cuDNN,
-    1875 for Triton; 574 -> 496 TFLOPS): a benchmark timed within that window measures boost clocks, one timed
-    after another's load measures the sustained ones. Settling first times every benchmark at the latter."""
-    if seconds <= 0:
-        return 0
-    calls = max(1, math.ceil(seconds / max(seconds_per_call, 1e-9)))
-    for _ in range(calls):
-        target()
-    sync()
-    return calls
-
-
 def iterations_for(seconds_per_call: float, round_seconds: float, cap: int = 1000) -> int:
     """Calls per round so that a round lasts about ``round_seconds``: launch overhead stays amortised."""
     if seconds_per_call <= 0:

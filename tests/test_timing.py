@@ -96,7 +96,7 @@ def test_decode_ranks_by_bandwidth(cpu_modes, tmp_path):
 
 
 def test_settling_runs_the_call_for_the_time_asked_then_waits():
-    from suite.timing import settle
+    from impls._tuning import settle
 
     calls, syncs = [], []
     assert settle(lambda: calls.append(1), 0.25, 0.01, lambda: syncs.append(1)) == 25
