@@ -187,6 +187,23 @@ def test_triton_decode_plans_for_more_or_fewer_programs_are_correct():
     assert len(splits) == 2
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's run of both loop forms: CPU")
+@pytest.mark.parametrize("mask_free", [True, False])
+@pytest.mark.parametrize("case", [c for c in PRESETS["serving-cpu"] if c.op == "paged"], ids=lambda c: c.id)
+def test_triton_decode_with_and_without_the_mask_free_loop(case, mask_free):
+    """Both forms of the decode tuner's MASK_FREE axis are correct on every paged CPU twin (several new tokens,
+    ragged last pages, NaN in the unused slots): the mask-free loop stops before any position that some new
+    token must not see or that is past the sequence."""
+    pytest.importorskip("triton")
+    from impls.triton_fa import DECODE_SPACE, INTERPRETER_DECODE_CONFIG, paged_launch
+
+    assert {config["MASK_FREE"] for config in DECODE_SPACE} == {True, False}
+    inputs = case.make_inputs("cpu")
+    run, _ = paged_launch(inputs, inputs.head_dim ** -0.5, {**INTERPRETER_DECODE_CONFIG, "MASK_FREE": mask_free})
+    result = Oracle.serving(inputs).check(run())
+    assert result.passed, result.message
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's run of the unsplit decode: CPU")
 def test_triton_decode_without_a_split_writes_the_output_directly(monkeypatch):
     """One chunk per sequence: the split kernel writes the output rows, and no combine is launched."""

@@ -287,10 +287,21 @@ def _describe(cfg) -> dict:
 # kernels run by default on Hopper; commit c5d00f4 has it, with a compile test) was correct, and changed the
 # best config of each case by -0.5 to +1.0% (8B 1 x 128K 134.0 -> 133.1 us; median over config pairs 0.994-1.007):
 # launch latency is not what the gap to 85% of HBM or to FlashInfer is made of. Dropped.
+# Session 14 (H200, scripts/serving_probe.py --triton ab, 12 cases, each config with and without, 5 alternating
+# passes): the key tiles that every new token sees whole, run as a loop without any mask (MASK_FREE; only the
+# chunk's last tile masked, as the dense kernel's loop split does), moved single configs by -28% to +28% (the
+# compiler pipelines the two loops differently), and the best config of a case by -3.7% (70B 64 x 512) to
+# +1.9% (8B 256 x 8K), +0.9% at 8B 1 x 128K and 70B 16 x 32K. Both forms are candidates. How far from the
+# memory's limit: a kernel that only reads the same bytes through the block table (scripts/bandwidth_probe.py,
+# 8B 64 x 32K and 256 x 8K) reads 4.49-4.54 TB/s whatever it reads at once, one head's 256 B of a token or whole
+# 32 KB pages, in the table's random page order or sorted; the tuned decode read 96% of that in the same
+# process, and its best configs 4.52-4.53 TB/s on the machine of the A/B run. Between machine instances the
+# same config moves by 2-5% (the tuner's pick held in three retunes within one process).
 DECODE_TILES = ((128, 4, 3), (128, 4, 2), (64, 4, 3), (64, 4, 2), (64, 8, 2), (32, 4, 2))
-DECODE_SPACE = [{"BLOCK_N": n, "num_warps": w, "num_stages": st, "PLAN_PROGRAMS": programs}
-                for n, w, st in DECODE_TILES for programs in (2, PROGRAMS_PER_SM, 8)]
-INTERPRETER_DECODE_CONFIG = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "PLAN_PROGRAMS": PROGRAMS_PER_SM}
+DECODE_SPACE = [{"BLOCK_N": n, "num_warps": w, "num_stages": st, "MASK_FREE": mask_free, "PLAN_PROGRAMS": programs}
+                for n, w, st in DECODE_TILES for mask_free in (True, False) for programs in (2, PROGRAMS_PER_SM, 8)]
+INTERPRETER_DECODE_CONFIG = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "MASK_FREE": True,
+                             "PLAN_PROGRAMS": PROGRAMS_PER_SM}
 INTERPRETER_SM_COUNT = 8  # the interpreter has no SMs: with these and one-tile chunks the CPU cases split
 
 
@@ -357,7 +368,7 @@ def prepare_paged(inputs, *, scale: float) -> Prepared:
             distinct = {}  # several PLAN_PROGRAMS often make one plan: time each kernel and plan once
             for candidate in DECODE_SPACE:
                 run, plan = paged_launch(inputs, scale, candidate)
-                form = (candidate["BLOCK_N"], candidate["num_warps"], candidate["num_stages"], plan["num_splits"])
+                form = (*(v for k, v in candidate.items() if k != "PLAN_PROGRAMS"), plan["num_splits"])
                 distinct.setdefault(form, (candidate, run))
             return fastest(distinct.values())
 

@@ -16,6 +16,9 @@ So the kernel is built around reading the cache once, from enough programs to ke
    ``block_table[b, p // page_size]``. A key tile gathers its rows through the table, so any page size works;
    positions past the sequence read zeros (masked loads) and never reach the output, whatever the unused
    slots hold.
+4. MASK_FREE (a tuner axis): whole key tiles that every new token sees run in a loop without any mask, and
+   only the chunk's last tile (ragged, or holding the newest Sq_new - 1 positions) is masked, as in the dense
+   kernel's split loop; otherwise every tile is masked. Which compiles faster depends on the config.
 
 Causal within each sequence, bottom-right: new token ``t`` (of ``Sq_new``) sees positions ``<= L - Sq_new + t``.
 """
@@ -24,6 +27,49 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _decode_tiles(
+    q, acc, l_i, m_i, K_cache, V_cache, table_row, kv_head, lo, hi, end, last_visible, qk_scale,
+    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+    PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """Online softmax of the tile's rows over cache positions [lo, hi), BLOCK_N at a time. MASKED: positions
+    at or past ``end`` read zeros and are left out, and so are those past a row's ``last_visible``; otherwise
+    every row sees every position (no mask at all)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    for tile_start in range(lo, hi, BLOCK_N):
+        pos = tile_start + offs_n
+        if MASKED:
+            in_seq = pos < end
+            page = tl.load(table_row + pos // PAGE_SIZE, mask=in_seq, other=0).to(tl.int64)
+        else:
+            page = tl.load(table_row + pos // PAGE_SIZE).to(tl.int64)
+        slot = pos % PAGE_SIZE
+        k_ptrs = K_cache + page[None, :] * stride_kp + slot[None, :] * stride_ks + kv_head * stride_kh + offs_d[:, None]
+        v_ptrs = V_cache + page[:, None] * stride_vp + slot[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :]
+        k = tl.load(k_ptrs, mask=in_seq[None, :], other=0.0) if MASKED else tl.load(k_ptrs)
+        if DOT_FP32:  # Triton's interpreter computes half-precision dots wrongly
+            k = k.to(tl.float32)
+        qk = tl.dot(q, k, input_precision="ieee" if DOT_FP32 else None) * qk_scale
+        if MASKED:
+            qk = tl.where(in_seq[None, :] & (pos[None, :] <= last_visible[:, None]), qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        # MASKED: a row that has seen no key yet has m == -inf: subtract 0 instead of NaN-ing
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new) if MASKED else m_new
+        p = tl.math.exp2(qk - m_ref[:, None])
+        alpha = tl.math.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptrs, mask=in_seq[:, None], other=0.0) if MASKED else tl.load(v_ptrs)
+        if DOT_FP32:
+            acc = tl.dot(p, v.to(tl.float32), acc * alpha[:, None], input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+    return acc, l_i, m_i
 
 
 @triton.jit
@@ -38,6 +84,7 @@ def paged_decode_split(
     num_kv_heads, split_len,
     GROUP: tl.constexpr, SQ: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, SPLIT: tl.constexpr,
+    MASK_FREE: tl.constexpr = True,
 ):
     """Program (split, batch * kv head): attention of the GROUP x SQ query rows over one chunk of the cache.
     SPLIT: its normalised output and log-sum-exp go to O_part and LSE_part for the combine; otherwise (one
@@ -67,33 +114,18 @@ def paged_decode_split(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    offs_n = tl.arange(0, BLOCK_N)
     table_row = block_table + batch * stride_bt
-    for tile_start in range(start, end, BLOCK_N):
-        pos = tile_start + offs_n
-        in_seq = pos < end
-        page = tl.load(table_row + pos // PAGE_SIZE, mask=in_seq, other=0).to(tl.int64)
-        slot = pos % PAGE_SIZE
-        k_ptrs = K_cache + page[None, :] * stride_kp + slot[None, :] * stride_ks + kv_head * stride_kh + offs_d[:, None]
-        k = tl.load(k_ptrs, mask=in_seq[None, :], other=0.0)
-        if DOT_FP32:
-            k = k.to(tl.float32)
-        qk = tl.dot(q, k, input_precision="ieee" if DOT_FP32 else None) * qk_scale
-        visible = in_seq[None, :] & (pos[None, :] <= last_visible[:, None])
-        qk = tl.where(visible, qk, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
-        p = tl.math.exp2(qk - m_ref[:, None])
-        alpha = tl.math.exp2(m_i - m_ref)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v_ptrs = V_cache + page[:, None] * stride_vp + slot[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :]
-        v = tl.load(v_ptrs, mask=in_seq[:, None], other=0.0)
-        if DOT_FP32:
-            acc = tl.dot(p, v.to(tl.float32), acc * alpha[:, None], input_precision="ieee")
-        else:
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_new
+    # Whole tiles of positions that every new token sees (up to seq_len - SQ) run without a mask; only the
+    # chunk's last tile (ragged, or holding the newest SQ - 1 positions) is masked.
+    mask_from = start
+    if MASK_FREE:
+        mask_from = start + tl.maximum(tl.minimum(end, seq_len - SQ + 1) - start, 0) // BLOCK_N * BLOCK_N
+        acc, l_i, m_i = _decode_tiles(q, acc, l_i, m_i, K_cache, V_cache, table_row, kv_head, start, mask_from,
+                                      end, last_visible, qk_scale, stride_kp, stride_ks, stride_kh, stride_vp,
+                                      stride_vs, stride_vh, PAGE_SIZE, HEAD_DIM, BLOCK_N, DOT_FP32, False)
+    acc, l_i, m_i = _decode_tiles(q, acc, l_i, m_i, K_cache, V_cache, table_row, kv_head, mask_from, end,
+                                  end, last_visible, qk_scale, stride_kp, stride_ks, stride_kh, stride_vp,
+                                  stride_vs, stride_vh, PAGE_SIZE, HEAD_DIM, BLOCK_N, DOT_FP32, True)
 
     # The chunk's normalised output and its log-sum-exp in log2 units (-inf where a row saw no key here).
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
