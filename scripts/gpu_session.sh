@@ -84,7 +84,7 @@ for part in "$@"; do
     serve-prime)
       step prime 300 python3 -m pytest suite -k correctness -q -p no:cacheprovider -rf --impl cutile --impl triton \
         --impl flex --impl sdpa --impl naive "${serving[@]}" -n 16 --dist load --no-tuning-cache
-      step tune 200 python3 -m pytest suite -k correctness -q -p no:cacheprovider -rf --impl cutile --impl triton \
+      step tune 260 python3 -m pytest suite -k correctness -q -p no:cacheprovider -rf --impl cutile --impl triton \
         --grid serving --grid varlen --durations=8
       ;;
     serve-flashinfer)
