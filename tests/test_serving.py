@@ -187,21 +187,26 @@ def test_triton_decode_plans_for_more_or_fewer_programs_are_correct():
     assert len(splits) == 2
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's run of both loop forms: CPU")
 @pytest.mark.parametrize("mask_free", [True, False])
 @pytest.mark.parametrize("case", [c for c in PRESETS["serving-cpu"] if c.op == "paged"], ids=lambda c: c.id)
 def test_triton_decode_with_and_without_the_mask_free_loop(case, mask_free):
     """Both forms of the decode tuner's MASK_FREE axis are correct on every paged CPU twin (several new tokens,
     ragged last pages, NaN in the unused slots): the mask-free loop stops before any position that some new
-    token must not see or that is past the sequence."""
+    token must not see or that is past the sequence. Under the interpreter on CPU; on a GPU compiled, with each
+    tile shape of the tuner's space."""
     pytest.importorskip("triton")
-    from impls.triton_fa import DECODE_SPACE, INTERPRETER_DECODE_CONFIG, paged_launch
+    from impls.triton_fa import DECODE_SPACE, DECODE_TILES, INTERPRETER_DECODE_CONFIG, paged_launch
 
     assert {config["MASK_FREE"] for config in DECODE_SPACE} == {True, False}
-    inputs = case.make_inputs("cpu")
-    run, _ = paged_launch(inputs, inputs.head_dim ** -0.5, {**INTERPRETER_DECODE_CONFIG, "MASK_FREE": mask_free})
-    result = Oracle.serving(inputs).check(run())
-    assert result.passed, result.message
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    inputs = case.make_inputs(device)
+    configs = [INTERPRETER_DECODE_CONFIG] if device == "cpu" else [
+        {"BLOCK_N": n, "num_warps": w, "num_stages": st} for n, w, st in DECODE_TILES]
+    oracle = Oracle.serving(inputs)
+    for config in configs:
+        run, _ = paged_launch(inputs, inputs.head_dim ** -0.5, {**config, "MASK_FREE": mask_free})
+        result = oracle.check(run())
+        assert result.passed, f"{config}: {result.message}"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's run of the unsplit decode: CPU")
