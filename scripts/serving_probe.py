@@ -5,8 +5,7 @@ For one paged-decode case: building the inputs, the float64 oracle, and per deco
 K,V`` (repeatable) add each cuTile candidate with that many blocks per SM asked of the compiler or those load
 latencies; ``--triton wide`` sweeps a wider Triton decode space (TRITON_WIDE) than the tuner's, ``--triton ab``
 times each of the tuner's configs with and without the mask-free loop (MASK_FREE), alternating, ``--triton
-retune`` runs the Triton tuner three times with one timing pass and with three, ``--triton heads`` adds
-HEAD_SPLIT 2 and 4 to the tuner's space and prints the best of each; ``--peer NAME``
+retune`` runs the Triton tuner three times with one timing pass and with three; ``--peer NAME``
 times a registered implementation of the operation the same way, in the same process (``--no-cutile`` leaves
 cuTile out, for a machine without its toolchain). Varlen (``--varlen-only``: nothing else): each varlen
 candidate on every ``varlen`` case, and on the equal-length batch beside the dense kernel with the same variant
@@ -84,9 +83,6 @@ def probe_decode(case_id: str, occupancies: list[int], triton: str, latencies: l
     if triton == "ab":
         mask_free_ab(inputs, scale, case, oracle)
         return
-    if triton == "heads":
-        head_split_probe(inputs, scale, case)
-        return
     if triton == "retune":
         retune(inputs, scale, case, times=3)
         return
@@ -147,34 +143,6 @@ def retune(inputs, scale: float, case, times: int, rounds: int = 5) -> None:
         print(json.dumps({"form": form, "ms": median, "gbps": metrics.kv_bytes(case) / median / 1e6}), flush=True)
 
 
-def head_split_probe(inputs, scale: float, case, rounds: int = 3) -> None:
-    """The Triton tuner's space, and its mask-free configs with a kv head's query heads over 2 and 4 programs
-    (HEAD_SPLIT), every distinct form timed in ``rounds`` passes (median): the best of each head split."""
-    group = inputs.q.shape[2] // inputs.k_cache.shape[2]
-    space = [*TRITON_SPACE, *({**c, "HEAD_SPLIT": h} for c in TRITON_SPACE if c["MASK_FREE"]
-                              for h in (2, 4) if group % h == 0)]
-    distinct = {}
-    for config in space:
-        run, plan = paged_launch(inputs, scale, config)
-        form = (*(v for k, v in config.items() if k != "PLAN_PROGRAMS"), plan["num_splits"])
-        distinct.setdefault(form, (config, run))
-    for _, run in distinct.values():
-        run()
-    ms = {form: [] for form in distinct}
-    for _ in range(rounds):
-        for form, (_, run) in distinct.items():
-            ms[form].append(graph_ms(run, repeats=20))
-    best: dict[int, tuple] = {}
-    for form, (config, _) in distinct.items():
-        median = sorted(ms[form])[rounds // 2]
-        split = config.get("HEAD_SPLIT", 1)
-        if split not in best or median < best[split][0]:
-            best[split] = (median, form)
-    for split, (median, form) in sorted(best.items()):
-        print(json.dumps({"head_split": split, "form": form, "ms": median,
-                          "gbps": metrics.kv_bytes(case) / median / 1e6}), flush=True)
-
-
 def probe_varlen(rounds: int = 3) -> None:
     """Each varlen candidate on every ``varlen`` case, and on the equal-length batch beside the dense kernel of
     the same variant, in ``rounds`` interleaved rounds (median)."""
@@ -204,7 +172,7 @@ def main() -> None:
     parser.add_argument("--skip-varlen", action="store_true")
     parser.add_argument("--varlen-only", action="store_true", help="no decode case, only the varlen probe")
     parser.add_argument("--occupancy", action="append", type=int, default=[], help="cuTile blocks per SM to try")
-    parser.add_argument("--triton", choices=("tuner", "wide", "ab", "retune", "heads", "none"), default="tuner",
+    parser.add_argument("--triton", choices=("tuner", "wide", "ab", "retune", "none"), default="tuner",
                         help="the Triton configs beside cuTile's: the tuner's space, TRITON_WIDE, or none")
     parser.add_argument("--peer", action="append", default=[], help="a registered implementation to time too")
     parser.add_argument("--no-cutile", action="store_true", help="leave cuTile's candidates out")

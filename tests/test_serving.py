@@ -209,31 +209,6 @@ def test_triton_decode_with_and_without_the_mask_free_loop(case, mask_free):
         assert result.passed, f"{config}: {result.message}"
 
 
-@pytest.mark.parametrize("head_split", [2, 4])
-@pytest.mark.parametrize("case", [c for c in PRESETS["serving-cpu"] if c.op == "paged"], ids=lambda c: c.id)
-def test_triton_decode_with_a_kv_heads_query_heads_over_several_programs(case, head_split):
-    """HEAD_SPLIT: a kv head's query heads shared among programs (each reads the whole cache) is correct, split
-    over chunks or not; a count that does not divide the group is refused."""
-    pytest.importorskip("triton")
-    from impls.triton_fa import DECODE_TILES, INTERPRETER_DECODE_CONFIG, paged_launch
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    inputs = case.make_inputs(device)
-    if (case.hq // case.hkv) % head_split:
-        with pytest.raises(ValueError, match="does not divide"):
-            paged_launch(inputs, inputs.head_dim ** -0.5, {**INTERPRETER_DECODE_CONFIG, "HEAD_SPLIT": head_split})
-        return
-    configs = [INTERPRETER_DECODE_CONFIG] if device == "cpu" else [
-        {"BLOCK_N": n, "num_warps": w, "num_stages": st} for n, w, st in DECODE_TILES]
-    oracle = Oracle.serving(inputs)
-    for config in configs:
-        for programs in (2, 8):
-            run, _ = paged_launch(inputs, inputs.head_dim ** -0.5,
-                                  {**config, "HEAD_SPLIT": head_split, "PLAN_PROGRAMS": programs})
-            result = oracle.check(run())
-            assert result.passed, f"{config}, {programs} programs an SM: {result.message}"
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's run of the unsplit decode: CPU")
 def test_triton_decode_without_a_split_writes_the_output_directly(monkeypatch):
     """One chunk per sequence: the split kernel writes the output rows, and no combine is launched."""

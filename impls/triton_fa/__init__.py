@@ -296,7 +296,7 @@ def _describe(cfg) -> dict:
 # 8B 64 x 32K and 256 x 8K) reads 4.49-4.54 TB/s whatever it reads at once, one head's 256 B of a token or whole
 # 32 KB pages, in the table's random page order or sorted; the tuned decode read 96% of that in the same
 # process, and its best configs 4.52-4.53 TB/s on the machine of the A/B run. Between machine instances the
-# same config moved by 2-3% (the tuner's pick held in three retunes within one process).
+# same config moves by 2-5% (the tuner's pick held in three retunes within one process).
 DECODE_TILES = ((128, 4, 3), (128, 4, 2), (64, 4, 3), (64, 4, 2), (64, 8, 2), (32, 4, 2))
 DECODE_SPACE = [{"BLOCK_N": n, "num_warps": w, "num_stages": st, "MASK_FREE": mask_free, "PLAN_PROGRAMS": programs}
                 for n, w, st in DECODE_TILES for mask_free in (True, False) for programs in (2, PROGRAMS_PER_SM, 8)]
@@ -316,37 +316,33 @@ def paged_launch(inputs, scale: float, config: dict):
     q, k_cache, v_cache = inputs.q, inputs.k_cache, inputs.v_cache
     batch, sq, hq, head_dim = q.shape
     hkv = k_cache.shape[2]
-    head_split = config.get("HEAD_SPLIT", 1)
-    if (hq // hkv) % head_split:
-        raise ValueError(f"HEAD_SPLIT={head_split} does not divide the {hq // hkv} query heads per kv head")
-    rows = hq // hkv // head_split * sq
-    programs = batch * hkv * head_split  # per chunk
+    rows = hq // hkv * sq
     interp = interpreting()
     sm_count = INTERPRETER_SM_COUNT if interp else torch.cuda.get_device_properties(q.device).multi_processor_count
-    split_config = {name: value for name, value in config.items() if name not in ("PLAN_PROGRAMS", "HEAD_SPLIT")}
-    num_splits, split_len = split_plan(list(inputs.seqlens), hkv * head_split, config["BLOCK_N"], sm_count,
+    split_config = {name: value for name, value in config.items() if name != "PLAN_PROGRAMS"}
+    num_splits, split_len = split_plan(list(inputs.seqlens), hkv, config["BLOCK_N"], sm_count,
                                        min_tiles=1 if interp else None,
                                        programs_per_sm=config.get("PLAN_PROGRAMS", PROGRAMS_PER_SM))
     split = num_splits > 1
     block_m = max(16, triton.next_power_of_2(rows))
-    parts = (programs, num_splits, block_m) if split else (1, 1, 1)  # unused without a split
+    parts = (batch * hkv, num_splits, block_m) if split else (1, 1, 1)  # unused without a split
     o_part = torch.empty(*parts, head_dim if split else 1, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(parts, dtype=torch.float32, device=q.device)
     out = inputs.output_like()
-    tile_rows = {"GROUP": hq // hkv, "SQ": sq, "BLOCK_M": block_m, "HEAD_SPLIT": head_split}
+    tile_rows = {"GROUP": hq // hkv, "SQ": sq, "BLOCK_M": block_m}
     split_args = (q, k_cache, v_cache, inputs.block_table, inputs.cache_seqlens, o_part, lse_part, out,
                   scale * LOG2_E, *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
                   inputs.block_table.stride(0), *o_part.stride()[:3], *out.stride()[:3], hkv, split_len)
     split_meta = {"PAGE_SIZE": inputs.page_size, "HEAD_DIM": head_dim, "DOT_FP32": interp or q.dtype == torch.float32,
                   "SPLIT": split, **tile_rows, **split_config}
-    launches = [(paged_decode_split, (num_splits, programs), split_args, split_meta)]
+    launches = [(paged_decode_split, (num_splits, batch * hkv), split_args, split_meta)]
     if split:
         tile_d, chunks = combine_plan(num_splits, head_dim)
         combine_args = (o_part, lse_part, inputs.cache_seqlens, out, *o_part.stride()[:3], *out.stride()[:3], hkv,
                         num_splits, split_len)
         combine_meta = {**tile_rows, "MAX_SPLITS": triton.next_power_of_2(num_splits), "SPLIT_CHUNK": chunks,
                         "BLOCK_D": tile_d}
-        launches.append((paged_decode_combine, (programs, rows, head_dim // tile_d), combine_args, combine_meta))
+        launches.append((paged_decode_combine, (batch * hkv, rows, head_dim // tile_d), combine_args, combine_meta))
 
     def run() -> torch.Tensor:
         for kernel, grid, args, meta in launches:

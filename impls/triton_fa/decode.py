@@ -73,47 +73,37 @@ def _decode_tiles(
 
 
 @triton.jit
-def _query_heads(program, num_kv_heads, GROUP: tl.constexpr, HEAD_SPLIT: tl.constexpr):
-    """(batch, kv head, first query head) of a program index over batch x kv heads x HEAD_SPLIT parts: part
-    ``p`` of a kv head's group takes its query heads from ``kv_head * GROUP + p * GROUP / HEAD_SPLIT`` on."""
-    pair = program // HEAD_SPLIT
-    kv_head = pair % num_kv_heads
-    return pair // num_kv_heads, kv_head, kv_head * GROUP + program % HEAD_SPLIT * (GROUP // HEAD_SPLIT)
-
-
-@triton.jit
 def paged_decode_split(
     Q, K_cache, V_cache, block_table, cache_seqlens, O_part, LSE_part, Out, qk_scale,
     stride_qb, stride_qt, stride_qh,
     stride_kp, stride_ks, stride_kh,
     stride_vp, stride_vs, stride_vh,
     stride_bt,
-    stride_ob, stride_os, stride_or,  # O_part (B*Hkv*HEAD_SPLIT, splits, rows, D)
+    stride_ob, stride_os, stride_or,  # O_part (B*Hkv, splits, rows, D)
     stride_b, stride_t, stride_h,  # Out (B, Sq_new, Hq, D)
     num_kv_heads, split_len,
     GROUP: tl.constexpr, SQ: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, SPLIT: tl.constexpr,
-    MASK_FREE: tl.constexpr = True, HEAD_SPLIT: tl.constexpr = 1,
+    MASK_FREE: tl.constexpr = True,
 ):
-    """Program (split, (batch * kv head) * HEAD_SPLIT + part): attention of GROUP / HEAD_SPLIT query heads x SQ
-    new tokens over one chunk of the cache. SPLIT: its normalised output and log-sum-exp go to O_part and
-    LSE_part for the combine; otherwise (one chunk per sequence) the output rows go to Out."""
+    """Program (split, batch * kv head): attention of the GROUP x SQ query rows over one chunk of the cache.
+    SPLIT: its normalised output and log-sum-exp go to O_part and LSE_part for the combine; otherwise (one
+    chunk per sequence) the output rows go to Out."""
     split = tl.program_id(0)
     bk = tl.program_id(1)
-    batch, kv_head, first_head = _query_heads(bk, num_kv_heads, GROUP, HEAD_SPLIT)
-    batch = batch.to(tl.int64)
-    kv_head = kv_head.to(tl.int64)
+    batch = (bk // num_kv_heads).to(tl.int64)
+    kv_head = (bk % num_kv_heads).to(tl.int64)
     seq_len = tl.load(cache_seqlens + batch)
     start = split * split_len
     if start >= seq_len:  # this sequence is shorter than the longest: nothing here (the combine skips it)
         return
     end = tl.minimum(start + split_len, seq_len)
 
-    # Row r of the tile is query head first_head + r // SQ, new token r % SQ.
+    # Row r of the tile is query head kv_head * GROUP + r // SQ, new token r % SQ.
     rows = tl.arange(0, BLOCK_M)
-    head = first_head + rows // SQ
+    head = kv_head * GROUP + rows // SQ
     token = rows % SQ
-    row_valid = rows < GROUP // HEAD_SPLIT * SQ
+    row_valid = rows < GROUP * SQ
     offs_d = tl.arange(0, HEAD_DIM)
     q_ptrs = Q + batch * stride_qb + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=row_valid[:, None], other=0.0)
@@ -157,10 +147,10 @@ def paged_decode_combine(
     stride_b, stride_t, stride_h,
     num_kv_heads, num_splits, split_len,
     GROUP: tl.constexpr, SQ: tl.constexpr, BLOCK_M: tl.constexpr,
-    MAX_SPLITS: tl.constexpr, SPLIT_CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_SPLIT: tl.constexpr = 1,
+    MAX_SPLITS: tl.constexpr, SPLIT_CHUNK: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Program ((batch * kv head) * HEAD_SPLIT + part, row, head-dim slice): merge the row's chunks by
-    log-sum-exp over BLOCK_D of its columns and write them to ``Out``.
+    """Program (batch * kv head, row, head-dim slice): merge the row's chunks by log-sum-exp over BLOCK_D of
+    its columns and write them to ``Out``.
 
     The log-sum-exps of all chunks fit in registers (one float each); the partial outputs are read SPLIT_CHUNK
     chunks at a time (``impls._serving.combine_plan``: with many chunks the slice narrows so that one step
@@ -168,7 +158,8 @@ def paged_decode_combine(
     """
     bk = tl.program_id(0)
     row = tl.program_id(1)
-    batch, _, first_head = _query_heads(bk, num_kv_heads, GROUP, HEAD_SPLIT)
+    batch = bk // num_kv_heads
+    kv_head = bk % num_kv_heads
     seq_len = tl.load(cache_seqlens + batch)
     used = tl.minimum(tl.cdiv(seq_len, split_len), num_splits)  # chunks that hold keys
     splits = tl.arange(0, MAX_SPLITS)
@@ -186,7 +177,7 @@ def paged_decode_combine(
         parts = tl.load(O_part + bk * stride_ob + s[:, None] * stride_os + row * stride_or + offs_d[None, :],
                         mask=keep[:, None], other=0.0)
         acc += tl.sum(parts * weight[:, None], 0)
-    head = first_head + row // SQ
+    head = kv_head * GROUP + row // SQ
     token = row % SQ
     out = (acc / total).to(Out.dtype.element_ty)
     tl.store(Out + batch * stride_b + token * stride_t + head * stride_h + offs_d, out)
