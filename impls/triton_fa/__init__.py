@@ -299,8 +299,8 @@ def _describe(cfg) -> dict:
 # same config moved by 2-3% (the tuner's pick held in three retunes within one process).
 # Session 14, measured and dropped: a kv head's query heads shared among 2 or 4 programs, each reading the whole
 # cache (HEAD_SPLIT; commit b0b13a4 has it, with CPU and GPU tests), to get more programs without a combine on
-# short 70B steps: the best head-split config lost to the best unsplit one on all 11 cases, by 3% (70B 64 x 512:
-# 1513 against 1556 GB/s) to 42% (8B 64 x 512 at 4 parts); the second read of each page costs more than it saves.
+# short 70B steps: on all 11 cases the best head-split config ran at 0.70-0.97 of the best unsplit one with 2
+# parts (70B 64 x 512: 1513 against 1556 GB/s) and 0.42-0.79 with 4; the second read of each page costs more.
 DECODE_TILES = ((128, 4, 3), (128, 4, 2), (64, 4, 3), (64, 4, 2), (64, 8, 2), (32, 4, 2))
 DECODE_SPACE = [{"BLOCK_N": n, "num_warps": w, "num_stages": st, "MASK_FREE": mask_free, "PLAN_PROGRAMS": programs}
                 for n, w, st in DECODE_TILES for mask_free in (True, False) for programs in (2, PROGRAMS_PER_SM, 8)]
