@@ -25,8 +25,8 @@ import torch
 
 import impls
 from impls._tuning import fastest, graph_ms
-from impls.cutile import Call, _sm_count, needs_int64, precompile
-from impls.cutile.serving import DecodeCall, VarlenCall, decode_space, varlen_space
+from impls.cutile import Call, _sm_count, needs_int64, precompile, tile_d
+from impls.cutile.serving import DecodeCall, VarlenCall, decode_space, varlen_space, word_view_fits
 from impls.triton_fa import DECODE_SPACE as TRITON_SPACE
 from impls.triton_fa import paged_launch
 from suite import metrics
@@ -72,7 +72,9 @@ def probe_decode(case_id: str, occupancies: list[int], triton: str, latencies: l
             report(name, prepared, case, oracle, config=str(prepared.config)[:200])
         except Exception as exc:  # a peer that cannot run this case: say why, go on
             print(json.dumps({"variant": name, "error": str(exc)[:200]}), flush=True)
-    space = decode_space(inputs.page_size, huge=needs_int64(inputs.k_cache, inputs.v_cache)) if cutile else []
+    words = word_view_fits(inputs.k_cache, inputs.v_cache, tile_d(inputs.head_dim))
+    space = decode_space(inputs.page_size, huge=needs_int64(inputs.k_cache, inputs.v_cache), words=words) \
+        if cutile else []
     space += [replace(v, occupancy=n) for n in occupancies for v in space]
     for pair in latencies:  # K and V load latencies of each candidate's form
         k, v = (int(x) for x in pair.split(","))

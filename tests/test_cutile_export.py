@@ -253,6 +253,36 @@ def test_decode_launches_compile(read, short_chunks):
         assert export_launch(kernel, arguments, arch="sm_90")[:4] == b"\x7fELF"
 
 
+def test_a_cache_of_2_31_elements_is_read_through_word_views_with_tma(monkeypatch):
+    """cuTile reads an array indexed in 64 bits without TMA (sm_90: no UTMALDG, about twice the integer work).
+    A cache of 2**31 elements or more (faked: the twin's) goes through 32-bit word views instead: its page
+    loads compile as for a small cache, TMA included; a head dim the word view cannot hold keeps 64 bits."""
+    import impls.cutile.serving
+    from impls._sass import find_cuobjdump, sass_summary
+    from impls.cutile import decode
+    from impls.cutile.export import export_launch
+    from impls.cutile.serving import DecodeCall, DecodeVariant, decode_space
+
+    inputs = serving_inputs("serving-cpu", 4)  # MQA at batch 1, 300 tokens in pages of 16, head dim 64
+    small = DecodeCall(DecodeVariant(64), inputs, scale=0.125, sm_count=132)
+    monkeypatch.setattr(impls.cutile.serving, "needs_int64", lambda *tensors: True)
+    huge = DecodeCall(DecodeVariant(64), inputs, scale=0.125, sm_count=132)
+    (_, kernel, arguments), = huge.launches
+    assert kernel._pyfunc.__name__ == "paged_decode_split" and arguments[1].dtype == torch.int32
+    assert arguments[-4] == decode.WORD_PAGES  # GATHER, before SPLIT and the two latencies
+    assert {v.read for v in decode_space(16, huge=True, words=True)} == {"pages"}
+    assert len(decode_space(16, huge=True, words=True)) > len(decode_space(16, huge=True))
+    monkeypatch.setattr(impls.cutile.serving, "word_view_fits", lambda *args: False)
+    (_, wide_kernel, wide_arguments), = DecodeCall(DecodeVariant(64), inputs, scale=0.125, sm_count=132).launches
+    assert wide_kernel is not kernel and wide_arguments[1].dtype == inputs.k_cache.dtype
+    if find_cuobjdump() is None:
+        pytest.skip("cuobjdump not found")
+    usage = [sass_summary(export_launch(k, a, arch="sm_90"))
+             for _, k, a in (small.launches[0], huge.launches[0], (None, wide_kernel, wide_arguments))]
+    assert usage[1]["utmaldg"] == usage[0]["utmaldg"] > 0 and usage[1]["reg"] == usage[0]["reg"], usage
+    assert usage[2]["utmaldg"] == 0, usage  # why: 64-bit indexing loses TMA
+
+
 def test_decode_combine_is_small_enough_for_many_blocks_per_sm(short_chunks):
     """The combine's occupancy hint reaches the compiler: few registers, little shared memory (session 10's
     combine, left to the compiler, took 255 registers and ran two blocks per SM)."""

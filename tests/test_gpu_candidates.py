@@ -105,17 +105,25 @@ def serving_cases() -> list[Case]:
 
 def cutile_serving_candidates(inputs) -> list[tuple[str, Callable[[], torch.Tensor]]]:
     pytest.importorskip("cuda.tile")
-    from impls.cutile import precompile
-    from impls.cutile.serving import DecodeCall, VarlenCall, decode_space, varlen_space
+    import impls.cutile.serving
+    from impls.cutile import precompile, tile_d
+    from impls.cutile.serving import DecodeCall, VarlenCall, decode_space, varlen_space, word_view_fits
 
     scale = inputs.head_dim ** -0.5
     if inputs.op == "paged":  # one SM: the short twins split into several chunks
-        calls = [DecodeCall(var, inputs, scale=scale, sm_count=1) for var in decode_space(inputs.page_size)]
+        named = [(str(var), DecodeCall(var, inputs, scale=scale, sm_count=1)) for var in decode_space(inputs.page_size)]
+        # A cache of 2**31 elements or more is read through 32-bit word views (decode.py's WORD_PAGES): its
+        # page-load forms, as such a cache runs them, on the twins.
+        if word_view_fits(inputs.k_cache, inputs.v_cache, tile_d(inputs.head_dim)):
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(impls.cutile.serving, "needs_int64", lambda *tensors: True)
+                named += [(f"word views, {var}", DecodeCall(var, inputs, scale=scale, sm_count=1))
+                          for var in decode_space(inputs.page_size, huge=True, words=True)]
     else:
         space = varlen_space(torch.cuda.get_device_capability(), inputs.head_dim, inputs.causal)
-        calls = [VarlenCall(var, inputs, scale=scale) for var in space]
-    precompile(calls)
-    return [(str(call.variant), call) for call in calls]
+        named = [(str(var), VarlenCall(var, inputs, scale=scale)) for var in space]
+    precompile([call for _, call in named])
+    return named
 
 
 def check_serving_candidates(inputs) -> None:

@@ -92,6 +92,14 @@ ROWS_FALLBACK = DecodeVariant(64, "rows", 2, 2)
 COMBINE_OCCUPANCY = 16
 
 
+def word_view_fits(k_cache: torch.Tensor, v_cache: torch.Tensor, width: int) -> bool:
+    """Whether page loads can read these caches through 32-bit word views with 32-bit indexing (decode.py's
+    WORD_PAGES): 16-bit elements, a head dim that fills the tile (no padded columns: the word view cannot
+    pad half a word) and fewer than 2**31 words."""
+    return all(c.element_size() == 2 and c.shape[-1] == width and c.is_contiguous() and c.numel() // 2 < 2**31
+               for c in (k_cache, v_cache))
+
+
 class DecodeCall(Launches):
     """One decode step with ``variant``: the split launch, and the combine where a sequence has more than one
     chunk."""
@@ -108,11 +116,17 @@ class DecodeCall(Launches):
         parts = (batch * hkv, self.num_splits, tile_m) if split else (1, 1, 1)  # unused without a split
         self.part = torch.empty((*parts, width if split else 1), dtype=torch.float32, device=q.device)
         self.lse = torch.empty(parts, dtype=torch.float32, device=q.device)
-        kernel = variant.split_kernel(needs_int64(k_cache, v_cache))
+        gather, int64 = variant.gather, needs_int64(k_cache, v_cache)
+        if int64 and variant.read == "pages" and word_view_fits(k_cache, v_cache, width):
+            from impls.cutile import decode
+
+            k_cache, v_cache = k_cache.view(torch.int32), v_cache.view(torch.int32)
+            gather, int64 = decode.WORD_PAGES, False
+        kernel = variant.split_kernel(int64)
         tiles = (group, sq, tile_m)
         self.launches = [((self.num_splits, batch * hkv, 1), kernel, (
             q, k_cache, v_cache, inputs.block_table, inputs.cache_seqlens, self.part, self.lse, self.out, scale, hkv,
-            self.split_len, *tiles, variant.tile_n, width, inputs.page_size, variant.gather, split,
+            self.split_len, *tiles, variant.tile_n, width, inputs.page_size, gather, split,
             variant.k_latency, variant.v_latency))]
         if split:
             slice_d, chunks = combine_plan(self.num_splits, width)
@@ -125,13 +139,14 @@ class DecodeCall(Launches):
         return super().prepared(num_splits=self.num_splits, split_len=self.split_len, **config)
 
 
-def decode_space(page_size: int, huge: bool = False) -> list[DecodeVariant]:
-    """The candidates for this page size. ``huge``: a cache of 2**31 elements or more, which needs 64-bit
-    offsets; there the first version's tiles of eight joined pages compiled for minutes (H200, session 7), so
-    only the smallest page-load tile is tried."""
+def decode_space(page_size: int, huge: bool = False, words: bool = False) -> list[DecodeVariant]:
+    """The candidates for this page size. ``huge``: a cache of 2**31 elements or more. Read through 32-bit
+    word views (``words``: ``word_view_fits``), page loads keep 32-bit indexing and TMA, so the page-load forms
+    are tried. Otherwise such a cache needs 64-bit offsets, where the first version's tiles of eight joined
+    pages compiled for minutes (H200, session 7), so only the smallest page-load tile is tried."""
     space = [variant for variant in DECODE_SPACE if variant.fits(page_size)]
     if huge:
-        space = [variant for variant in space if variant.read == "pages" and variant.tile_n == 64]
+        space = [variant for variant in space if variant.read == "pages" and (words or variant.tile_n == 64)]
     return space or [ROWS_FALLBACK]
 
 
@@ -150,7 +165,8 @@ def prepare_paged(inputs: PagedKV, *, scale: float) -> Prepared:
     def search() -> dict:
         import cuda.tile as ct
 
-        space = decode_space(inputs.page_size, huge=needs_int64(inputs.k_cache, inputs.v_cache))
+        space = decode_space(inputs.page_size, huge=needs_int64(inputs.k_cache, inputs.v_cache),
+                             words=word_view_fits(inputs.k_cache, inputs.v_cache, tile_d(inputs.head_dim)))
         with ct.compiler_timeout(COMPILE_TIMEOUT_S):
             calls = precompile([DecodeCall(variant, inputs, scale=scale, sm_count=sm_count) for variant in space])
         return fastest((call.variant, call) for call in calls).describe()
