@@ -83,8 +83,11 @@ class DecodeVariant:
 # Session 8 (H200, probe): two blocks per SM asked of the compiler lift the 64-key page load by 10-40% (8B, 16 x
 # 32K: 3.68 -> 4.07 TB/s; the 70B slice at batch 1, 128K: 1.38 -> 2.11) and sink the 128-key one (its pipeline
 # no longer fits); the indexed load with 64-key tiles was never the fastest, so it left the space.
+# Session 14 (H200, probe on four 70B-slice cases): 128-key page loads issued 2 tiles ahead instead of 3 read
+# 70B 64 x 32K at 3.81 TB/s (the space's best before: 3.47) and 256 x 512 at 2.26 (2.17); 4 blocks per SM
+# asked of the compiler halved most forms; latencies 4 / 4 changed little.
 DECODE_SPACE = [DecodeVariant(64, "pages", occupancy=2), DecodeVariant(64, "pages"), DecodeVariant(128, "pages"),
-                DecodeVariant(128, "indexed")]
+                DecodeVariant(128, "pages", k_latency=2, v_latency=2), DecodeVariant(128, "indexed")]
 ROWS_FALLBACK = DecodeVariant(64, "rows", 2, 2)
 # The combine is a small reduction per row; left to itself the compiler gave it 255 registers, 17 KB of shared
 # memory and TMA loads (sm_90), so about two blocks ran per SM: 54 us for the 2048 rows of a 70B slice at batch
