@@ -256,7 +256,7 @@ def test_decode_launches_compile(read, short_chunks):
 def test_a_cache_of_2_31_elements_is_read_through_word_views_with_tma(monkeypatch):
     """cuTile reads an array indexed in 64 bits without TMA (sm_90: no UTMALDG, about twice the integer work).
     A cache of 2**31 elements or more (faked: the twin's) goes through 32-bit word views instead: its page
-    loads compile as for a small cache, TMA included; a head dim the word view cannot hold keeps 64 bits."""
+    loads compile as for a small cache, TMA included; a cache the word view does not fit keeps 64 bits."""
     import impls.cutile.serving
     from impls._sass import find_cuobjdump, sass_summary
     from impls.cutile import decode
@@ -270,11 +270,14 @@ def test_a_cache_of_2_31_elements_is_read_through_word_views_with_tma(monkeypatc
     (_, kernel, arguments), = huge.launches
     assert kernel._pyfunc.__name__ == "paged_decode_split" and arguments[1].dtype == torch.int32
     assert arguments[-4] == decode.WORD_PAGES  # GATHER, before SPLIT and the two latencies
+    assert (small.cache_indexing, huge.cache_indexing) == ("32-bit", "32-bit word views")
     assert {v.read for v in decode_space(16, huge=True, words=True)} == {"pages"}
     assert len(decode_space(16, huge=True, words=True)) > len(decode_space(16, huge=True))
     monkeypatch.setattr(impls.cutile.serving, "word_view_fits", lambda *args: False)
-    (_, wide_kernel, wide_arguments), = DecodeCall(DecodeVariant(64), inputs, scale=0.125, sm_count=132).launches
+    wide = DecodeCall(DecodeVariant(64), inputs, scale=0.125, sm_count=132)
+    (_, wide_kernel, wide_arguments), = wide.launches
     assert wide_kernel is not kernel and wide_arguments[1].dtype == inputs.k_cache.dtype
+    assert wide.cache_indexing == "64-bit"
     if find_cuobjdump() is None:
         pytest.skip("cuobjdump not found")
     usage = [sass_summary(export_launch(k, a, arch="sm_90"))

@@ -120,11 +120,13 @@ class DecodeCall(Launches):
         self.part = torch.empty((*parts, width if split else 1), dtype=torch.float32, device=q.device)
         self.lse = torch.empty(parts, dtype=torch.float32, device=q.device)
         gather, int64 = variant.gather, needs_int64(k_cache, v_cache)
+        self.cache_indexing = "64-bit" if int64 else "32-bit"  # recorded with the config: how the cache is read
         if int64 and variant.read == "pages" and word_view_fits(k_cache, v_cache, width):
             from impls.cutile import decode
 
             k_cache, v_cache = k_cache.view(torch.int32), v_cache.view(torch.int32)
             gather, int64 = decode.WORD_PAGES, False
+            self.cache_indexing = "32-bit word views"
         kernel = variant.split_kernel(int64)
         tiles = (group, sq, tile_m)
         self.launches = [((self.num_splits, batch * hkv, 1), kernel, (
@@ -139,7 +141,8 @@ class DecodeCall(Launches):
                 chunks)))
 
     def prepared(self, **config) -> Prepared:
-        return super().prepared(num_splits=self.num_splits, split_len=self.split_len, **config)
+        return super().prepared(num_splits=self.num_splits, split_len=self.split_len,
+                                cache_indexing=self.cache_indexing, **config)
 
 
 def decode_space(page_size: int, huge: bool = False, words: bool = False) -> list[DecodeVariant]:
