@@ -4,8 +4,7 @@ For one paged-decode case: building the inputs, the float64 oracle, and per deco
 (compile) and its time per call (one replay of a CUDA graph of 20 calls). ``--occupancy N`` and ``--latency
 K,V`` (repeatable) add each cuTile candidate with that many blocks per SM asked of the compiler or those load
 latencies; ``--triton wide`` sweeps a wider Triton decode space (TRITON_WIDE) than the tuner's, ``--triton ab``
-times each of the tuner's configs with and without the mask-free loop (MASK_FREE), alternating, ``--triton
-retune`` runs the Triton tuner three times with one timing pass and with three; ``--peer NAME``
+times each of the tuner's configs with and without the mask-free loop (MASK_FREE), alternating; ``--peer NAME``
 times a registered implementation of the operation the same way, in the same process (``--no-cutile`` leaves
 cuTile out, for a machine without its toolchain). Varlen (``--varlen-only``: nothing else): each varlen
 candidate on every ``varlen`` case, and on the equal-length batch beside the dense kernel with the same variant
@@ -24,7 +23,7 @@ from dataclasses import replace
 import torch
 
 import impls
-from impls._tuning import fastest, graph_ms
+from impls._tuning import graph_ms
 from impls.cutile import Call, _sm_count, needs_int64, precompile, tile_d
 from impls.cutile.serving import DecodeCall, VarlenCall, decode_space, varlen_space, word_view_fits
 from impls.triton_fa import DECODE_SPACE as TRITON_SPACE
@@ -85,9 +84,6 @@ def probe_decode(case_id: str, occupancies: list[int], triton: str, latencies: l
     if triton == "ab":
         mask_free_ab(inputs, scale, case, oracle)
         return
-    if triton == "retune":
-        retune(inputs, scale, case, times=3)
-        return
     for config in {"tuner": TRITON_SPACE, "wide": TRITON_WIDE, "none": []}[triton]:
         try:
             run, plan = paged_launch(inputs, scale, config)
@@ -120,31 +116,6 @@ def mask_free_ab(inputs, scale: float, case, oracle, rounds: int = 5) -> None:
                           "passed": [oracle.check(run()).passed for run in calls.values()]}), flush=True)
 
 
-def retune(inputs, scale: float, case, times: int, rounds: int = 5) -> None:
-    """The Triton decode tuner's pick, ``times`` over, with one timing pass and with ``fastest``'s default
-    passes (alternately), then every picked form timed in ``rounds`` alternating passes: does the pick hold
-    still, and is it the fastest of the picks?"""
-    distinct = {}
-    for config in TRITON_SPACE:
-        run, plan = paged_launch(inputs, scale, config)
-        distinct.setdefault((config["BLOCK_N"], config["num_warps"], config["num_stages"], plan["num_splits"]),
-                            (config, run))
-    forms = {id(config): form for form, (config, _) in distinct.items()}
-    picks: dict[str, list] = {"one pass": [], "default": []}
-    for _ in range(times):
-        picks["one pass"].append(forms[id(fastest(distinct.values(), rounds=1))])
-        picks["default"].append(forms[id(fastest(distinct.values()))])
-    print(json.dumps({"picks": picks}), flush=True)
-    chosen = sorted({form for forms_ in picks.values() for form in forms_})
-    ms = {form: [] for form in chosen}
-    for _ in range(rounds):
-        for form in chosen:
-            ms[form].append(graph_ms(distinct[form][1], repeats=20))
-    for form in chosen:
-        median = sorted(ms[form])[rounds // 2]
-        print(json.dumps({"form": form, "ms": median, "gbps": metrics.kv_bytes(case) / median / 1e6}), flush=True)
-
-
 def probe_varlen(rounds: int = 3) -> None:
     """Each varlen candidate on every ``varlen`` case, and on the equal-length batch beside the dense kernel of
     the same variant, in ``rounds`` interleaved rounds (median)."""
@@ -174,7 +145,7 @@ def main() -> None:
     parser.add_argument("--skip-varlen", action="store_true")
     parser.add_argument("--varlen-only", action="store_true", help="no decode case, only the varlen probe")
     parser.add_argument("--occupancy", action="append", type=int, default=[], help="cuTile blocks per SM to try")
-    parser.add_argument("--triton", choices=("tuner", "wide", "ab", "retune", "none"), default="tuner",
+    parser.add_argument("--triton", choices=("tuner", "wide", "ab", "none"), default="tuner",
                         help="the Triton configs beside cuTile's: the tuner's space, TRITON_WIDE, or none")
     parser.add_argument("--peer", action="append", default=[], help="a registered implementation to time too")
     parser.add_argument("--no-cutile", action="store_true", help="leave cuTile's candidates out")
