@@ -76,8 +76,7 @@ def reader(k, v, table, inputs, heads: int, block_n: int, warps: int, stages: in
     """A call reading every sequence's pages, ``heads`` kv heads a program, with as many programs as a
     one-chunk decode launch (batch x Hkv): fewer head groups, more chunks. Returns (call, output)."""
     batch, hkv, d = table.shape[0], k.shape[2], k.shape[3]
-    groups = hkv // heads
-    splits = hkv // groups
+    groups, splits = hkv // heads, heads  # batch x groups x splits programs: batch x Hkv
     split_len = -(-max(inputs.seqlens) // splits)
     out = torch.empty(splits * batch * groups, device=k.device)
 

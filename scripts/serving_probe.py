@@ -24,8 +24,8 @@ import torch
 
 import impls
 from impls._tuning import graph_ms
-from impls.cutile import Call, _sm_count, needs_int64, precompile, tile_d
-from impls.cutile.serving import DecodeCall, VarlenCall, decode_space, varlen_space, word_view_fits
+from impls.cutile import Call, _sm_count, precompile
+from impls.cutile.serving import DecodeCall, VarlenCall, decode_space_for, varlen_space
 from impls.triton_fa import DECODE_SPACE as TRITON_SPACE
 from impls.triton_fa import paged_launch
 from suite import metrics
@@ -71,9 +71,7 @@ def probe_decode(case_id: str, occupancies: list[int], triton: str, latencies: l
             report(name, prepared, case, oracle, config=str(prepared.config)[:200])
         except Exception as exc:  # a peer that cannot run this case: say why, go on
             print(json.dumps({"variant": name, "error": str(exc)[:200]}), flush=True)
-    words = word_view_fits(inputs.k_cache, inputs.v_cache, tile_d(inputs.head_dim))
-    space = decode_space(inputs.page_size, huge=needs_int64(inputs.k_cache, inputs.v_cache), words=words) \
-        if cutile else []
+    space = decode_space_for(inputs) if cutile else []
     space += [replace(v, occupancy=n) for n in occupancies for v in space]
     for pair in latencies:  # K and V load latencies of each candidate's form
         k, v = (int(x) for x in pair.split(","))
@@ -97,14 +95,13 @@ def mask_free_ab(inputs, scale: float, case, oracle, rounds: int = 5) -> None:
     ``rounds``), so that clock drift falls on both alike."""
     seen = set()
     for config in TRITON_SPACE:
-        calls = {}
-        for mask_free in (False, True):
-            run, plan = paged_launch(inputs, scale, {**config, "MASK_FREE": mask_free})
-            calls[mask_free] = run
+        _, plan = paged_launch(inputs, scale, config)  # the split plan does not depend on MASK_FREE
         form = (config["BLOCK_N"], config["num_warps"], config["num_stages"], plan["num_splits"])
         if form in seen:
             continue
         seen.add(form)
+        calls = {mask_free: paged_launch(inputs, scale, {**config, "MASK_FREE": mask_free})[0]
+                 for mask_free in (False, True)}
         ms = {mask_free: [] for mask_free in calls}
         for _ in range(rounds):
             for mask_free, run in calls.items():

@@ -261,9 +261,10 @@ def test_a_cache_of_2_31_elements_is_read_through_word_views_with_tma(monkeypatc
     from impls._sass import find_cuobjdump, sass_summary
     from impls.cutile import decode
     from impls.cutile.export import export_launch
-    from impls.cutile.serving import DecodeCall, DecodeVariant, decode_space
+    from impls.cutile.serving import DecodeCall, DecodeVariant, decode_space, decode_space_for
 
     inputs = serving_inputs("serving-cpu", 4)  # MQA at batch 1, 300 tokens in pages of 16, head dim 64
+    assert decode_space_for(inputs) == decode_space(16)
     small = DecodeCall(DecodeVariant(64), inputs, scale=0.125, sm_count=132)
     monkeypatch.setattr(impls.cutile.serving, "needs_int64", lambda *tensors: True)
     huge = DecodeCall(DecodeVariant(64), inputs, scale=0.125, sm_count=132)
@@ -273,6 +274,7 @@ def test_a_cache_of_2_31_elements_is_read_through_word_views_with_tma(monkeypatc
     assert (small.cache_indexing, huge.cache_indexing) == ("32-bit", "32-bit word views")
     assert {v.read for v in decode_space(16, huge=True, words=True)} == {"pages"}
     assert len(decode_space(16, huge=True, words=True)) > len(decode_space(16, huge=True))
+    assert decode_space_for(inputs) == decode_space(16, huge=True, words=True)  # what the tuner tries here
     monkeypatch.setattr(impls.cutile.serving, "word_view_fits", lambda *args: False)
     wide = DecodeCall(DecodeVariant(64), inputs, scale=0.125, sm_count=132)
     (_, wide_kernel, wide_arguments), = wide.launches

@@ -156,6 +156,13 @@ def decode_space(page_size: int, huge: bool = False, words: bool = False) -> lis
     return space or [ROWS_FALLBACK]
 
 
+def decode_space_for(inputs: PagedKV) -> list[DecodeVariant]:
+    """``decode_space`` for these caches: their page size, and whether they need 64-bit indexing or fit word
+    views (as ``DecodeCall`` will read them)."""
+    return decode_space(inputs.page_size, huge=needs_int64(inputs.k_cache, inputs.v_cache),
+                        words=word_view_fits(inputs.k_cache, inputs.v_cache, tile_d(inputs.head_dim)))
+
+
 @register("cutile", op="paged", family="cutile", dtypes=HALF, devices=("cuda",), head_dims=DECODE_HEAD_DIMS,
           requires=requires,
           description="our cuTile split-KV decode: all query heads of a kv head in one tile (K/V read once), "
@@ -171,10 +178,9 @@ def prepare_paged(inputs: PagedKV, *, scale: float) -> Prepared:
     def search() -> dict:
         import cuda.tile as ct
 
-        space = decode_space(inputs.page_size, huge=needs_int64(inputs.k_cache, inputs.v_cache),
-                             words=word_view_fits(inputs.k_cache, inputs.v_cache, tile_d(inputs.head_dim)))
         with ct.compiler_timeout(COMPILE_TIMEOUT_S):
-            calls = precompile([DecodeCall(variant, inputs, scale=scale, sm_count=sm_count) for variant in space])
+            calls = precompile([DecodeCall(variant, inputs, scale=scale, sm_count=sm_count)
+                                for variant in decode_space_for(inputs)])
         return fastest((call.variant, call) for call in calls).describe()
 
     variant, cached = remembered(TUNING.key(inputs.q.device, decode_shape_class(inputs)), search, DecodeVariant)
