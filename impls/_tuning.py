@@ -58,12 +58,15 @@ def source_hash(paths: tuple[Path, ...]) -> str:
 
 
 class TuningCache:
-    """The tuning results of one kernel family (``family``.json), for kernels built from ``sources``."""
+    """The tuning results of one kernel family (``family``.json), for kernels built from ``sources`` with
+    ``libraries`` and, where the library's version does not say it all, the compiler ``toolchain()`` names."""
 
-    def __init__(self, family: str, sources: Iterable[Path], libraries: Iterable[str]) -> None:
+    def __init__(self, family: str, sources: Iterable[Path], libraries: Iterable[str],
+                 toolchain: Callable[[], dict[str, str]] | None = None) -> None:
         self.family = family
         self._sources = tuple(sorted(Path(p) for p in sources))
         self._libraries = tuple(libraries)
+        self._toolchain = toolchain
 
     @property
     def path(self) -> Path:
@@ -72,6 +75,7 @@ class TuningCache:
     def key(self, device: torch.device, shape_class: Iterable[Any]) -> str:
         props = torch.cuda.get_device_properties(device)
         versions = {lib: _version(lib) for lib in ("torch", *self._libraries)}
+        versions |= self._toolchain() if self._toolchain else {}
         return json.dumps({
             "gpu": props.name, "capability": f"{props.major}.{props.minor}", **versions,
             "source": source_hash(self._sources), "shape": [str(x) for x in shape_class],

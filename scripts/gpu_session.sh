@@ -23,6 +23,9 @@
 #   tails:    head dims with a tail tile (cuTile): every cuTile candidate on the edge cases, the models preset's
 #             D=96 and MLA cases, and a sweep of the tuner's D=96 candidates with a tail against padded
 #   dynamic:  the dynamically scheduled persistent cuTile candidates beside the best fixed ones (sweep)
+#   toolchains: tileiras 13.4 (in /tmp/ctk from an earlier call that carried .gpu) against 13.5 (carried in
+#             .gpu135: bytecode 13.5 and the 16-warp candidates, impls/cutile/toolchain.py), the same sweep with
+#             each in turn, on one machine: head dims 128 and 64, the tuner's usual picks beside cuDNN
 #   tall:     head dim 64: 256-row cuTile blocks beside the tuner's picks and cuDNN (sweep)
 #   d64causal: the persistent 128x256 causal candidate at D<=64: edge cases, memcheck, fa3/GPT-2 benchmarks
 #   decode-probe: scripts/serving_probe.py on the 256-sequence serving cases: every cuTile decode candidate and
@@ -184,6 +187,29 @@ for part in "$@"; do
         --case llama3-8b-paged-bf16-h32:8-q1-kv2048-uniform-p16-d128-b256 \
         --case llama3-70b-tp8-paged-bf16-h8:1-q1-kv32768-uniform-p16-d128-b64 \
         --case llama3-70b-tp8-paged-bf16-h8:1-q1-kv8192-uniform-p16-d128-b256
+      ;;
+    toolchains)
+      # TOOLCHAINS (default "134 135") picks which run here; the machine stays the same over back-to-back calls
+      tcs=${TOOLCHAINS:-134 135}
+      if [[ $tcs == *135* && ! -x /tmp/ctk135/bin/tileiras ]]; then
+        mkdir -p /tmp/ctk135 && tar -xJf .gpu135/cutile-toolchain-*.tar.xz -C /tmp/ctk135 --strip-components=1
+      fi
+      picks=(--match sdpa-cudnn --match 'cutile:*16}*' --match "cutile:64x128:{'occupancy': 2}:L2,4:g-auto"
+             --match "cutile:128x64:{'occupancy': 2}:L2,4:g-auto" --match "cutile:128x128:*8}:L2,4:g-auto"
+             --match "cutile:128x128:*8}:L3,6:persistent:g-auto" --match "cutile:128x256:*8}:L3,6:persistent:g-auto")
+      for tc in $tcs; do
+        ctk=/tmp/ctk${tc#134}
+        for d in 128 64; do (  # a subshell: the toolchain's settings stay in it
+          sweep=(python3 scripts/sweep.py --d "$d" --which sdpa cutile --tuner-space "${picks[@]}")
+          export PATH=$ctk/bin:$PATH CUDA_HOME=$ctk CUDA_TILE_CACHE_DIR=/tmp/fmha/cutile$tc \
+            FMHA_CUTILE_BYTECODE=$([ "$tc" = 135 ] && echo 13.5)
+          for mask in causal full; do  # compile every candidate first, two processes side by side
+            timeout 200 "${sweep[@]}" --seqlens 2048 --causal $mask --check-only > "$out/check-$tc-d$d-$mask.log" 2>&1 &
+          done
+          wait
+          step "sweep-$tc-d$d" 200 "${sweep[@]}" --seqlens 2048 4096 16384 --causal both --out "$out/sweep-$tc-d$d.json"
+        ) done
+      done
       ;;
     tall)
       # head dim 64 with 256 query rows a block (two warpgroups of 128 rows, 64-key tiles) beside the tuner's

@@ -25,6 +25,7 @@ import torch
 from impls._registry import HALF, Prepared, length_class, module_available, parallel_class, register
 from impls._tuning import TuningCache, settle_gpu
 from impls._validate import NO_WINDOW, window_bounds
+from impls.cutile import toolchain
 
 HEAD_DIMS = tuple(range(16, 257, 8))  # the autotuned kernel: a head dim pads to the next power of two
 LADDER_HEAD_DIMS = (64, 128)  # the blog's steps, as the blog runs them
@@ -205,6 +206,7 @@ def state_arrays(state: tuple) -> dict[str, Any]:
 def _kernel_with_hints(base: str, hints: tuple[tuple[str, int], ...], module: str = "kernel"):
     """One kernel object per kernel (``base`` of ``impls.cutile.<module>``) and set of hints: each has its own
     JIT cache, so it is made once."""
+    toolchain.enable()  # before the first compile: the bytecode version is chosen once
     plain = getattr(importlib.import_module(f"impls.cutile.{module}"), base)
     return plain.replace_hints(**dict(hints)) if hints else plain
 
@@ -282,6 +284,7 @@ def hopper_space(width: int, causal: bool) -> list[Variant]:
     if width > 128:
         return [Variant(64, 64, occupancy=1, head_group=None), replace(wide, tile_n=64),
                 replace(wide, tile_n=64, persistent=not causal, k_latency=3, v_latency=6)]
+    space16 = sixteen_warp_space(width, causal) if toolchain.sixteen_warps() else []
     space = [Variant(64, 64, occupancy=2, head_group=None), Variant(128, 64, occupancy=2, head_group=None),
              Variant(64, 128, occupancy=2, head_group=None), wide, replace(wide, k_latency=3, v_latency=6),
              replace(wide, tile_n=256)]
@@ -290,7 +293,16 @@ def hopper_space(width: int, causal: bool) -> list[Variant]:
     streams = [] if causal else [streaming, replace(streaming, k_latency=4, v_latency=4)]
     if width == 64 or (width < 64 and not causal):
         streams.append(replace(streaming, tile_n=256))
-    return space + streams
+    return space + streams + space16
+
+
+def sixteen_warp_space(width: int, causal: bool) -> list[Variant]:
+    """Blocks of 16 worker warps (tileiras 13.5, ``toolchain``): four consumer warpgroups. The shapes that
+    compile without spilling on sm_90 (scripts/cutile_sass.py)."""
+    wide = replace(HOPPER_WIDE, num_worker_warps=16)
+    shapes = [(256, 64), (128, 128), (128, 64)] if width <= 64 else [(128, 64), (256, 32), (128, 32)]
+    blocks = [replace(wide, tile_m=m, tile_n=n) for m, n in shapes]
+    return blocks + [replace(v, persistent=True, k_latency=3, v_latency=6) for v in blocks if not causal]
 
 
 def other_forms() -> list[Variant]:
@@ -327,7 +339,7 @@ class Launches:
 
     def prepared(self, **config) -> Prepared:
         self()  # compile outside any timed region
-        return Prepared(self, config={**self.variant.describe(), **config})
+        return Prepared(self, config={**self.variant.describe(), **toolchain.describe(), **config})
 
 
 class Call(Launches):
@@ -361,7 +373,8 @@ for _name, (_variant, _what) in LADDER.items():
 
 
 # Tune once per machine: the chosen variant per shape class, on disk (impls/_tuning.py), and in the process.
-TUNING = TuningCache("cutile", [Path(__file__).with_name("kernel.py"), Path(__file__)], ["cuda-tile"])
+TUNING = TuningCache("cutile", [Path(__file__).with_name("kernel.py"), Path(__file__)], ["cuda-tile"],
+                     toolchain.describe)
 _TUNED: dict[str, tuple[Any, bool]] = {}
 Choice = TypeVar("Choice")
 

@@ -1,0 +1,78 @@
+"""Which Tile IR bytecode cuda-tile writes for our kernels, and which ``tileiras`` compiles it.
+
+cuda-tile 1.7.0 can write bytecode 13.1 to 13.5 but offers 13.5 only in its developer builds. ``tileiras`` 13.5
+reads 13.5, and only with it may a block have 16 worker warps (four consumer warpgroups; 13.4 takes 4 or 8).
+``FMHA_CUTILE_BYTECODE=13.5`` opts in: 13.5 joins the versions cuda-tile offers (it writes the newest one the
+``tileiras`` it finds reads) and the Hopper search space gains its 16-warp candidates. Unset, nothing changes.
+
+cuda-tile keeps these choices in private names (``cuda.tile._compile``); they are read and set here only.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+
+BYTECODE_ENV = "FMHA_CUTILE_BYTECODE"
+SIXTEEN_WARPS = "13.5"  # the first bytecode (and tileiras) with 16 worker warps a block
+
+
+def requested() -> str | None:
+    """The bytecode version ``FMHA_CUTILE_BYTECODE`` asks for, or None."""
+    return os.environ.get(BYTECODE_ENV) or None
+
+
+@functools.cache
+def enable() -> str | None:
+    """Offer the requested bytecode version to cuda-tile (before its first compile, which caches the newest
+    version ``tileiras`` reads); the version, or None when none is requested. An unknown version, or a
+    ``tileiras`` that cannot read it, is an error that names both."""
+    wanted = requested()
+    if wanted is None:
+        return None
+    from cuda.tile import _compile
+    from cuda.tile._bytecode import BytecodeVersion
+
+    known = {version.as_string(): version for version in BytecodeVersion}
+    if wanted not in known:
+        raise ValueError(f"{BYTECODE_ENV}={wanted}: cuda-tile writes bytecode {', '.join(known)}")
+    if known[wanted] not in _compile._SUPPORTED_VERSIONS:
+        _compile._SUPPORTED_VERSIONS.append(known[wanted])
+    reads = newest_readable()
+    if _as_tuple(reads) < _as_tuple(wanted):
+        raise RuntimeError(f"{BYTECODE_ENV}={wanted}, but {compiler()} reads bytecode up to {reads}")
+    return wanted
+
+
+def newest_readable() -> str:
+    """The newest bytecode version cuda-tile offers that the ``tileiras`` it finds reads (its own probe)."""
+    from cuda.tile import _compile
+    from cuda.tile._cext import default_tile_context, dev_features_enabled
+
+    return _compile._get_max_supported_bytecode_version(default_tile_context.config.temp_dir,
+                                                        allow_dev=dev_features_enabled()).as_string()
+
+
+@functools.cache
+def compiler() -> str:
+    """The ``tileiras`` cuda-tile runs and its release, e.g. ``tileiras 13.5.37 (/tmp/ctk/bin/tileiras)``."""
+    from cuda.tile import _compile
+
+    path = _compile._find_compiler_bin().path
+    release = re.search(r"V(\d+\.\d+\.\d+)", _compile._try_get_compiler_version(path) or "")
+    return f"tileiras {release.group(1) if release else '(version unknown)'} ({path})"
+
+
+def sixteen_warps() -> bool:
+    """Whether blocks of 16 worker warps compile here: bytecode 13.5 requested and read."""
+    return enable() is not None and _as_tuple(enable()) >= _as_tuple(SIXTEEN_WARPS)
+
+
+def describe() -> dict[str, str]:
+    """What a benchmark's config records of the toolchain."""
+    return {"tileiras": compiler().split(" (")[0], "bytecode": enable() or newest_readable()}
+
+
+def _as_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split("."))

@@ -1,0 +1,88 @@
+"""The Tile IR bytecode our cuTile kernels are compiled as (``impls/cutile/toolchain.py``) and what it opens.
+
+``FMHA_CUTILE_BYTECODE=13.5`` offers cuda-tile's 13.5 writer to a ``tileiras`` 13.5, which allows 16 worker warps a
+block. CI has the ``tileiras`` cuda-tile 1.7 installs (13.4): there the request is refused with a message naming
+the compiler; with a 13.5 ``tileiras`` on PATH the 16-warp candidates compile without spilling.
+"""
+
+import os
+import re
+
+import pytest
+
+if os.environ.get("CI"):
+    import cuda.tile  # noqa: F401 - in CI a missing cuTile fails, never skips
+else:
+    pytest.importorskip("cuda.tile", reason='cuTile not installed: pip install "cuda-tile[tileiras]"')
+
+from cuda.tile import _compile
+
+from impls.cutile import hopper_space, sixteen_warp_space, toolchain
+
+
+@pytest.fixture
+def bytecode(monkeypatch):
+    """Set FMHA_CUTILE_BYTECODE for one test; cuda-tile's list of versions and our caches are restored after."""
+    offered = list(_compile._SUPPORTED_VERSIONS)
+    newest = _compile._get_max_supported_bytecode_version
+
+    def request(version: str | None) -> None:
+        if version is None:
+            monkeypatch.delenv(toolchain.BYTECODE_ENV, raising=False)
+        else:
+            monkeypatch.setenv(toolchain.BYTECODE_ENV, version)
+        toolchain.enable.cache_clear()
+        newest.cache_clear()
+
+    yield request
+    _compile._SUPPORTED_VERSIONS[:] = offered
+    toolchain.enable.cache_clear()
+    newest.cache_clear()
+
+
+def tileiras_release() -> tuple[int, int]:
+    major, minor = re.search(r"tileiras (\d+)\.(\d+)", toolchain.compiler()).groups()
+    return int(major), int(minor)
+
+
+def test_nothing_changes_unless_asked(bytecode):
+    bytecode(None)
+    assert toolchain.enable() is None and not toolchain.sixteen_warps()
+    assert all((v.num_worker_warps or 0) <= 8 for width in (64, 128) for v in hopper_space(width, False))
+    assert toolchain.describe()["bytecode"] == toolchain.newest_readable()
+    assert toolchain.describe()["tileiras"].startswith("tileiras 13.")
+
+
+def test_an_unknown_bytecode_version_names_the_ones_cuda_tile_writes(bytecode):
+    bytecode("12.9")
+    with pytest.raises(ValueError, match=r"FMHA_CUTILE_BYTECODE=12\.9: cuda-tile writes bytecode 13\.1, .*13\.5"):
+        toolchain.enable()
+
+
+def test_bytecode_13_5_needs_tileiras_13_5(bytecode):
+    bytecode("13.5")
+    if tileiras_release() < (13, 5):
+        with pytest.raises(RuntimeError, match=r"FMHA_CUTILE_BYTECODE=13\.5, but tileiras 13\.4.* reads bytecode up "
+                                               r"to 13\.4"):
+            toolchain.enable()
+        return
+    assert toolchain.enable() == "13.5" and toolchain.sixteen_warps()
+    assert toolchain.describe() == {"tileiras": toolchain.compiler().split(" (")[0], "bytecode": "13.5"}
+    sixteen = [v for v in hopper_space(64, False) if v.num_worker_warps == 16]
+    assert sixteen == sixteen_warp_space(64, False) and sixteen
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sixteen_warp_candidates_compile_without_spilling(bytecode, head_dim, causal):
+    from impls._sass import sass_summary
+    from impls.cutile.export import export_phases
+
+    bytecode("13.5")
+    if tileiras_release() < (13, 5):
+        pytest.skip(f"needs tileiras 13.5 on PATH, found {toolchain.compiler()}")
+    toolchain.enable()  # the kernel objects are made once per process, the first time with this call in them
+    for variant in sixteen_warp_space(head_dim, causal):
+        for _, cubin in export_phases(variant, arch="sm_90", head_dim=head_dim, causal=causal):
+            usage = sass_summary(cubin)
+            assert usage["stack"] == 0 and usage["hgmma"] > 0 and usage["utmaldg"] > 0, (variant.label(), usage)
