@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -143,6 +144,17 @@ def test_tuning_cache_modes(tmp_path, monkeypatch):
     monkeypatch.setenv("FMHA_TUNING", "sometimes")
     with pytest.raises(ValueError, match="FMHA_TUNING='sometimes'"):
         cache.get("k")
+
+
+def test_the_key_names_the_compiler_where_given(monkeypatch):
+    props = SimpleNamespace(name="H200", major=9, minor=0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    plain = _tuning.TuningCache("toy", [Path(__file__)], ["torch"])
+    named = _tuning.TuningCache("toy", [Path(__file__)], ["torch"],
+                                lambda: {"tileiras": "tileiras 13.5.37", "bytecode": "13.5"})
+    key = json.loads(named.key("cuda", ["shape"]))
+    assert key["tileiras"] == "tileiras 13.5.37" and key["bytecode"] == "13.5" and key["gpu"] == "H200"
+    assert "bytecode" not in json.loads(plain.key("cuda", ["shape"]))
 
 
 def _store_entries(directory: str, worker: int, count: int) -> None:

@@ -297,12 +297,19 @@ def hopper_space(width: int, causal: bool) -> list[Variant]:
 
 
 def sixteen_warp_space(width: int, causal: bool) -> list[Variant]:
-    """Blocks of 16 worker warps (tileiras 13.5, ``toolchain``): four consumer warpgroups. The shapes that
-    compile without spilling on sm_90 (scripts/cutile_sass.py)."""
-    wide = replace(HOPPER_WIDE, num_worker_warps=16)
-    shapes = [(256, 64), (128, 128), (128, 64)] if width <= 64 else [(128, 64), (256, 32), (128, 32)]
-    blocks = [replace(wide, tile_m=m, tile_n=n) for m, n in shapes]
-    return blocks + [replace(v, persistent=True, k_latency=3, v_latency=6) for v in blocks if not causal]
+    """Blocks of 16 worker warps (four consumer warpgroups; tileiras 13.5, see ``toolchain``) at head dims up to
+    64: 256 query rows against 64-key tiles, no spill on sm_90 (96 registers, 83-99 KB of pipeline at D=64).
+
+    Session 15 (H200, do_bench, fp16, B=4, H=32, TFLOPS at 2K / 4K / 16K), D=64 non-causal: 409 / 430 / 472 as a
+    block a tile and 416 / 436 / 475 persistent, against 429 / 440 / 443 for the best 8-warp candidate and 430 /
+    443 / 454 for cuDNN; causal 335 / 393 / 451 against 358 / 386 / 435 (tileiras 13.5; 454 at 16K with 13.4's
+    persistent 128x256, which 13.5 compiles to 412). Measured and left out: 128x128 and 128x64 with 16 warps at
+    D=64 (190-276), and at D=128 every spill-free 16-warp shape (128x64, 128x32, 256x32: 184-449 against 440-598
+    for the 8-warp candidates)."""
+    if width > 64:
+        return []
+    tall = replace(HOPPER_WIDE, tile_m=256, tile_n=64, num_worker_warps=16)
+    return [tall] if causal else [tall, replace(tall, persistent=True, k_latency=3, v_latency=6)]
 
 
 def other_forms() -> list[Variant]:
