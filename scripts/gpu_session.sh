@@ -25,7 +25,8 @@
 #   dynamic:  the dynamically scheduled persistent cuTile candidates beside the best fixed ones (sweep)
 #   toolchains: tileiras 13.4 (in /tmp/ctk from an earlier call that carried .gpu) against 13.5 (carried in
 #             .gpu135: bytecode 13.5 and the 16-warp candidates, impls/cutile/toolchain.py), the same sweep with
-#             each in turn, on one machine: head dims 128 and 64, the tuner's usual picks beside cuDNN
+#             each in turn, on one machine: head dims TC_DIMS (default 128 64), the tuner's usual picks and the
+#             16-warp candidates (at D=96 too: sweep.py's extras) beside cuDNN
 #   tall:     head dim 64: 256-row cuTile blocks beside the tuner's picks and cuDNN (sweep)
 #   d64causal: the persistent 128x256 causal candidate at D<=64: edge cases, memcheck, fa3/GPT-2 benchmarks
 #   decode-probe: scripts/serving_probe.py on the 256-sequence serving cases: every cuTile decode candidate and
@@ -199,8 +200,8 @@ for part in "$@"; do
              --match "cutile:128x128:*8}:L3,6:persistent:g-auto" --match "cutile:128x256:*8}:L3,6:persistent:g-auto")
       for tc in $tcs; do
         ctk=/tmp/ctk${tc#134}
-        for d in 128 64; do (  # a subshell: the toolchain's settings stay in it
-          sweep=(python3 scripts/sweep.py --d "$d" --which sdpa cutile --tuner-space "${picks[@]}")
+        for d in ${TC_DIMS:-128 64}; do (  # a subshell: the toolchain's settings stay in it
+          sweep=(python3 scripts/sweep.py --d "$d" --which sdpa cutile "${picks[@]}")
           export PATH=$ctk/bin:$PATH CUDA_HOME=$ctk CUDA_TILE_CACHE_DIR=/tmp/fmha/cutile$tc \
             FMHA_CUTILE_BYTECODE=$([ "$tc" = 135 ] && echo 13.5)
           for mask in causal full; do  # compile every candidate first, two processes side by side
