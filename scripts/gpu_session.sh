@@ -27,6 +27,8 @@
 #             .gpu135: bytecode 13.5 and the 16-warp candidates, impls/cutile/toolchain.py), the same sweep with
 #             each in turn, on one machine: head dims TC_DIMS (default 128 64), the tuner's usual picks and the
 #             16-warp candidates (at D=96 too: sweep.py's extras) beside cuDNN
+#   Any part with tileiras 13.5: carry .gpu135 where a chain carries .gpu, and source scripts/tileiras135_env.sh
+#   after .gpu-env/env.sh in every call of the chain.
 #   tall:     head dim 64: 256-row cuTile blocks beside the tuner's picks and cuDNN (sweep)
 #   d64causal: the persistent 128x256 causal candidate at D<=64: edge cases, memcheck, fa3/GPT-2 benchmarks
 #   decode-probe: scripts/serving_probe.py on the 256-sequence serving cases: every cuTile decode candidate and
@@ -191,19 +193,17 @@ for part in "$@"; do
       ;;
     toolchains)
       # TOOLCHAINS (default "134 135") picks which run here; the machine stays the same over back-to-back calls
-      tcs=${TOOLCHAINS:-134 135}
-      if [[ $tcs == *135* && ! -x /tmp/ctk135/bin/tileiras ]]; then
-        mkdir -p /tmp/ctk135 && tar -xJf .gpu135/cutile-toolchain-*.tar.xz -C /tmp/ctk135 --strip-components=1
-      fi
       picks=(--match sdpa-cudnn --match 'cutile:*16}*' --match "cutile:64x128:{'occupancy': 2}:L2,4:g-auto"
              --match "cutile:128x64:{'occupancy': 2}:L2,4:g-auto" --match "cutile:128x128:*8}:L2,4:g-auto"
              --match "cutile:128x128:*8}:L3,6:persistent:g-auto" --match "cutile:128x256:*8}:L3,6:persistent:g-auto")
-      for tc in $tcs; do
-        ctk=/tmp/ctk${tc#134}
+      for tc in ${TOOLCHAINS:-134 135}; do
         for d in ${TC_DIMS:-128 64}; do (  # a subshell: the toolchain's settings stay in it
+          if [ "$tc" = 135 ]; then
+            source scripts/tileiras135_env.sh
+          else
+            export CUDA_TILE_CACHE_DIR=/tmp/fmha/cutile134 FMHA_CUTILE_BYTECODE=
+          fi
           sweep=(python3 scripts/sweep.py --d "$d" --which sdpa cutile "${picks[@]}")
-          export PATH=$ctk/bin:$PATH CUDA_HOME=$ctk CUDA_TILE_CACHE_DIR=/tmp/fmha/cutile$tc \
-            FMHA_CUTILE_BYTECODE=$([ "$tc" = 135 ] && echo 13.5)
           for mask in causal full; do  # compile every candidate first, two processes side by side
             timeout 200 "${sweep[@]}" --seqlens 2048 --causal $mask --check-only > "$out/check-$tc-d$d-$mask.log" 2>&1 &
           done
