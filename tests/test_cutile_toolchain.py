@@ -17,7 +17,7 @@ else:
 
 from cuda.tile import _compile
 
-from impls.cutile import hopper_space, sixteen_warp_space, toolchain
+from impls.cutile import hopper_space, requires, sixteen_warp_space, toolchain
 
 
 @pytest.fixture
@@ -47,7 +47,7 @@ def tileiras_release() -> tuple[int, int]:
 
 def test_nothing_changes_unless_asked(bytecode):
     bytecode(None)
-    assert toolchain.enable() is None and not toolchain.sixteen_warps()
+    assert toolchain.enable() is None and not toolchain.sixteen_warps() and requires("cuda") is None
     assert all((v.num_worker_warps or 0) <= 8 for width in (64, 128) for v in hopper_space(width, False))
     assert toolchain.describe()["bytecode"] == toolchain.newest_readable()
     assert toolchain.describe()["tileiras"].startswith("tileiras 13.")
@@ -57,6 +57,7 @@ def test_an_unknown_bytecode_version_names_the_ones_cuda_tile_writes(bytecode):
     bytecode("12.9")
     with pytest.raises(ValueError, match=r"FMHA_CUTILE_BYTECODE=12\.9: cuda-tile writes bytecode 13\.1, .*13\.5"):
         toolchain.enable()
+    assert requires("cuda").startswith("FMHA_CUTILE_BYTECODE=12.9")
 
 
 def test_bytecode_13_5_needs_tileiras_13_5(bytecode):
@@ -65,6 +66,7 @@ def test_bytecode_13_5_needs_tileiras_13_5(bytecode):
         with pytest.raises(RuntimeError, match=r"FMHA_CUTILE_BYTECODE=13\.5, but tileiras 13\.4.* reads bytecode up "
                                                r"to 13\.4"):
             toolchain.enable()
+        assert "reads bytecode up to 13.4" in requires("cuda")  # the implementations say why they cannot run
         return
     assert toolchain.enable() == "13.5" and toolchain.sixteen_warps()
     assert toolchain.describe() == {"tileiras": toolchain.compiler().split(" (")[0], "bytecode": "13.5"}

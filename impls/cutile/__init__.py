@@ -321,7 +321,15 @@ def other_forms() -> list[Variant]:
 
 
 def requires(device: str) -> str | None:
-    return module_available("cuda.tile", 'pip install "cuda-tile[tileiras]"')(device)
+    """cuTile installed, and the bytecode FMHA_CUTILE_BYTECODE asks for readable by its tileiras."""
+    missing = module_available("cuda.tile", 'pip install "cuda-tile[tileiras]"')(device)
+    if missing or toolchain.requested() is None:
+        return missing
+    try:
+        toolchain.enable()
+    except (ValueError, RuntimeError) as error:
+        return str(error)
+    return None
 
 
 class Launches:
