@@ -81,6 +81,19 @@ def test_sixteen_warps_run_head_dims_up_to_64_only():
     assert [v.persistent for v in sixteen_warp_space(32, True)] == [False]
 
 
+def test_a_readable_request_is_offered_and_opens_the_sixteen_warp_space(bytecode, monkeypatch):
+    # the branch a 13.5 tileiras takes, here without one: cuda-tile's probe answers 13.5
+    from cuda.tile._bytecode import BytecodeVersion
+
+    bytecode("13.5")
+    monkeypatch.setattr(_compile, "_get_max_supported_bytecode_version",
+                        lambda *args, **kwargs: BytecodeVersion.V_13_5)
+    assert toolchain.enable() == "13.5" and BytecodeVersion.V_13_5 in _compile._SUPPORTED_VERSIONS
+    assert toolchain.sixteen_warps() and requires("cuda") is None and toolchain.describe()["bytecode"] == "13.5"
+    assert hopper_space(64, False)[-2:] == sixteen_warp_space(64, False)
+    assert all(v.num_worker_warps != 16 for v in hopper_space(128, False))
+
+
 @pytest.mark.parametrize("head_dim", [32, 40, 64])
 @pytest.mark.parametrize("causal", [False, True])
 def test_sixteen_warp_candidates_compile_without_spilling(bytecode, head_dim, causal):
