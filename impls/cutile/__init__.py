@@ -277,8 +277,9 @@ def hopper_space(width: int, causal: bool) -> list[Variant]:
     At head dims 33-64 the persistent 128x256 runs causal too, the one persistent causal candidate: half the
     masked loop's trips, 83 KB of pipeline, no spill (at 32 it spills). Session 13 (H200, do_bench, fp16, B=4,
     H=32, D=64 causal, 2K/4K/8K/16K): 268/389/434/460 TFLOPS against 360/392/420/438 for the best one-block-per-
-    tile candidate and 368/408/429/444 for cuDNN, so the tuner takes it for long rows only. 256x64 blocks (two
-    warpgroups of 128 rows, no spill at D=64) trailed everywhere (causal 413, full 411 at 16K; 256x128 spills).
+    tile candidate and 368/408/429/444 for cuDNN, so the tuner takes it for long rows only. 256x64 blocks of 8
+    warps (two warpgroups of 128 rows, no spill at D=64) trailed everywhere (causal 413, full 411 at 16K; 256x128
+    spills); of 16 warps (four warpgroups, tileiras 13.5) they lead on long rows: ``sixteen_warp_space``.
     """
     wide, streaming = HOPPER_WIDE, HOPPER_STREAMING
     if width > 128:
