@@ -285,7 +285,6 @@ def hopper_space(width: int, causal: bool) -> list[Variant]:
     if width > 128:
         return [Variant(64, 64, occupancy=1, head_group=None), replace(wide, tile_n=64),
                 replace(wide, tile_n=64, persistent=not causal, k_latency=3, v_latency=6)]
-    space16 = sixteen_warp_space(width, causal) if toolchain.sixteen_warps() else []
     space = [Variant(64, 64, occupancy=2, head_group=None), Variant(128, 64, occupancy=2, head_group=None),
              Variant(64, 128, occupancy=2, head_group=None), wide, replace(wide, k_latency=3, v_latency=6),
              replace(wide, tile_n=256)]
@@ -294,7 +293,7 @@ def hopper_space(width: int, causal: bool) -> list[Variant]:
     streams = [] if causal else [streaming, replace(streaming, k_latency=4, v_latency=4)]
     if width == 64 or (width < 64 and not causal):
         streams.append(replace(streaming, tile_n=256))
-    return space + streams + space16
+    return space + streams + (sixteen_warp_space(width, causal) if toolchain.sixteen_warps() else [])
 
 
 def sixteen_warp_space(width: int, causal: bool) -> list[Variant]:
@@ -324,7 +323,7 @@ def other_forms() -> list[Variant]:
 def requires(device: str) -> str | None:
     """cuTile installed, and the bytecode FMHA_CUTILE_BYTECODE asks for readable by its tileiras."""
     missing = module_available("cuda.tile", 'pip install "cuda-tile[tileiras]"')(device)
-    if missing or toolchain.requested() is None:
+    if missing:
         return missing
     try:
         toolchain.enable()

@@ -66,7 +66,8 @@ def compiler() -> str:
 
 def sixteen_warps() -> bool:
     """Whether blocks of 16 worker warps compile here: bytecode 13.5 requested and read."""
-    return enable() is not None and _as_tuple(enable()) >= _as_tuple(SIXTEEN_WARPS)
+    version = enable()
+    return version is not None and _as_tuple(version) >= _as_tuple(SIXTEEN_WARPS)
 
 
 def describe() -> dict[str, str]:
