@@ -12,6 +12,8 @@
 #   serve:    decode and blog in all three modes, then serving and varlen, every implementation
 #   candidates: every cuTile candidate (two-launch causal forms and padded head dims included) on the edge
 #             cases, then the two-launch ones under compute-sanitizer memcheck
+#   memcheck: compute-sanitizer memcheck over the cuTile candidates matching CANDIDATES (default '*16}*') on the
+#             edge cases of tests/test_gpu_candidates.py
 #   causal:   every causal cuTile candidate of the blog shapes, one and two launches, beside sdpa-cudnn (sweep)
 #   prefill:  blog and fa3 presets, graph timing: cutile, flash-attn4, sdpa-cudnn, triton side by side
 #   prefill-prime: (carry call 1) their checks for cutile, triton and sdpa-cudnn: tuning and compile caches filled
@@ -137,6 +139,13 @@ for part in "$@"; do
         python3 -m pytest tests/test_gpu_candidates.py -k "cutile and unit" -q -p no:cacheprovider
       grep -E "ERROR SUMMARY|passed|failed" "$out/memcheck.log" | tail -3
       ;;
+    memcheck)
+      # compute-sanitizer memcheck over the cuTile candidates named by CANDIDATES (default: the 16-warp ones)
+      sixteen='*16}*'
+      FMHA_CANDIDATES=${CANDIDATES:-$sixteen} step memcheck 200 compute-sanitizer --tool memcheck --error-exitcode 9 \
+        python3 -m pytest tests/test_gpu_candidates.py -k "cutile and unit" -q -p no:cacheprovider -rf
+      grep -E "ERROR SUMMARY|passed|failed" "$out/memcheck.log" | tail -3
+      ;;
     causal)
       step causal 200 python3 scripts/sweep.py --seqlens 1024 2048 4096 8192 16384 --causal causal \
         --which sdpa cutile --match 'sdpa-cudnn' --match 'cutile:128x128:*8}*' --match 'cutile:64x128:*' \
@@ -195,7 +204,8 @@ for part in "$@"; do
       # TOOLCHAINS (default "134 135") picks which run here; the machine stays the same over back-to-back calls
       picks=(--match sdpa-cudnn --match 'cutile:*16}*' --match "cutile:64x128:{'occupancy': 2}:L2,4:g-auto"
              --match "cutile:128x64:{'occupancy': 2}:L2,4:g-auto" --match "cutile:128x128:*8}:L2,4:g-auto"
-             --match "cutile:128x128:*8}:L3,6:persistent:g-auto" --match "cutile:128x256:*8}:L3,6:persistent:g-auto")
+             --match "cutile:128x128:*8}:L3,6:persistent:g-auto" --match "cutile:128x256:*8}:L3,6:persistent:g-auto"
+             --match "cutile:128x256:*8}:L2,4:g-auto")  # the last: the tuner's causal pick at D=96
       for tc in ${TOOLCHAINS:-134 135}; do
         for d in ${TC_DIMS:-128 64}; do (  # a subshell: the toolchain's settings stay in it
           if [ "$tc" = 135 ]; then
