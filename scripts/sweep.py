@@ -27,7 +27,7 @@ def cutile_candidates(head_dim: int = 128, extras: bool = True):
     ``extras``)."""
     from dataclasses import replace
 
-    from impls.cutile import LADDER, Call, Variant, head_tiles, other_forms, search_space, tile_d, toolchain
+    from impls.cutile import LADDER, Call, Variant, head_tiles, other_forms, search_space
 
     # Session 3's exploration (earlier lists: docs/h200-results-*.md); head groups sized to L2 throughout.
     wide = Variant(128, 128, occupancy=1, num_worker_warps=8, k_latency=3, v_latency=6, head_group=None)
@@ -45,10 +45,6 @@ def cutile_candidates(head_dim: int = 128, extras: bool = True):
         tall = replace(wide, tile_m=256, tile_n=64)
         extra += [tall, replace(tall, k_latency=2, v_latency=4), replace(tall, persistent=True),
                   replace(tall, persistent=True, k_latency=4, v_latency=8)]
-    # 16 warps at head dims past the tuner's (up to 64) whose first tile is 64: D=96 runs as 64 + 32, no spill
-    if toolchain.sixteen_warps() and head_tiles(head_dim)[0] <= 64 < tile_d(head_dim):
-        tall16 = replace(wide, tile_m=256, tile_n=64, num_worker_warps=16)
-        extra += [tall16, replace(tall16, persistent=True)]
     seen = set()
     named = [(name, v) for name, (v, _) in LADDER.items()] if extras else []
     space = [*search_space((9, 0), head_dim, causal=True), *search_space((9, 0), head_dim, causal=False)]

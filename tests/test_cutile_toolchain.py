@@ -17,7 +17,7 @@ else:
 
 from cuda.tile import _compile
 
-from impls.cutile import hopper_space, requires, sixteen_warp_space, toolchain
+from impls.cutile import hopper_space, requires, search_space, sixteen_warp_space, toolchain
 
 
 @pytest.fixture
@@ -74,11 +74,14 @@ def test_bytecode_13_5_needs_tileiras_13_5(bytecode):
     assert sixteen == sixteen_warp_space(64, False) and sixteen
 
 
-def test_sixteen_warps_run_head_dims_up_to_64_only():
-    # at D=128 every 16-warp shape that does not spill ran at 0.3-0.8 of the 8-warp candidates (session 15)
-    assert sixteen_warp_space(128, True) == [] and sixteen_warp_space(256, False) == []
-    assert [v.tile_m for v in sixteen_warp_space(64, False)] == [256, 256]
-    assert [v.persistent for v in sixteen_warp_space(32, True)] == [False]
+def test_sixteen_warps_run_head_dims_whose_first_tile_is_64_at_most():
+    # at D=128 every 16-warp shape that does not spill ran at 0.3-0.8 of the 8-warp candidates (session 15); D=96
+    # runs as 64 + 32 and wins there (session 16); 112 and 192 run 128 wide first
+    for head_dim in (112, 128, 192, 256):
+        assert sixteen_warp_space(head_dim, True) == [] == sixteen_warp_space(head_dim, False)
+    for head_dim in (32, 64, 72, 80, 96):
+        assert [v.tile_m for v in sixteen_warp_space(head_dim, False)] == [256, 256]
+        assert [v.persistent for v in sixteen_warp_space(head_dim, True)] == [False]
 
 
 def test_a_readable_request_is_offered_and_opens_the_sixteen_warp_space(bytecode, monkeypatch):
@@ -90,11 +93,14 @@ def test_a_readable_request_is_offered_and_opens_the_sixteen_warp_space(bytecode
                         lambda *args, **kwargs: BytecodeVersion.V_13_5)
     assert toolchain.enable() == "13.5" and BytecodeVersion.V_13_5 in _compile._SUPPORTED_VERSIONS
     assert toolchain.sixteen_warps() and requires("cuda") is None and toolchain.describe()["bytecode"] == "13.5"
-    assert hopper_space(64, False)[-2:] == sixteen_warp_space(64, False)
+    for head_dim in (64, 96):
+        assert hopper_space(head_dim, False)[-2:] == sixteen_warp_space(head_dim, False)
+        assert search_space((9, 0), head_dim, causal=True)[-1:] == sixteen_warp_space(head_dim, True)
     assert all(v.num_worker_warps != 16 for v in hopper_space(128, False))
+    assert all(v.num_worker_warps != 16 for v in search_space((10, 0), 64, causal=False))  # Hopper's only
 
 
-@pytest.mark.parametrize("head_dim", [32, 40, 64])
+@pytest.mark.parametrize("head_dim", [32, 40, 64, 80, 96])
 @pytest.mark.parametrize("causal", [False, True])
 def test_sixteen_warp_candidates_compile_without_spilling(bytecode, head_dim, causal):
     from impls._sass import sass_summary

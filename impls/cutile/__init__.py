@@ -234,7 +234,7 @@ LADDER["cutile-5-remap"] = (_step, "+ causal blocks in reverse order (heaviest f
 def search_space(capability: tuple[int, int], head_dim: int = 128, *, causal: bool = True) -> list[Variant]:
     """Candidates for the autotuner, per architecture, head dim and mask (all optimisations on)."""
     if capability[0] == 9:
-        return hopper_space(tile_d(head_dim), causal)
+        return hopper_space(head_dim, causal)
     if capability[0] == 12:  # RTX 50 / DGX Spark: few SMs, small tiles
         shapes = [(64, 64, 2), (128, 64, 1)]
     elif capability[0] == 10:  # B200/B300: the blog's three
@@ -251,7 +251,7 @@ HOPPER_WIDE = Variant(128, 128, occupancy=1, num_worker_warps=8, head_group=None
 HOPPER_STREAMING = replace(HOPPER_WIDE, persistent=True, k_latency=3, v_latency=6)
 
 
-def hopper_space(width: int, causal: bool) -> list[Variant]:
+def hopper_space(head_dim: int, causal: bool) -> list[Variant]:
     """Hopper, measured on an H200 (fp16, D=128; docs/h200-results-*.md).
 
     The blog's 256x128 tile with one warpgroup spills (5.4 KB of stack, 17-36 TFLOPS: the "trap" made far
@@ -281,7 +281,7 @@ def hopper_space(width: int, causal: bool) -> list[Variant]:
     warps (two warpgroups of 128 rows, no spill at D=64) trailed everywhere (causal 413, full 411 at 16K; 256x128
     spills); of 16 warps (four warpgroups, tileiras 13.5) they lead on long rows: ``sixteen_warp_space``.
     """
-    wide, streaming = HOPPER_WIDE, HOPPER_STREAMING
+    wide, streaming, width = HOPPER_WIDE, HOPPER_STREAMING, tile_d(head_dim)
     if width > 128:
         return [Variant(64, 64, occupancy=1, head_group=None), replace(wide, tile_n=64),
                 replace(wide, tile_n=64, persistent=not causal, k_latency=3, v_latency=6)]
@@ -293,20 +293,22 @@ def hopper_space(width: int, causal: bool) -> list[Variant]:
     streams = [] if causal else [streaming, replace(streaming, k_latency=4, v_latency=4)]
     if width == 64 or (width < 64 and not causal):
         streams.append(replace(streaming, tile_n=256))
-    return space + streams + (sixteen_warp_space(width, causal) if toolchain.sixteen_warps() else [])
+    return space + streams + (sixteen_warp_space(head_dim, causal) if toolchain.sixteen_warps() else [])
 
 
-def sixteen_warp_space(width: int, causal: bool) -> list[Variant]:
-    """Blocks of 16 worker warps (four consumer warpgroups; tileiras 13.5, see ``toolchain``) at head dims up to
-    64: 256 query rows against 64-key tiles, no spill on sm_90 (96 registers, 83-99 KB of pipeline at D=64).
+def sixteen_warp_space(head_dim: int, causal: bool) -> list[Variant]:
+    """Blocks of 16 worker warps (four consumer warpgroups; tileiras 13.5, see ``toolchain``) at head dims whose
+    first tile is at most 64 wide (up to 64, and 72-96 as 64 + a tail tile): 256 query rows against 64-key tiles,
+    no spill on sm_90 (96 registers; 83-99 KB of pipeline at D=64, 124-149 KB at D=96).
 
     Session 15 (H200, do_bench, fp16, B=4, H=32, TFLOPS at 2K / 4K / 16K), D=64 non-causal: 409 / 430 / 472 as a
     block a tile and 416 / 436 / 475 persistent, against 429 / 440 / 443 for the best 8-warp candidate and 430 /
     443 / 454 for cuDNN; causal 335 / 393 / 451 against 358 / 386 / 435 (tileiras 13.5; 454 at 16K with 13.4's
     persistent 128x256, which 13.5 compiles to 412). Measured and left out: 128x128 and 128x64 with 16 warps at
     D=64 (190-276), and at D=128 every spill-free 16-warp shape (128x64, 128x32, 256x32: 184-449 against 440-598
-    for the 8-warp candidates)."""
-    if width > 64:
+    for the 8-warp candidates). Session 16, D=96 (64 + 32): causal 361 / 425 / 487 against 364 / 407 / 467 for the
+    tuner's 8-warp candidates, non-causal 462 / 480 / 509 and 475 / 480 / 496 persistent against 457 / 474 / 490."""
+    if head_tiles(head_dim)[0] > 64:
         return []
     tall = replace(HOPPER_WIDE, tile_m=256, tile_n=64, num_worker_warps=16)
     return [tall] if causal else [tall, replace(tall, persistent=True, k_latency=3, v_latency=6)]
