@@ -17,16 +17,18 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--arch", default="sm_90")
     p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--value-dim", type=int, default=None, help="V's head dim where it differs (MLA: 128 at 192)")
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--no-ladder", action="store_true")
     p.add_argument("--window", action="store_true", help="with the sliding-window masks (the ladder has none)")
     p.add_argument("--softcap", type=float, default=0.0, help="with this softcap (0: none)")
     a = p.parse_args()
-    variants = {"window": a.window, "softcap": a.softcap}
+    variants = {"window": a.window, "softcap": a.softcap, "value_dim": a.value_dim}
     capability = (int(a.arch[3:-1]), int(a.arch[-1]))
     plain = a.no_ladder or a.window or a.softcap  # the ladder runs neither window nor softcap
     named = [] if plain else [(name, v) for name, (v, _) in LADDER.items()]
-    named += [(f"search: {v.label()}", v) for v in search_space(capability, a.head_dim, causal=a.causal)]
+    named += [(f"search: {v.label()}", v)
+              for v in search_space(capability, a.head_dim, causal=a.causal, value_dim=a.value_dim)]
     for name, variant in named:
         for phase, cubin in export_phases(variant, arch=a.arch, head_dim=a.head_dim, causal=a.causal, **variants):
             print(f"{name + phase:70s} {sass_summary(cubin)}", flush=True)

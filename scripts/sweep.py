@@ -22,9 +22,9 @@ from suite.checks import Oracle
 from suite.metrics import flops
 
 
-def cutile_candidates(head_dim: int = 128, extras: bool = True):
+def cutile_candidates(head_dim: int = 128, extras: bool = True, value_dim: int | None = None):
     """Every cuTile candidate: the ladder, the tuner's spaces and session 3's extras (only the spaces without
-    ``extras``)."""
+    ``extras``); ``value_dim``: V's head dim where it differs (MLA)."""
     from dataclasses import replace
 
     from impls.cutile import LADDER, Call, Variant, head_tiles, other_forms, search_space
@@ -47,7 +47,8 @@ def cutile_candidates(head_dim: int = 128, extras: bool = True):
                   replace(tall, persistent=True, k_latency=4, v_latency=8)]
     seen = set()
     named = [(name, v) for name, (v, _) in LADDER.items()] if extras else []
-    space = [*search_space((9, 0), head_dim, causal=True), *search_space((9, 0), head_dim, causal=False)]
+    space = [*search_space((9, 0), head_dim, causal=True, value_dim=value_dim),
+             *search_space((9, 0), head_dim, causal=False, value_dim=value_dim)]
     if head_tiles(head_dim)[1]:  # a head dim with a tail tile: the tuner's candidates padded too
         space += [replace(v, head_tail=False) for v in space]
     space += extra if extras else []
@@ -87,6 +88,7 @@ def main() -> None:
     p.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 16384])
     p.add_argument("--causal", choices=["both", "causal", "full"], default="both")
     p.add_argument("--d", type=int, default=128)
+    p.add_argument("--dv", type=int, default=0, help="V's head dim where it differs from --d (MLA: --d 192 --dv 128)")
     p.add_argument("--dtype", nargs="+", default=["fp16"], choices=["fp16", "bf16"])
     p.add_argument("--hkv", type=int, nargs="+", default=[32], help="kv heads (of 32 query heads): GQA below 32")
     p.add_argument("--which", nargs="+", default=["sdpa", "cutile", "triton"])
@@ -105,7 +107,7 @@ def main() -> None:
     causal_opts = {"both": [True, False], "causal": [True], "full": [False]}[a.causal]
     rows = []
     for causal, s, dtype, hkv in itertools.product(causal_opts, a.seqlens, a.dtype, a.hkv):
-        case = Case(4, 32, hkv, s, s, a.d, dtype, causal)
+        case = Case(4, 32, hkv, s, s, a.d, dtype, causal, dv=a.dv)
         q, k, v = case.make_inputs("cuda")
         oracle = Oracle.dense(q, k, v, causal=causal)
         scale = a.d ** -0.5
@@ -118,12 +120,12 @@ def main() -> None:
                         return impl.prepare(q, k, v_, causal=c, scale=sc)
                     cands.append((name, make))
         if "cutile" in a.which:
-            cands += list(cutile_candidates(a.d, extras=not a.tuner_space))
+            cands += list(cutile_candidates(a.d, extras=not a.tuner_space, value_dim=a.dv or None))
         if "triton" in a.which:
             cands += list(triton_candidates())
         cands = [(n, m) for n, m in cands if not a.match or any(fnmatchcase(n, g) for g in a.match)]
         for name, make in cands:
-            out = torch.empty_like(q)
+            out = q.new_empty((*q.shape[:3], v.shape[-1]))
             try:
                 fn = make(q, k, v, out, causal, scale)
                 res = fn()

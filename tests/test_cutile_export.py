@@ -3,6 +3,7 @@
 No GPU is needed: ``cuda.tile.compilation.export_kernel`` runs the whole compiler (tileiras) ahead of time.
 """
 
+import itertools
 import os
 from dataclasses import replace
 
@@ -95,14 +96,21 @@ def test_fast_math_softcap_is_one_hardware_tanh_per_score():
     assert fast["mufu_tanh"] > 0 and precise["mufu_tanh"] == 0, (fast, precise)
 
 
-def test_mla_head_dims_compile_without_spills():
-    # DeepSeek's MLA prefill: Q/K 192 wide (padded to 256), V and the output 128; the accumulator and the
-    # two-launch state take the value width.
-    variant = search_space((9, 0), 192, causal=True)[0]
-    cubin = export_cubin(variant, arch="sm_90", dtype=torch.bfloat16, head_dim=192, value_dim=128, causal=True,
-                         even_n=False)
-    usage = sass(cubin)
-    assert usage["stack"] == 0 and usage["hgmma"] > 0, usage
+@pytest.mark.parametrize("causal", [True, False])
+def test_mla_candidates_compile_without_spills(causal):
+    # DeepSeek's MLA prefill: Q/K 192 wide (128 + 64), V and the output 128. The accumulator takes the value
+    # width, so the Hopper space is the 128-wide one (two-warpgroup 128x128 tiles; not the 256-wide space of
+    # 64-key tiles), less 128x64 with occupancy 2 and the causal 256-key tile, which spill; nothing left does,
+    # with whole key tiles or a ragged last one.
+    space = search_space((9, 0), 192, causal=causal, value_dim=128)
+    shapes = {(v.tile_m, v.tile_n) for v in space}
+    assert (128, 128) in shapes and (128, 64) not in shapes and ((128, 256) in shapes) is not causal
+    assert search_space((9, 0), 192, causal=causal) == search_space((9, 0), 192, causal=causal, value_dim=192)
+    for variant, even_n in itertools.product(space, (True, False)):
+        cubin = export_cubin(variant, arch="sm_90", dtype=torch.bfloat16, head_dim=192, value_dim=128,
+                             causal=causal, even_n=even_n)
+        usage = sass(cubin)
+        assert usage["stack"] == 0 and usage["hgmma"] > 0, (variant.label(), even_n, usage)
     q = torch.empty((1, 2, 100, 192), device="meta", dtype=torch.bfloat16)
     assert Variant(64, 64, two_launch=True).state(q, 128)[2].shape == (1, 2, 100, 128)
 

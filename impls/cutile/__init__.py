@@ -231,10 +231,12 @@ _step = replace(_step, reverse_order=True)
 LADDER["cutile-5-remap"] = (_step, "+ causal blocks in reverse order (heaviest first)")
 
 
-def search_space(capability: tuple[int, int], head_dim: int = 128, *, causal: bool = True) -> list[Variant]:
-    """Candidates for the autotuner, per architecture, head dim and mask (all optimisations on)."""
+def search_space(capability: tuple[int, int], head_dim: int = 128, *, causal: bool = True,
+                 value_dim: int | None = None) -> list[Variant]:
+    """Candidates for the autotuner, per architecture, head dim (and V's, ``value_dim``, where it differs: MLA)
+    and mask (all optimisations on)."""
     if capability[0] == 9:
-        return hopper_space(head_dim, causal)
+        return hopper_space(head_dim, causal, value_dim)
     if capability[0] == 12:  # RTX 50 / DGX Spark: few SMs, small tiles
         shapes = [(64, 64, 2), (128, 64, 1)]
     elif capability[0] == 10:  # B200/B300: the blog's three
@@ -251,7 +253,7 @@ HOPPER_WIDE = Variant(128, 128, occupancy=1, num_worker_warps=8, head_group=None
 HOPPER_STREAMING = replace(HOPPER_WIDE, persistent=True, k_latency=3, v_latency=6)
 
 
-def hopper_space(head_dim: int, causal: bool) -> list[Variant]:
+def hopper_space(head_dim: int, causal: bool, value_dim: int | None = None) -> list[Variant]:
     """Hopper, measured on an H200 (fp16, D=128; docs/h200-results-*.md).
 
     The blog's 256x128 tile with one warpgroup spills (5.4 KB of stack, 17-36 TFLOPS: the "trap" made far
@@ -273,7 +275,10 @@ def hopper_space(head_dim: int, causal: bool) -> list[Variant]:
     (167-200 KB of pipeline, yet blog causal 2K / 16K 282 / 471 against 444 / 554 for one block per tile).
 
     Head dims: up to 64 a score tile twice as wide fits beside the small accumulator; a 256-wide accumulator
-    (head dims 136-256) takes half the rows per warpgroup (checked for spills with scripts/cutile_sass.py).
+    (V's head dims 136-256) takes half the rows per warpgroup (checked for spills with scripts/cutile_sass.py).
+    The accumulator is V's width: MLA's prefill (Q/K 192 as 128 + 64, V 128) runs the 128-wide space, less the
+    two candidates that spill there (sm_90 SASS): 128x64 with occupancy 2 (72-96 B of stack where the keys fill
+    whole tiles) and the causal 128x256 (64 B); the others keep 128-168 registers and no stack.
     At head dims 33-64 the persistent 128x256 runs causal too, the one persistent causal candidate: half the
     masked loop's trips, 83 KB of pipeline, no spill (at 32 it spills). Session 13 (H200, do_bench, fp16, B=4,
     H=32, D=64 causal, 2K/4K/8K/16K): 268/389/434/460 TFLOPS against 360/392/420/438 for the best one-block-per-
@@ -282,12 +287,15 @@ def hopper_space(head_dim: int, causal: bool) -> list[Variant]:
     spills); of 16 warps (four warpgroups, tileiras 13.5) they lead on long rows: ``sixteen_warp_space``.
     """
     wide, streaming, width = HOPPER_WIDE, HOPPER_STREAMING, tile_d(head_dim)
-    if width > 128:
+    accumulator = tile_d(value_dim or head_dim)
+    if accumulator > 128:
         return [Variant(64, 64, occupancy=1, head_group=None), replace(wide, tile_n=64),
                 replace(wide, tile_n=64, persistent=not causal, k_latency=3, v_latency=6)]
     space = [Variant(64, 64, occupancy=2, head_group=None), Variant(128, 64, occupancy=2, head_group=None),
              Variant(64, 128, occupancy=2, head_group=None), wide, replace(wide, k_latency=3, v_latency=6),
              replace(wide, tile_n=256)]
+    if width > accumulator:  # Q/K wider than V (MLA): a warpgroup's 128 rows and the causal 256-key tile spill
+        space = [v for v in space if not (v.tile_m == 128 and v.occupancy == 2) and not (causal and v.tile_n == 256)]
     # Causal: no persistent candidate but one at head dims 33-64 (see above). The two-launch and dynamically
     # scheduled forms stay switches of the kernel for scripts/sweep.py; on the H200 they lost to these.
     streams = [] if causal else [streaming, replace(streaming, k_latency=4, v_latency=4)]
@@ -475,7 +483,8 @@ def tune(q, k, v, *, causal: bool, scale: float, **variants) -> tuple[Variant, b
     call will run)."""
     q, k, v = (t.contiguous() for t in (q, k, v))  # once here, not once per candidate
     out = q.new_empty((*q.shape[:3], v.shape[-1]))
-    space = search_space(torch.cuda.get_device_capability(q.device), q.shape[-1], causal=causal)
+    space = search_space(torch.cuda.get_device_capability(q.device), q.shape[-1], causal=causal,
+                         value_dim=v.shape[-1])
     return tuned(shape_class(q, k, causal, value_dim=v.shape[-1], **variants), q.device, space,
                  lambda variant: Call(variant, q, k, v, causal=causal, scale=scale, out=out, **variants))
 
