@@ -24,8 +24,8 @@
 #   gqa:      blog causal 4K, fp16 and bf16, MHA and GQA 32:8: cuTile's candidates, sdpa-cudnn, flash-attn4 (sweep)
 #   tails:    head dims with a tail tile (cuTile): every cuTile candidate on the edge cases, the models preset's
 #             D=96 and MLA cases, and a sweep of the tuner's D=96 candidates with a tail against padded
-#   mla:      the tuner's MLA candidates (Q/K 192, V 128: the 128-wide set, with tails and padded) beside cuDNN
-#             and flash-attn4 where carried (sweep)
+#   mla:      causal MLA (Q/K 192, V 128): the tuner's candidates (the 128-wide set, tails and padded) and the
+#             256-wide set Q/K's width chose before, beside cuDNN and flash-attn4 where carried (sweep)
 #   dynamic:  the dynamically scheduled persistent cuTile candidates beside the best fixed ones (sweep)
 #   toolchains: tileiras 13.4 (in /tmp/ctk from an earlier call that carried .gpu) against 13.5 (carried in
 #             .gpu135: bytecode 13.5 and the 16-warp candidates, impls/cutile/toolchain.py), the same sweep with
@@ -192,8 +192,9 @@ for part in "$@"; do
         --match 'sdpa-cudnn' --match 'cutile:*' --out "$out/tails-sweep.json"
       ;;
     mla)
-      step mla-sweep 150 python3 scripts/sweep.py --d 192 --dv 128 --seqlens 4096 16384 --which sdpa cutile \
-        --tuner-space --match 'sdpa-cudnn' --match 'flash-attn4' --match 'cutile:*' --out "$out/mla-sweep.json"
+      step mla-sweep 240 python3 scripts/sweep.py --d 192 --dv 128 --seqlens 4096 16384 --causal causal \
+        --which sdpa cutile --tuner-space --match 'sdpa-cudnn' --match 'flash-attn4' --match 'cutile:*' \
+        --out "$out/mla-sweep.json"
       ;;
     decode-wide)
       # the long uniform serving cases where FlashInfer led ours by 0.5-2.2% in session 11: Triton's wider decode

@@ -51,6 +51,8 @@ def cutile_candidates(head_dim: int = 128, extras: bool = True, value_dim: int |
              *search_space((9, 0), head_dim, causal=False, value_dim=value_dim)]
     if head_tiles(head_dim)[1]:  # a head dim with a tail tile: the tuner's candidates padded too
         space += [replace(v, head_tail=False) for v in space]
+    if value_dim and value_dim != head_dim:  # V of its own (MLA): the set Q/K's width alone chose, to compare
+        space += [*search_space((9, 0), head_dim, causal=True), *search_space((9, 0), head_dim, causal=False)]
     space += extra if extras else []
     named += [(f"cutile:{v.label()}", v) for v in space if not (v in seen or seen.add(v))]
     for name, v in named:
