@@ -34,7 +34,7 @@ def cutile_candidates(head_dim: int = 128, extras: bool = True, value_dim: int |
     pair = Variant(64, 128, occupancy=2, head_group=None)  # one warpgroup per block, two blocks per SM
     persistent = replace(wide, persistent=True)
     extra = [wide, replace(wide, k_latency=2, v_latency=4),
-             *(replace(persistent, k_latency=k, v_latency=v) for k, v in ((3, 6), (4, 4), (4, 8), (8, 8))),
+             *(replace(persistent, k_latency=k, v_latency=v) for k, v in ((2, 4), (3, 6), (4, 4), (4, 8), (8, 8))),
              replace(persistent, tile_n=256), replace(persistent, tile_n=256, k_latency=2, v_latency=4),
              replace(wide, mask_branch=True), replace(wide, mask_branch=True, k_latency=2, v_latency=4),
              replace(persistent, mask_branch=True), replace(persistent, loop_split=False),
