@@ -279,6 +279,11 @@ def hopper_space(head_dim: int, causal: bool, value_dim: int | None = None) -> l
     The accumulator is V's width: MLA's prefill (Q/K 192 as 128 + 64, V 128) runs the 128-wide space, less the
     two candidates that spill there (sm_90 SASS): 128x64 with occupancy 2 (72-96 B of stack where the keys fill
     whole tiles) and the causal 128x256 (64 B); the others keep 128-168 registers and no stack.
+    Stack elsewhere (session 16, sm_90 SASS of the whole space at D=32-256, fp16 and bf16 alike, keys filling whole
+    tiles or a ragged last one): causal 128x256 of 8 warps 40 / 16 B at D=40 / 64 (whole), 32 / 64 B at D=96 / 128
+    (ragged); the persistent 128x128 (L3,6 and L4,4) 64 / 24 B at D=40 / 96, non-causal ragged; 128x64 with
+    occupancy 2 8 B at D=128 causal whole; 64x64 of one warpgroup 80 B at D=192 causal whole. Kept: the tuner
+    picks them by time, and where it picked 128x256 (causal, long rows, whole tiles at D=96 and 128) it has none.
     At head dims 33-64 the persistent 128x256 runs causal too, the one persistent causal candidate: half the
     masked loop's trips, 83 KB of pipeline, no spill (at 32 it spills). Session 13 (H200, do_bench, fp16, B=4,
     H=32, D=64 causal, 2K/4K/8K/16K): 268/389/434/460 TFLOPS against 360/392/420/438 for the best one-block-per-
