@@ -15,6 +15,8 @@
 #   memcheck: compute-sanitizer memcheck over the cuTile candidates matching CANDIDATES (default '*16}*') on the
 #             edge cases of tests/test_gpu_candidates.py
 #   causal:   every causal cuTile candidate of the blog shapes, one and two launches, beside sdpa-cudnn (sweep)
+#   causal-deep: the causal persistent forms (fixed share, dynamic) at latencies 2 / 4 and 3 / 6 beside one block
+#             per tile, cuDNN and flash-attn4 where carried, D=128 and 64 (sweep)
 #   prefill:  blog and fa3 presets, graph timing: cutile, flash-attn4, sdpa-cudnn, triton side by side
 #   prefill-prime: (carry call 1) their checks for cutile, triton and sdpa-cudnn: tuning and compile caches filled
 #   models:   the models preset, every implementation that runs it, graph timing (in the flash-attn-4 carry's
@@ -152,6 +154,16 @@ for part in "$@"; do
       step causal 200 python3 scripts/sweep.py --seqlens 1024 2048 4096 8192 16384 --causal causal \
         --which sdpa cutile --match 'sdpa-cudnn' --match 'cutile:128x128:*8}*' --match 'cutile:64x128:*' \
         --out "$out/causal-sweep.json"
+      ;;
+    causal-deep)
+      # the causal persistent forms with loads 2 / 4 tiles ahead (132 KB of pipeline at D=128 against 99 KB at
+      # 3 / 6), fixed share and dynamic, beside both at 3 / 6, one block per tile, cuDNN and flash-attn4 if carried
+      for d in 128 64; do
+        step "causal-deep-d$d" 200 python3 scripts/sweep.py --d "$d" --seqlens 2048 4096 16384 --causal causal \
+          --which sdpa cutile --match sdpa-cudnn --match flash-attn4 --match "cutile:64x128:{'occupancy': 2}:L2,4:g-auto" \
+          --match "cutile:128x128:*8}:L2,4:g-auto" --match "cutile:128x128:*8}:L[23],[46]:persistent:g-auto" \
+          --match "cutile:128x128:*8}:L[23],[46]:persistent:dynamic:g-auto" --out "$out/causal-deep-d$d.json"
+      done
       ;;
     prefill)
       step prefill 420 python3 -m pytest suite --benchmark-only -p no:cacheprovider -q --grid blog --grid fa3 --timing graph \
