@@ -157,12 +157,14 @@ for part in "$@"; do
       ;;
     causal-deep)
       # the causal persistent forms with loads 2 / 4 tiles ahead (132 KB of pipeline at D=128 against 99 KB at
-      # 3 / 6), fixed share and dynamic, beside both at 3 / 6, one block per tile, cuDNN and flash-attn4 if carried
+      # 3 / 6; the 128x256 one at D=64: 116 KB against 83), fixed share and dynamic, beside both at 3 / 6, one
+      # block per tile, cuDNN and flash-attn4 if carried
       for d in 128 64; do
         step "causal-deep-d$d" 200 python3 scripts/sweep.py --d "$d" --seqlens 2048 4096 16384 --causal causal \
           --which sdpa cutile --match sdpa-cudnn --match flash-attn4 --match "cutile:64x128:{'occupancy': 2}:L2,4:g-auto" \
           --match "cutile:128x128:*8}:L2,4:g-auto" --match "cutile:128x128:*8}:L[23],[46]:persistent:g-auto" \
-          --match "cutile:128x128:*8}:L[23],[46]:persistent:dynamic:g-auto" --out "$out/causal-deep-d$d.json"
+          --match "cutile:128x128:*8}:L[23],[46]:persistent:dynamic:g-auto" \
+          --match "cutile:128x256:*8}:L[23],[46]:persistent:g-auto" --out "$out/causal-deep-d$d.json"
       done
       ;;
     prefill)
