@@ -78,6 +78,12 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit, log to $out/NAME.log
   echo "-- $name: exit $? after $(( $(date +%s) - start )) s"
   tail -4 "$out/$name.log"
 }
+memcheck_candidates() {  # memcheck_candidates GLOB SECONDS [SELECT]: the cuTile candidates whose label matches GLOB
+  # on the edge cases of tests/test_gpu_candidates.py (pytest -k SELECT) under compute-sanitizer memcheck
+  FMHA_CANDIDATES=$1 step memcheck "$2" compute-sanitizer --tool memcheck --error-exitcode 9 \
+    python3 -m pytest tests/test_gpu_candidates.py -k "${3:-cutile and unit}" -q -p no:cacheprovider -rf
+  grep -E "ERROR SUMMARY|passed|failed" "$out/memcheck.log" | tail -3
+}
 for part in "$@"; do
   echo "== $part $(date +%T)"
   case "$part" in
@@ -139,16 +145,11 @@ for part in "$@"; do
       ;;
     candidates)
       step candidates 330 python3 -m pytest tests/test_gpu_candidates.py -k cutile -q -p no:cacheprovider -rf
-      FMHA_CANDIDATES='*two-launch*' step memcheck 120 compute-sanitizer --tool memcheck --error-exitcode 9 \
-        python3 -m pytest tests/test_gpu_candidates.py -k "cutile and unit" -q -p no:cacheprovider
-      grep -E "ERROR SUMMARY|passed|failed" "$out/memcheck.log" | tail -3
+      memcheck_candidates '*two-launch*' 120
       ;;
     memcheck)
-      # compute-sanitizer memcheck over the cuTile candidates named by CANDIDATES (default: the 16-warp ones)
-      sixteen='*16}*'
-      FMHA_CANDIDATES=${CANDIDATES:-$sixteen} step memcheck 200 compute-sanitizer --tool memcheck --error-exitcode 9 \
-        python3 -m pytest tests/test_gpu_candidates.py -k "cutile and unit" -q -p no:cacheprovider -rf
-      grep -E "ERROR SUMMARY|passed|failed" "$out/memcheck.log" | tail -3
+      sixteen='*16}*'  # default: the 16-warp candidates
+      memcheck_candidates "${CANDIDATES:-$sixteen}" 200
       ;;
     causal)
       step causal 200 python3 scripts/sweep.py --seqlens 1024 2048 4096 8192 16384 --causal causal \
@@ -256,9 +257,7 @@ for part in "$@"; do
       # the fa3 D=64 causal and GPT-2 benchmarks with the tuner's pick beside cuDNN
       FMHA_CANDIDATES='*128x256*persistent*' step d64-candidates 150 python3 -m pytest tests/test_gpu_candidates.py \
         -k "cutile and (d64 or d40)" -q -p no:cacheprovider -rf
-      FMHA_CANDIDATES='*128x256*persistent*' step memcheck 150 compute-sanitizer --tool memcheck --error-exitcode 9 \
-        python3 -m pytest tests/test_gpu_candidates.py -k "cutile and unit and (d64 or d40)" -q -p no:cacheprovider
-      grep -E "ERROR SUMMARY|passed|failed" "$out/memcheck.log" | tail -3
+      memcheck_candidates '*128x256*persistent*' 150 "cutile and unit and (d64 or d40)"
       step d64-bench 280 python3 -m pytest suite "${bench[@]}" --grid fa3 --grid models -k "(d64 and causal) or gpt2" \
         --timing graph --impl cutile --impl sdpa-cudnn --benchmark-json="$out/d64.json"
       ;;

@@ -48,7 +48,7 @@ def tileiras_release() -> tuple[int, int]:
 def test_nothing_changes_unless_asked(bytecode):
     bytecode(None)
     assert toolchain.enable() is None and not toolchain.sixteen_warps() and requires("cuda") is None
-    assert all((v.num_worker_warps or 0) <= 8 for width in (64, 128) for v in hopper_space(width, False))
+    assert all((v.num_worker_warps or 0) <= 8 for head_dim in (64, 128) for v in hopper_space(head_dim, False))
     assert toolchain.describe()["bytecode"] == toolchain.newest_readable()
     assert toolchain.describe()["tileiras"].startswith("tileiras 13.")
 
