@@ -103,6 +103,13 @@ def word_view_fits(k_cache: torch.Tensor, v_cache: torch.Tensor, width: int) -> 
                for c in (k_cache, v_cache))
 
 
+def cache_reading(k_cache: torch.Tensor, v_cache: torch.Tensor, width: int) -> tuple[bool, bool]:
+    """How page loads read these caches: (they need 64-bit indexing, they are read through 32-bit word views
+    instead). The one decision ``DecodeCall`` and ``decode_space_for`` share."""
+    int64 = needs_int64(k_cache, v_cache)
+    return int64, int64 and word_view_fits(k_cache, v_cache, width)
+
+
 class DecodeCall(Launches):
     """One decode step with ``variant``: the split launch, and the combine where a sequence has more than one
     chunk."""
@@ -119,9 +126,9 @@ class DecodeCall(Launches):
         parts = (batch * hkv, self.num_splits, tile_m) if split else (1, 1, 1)  # unused without a split
         self.part = torch.empty((*parts, width if split else 1), dtype=torch.float32, device=q.device)
         self.lse = torch.empty(parts, dtype=torch.float32, device=q.device)
-        gather, int64 = variant.gather, needs_int64(k_cache, v_cache)
+        gather, (int64, words) = variant.gather, cache_reading(k_cache, v_cache, width)
         self.cache_indexing = "64-bit" if int64 else "32-bit"  # recorded with the config: how the cache is read
-        if int64 and variant.read == "pages" and word_view_fits(k_cache, v_cache, width):
+        if words and variant.read == "pages":
             from impls.cutile import decode
 
             k_cache, v_cache = k_cache.view(torch.int32), v_cache.view(torch.int32)
@@ -159,8 +166,8 @@ def decode_space(page_size: int, huge: bool = False, words: bool = False) -> lis
 def decode_space_for(inputs: PagedKV) -> list[DecodeVariant]:
     """``decode_space`` for these caches: their page size, and whether they need 64-bit indexing or fit word
     views (as ``DecodeCall`` will read them)."""
-    return decode_space(inputs.page_size, huge=needs_int64(inputs.k_cache, inputs.v_cache),
-                        words=word_view_fits(inputs.k_cache, inputs.v_cache, tile_d(inputs.head_dim)))
+    huge, words = cache_reading(inputs.k_cache, inputs.v_cache, tile_d(inputs.head_dim))
+    return decode_space(inputs.page_size, huge=huge, words=words)
 
 
 @register("cutile", op="paged", family="cutile", dtypes=HALF, devices=("cuda",), head_dims=DECODE_HEAD_DIMS,
