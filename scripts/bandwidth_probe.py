@@ -16,6 +16,7 @@ markedly faster than one head's rows, a decode kernel that reads pages whole is 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 
 import torch
@@ -72,11 +73,12 @@ def sorted_table(inputs) -> torch.Tensor:
     return table
 
 
-def reader(k, v, table, inputs, heads: int, block_n: int, warps: int, stages: int):
-    """A call reading every sequence's pages, ``heads`` kv heads a program, with as many programs as a
-    one-chunk decode launch (batch x Hkv): fewer head groups, more chunks. Returns (call, output)."""
+def reader(k, v, table, inputs, heads: int, block_n: int, warps: int, stages: int, chunks: int = 1):
+    """A call reading every sequence's pages, ``heads`` kv heads a program, with as many programs as a decode
+    launch of ``chunks`` chunks a (sequence, kv head) (batch x Hkv x chunks): fewer head groups, more chunks.
+    Returns (call, output)."""
     batch, hkv, d = table.shape[0], k.shape[2], k.shape[3]
-    groups, splits = hkv // heads, heads  # batch x groups x splits programs: batch x Hkv
+    groups, splits = hkv // heads, heads * chunks  # batch x groups x splits programs: batch x Hkv x chunks
     split_len = -(-max(inputs.seqlens) // splits)
     out = torch.empty(splits * batch * groups, device=k.device)
 
@@ -87,7 +89,7 @@ def reader(k, v, table, inputs, heads: int, block_n: int, warps: int, stages: in
     return call, out
 
 
-def probe(case_id: str, device: str = "cuda", quick: bool = False) -> None:
+def probe(case_id: str, device: str = "cuda", quick: bool = False, chunks: tuple[int, ...] = (1,)) -> None:
     case = case_by_id(case_id)
     inputs = case.make_inputs(device)
     k, v = (torch.nan_to_num(c) for c in (inputs.k_cache, inputs.v_cache))  # spare pages hold NaN
@@ -107,10 +109,10 @@ def probe(case_id: str, device: str = "cuda", quick: bool = False) -> None:
     shapes = [(16, 4, 2)] if quick else [(n, w, s) for n in (16, 32, 64) for w in (4, 8) for s in (2, 3, 4)]
     for order, table in {"random": inputs.block_table, "sorted": sorted_table(inputs)}.items():
         for heads in sorted({1, 2, 4, hkv}):
-            for block_n, warps, stages in shapes:
+            for (block_n, warps, stages), chunk in itertools.product(shapes, chunks):
                 if hkv % heads or block_n * heads * d > 16384:
                     continue
-                call, out = reader(k, v, table, inputs, heads, block_n, warps, stages)
+                call, out = reader(k, v, table, inputs, heads, block_n, warps, stages, chunk)
                 try:
                     call()
                     ms = graph_ms(call, repeats=20) if timed else float("nan")
@@ -120,7 +122,7 @@ def probe(case_id: str, device: str = "cuda", quick: bool = False) -> None:
                 error = abs(out.double().sum().item() - expected) / max(abs(expected), 1.0)
                 print(json.dumps({
                     "order": order, "heads": heads, "bytes_contiguous": heads * d * k.element_size(),
-                    "block_n": block_n, "warps": warps, "stages": stages, "relative_error": f"{error:.1e}",
+                    "block_n": block_n, "warps": warps, "stages": stages, "chunks": chunk, "relative_error": f"{error:.1e}",
                     "gbps": round(nbytes / ms / 1e6) if timed else None}), flush=True)
 
 
@@ -129,9 +131,12 @@ def main() -> None:
     parser.add_argument("--case", action="append", help="a paged serving case id (repeatable)")
     parser.add_argument("--device", default="cuda", help="cpu: check the sums under TRITON_INTERPRET=1, no timing")
     parser.add_argument("--quick", action="store_true", help="one tile shape per grouping")
+    parser.add_argument("--chunks", type=int, nargs="+", default=[1],
+                        help="chunks a (sequence, kv head), as a split-KV decode launch has (few sequences and kv "
+                             "heads leave most SMs idle with one)")
     args = parser.parse_args()
     for case_id in args.case or ["llama3-8b-paged-bf16-h32:8-q1-kv32768-uniform-p16-d128-b64"]:
-        probe(case_id, args.device, args.quick)
+        probe(case_id, args.device, args.quick, tuple(args.chunks))
 
 
 if __name__ == "__main__":
