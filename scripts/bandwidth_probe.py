@@ -122,8 +122,8 @@ def probe(case_id: str, device: str = "cuda", quick: bool = False, chunks: tuple
                 error = abs(out.double().sum().item() - expected) / max(abs(expected), 1.0)
                 print(json.dumps({
                     "order": order, "heads": heads, "bytes_contiguous": heads * d * k.element_size(),
-                    "block_n": block_n, "warps": warps, "stages": stages, "chunks": chunk, "relative_error": f"{error:.1e}",
-                    "gbps": round(nbytes / ms / 1e6) if timed else None}), flush=True)
+                    "block_n": block_n, "warps": warps, "stages": stages, "chunks": chunk,
+                    "relative_error": f"{error:.1e}", "gbps": round(nbytes / ms / 1e6) if timed else None}), flush=True)
 
 
 def main() -> None:
