@@ -35,6 +35,9 @@
 #             16-warp candidates (at D=96 too: sweep.py's extras) beside cuDNN
 #   Any part with tileiras 13.5: carry .gpu135 where a chain carries .gpu, and source scripts/tileiras135_env.sh
 #   after .gpu-env/env.sh in every call of the chain.
+#   tuner:    scripts/tuner_probe.py: every cuTile candidate of the tuner's space (and the persistent 128x256) timed
+#             by exhaustive_search, graph and do_bench, on causal blog and models cases: does the tuner pick what the
+#             suite then measures fastest?
 #   tall:     head dim 64: 256-row cuTile blocks beside the tuner's picks and cuDNN (sweep)
 #   d64causal: the persistent 128x256 causal candidate at D<=64: edge cases, memcheck, fa3/GPT-2 benchmarks
 #   decode-probe: scripts/serving_probe.py on the 256-sequence serving cases: every cuTile decode candidate and
@@ -205,6 +208,13 @@ for part in "$@"; do
         --impl cutile --impl triton --impl sdpa-cudnn --benchmark-json="$out/tails-models.json"
       step tails-sweep 150 python3 scripts/sweep.py --d 96 --seqlens 4096 16384 --which sdpa cutile --tuner-space \
         --match 'sdpa-cudnn' --match 'cutile:*' --out "$out/tails-sweep.json"
+      ;;
+    tuner)
+      step tuner 300 python3 scripts/tuner_probe.py --wide-persistent --case fp16-causal-h32:32-s2048x2048-d128-b4 \
+        --case fp16-causal-h32:32-s8192x8192-d128-b4 --case llama3-8b-bf16-causal-h32:8-s4096x4096-d128-b4 \
+        --case llama3-70b-tp8-bf16-causal-h8:1-s4096x4096-d128-b4 --case llama3-8b-bf16-causal-h32:8-s32768x32768-d128 \
+        --case gpt2-bf16-causal-h12:12-s32768x32768-d64
+      grep picks "$out/tuner.log"
       ;;
     mla)
       step mla-sweep 240 python3 scripts/sweep.py --d 192 --dv 128 --seqlens 4096 16384 --causal causal \

@@ -287,7 +287,12 @@ def hopper_space(head_dim: int, causal: bool, value_dim: int | None = None) -> l
     At head dims 33-64 the persistent 128x256 runs causal too, the one persistent causal candidate: half the
     masked loop's trips, 83 KB of pipeline, no spill (at 32 it spills). Session 13 (H200, do_bench, fp16, B=4,
     H=32, D=64 causal, 2K/4K/8K/16K): 268/389/434/460 TFLOPS against 360/392/420/438 for the best one-block-per-
-    tile candidate and 368/408/429/444 for cuDNN, so the tuner takes it for long rows only. 256x64 blocks of 8
+    tile candidate and 368/408/429/444 for cuDNN, so the tuner takes it for long rows only. Session 17: at head
+    dims 65-128 too (sm_90, tileiras 13.5, D=128: 165 KB of pipeline, no stack with whole key tiles, 16 B with a
+    ragged one; D=96: 140 KB, 40 B ragged). H200, bf16, GQA 32:8 (Llama-3-8B), graph time, TFLOPS: 4 x 4K 550
+    against 540 for the best one-block-per-tile candidate, 1 x 32K 647 against 578 (flash-attn4 568 / 650 in
+    session 13); without GQA (blog, fp16, 32 heads) it loses below 16K (2K / 4K / 8K 315 / 453 / 505 against
+    483 / 503 / 532), where the tuner keeps the others. 256x64 blocks of 8
     warps (two warpgroups of 128 rows, no spill at D=64) trailed everywhere (causal 413, full 411 at 16K; 256x128
     spills); of 16 warps (four warpgroups, tileiras 13.5) they lead on long rows: ``sixteen_warp_space``.
     """
@@ -301,10 +306,11 @@ def hopper_space(head_dim: int, causal: bool, value_dim: int | None = None) -> l
              replace(wide, tile_n=256)]
     if width > accumulator:  # Q/K wider than V (MLA): a warpgroup's 128 rows and the causal 256-key tile spill
         space = [v for v in space if not (v.tile_m == 128 and v.occupancy == 2) and not (causal and v.tile_n == 256)]
-    # Causal: no persistent candidate but one at head dims 33-64 (see above). The two-launch and dynamically
-    # scheduled forms stay switches of the kernel for scripts/sweep.py; on the H200 they lost to these.
+    # Causal: no persistent candidate but the 128x256 one at head dims 33-64 and 65-128 (see above). The
+    # two-launch and dynamically scheduled forms stay switches of the kernel for scripts/sweep.py; on the H200
+    # they lost to these.
     streams = [] if causal else [streaming, replace(streaming, k_latency=4, v_latency=4)]
-    if width == 64 or (width < 64 and not causal):
+    if width == 64 or (width < 64 and not causal) or (width == 128 and causal):
         streams.append(replace(streaming, tile_n=256))
     return space + streams + (sixteen_warp_space(head_dim, causal) if toolchain.sixteen_warps() else [])
 
@@ -330,12 +336,18 @@ def sixteen_warp_space(head_dim: int, causal: bool) -> list[Variant]:
 def other_forms() -> list[Variant]:
     """Forms of the kernel the autotuner does not try (they lost on the H200), kept for scripts/sweep.py and
     checked for correctness with the candidates: the causal persistent kernel with a dynamic scheduler, and
-    two launches with a fixed or dynamic share. The dynamic scheduler also with loads issued 2 / 4 tiles ahead:
-    causal at D=128 that gets 132 KB of pipeline, as one block per tile does, where 3 / 6 gets 99 KB (sm_90 SASS;
-    measured so far at 3 / 6 only)."""
+    two launches with a fixed share. The dynamic scheduler also with loads issued 2 / 4 tiles ahead: causal at
+    D=128 that gets 132 KB of pipeline, as one block per tile does, where 3 / 6 gets 99 KB (sm_90 SASS). Session 17
+    (H200, tileiras 13.5, do_bench, fp16, B=4, H=32, causal 2K / 4K / 16K TFLOPS): at D=128 412 / 481 / 544 at 2 / 4
+    against 410 / 468 / 521 at 3 / 6, one block per tile 445 / 496 / 537, flash-attn4 492 / 525 / 588; at D=64 280 /
+    341 / 397 against 333 / 388 / 436 for one block per tile. Still out of the tuner (it would also need the
+    counter zeroed inside the timed launch).
+
+    Not the two combined (two launches with the dynamic scheduler): slower than either (session 5), wrong once on
+    chunked prefill (session 6), and tileiras 13.5 fails to compile its mask-free launch with a ragged Skv
+    ("failed to compile Tile IR program", session 17); the kernel's switches still allow it."""
     dynamic = replace(HOPPER_STREAMING, dynamic=True)
-    return [dynamic, replace(dynamic, k_latency=2, v_latency=4), replace(HOPPER_STREAMING, two_launch=True),
-            replace(dynamic, two_launch=True)]
+    return [dynamic, replace(dynamic, k_latency=2, v_latency=4), replace(HOPPER_STREAMING, two_launch=True)]
 
 
 def requires(device: str) -> str | None:

@@ -1,0 +1,87 @@
+"""Does the cuTile tuner pick what the suite then measures fastest? (GPU)
+
+The dense tuner ranks its candidates with ``cuda.tile.tune.exhaustive_search``: one launch at a time, L2 flushed
+before each, mean of at least five. The suite reports CUDA-graph time of back-to-back calls, and
+``scripts/sweep.py`` do_bench's median. On the blog preset (H200, session 16) the tuner kept 64x128 with
+occupancy 2 at causal 2K-8K where the sweep measured 128x128 of 8 warps 2-6% faster.
+
+For each case this times every candidate of the tuner's space three ways, in this process, on a settled GPU:
+``exhaustive_search`` (its mean), graph time (``impls._tuning.graph_ms``, 20 calls a replay, the suite's graph
+mode) and do_bench (median, L2 flushed), twice each, and prints one JSON line per candidate and a summary line
+per case with each method's pick and what that pick costs under graph time.
+
+    python scripts/tuner_probe.py --case fp16-causal-h32:32-s4096x4096-d128-b4 [--case ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import triton
+
+from impls._tuning import graph_ms, settle_gpu
+from suite.cases import case_by_id
+from suite.metrics import flops
+
+
+def probe(case_id: str, repeats: int, wide_persistent: bool) -> None:
+    from dataclasses import replace
+
+    from cuda.tile.tune import exhaustive_search
+
+    from impls.cutile import HOPPER_STREAMING, Call, only_launch, precompile, search_space
+
+    case = case_by_id(case_id)
+    q, k, v = case.make_inputs("cuda")
+    out = q.new_empty((*q.shape[:3], v.shape[-1]))
+    space = search_space(torch.cuda.get_device_capability(), case.d, causal=case.causal, value_dim=case.dv or None)
+    extra = replace(HOPPER_STREAMING, tile_n=256)
+    if wide_persistent and extra not in space:
+        space.append(extra)
+    calls = precompile([Call(var, q, k, v, out=out, causal=case.causal, scale=case.d ** -0.5, **case.variants)
+                        for var in space])
+    launches = {call.variant: only_launch(call) for call in calls}
+    times: dict[str, dict[str, list[float]]] = {call.variant.label(): {"tune": [], "graph": [], "do_bench": []}
+                                                 for call in calls}
+    for _ in range(repeats):
+        settle_gpu()
+        result = exhaustive_search(list(launches), torch.cuda.current_stream(),
+                                   grid_fn=lambda var: launches[var][0], kernel=lambda var: launches[var][1],
+                                   args_fn=lambda var: launches[var][2], quiet=True)
+        for measured in result.successes:
+            times[measured.config.label()]["tune"].append(measured.mean_us / 1e3)
+        settle_gpu()
+        for call in calls:
+            times[call.variant.label()]["graph"].append(graph_ms(call, repeats=20))
+        settle_gpu()
+        for call in calls:
+            times[call.variant.label()]["do_bench"].append(triton.testing.do_bench(call))
+    work = flops(case)
+    best = {}
+    for label, by_method in times.items():
+        row = {method: round(work / (min(ms) * 1e9), 1) for method, ms in by_method.items() if ms}
+        print(json.dumps({"case": case_id, "candidate": label, "tflops": row}), flush=True)
+        for method, tflops in row.items():
+            if tflops > best.get(method, ("", 0.0))[1]:
+                best[method] = (label, tflops)
+    graph = {label: work / (min(by_method["graph"]) * 1e9) for label, by_method in times.items()}
+    print(json.dumps({"case": case_id, "picks": {method: {"candidate": label, "graph_tflops": round(graph[label], 1)}
+                                                 for method, (label, _) in best.items()}}), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--case", action="append", required=True, help="a dense case id (repeatable)")
+    parser.add_argument("--repeats", type=int, default=2, help="rounds of the three methods")
+    parser.add_argument("--wide-persistent", action="store_true",
+                        help="the persistent 128x256 (L3,6) beside the space, where it is not in it (causal D=128: "
+                             "165 KB of pipeline, no stack with whole key tiles, sm_90, tileiras 13.5)")
+    args = parser.parse_args()
+    for case_id in args.case:
+        probe(case_id, args.repeats, args.wide_persistent)
+
+
+if __name__ == "__main__":
+    main()
