@@ -19,6 +19,7 @@ import hashlib
 import json
 import math
 import os
+import statistics
 import tempfile
 from collections.abc import Callable, Iterable
 from importlib import metadata
@@ -28,12 +29,22 @@ from typing import Any
 import torch
 
 MODES = ("on", "off", "retune")
+# How the cuTile dense tuner ranks its candidates (FMHA_TUNER): cuda.tile.tune.exhaustive_search, or
+# ``sustained_fastest`` (see there).
+TUNERS = ("exhaustive", "sustained")
 
 
 def mode() -> str:
     value = os.environ.get("FMHA_TUNING", "on") or "on"
     if value not in MODES:
         raise ValueError(f"FMHA_TUNING={value!r}: expected one of {', '.join(MODES)}")
+    return value
+
+
+def dense_tuner() -> str:
+    value = os.environ.get("FMHA_TUNER", TUNERS[0]) or TUNERS[0]
+    if value not in TUNERS:
+        raise ValueError(f"FMHA_TUNER={value!r}: expected one of {', '.join(TUNERS)}")
     return value
 
 
@@ -208,3 +219,56 @@ def fastest(candidates: Iterable[tuple[Any, Callable[[], object]]], *, warmup: i
     settle_gpu()
     timings = [(graph_ms(call, warmup=warmup, repeats=repeats), candidate) for candidate, call in candidates]
     return min(timings, key=lambda t: t[0])[1]
+
+
+def sustained_fastest(candidates: Iterable[tuple[Any, Callable[[], object]]], *, rounds: int = 5,
+                      replay_ms: float = 2.0) -> Any:
+    """The candidate with the least median GPU time per call over ``rounds`` rounds, timed the way the suite's
+    graph mode runs: each candidate's calls captured in a CUDA graph (enough of them that a replay lasts about
+    ``replay_ms``), and in every round all the replays back to back, in turn, with no host pause between them.
+
+    ``cuda.tile.tune.exhaustive_search`` times single launches with a synchronisation between them: on an H200
+    (session 17, scripts/tuner_probe.py) its numbers ran up to 26% above the suite's graph time, by an amount
+    that differs by candidate (boost clocks after each pause), and its pick left 5% at GPT-2 1 x 32K. Here the
+    GPU stays busy from the settling through the last round, so every candidate is timed at the clocks its
+    power limit sustains, and interleaving spreads any drift over all of them."""
+    candidates = list(candidates)
+    replays = [_replay(call, replay_ms) for _, call in candidates]  # compiles, captures: before the settling
+    settle_gpu()
+    per_call = interleaved_medians(lambda: _time_round(replays), rounds)
+    return candidates[min(range(len(candidates)), key=per_call.__getitem__)][0]
+
+
+def interleaved_medians(time_round: Callable[[], list[float]], rounds: int) -> list[float]:
+    """Each candidate's median over ``rounds`` calls of ``time_round`` (one time per candidate, in order)."""
+    samples = [time_round() for _ in range(max(rounds, 1))]
+    return [statistics.median(column) for column in zip(*samples, strict=True)]
+
+
+def _replay(call: Callable[[], object], replay_ms: float) -> tuple[Callable[[], object], int]:
+    """(replay, calls per replay): ``call`` captured that many times in a CUDA graph, enough that a replay lasts
+    about ``replay_ms`` (at least one call); calls queued back to back where the call cannot be captured."""
+    call()  # compiled and warm
+    calls = max(1, math.ceil(replay_ms / max(mean_ms(call, warmup=1, repeats=1), 1e-3)))
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                call()
+    except RuntimeError:
+        return (lambda: [call() for _ in range(calls)]), calls
+    graph.replay()  # the first replay uploads the graph
+    return graph.replay, calls
+
+
+def _time_round(replays: list[tuple[Callable[[], object], int]]) -> list[float]:
+    """Milliseconds per call of each replay, run once each, back to back (events only, one wait at the end)."""
+    timed = []
+    for replay, calls in replays:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        replay()
+        end.record()
+        timed.append((start, end, calls))
+    torch.cuda.synchronize()
+    return [start.elapsed_time(end) / calls for start, end, calls in timed]

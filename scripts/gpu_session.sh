@@ -38,6 +38,9 @@
 #   tuner:    scripts/tuner_probe.py: every cuTile candidate of the tuner's space (and the persistent 128x256) timed
 #             by exhaustive_search, graph and do_bench, on causal blog and models cases: does the tuner pick what the
 #             suite then measures fastest?
+#   tuner-ab: the causal models and blog cases, cutile only, tuned from cold by each dense tuner of TUNERS (default
+#             "exhaustive sustained", FMHA_TUNER) into a cache of its own, then benchmarked (graph timing): which
+#             tuner's picks the suite measures faster (about 350 s a tuner: one call each)
 #   tall:     head dim 64: 256-row cuTile blocks beside the tuner's picks and cuDNN (sweep)
 #   d64causal: the persistent 128x256 causal candidate at D<=64: edge cases, memcheck, fa3/GPT-2 benchmarks
 #   decode-probe: scripts/serving_probe.py on the 256-sequence serving cases: every cuTile decode candidate and
@@ -215,6 +218,12 @@ for part in "$@"; do
         --case llama3-70b-tp8-bf16-causal-h8:1-s4096x4096-d128-b4 --case llama3-8b-bf16-causal-h32:8-s32768x32768-d128 \
         --case gpt2-bf16-causal-h12:12-s32768x32768-d64
       grep picks "$out/tuner.log"
+      ;;
+    tuner-ab)
+      for t in ${TUNERS:-exhaustive sustained}; do
+        step "tuner-$t" 560 env FMHA_TUNER="$t" FMHA_TUNING_CACHE="/tmp/fmha/tuning-$t" python3 -m pytest suite \
+          "${bench[@]}" --grid models --grid blog -k causal --timing graph --impl cutile --benchmark-json="$out/tuner-$t.json"
+      done
       ;;
     mla)
       step mla-sweep 240 python3 scripts/sweep.py --d 192 --dv 128 --seqlens 4096 16384 --causal causal \

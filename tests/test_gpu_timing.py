@@ -61,3 +61,10 @@ def test_tuners_settle_the_gpu_for_the_time_asked():
     start = cuda_clock()
     settle_gpu(torch.device("cuda"), seconds=0.1)
     assert cuda_clock() - start >= 0.09  # device time between the events: the load ran and was waited for
+
+
+def test_sustained_tuner_picks_the_cheaper_call():
+    from impls._tuning import sustained_fastest
+
+    small, large = (torch.randn(n, n, device="cuda", dtype=torch.float16) for n in (1024, 4096))
+    assert sustained_fastest([("large", lambda: large @ large), ("small", lambda: small @ small)], rounds=3) == "small"

@@ -319,3 +319,27 @@ def test_settling_a_tuner_is_nothing_off_cuda():
     start = time.perf_counter()
     settle_gpu(torch.device("cpu"), seconds=10.0)
     assert time.perf_counter() - start < 1.0
+
+
+def test_the_dense_tuner_is_named_or_refused(monkeypatch):
+    monkeypatch.delenv("FMHA_TUNER", raising=False)
+    assert _tuning.dense_tuner() == "exhaustive"
+    monkeypatch.setenv("FMHA_TUNER", "sustained")
+    assert _tuning.dense_tuner() == "sustained"
+    monkeypatch.setenv("FMHA_TUNER", "fastest")
+    with pytest.raises(ValueError, match="FMHA_TUNER='fastest'"):
+        _tuning.dense_tuner()
+
+
+def test_sustained_tuner_ranks_by_the_median_of_interleaved_rounds(monkeypatch):
+    # Candidate "burst" has one round far below the others (a boost after a pause): ranked by its best round it
+    # would win, by its median it does not. Rounds time every candidate in turn, in the order given.
+    rounds = iter([[1.0, 2.0, 2.1], [3.0, 2.0, 2.1], [3.0, 2.0, 2.1], [3.0, 2.0, 1.9], [3.0, 2.0, 2.1]])
+    calls = []
+    monkeypatch.setattr(_tuning, "_replay", lambda call, replay_ms: (call, 1))
+    monkeypatch.setattr(_tuning, "settle_gpu", lambda *a, **k: calls.append("settle"))
+    monkeypatch.setattr(_tuning, "_time_round", lambda replays: calls.append(len(replays)) or next(rounds))
+    pick = _tuning.sustained_fastest([("burst", None), ("steady", None), ("close", None)], rounds=5)
+    assert pick == "steady"
+    assert calls == ["settle", 3, 3, 3, 3, 3]  # settled once, after every capture, then five rounds of all three
+    assert _tuning.interleaved_medians(lambda: [2.0, 1.0], 1) == [2.0, 1.0]

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import torch
 
 from impls._registry import HALF, Prepared, length_class, module_available, parallel_class, register
-from impls._tuning import TuningCache, settle_gpu
+from impls._tuning import TUNERS, TuningCache, dense_tuner, settle_gpu, sustained_fastest
 from impls._validate import NO_WINDOW, window_bounds
 from impls.cutile import toolchain
 
@@ -480,13 +480,19 @@ def only_launch(call: Launches) -> tuple:
 def tuned(shape: tuple, device: torch.device, space: list[Variant],
           make_call: Callable[[Variant], Launches]) -> tuple[Variant, bool]:
     """The fastest variant of ``space`` for shape class ``shape`` (``make_call`` prepares one candidate; all
-    share one output), and whether it came from the tuning cache."""
+    share one output), and whether it came from the tuning cache. ``FMHA_TUNER`` says how candidates are timed:
+    ``exhaustive`` (default: ``cuda.tile.tune.exhaustive_search``) or ``sustained`` (``sustained_fastest``: graph
+    replays interleaved at sustained clocks, as the suite times; its picks are cached apart)."""
+    method = dense_tuner()
+
     def search() -> dict:
         import cuda.tile as ct
         from cuda.tile.tune import exhaustive_search
 
         with ct.compiler_timeout(COMPILE_TIMEOUT_S):
             calls = precompile([make_call(variant) for variant in space])
+            if method == "sustained":
+                return sustained_fastest((call.variant, call) for call in calls).describe()
             launches = {call.variant: only_launch(call) for call in calls}
             settle_gpu(device)  # compiling was a pause: time every candidate at sustained clocks
             result = exhaustive_search(list(launches), torch.cuda.current_stream(),
@@ -495,6 +501,7 @@ def tuned(shape: tuple, device: torch.device, space: list[Variant],
                                        args_fn=lambda var: launches[var][2], quiet=True)
         return result.best.config.describe()
 
+    shape = shape if method == TUNERS[0] else (*shape, f"tuner={method}")  # each method's picks kept apart
     return remembered(TUNING.key(device, shape), search, Variant)
 
 
@@ -517,7 +524,7 @@ def prepare_tuned(q, k, v, *, causal: bool, scale: float, **variants) -> Prepare
     have a head dim of its own (MLA), padded like the query/key one."""
     variant, cached = tune(q, k, v, causal=causal, scale=scale, **variants)
     return Call(variant, q, k, v, causal=causal, scale=scale, **variants).prepared(
-        chosen="tuning cache" if cached else "autotuned")
+        chosen="tuning cache" if cached else "autotuned", tuner=dense_tuner())
 
 
 from impls.cutile import serving  # noqa: E402, F401 - registers the paged decode and varlen entries

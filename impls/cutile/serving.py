@@ -20,7 +20,7 @@ import torch
 
 from impls._registry import HALF, Prepared, Unsupported, length_class, parallel_class, register
 from impls._serving import PagedKV, Varlen, combine_plan, decode_shape_class, split_plan
-from impls._tuning import fastest
+from impls._tuning import dense_tuner, fastest
 from impls.cutile import (
     COMPILE_TIMEOUT_S,
     HEAD_DIMS,
@@ -232,4 +232,5 @@ def prepare_varlen(inputs: Varlen, *, scale: float) -> Prepared:
     space = varlen_space(torch.cuda.get_device_capability(inputs.q.device), head_dim, inputs.causal)
     variant, cached = tuned(shape, inputs.q.device, space,
                             lambda candidate: VarlenCall(candidate, inputs, scale=scale, out=out))
-    return VarlenCall(variant, inputs, scale=scale).prepared(chosen="tuning cache" if cached else "autotuned")
+    return VarlenCall(variant, inputs, scale=scale).prepared(chosen="tuning cache" if cached else "autotuned",
+                                                             tuner=dense_tuner())
