@@ -160,15 +160,24 @@ def graph_ms(call: Callable[[], object], *, warmup: int = 3, repeats: int = 10) 
     captured is timed back to back instead (``mean_ms``)."""
     for _ in range(warmup):
         call()
+    replay = _captured(call, repeats)
+    if replay is None:
+        return mean_ms(call, warmup=0, repeats=repeats)
+    return _event_ms(replay) / repeats
+
+
+def _captured(call: Callable[[], object], calls: int) -> Callable[[], object] | None:
+    """The replay of a CUDA graph holding ``calls`` calls of ``call`` (uploaded: replayed once), or None where
+    the call cannot be captured."""
     graph = torch.cuda.CUDAGraph()
     try:
         with torch.cuda.graph(graph):
-            for _ in range(repeats):
+            for _ in range(calls):
                 call()
     except RuntimeError:
-        return mean_ms(call, warmup=0, repeats=repeats)
+        return None
     graph.replay()  # the first replay uploads the graph
-    return _event_ms(graph.replay) / repeats
+    return graph.replay
 
 
 SETTLE_S = 0.25  # seconds: the suite's --settle-ms default on a GPU, and what the tuners settle for
@@ -250,15 +259,7 @@ def _replay(call: Callable[[], object], replay_ms: float) -> tuple[Callable[[], 
     about ``replay_ms`` (at least one call); calls queued back to back where the call cannot be captured."""
     call()  # compiled and warm
     calls = max(1, math.ceil(replay_ms / max(mean_ms(call, warmup=1, repeats=1), 1e-3)))
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                call()
-    except RuntimeError:
-        return (lambda: [call() for _ in range(calls)]), calls
-    graph.replay()  # the first replay uploads the graph
-    return graph.replay, calls
+    return _captured(call, calls) or (lambda: [call() for _ in range(calls)]), calls
 
 
 def _time_round(replays: list[tuple[Callable[[], object], int]]) -> list[float]:
