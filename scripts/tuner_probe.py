@@ -29,9 +29,7 @@ from suite.metrics import flops
 def probe(case_id: str, repeats: int, wide_persistent: bool) -> None:
     from dataclasses import replace
 
-    from cuda.tile.tune import exhaustive_search
-
-    from impls.cutile import HOPPER_STREAMING, Call, only_launch, precompile, search_space
+    from impls.cutile import HOPPER_STREAMING, Call, exhaustive_timings, precompile, search_space
 
     case = case_by_id(case_id)
     q, k, v = case.make_inputs("cuda")
@@ -42,15 +40,11 @@ def probe(case_id: str, repeats: int, wide_persistent: bool) -> None:
         space.append(extra)
     calls = precompile([Call(var, q, k, v, out=out, causal=case.causal, scale=case.d ** -0.5, **case.variants)
                         for var in space])
-    launches = {call.variant: only_launch(call) for call in calls}
     times: dict[str, dict[str, list[float]]] = {call.variant.label(): {"tune": [], "graph": [], "do_bench": []}
                                                  for call in calls}
     for _ in range(repeats):
         settle_gpu()
-        result = exhaustive_search(list(launches), torch.cuda.current_stream(),
-                                   grid_fn=lambda var: launches[var][0], kernel=lambda var: launches[var][1],
-                                   args_fn=lambda var: launches[var][2], quiet=True)
-        for measured in result.successes:
+        for measured in exhaustive_timings(calls).successes:
             times[measured.config.label()]["tune"].append(measured.mean_us / 1e3)
         settle_gpu()
         for call in calls:

@@ -470,11 +470,18 @@ def precompile(calls: list[Launches]) -> list[Launches]:
     return compiled
 
 
-def only_launch(call: Launches) -> tuple:
-    """(grid, kernel, arguments) of a call that makes one launch: ``exhaustive_search`` times one launch, so
-    the search space holds single-launch variants only."""
-    (launch,) = call.launches
-    return launch
+def exhaustive_timings(calls: list[Launches]):
+    """``cuda.tile.tune.exhaustive_search`` over these compiled calls, each timed as its one launch (the search
+    times one launch per candidate, so the search space holds single-launch variants only); its TuningResult,
+    configs being the calls' variants."""
+    from cuda.tile.tune import exhaustive_search
+
+    launches = {}
+    for call in calls:
+        (launches[call.variant],) = call.launches  # (grid, kernel, arguments)
+    return exhaustive_search(list(launches), torch.cuda.current_stream(), grid_fn=lambda var: launches[var][0],
+                             kernel=lambda var: launches[var][1],  # the hints travel with it
+                             args_fn=lambda var: launches[var][2], quiet=True)
 
 
 def tuned(shape: tuple, device: torch.device, space: list[Variant],
@@ -487,19 +494,13 @@ def tuned(shape: tuple, device: torch.device, space: list[Variant],
 
     def search() -> dict:
         import cuda.tile as ct
-        from cuda.tile.tune import exhaustive_search
 
         with ct.compiler_timeout(COMPILE_TIMEOUT_S):
             calls = precompile([make_call(variant) for variant in space])
             if method == "sustained":
                 return sustained_fastest((call.variant, call) for call in calls).describe()
-            launches = {call.variant: only_launch(call) for call in calls}
             settle_gpu(device)  # compiling was a pause: time every candidate at sustained clocks
-            result = exhaustive_search(list(launches), torch.cuda.current_stream(),
-                                       grid_fn=lambda var: launches[var][0],
-                                       kernel=lambda var: launches[var][1],  # the hints travel with it
-                                       args_fn=lambda var: launches[var][2], quiet=True)
-        return result.best.config.describe()
+            return exhaustive_timings(calls).best.config.describe()
 
     shape = shape if method == TUNERS[0] else (*shape, f"tuner={method}")  # each method's picks kept apart
     return remembered(TUNING.key(device, shape), search, Variant)
