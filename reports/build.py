@@ -49,6 +49,11 @@ class Measurement:
     kernels: dict[str, dict] = field(default_factory=dict)
     gpu: dict[str, Any] = field(default_factory=dict)  # name, uuid, NVML state after the benchmark
     settle_s: float = 0.0  # seconds of back-to-back calls before the warm-up (--settle-ms)
+    energy: dict[str, Any] = field(default_factory=dict)  # NVML: joules per timed call, average watts
+
+    @property
+    def joules_per_call(self) -> float | None:
+        return _num(self.energy.get("joules_per_call"))
 
     @property
     def gpu_label(self) -> str:
@@ -133,7 +138,7 @@ def load_run(path: Path) -> Run:
                 timing=str(info.get("timing", "eager")), measured_as=str(info.get("measured_as", "eager")),
                 fallback=info.get("fallback"), pct_of_hbm=_num(info.get("pct_of_hbm")),
                 kernels=dict(info.get("kernels") or {}), gpu=dict(info.get("gpu") or {}),
-                settle_s=float(info.get("settle_s") or 0.0),
+                settle_s=float(info.get("settle_s") or 0.0), energy=dict(info.get("energy") or {}),
             ))
         except (KeyError, TypeError, ValueError) as exc:
             raise ReportError(f"{path}: benchmark #{i} ({bench.get('name', '?')}) is missing or has a bad "
@@ -195,6 +200,9 @@ def case_table(run: Run, case_id: str, baseline: str) -> list[dict[str, Any]]:
             "tflops": m.tflops, "pct": m.pct_of_peak, "gbps": m.gbps, "pct_hbm": m.pct_of_hbm,
             "speedup": base.median_s / m.median_s if base and m.timing == run.lead else None,
             "mem_mib": m.peak_memory_bytes / 2**20 if isinstance(m.peak_memory_bytes, int) else None,
+            "mj_per_call": m.joules_per_call * 1e3 if m.joules_per_call is not None else None,
+            "watts": _num(m.energy.get("avg_power_w")),
+            "sm_mhz": (m.gpu.get("state") or {}).get("sm_clock_mhz"),
             "config": ", ".join(f"{k}={v}" for k, v in m.config.items()),
             "kernels": kernel_summary(m.kernels),
         })

@@ -38,6 +38,8 @@
 #   tuner:    scripts/tuner_probe.py: every cuTile candidate of the tuner's space (and the persistent 128x256) timed
 #             by exhaustive_search, graph and do_bench, on causal blog and models cases: does the tuner pick what the
 #             suite then measures fastest?
+#   groups:   scripts/tuner_probe.py on the short causal models and blog cases: the tuner's head group against
+#             16 / 32 / 128 heads heaviest-first together (graph time)
 #   tuner-ab: the causal models and blog cases, cutile only, tuned from cold by each dense tuner of TUNERS (default
 #             "exhaustive sustained", FMHA_TUNER) into a cache of its own, then benchmarked (graph timing): which
 #             tuner's picks the suite measures faster (about 350 s a tuner: one call each)
@@ -218,6 +220,18 @@ for part in "$@"; do
         --case llama3-70b-tp8-bf16-causal-h8:1-s4096x4096-d128-b4 --case llama3-8b-bf16-causal-h32:8-s32768x32768-d128 \
         --case gpt2-bf16-causal-h12:12-s32768x32768-d64
       grep picks "$out/tuner.log"
+      ;;
+    groups)
+      # causal heads ordered heaviest-first together: the tuner's automatic group (8 MB of K/V, counted by query
+      # head) against 16 / 32 / 128 heads, on the short causal cases where our kernels trail most
+      step groups 540 python3 scripts/tuner_probe.py --methods graph --head-groups 16 32 128 \
+        --match '64x128:*2}:L2,4:g-auto' --match '128x128:*8}:L2,4:g-auto' --match '128x64:*' --match '256x64:*' \
+        --case llama3-70b-tp8-bf16-causal-h8:1-s4096x4096-d128-b4 --case gpt2-bf16-causal-h12:12-s4096x4096-d64-b4 \
+        --case gemma2-9b-global-bf16-causal-h16:8-s4096x4096-d256-cap50-b4 \
+        --case deepseek-v3-mla-tp8-bf16-causal-h16:16-s4096x4096-d192-dv128-b4 \
+        --case llama3-8b-bf16-causal-h32:8-s4096x4096-d128-b4 --case fp16-causal-h32:32-s4096x4096-d128-b4 \
+        --case qwen2.5-7b-bf16-causal-h28:4-s4096x4096-d128-b4
+      grep picks "$out/groups.log"
       ;;
     tuner-ab)
       for t in ${TUNERS:-exhaustive sustained}; do

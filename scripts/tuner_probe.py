@@ -11,12 +11,18 @@ mode) and do_bench (median, L2 flushed), twice each, and prints one JSON line pe
 per case with each method's pick and what that pick costs under graph time.
 
     python scripts/tuner_probe.py --case fp16-causal-h32:32-s4096x4096-d128-b4 [--case ...]
+
+``--match GLOB`` keeps the candidates whose label matches; ``--head-groups 16 64`` adds each of them again with
+that many heads ordered heaviest-first together (causal; the tuner's own choice is ``g-auto``);
+``--methods graph`` times one way only.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
+from fnmatch import fnmatchcase
 
 import torch
 import triton
@@ -25,10 +31,11 @@ from impls._tuning import graph_ms, settle_gpu
 from suite.cases import case_by_id
 from suite.metrics import flops
 
+METHODS = ("tune", "graph", "do_bench")
 
-def probe(case_id: str, repeats: int, wide_persistent: bool) -> None:
-    from dataclasses import replace
 
+def probe(case_id: str, repeats: int, wide_persistent: bool, head_groups: list[int], match: list[str],
+          methods: list[str]) -> None:
     from impls.cutile import HOPPER_STREAMING, Call, exhaustive_timings, precompile, search_space
 
     case = case_by_id(case_id)
@@ -38,20 +45,22 @@ def probe(case_id: str, repeats: int, wide_persistent: bool) -> None:
     extra = replace(HOPPER_STREAMING, tile_n=256)
     if wide_persistent and extra not in space:
         space.append(extra)
+    space = [var for var in space if any(fnmatchcase(var.label(), glob) for glob in match or ["*"])]
+    space += [replace(var, head_group=group) for var in space for group in head_groups if case.causal]
     calls = precompile([Call(var, q, k, v, out=out, causal=case.causal, scale=case.d ** -0.5, **case.variants)
                         for var in space])
-    times: dict[str, dict[str, list[float]]] = {call.variant.label(): {"tune": [], "graph": [], "do_bench": []}
-                                                 for call in calls}
+    times: dict[str, dict[str, list[float]]] = {call.variant.label(): {m: [] for m in methods} for call in calls}
     for _ in range(repeats):
-        settle_gpu()
-        for measured in exhaustive_timings(calls).successes:
-            times[measured.config.label()]["tune"].append(measured.mean_us / 1e3)
-        settle_gpu()
-        for call in calls:
-            times[call.variant.label()]["graph"].append(graph_ms(call, repeats=20))
-        settle_gpu()
-        for call in calls:
-            times[call.variant.label()]["do_bench"].append(triton.testing.do_bench(call))
+        if "tune" in methods:
+            settle_gpu()
+            for measured in exhaustive_timings(calls).successes:
+                times[measured.config.label()]["tune"].append(measured.mean_us / 1e3)
+        for method, time_call in (("graph", lambda call: graph_ms(call, repeats=20)),
+                                  ("do_bench", triton.testing.do_bench)):
+            if method in methods:
+                settle_gpu()
+                for call in calls:
+                    times[call.variant.label()][method].append(time_call(call))
     work = flops(case)
     best = {}
     for label, by_method in times.items():
@@ -60,6 +69,8 @@ def probe(case_id: str, repeats: int, wide_persistent: bool) -> None:
         for method, tflops in row.items():
             if tflops > best.get(method, ("", 0.0))[1]:
                 best[method] = (label, tflops)
+    if "graph" not in methods:
+        return
     graph = {label: work / (min(by_method["graph"]) * 1e9) for label, by_method in times.items()}
     print(json.dumps({"case": case_id, "picks": {method: {"candidate": label, "graph_tflops": round(graph[label], 1)}
                                                  for method, (label, _) in best.items()}}), flush=True)
@@ -72,9 +83,14 @@ def main() -> None:
     parser.add_argument("--wide-persistent", action="store_true",
                         help="the persistent 128x256 (L3,6) beside the space, where it is not in it (causal D=128: "
                              "165 KB of pipeline, no stack with whole key tiles, sm_90, tileiras 13.5)")
+    parser.add_argument("--head-groups", type=int, nargs="+", default=[],
+                        help="causal: matched candidates again with these explicit head groups")
+    parser.add_argument("--match", action="append", default=[], metavar="GLOB",
+                        help="keep only the candidates with a label like this (repeatable; default: all)")
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     args = parser.parse_args()
     for case_id in args.case:
-        probe(case_id, args.repeats, args.wide_persistent)
+        probe(case_id, args.repeats, args.wide_persistent, args.head_groups, args.match, args.methods)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from impls._tuning import SETTLE_S, settle
 from suite import metrics
 from suite.cases import Case
 from suite.plugin import Problem, Recorder
-from suite.telemetry import gpu_state
+from suite.telemetry import energy_during, gpu_state
 from suite.timing import (
     GraphCaptureError,
     GraphTarget,
@@ -23,6 +23,7 @@ from suite.timing import (
     cuda_clock,
     graph_repeats,
     iterations_for,
+    pedantic_calls,
     profile_kernels,
     time_once,
 )
@@ -107,9 +108,11 @@ def measure(benchmark, impl: Impl, case: Case, problem: Problem, record: Recorde
     settle_ms = pytestconfig.getoption("--settle-ms")
     info["settle_s"] = max(0.0, (SETTLE_S * 1e3 if on_gpu else 0) if settle_ms is None else settle_ms) / 1e3
     settle(target, info["settle_s"], seconds, torch.cuda.synchronize if on_gpu else lambda: None)
-    with clock:
-        benchmark.pedantic(target, rounds=rounds, warmup_rounds=pytestconfig.getoption("--warmup-rounds"),
-                           **schedule)
+    uuid = str(getattr(torch.cuda.get_device_properties(device), "uuid", "")) if on_gpu else ""
+    warmup_rounds = pytestconfig.getoption("--warmup-rounds")
+    meter = energy_during(uuid, lambda: torch.cuda.synchronize(device)) if on_gpu else contextlib.nullcontext({})
+    with clock, meter as energy:
+        benchmark.pedantic(target, rounds=rounds, warmup_rounds=warmup_rounds, **schedule)
 
     info.update(impl=impl.name, family=impl.family, case=case.id, **case.as_dict())
     info["worker"] = os.environ.get("PYTEST_XDIST_WORKER")  # pytest-xdist's worker, when sharded
@@ -118,9 +121,13 @@ def measure(benchmark, impl: Impl, case: Case, problem: Problem, record: Recorde
                 peak_memory_bytes=peak_bytes, iterations=schedule["iterations"], cold_l2="setup" in schedule
                 or info.get("input_copies", 1) > 1)
     if on_gpu:  # which GPU measured it (several workers, several GPUs), and what ran there, by kernel name
-        props = torch.cuda.get_device_properties(device)
-        uuid = str(getattr(props, "uuid", ""))
-        info["gpu"] = {"name": props.name, "uuid": uuid, "state": gpu_state(uuid),  # clocks, power, throttling
+        state = energy.pop("state", None) or gpu_state(uuid)  # clocks, power, throttling as the timed calls ended
+        if "joules" in energy and benchmark.stats is not None:  # the energy of every call, warm-ups included
+            calls = pedantic_calls(rounds, warmup_rounds, schedule["iterations"]) * info.get("calls_per_replay", 1)
+            energy.update(calls=calls, joules_per_call=energy["joules"] / calls,
+                          includes_l2_flush="setup" in schedule)
+        info["energy"] = energy
+        info["gpu"] = {"name": torch.cuda.get_device_properties(device).name, "uuid": uuid, "state": state,
                        "visible_as": os.environ.get("CUDA_VISIBLE_DEVICES", str(device.index or 0))}
         profile = profile_kernels(prepared)  # shows sdpa's backend, and any entry's real kernels
         info.update(kernels=profile.as_dict()["kernels"], kernel_s_per_call=profile.seconds_per_call)

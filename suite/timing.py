@@ -236,3 +236,10 @@ def iterations_for(seconds_per_call: float, round_seconds: float, cap: int = 100
     if seconds_per_call <= 0:
         return cap
     return max(1, min(cap, math.ceil(round_seconds / seconds_per_call)))
+
+
+def pedantic_calls(rounds: int, warmup_rounds: int, iterations: int) -> int:
+    """How often ``benchmark.pedantic`` calls its target: every warm-up and timed round ``iterations`` times, and
+    once more after looped rounds (pytest-benchmark keeps that call's result). The energy a benchmark's calls
+    drew is shared out over this many (tests/test_timing.py checks it against pytest-benchmark itself)."""
+    return (warmup_rounds + rounds) * iterations + (iterations > 1)

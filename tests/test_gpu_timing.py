@@ -68,3 +68,19 @@ def test_sustained_tuner_picks_the_cheaper_call():
 
     small, large = (torch.randn(n, n, device="cuda", dtype=torch.float16) for n in (1024, 4096))
     assert sustained_fastest([("large", lambda: large @ large), ("small", lambda: small @ small)], rounds=3) == "small"
+
+
+def test_energy_of_sustained_work_is_a_plausible_power():
+    from suite.telemetry import energy_during
+
+    call = matmul_call()
+    uuid = str(torch.cuda.get_device_properties(0).uuid)
+    with energy_during(uuid, torch.cuda.synchronize) as reading:
+        start = cuda_clock()
+        while cuda_clock() - start < 0.3:  # 0.3 s of device time, in a few hundred products
+            for _ in range(50):
+                call()
+    if "unavailable" in reading:
+        pytest.skip(f"NVML: {reading['unavailable']}")
+    limit = reading["state"]["power_limit_w"]
+    assert reading["seconds"] >= 0.3 and 50 < reading["avg_power_w"] < 1.2 * limit

@@ -54,6 +54,20 @@ def test_report_says_whether_calls_settled_before_timing(results, tmp_path):
     assert "back to back for 250 ms" in html and "without settling" not in html
 
 
+def test_report_shows_the_energy_of_a_call_where_nvml_measured_it(results, tmp_path):
+    data = json.loads(results.read_text())
+    html = write_report([results], tmp_path / "cpu.html").read_text()
+    assert "mJ / call" in html and "(700," not in html  # a CPU run: the column says nothing was measured
+    for bench in data["benchmarks"]:
+        bench["extra_info"]["energy"] = {"joules": 4.2, "calls": 2000, "joules_per_call": 0.0021,
+                                         "avg_power_w": 700.0}
+        bench["extra_info"]["gpu"] = {"name": "NVIDIA H200", "uuid": "GPU-0", "state": {"sm_clock_mhz": 1605}}
+    measured = tmp_path / "energy.json"
+    measured.write_text(json.dumps(data))
+    html = write_report([measured], tmp_path / "e.html").read_text()
+    assert "2.1 (700, 1605)" in html
+
+
 def test_two_runs_side_by_side(results, tmp_path):
     other = tmp_path / "other.json"
     other.write_text(results.read_text())
