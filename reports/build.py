@@ -49,7 +49,7 @@ class Measurement:
     kernels: dict[str, dict] = field(default_factory=dict)
     gpu: dict[str, Any] = field(default_factory=dict)  # name, uuid, NVML state after the benchmark
     settle_s: float = 0.0  # seconds of back-to-back calls before the warm-up (--settle-ms)
-    energy: dict[str, Any] = field(default_factory=dict)  # NVML: joules per timed call, average watts
+    energy: dict[str, Any] = field(default_factory=dict)  # NVML, with --energy-ms: joules per call, watts
 
     @property
     def joules_per_call(self) -> float | None:
@@ -202,7 +202,7 @@ def case_table(run: Run, case_id: str, baseline: str) -> list[dict[str, Any]]:
             "mem_mib": m.peak_memory_bytes / 2**20 if isinstance(m.peak_memory_bytes, int) else None,
             "mj_per_call": m.joules_per_call * 1e3 if m.joules_per_call is not None else None,
             "watts": _num(m.energy.get("avg_power_w")),
-            "sm_mhz": (m.gpu.get("state") or {}).get("sm_clock_mhz"),
+            "sm_mhz": _num(m.energy.get("sm_clock_mhz")),
             "config": ", ".join(f"{k}={v}" for k, v in m.config.items()),
             "kernels": kernel_summary(m.kernels),
         })

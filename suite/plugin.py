@@ -55,6 +55,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="run each benchmark's call back to back this long before its warm-up rounds, so that "
                          "the GPU's clocks have come down to what its power limit sustains (default 250 on a "
                          "GPU, 0 on CPU; 0: time from whatever state the previous work left)")
+    group.addoption("--energy-ms", type=float, default=0,
+                    help="GPU: after timing, run each benchmark's call back to back this long and record the "
+                         "energy NVML's counter saw (joules per call, average watts). The counter moves in steps "
+                         "of about 100 ms on an H200, so ask for 1000 or more (default 0: not measured)")
     group.addoption("--round-ms", type=float, default=None,
                     help="target length of a round; calls per round follow from it (default 20 GPU, 50 CPU)")
     group.addoption("--cold-l2", action="store_true",

@@ -23,7 +23,6 @@ from suite.timing import (
     cuda_clock,
     graph_repeats,
     iterations_for,
-    pedantic_calls,
     profile_kernels,
     time_once,
 )
@@ -62,6 +61,20 @@ def graph_target(impl: Impl, problem: Problem, prepared: Prepared, seconds_per_c
     copies = copies_for_cold_l2(metrics.min_bytes(problem.case), problem.device) if cold_l2 else 1
     calls = [prepared] + [problem.prepare(impl, inputs) for inputs in problem.input_copies(copies)[1:]]
     return GraphTarget(calls, graph_repeats(seconds_per_call, copies)), copies
+
+
+def energy_of_calls(target, seconds: float, seconds_per_target: float, calls_per_target: int,
+                    uuid: str) -> dict:
+    """The energy of the target's calls run back to back for ``seconds`` (after the timed rounds, so at the
+    clocks those ended at): NVML's counter across them, shared out per call (a graph target is several)."""
+    sync = torch.cuda.synchronize
+    with energy_during(uuid, sync) as energy:
+        targets = settle(target, seconds, seconds_per_target, sync)
+    if "joules" in energy:
+        calls = targets * calls_per_target
+        state = energy.pop("state", {})
+        energy.update(calls=calls, joules_per_call=energy["joules"] / calls, sm_clock_mhz=state.get("sm_clock_mhz"))
+    return energy
 
 
 def measure(benchmark, impl: Impl, case: Case, problem: Problem, record: Recorder, timing: str,
@@ -108,11 +121,15 @@ def measure(benchmark, impl: Impl, case: Case, problem: Problem, record: Recorde
     settle_ms = pytestconfig.getoption("--settle-ms")
     info["settle_s"] = max(0.0, (SETTLE_S * 1e3 if on_gpu else 0) if settle_ms is None else settle_ms) / 1e3
     settle(target, info["settle_s"], seconds, torch.cuda.synchronize if on_gpu else lambda: None)
-    uuid = str(getattr(torch.cuda.get_device_properties(device), "uuid", "")) if on_gpu else ""
-    warmup_rounds = pytestconfig.getoption("--warmup-rounds")
-    meter = energy_during(uuid, lambda: torch.cuda.synchronize(device)) if on_gpu else contextlib.nullcontext({})
-    with clock, meter as energy:
-        benchmark.pedantic(target, rounds=rounds, warmup_rounds=warmup_rounds, **schedule)
+    with clock:
+        benchmark.pedantic(target, rounds=rounds, warmup_rounds=pytestconfig.getoption("--warmup-rounds"),
+                           **schedule)
+    if on_gpu:
+        uuid = str(getattr(torch.cuda.get_device_properties(device), "uuid", ""))
+        state = gpu_state(uuid)  # clocks, power, throttling as the timed calls ended
+        energy_s = pytestconfig.getoption("--energy-ms") / 1e3
+        if energy_s > 0:
+            info["energy"] = energy_of_calls(target, energy_s, seconds, info.get("calls_per_replay", 1), uuid)
 
     info.update(impl=impl.name, family=impl.family, case=case.id, **case.as_dict())
     info["worker"] = os.environ.get("PYTEST_XDIST_WORKER")  # pytest-xdist's worker, when sharded
@@ -121,12 +138,6 @@ def measure(benchmark, impl: Impl, case: Case, problem: Problem, record: Recorde
                 peak_memory_bytes=peak_bytes, iterations=schedule["iterations"], cold_l2="setup" in schedule
                 or info.get("input_copies", 1) > 1)
     if on_gpu:  # which GPU measured it (several workers, several GPUs), and what ran there, by kernel name
-        state = energy.pop("state", None) or gpu_state(uuid)  # clocks, power, throttling as the timed calls ended
-        if "joules" in energy and benchmark.stats is not None:  # the energy of every call, warm-ups included
-            calls = pedantic_calls(rounds, warmup_rounds, schedule["iterations"]) * info.get("calls_per_replay", 1)
-            energy.update(calls=calls, joules_per_call=energy["joules"] / calls,
-                          includes_l2_flush="setup" in schedule)
-        info["energy"] = energy
         info["gpu"] = {"name": torch.cuda.get_device_properties(device).name, "uuid": uuid, "state": state,
                        "visible_as": os.environ.get("CUDA_VISIBLE_DEVICES", str(device.index or 0))}
         profile = profile_kernels(prepared)  # shows sdpa's backend, and any entry's real kernels

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -154,8 +155,9 @@ class GraphTarget:
 
     def __init__(self, calls: Sequence[Callable[[], torch.Tensor]], repeats: int) -> None:
         self.calls_per_replay = len(calls) * repeats
+        caller = torch.cuda.current_stream()
         side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
+        side.wait_stream(caller)
         try:
             with torch.cuda.stream(side):
                 for call in calls:
@@ -167,11 +169,26 @@ class GraphTarget:
                     outputs = [call() for call in calls]
         except Exception as exc:  # capture refuses host syncs, some allocations, CPU tensors, ...
             torch.cuda.synchronize()
+            _recover_from_failed_capture(caller)
             raise GraphCaptureError(f"{type(exc).__name__}: {' '.join(str(exc).split())}"[:300]) from exc
         self.outputs = outputs  # written by every replay: the check reads them after one
 
     def __call__(self) -> None:
         self.graph.replay()
+
+
+def _recover_from_failed_capture(caller: torch.cuda.Stream) -> None:
+    """Undo what a capture that failed leaves behind, so that the process measures on (torch 2.11 on an H200,
+    session 18): ``torch.cuda.graph`` ends the capture before it restores the stream, so an invalid capture
+    leaves the capture stream current; and the CUDA generators were marked as capturing, which only a capture
+    that ends well unmarks, so that every later random draw on the device fails ("Offset increment outside graph
+    capture"). An empty capture that completes does unmark them."""
+    torch.cuda.set_stream(caller)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "the CUDA graph is empty": it is meant to be
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            pass
+    torch.cuda.set_stream(caller)
 
 
 def graph_repeats(seconds_per_call: float, copies: int) -> int:
@@ -237,9 +254,3 @@ def iterations_for(seconds_per_call: float, round_seconds: float, cap: int = 100
         return cap
     return max(1, min(cap, math.ceil(round_seconds / seconds_per_call)))
 
-
-def pedantic_calls(rounds: int, warmup_rounds: int, iterations: int) -> int:
-    """How often ``benchmark.pedantic`` calls its target: every warm-up and timed round ``iterations`` times, and
-    once more after looped rounds (pytest-benchmark keeps that call's result). The energy a benchmark's calls
-    drew is shared out over this many (tests/test_timing.py checks it against pytest-benchmark itself)."""
-    return (warmup_rounds + rounds) * iterations + (iterations > 1)

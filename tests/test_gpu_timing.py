@@ -51,8 +51,12 @@ def test_kernel_mode_clock_advances_by_device_time_only():
 
 def test_a_host_sync_cannot_be_captured_and_says_why():
     a = torch.randn(64, device="cuda")
+    stream = torch.cuda.current_stream()
     with pytest.raises(GraphCaptureError):
         GraphTarget([lambda: a * float(a.sum())], repeats=1)  # .item()-like sync inside the call
+    # and the process measures on: the same stream, random inputs drawn (a failed capture broke both once)
+    assert torch.cuda.current_stream() == stream
+    assert torch.randn(64, device="cuda").isfinite().all()
 
 
 def test_tuners_settle_the_gpu_for_the_time_asked():
@@ -77,10 +81,10 @@ def test_energy_of_sustained_work_is_a_plausible_power():
     uuid = str(torch.cuda.get_device_properties(0).uuid)
     with energy_during(uuid, torch.cuda.synchronize) as reading:
         start = cuda_clock()
-        while cuda_clock() - start < 0.3:  # 0.3 s of device time, in a few hundred products
+        while cuda_clock() - start < 1.0:  # 1 s of device time: NVML's counter moves in steps of about 0.1 s
             for _ in range(50):
                 call()
     if "unavailable" in reading:
         pytest.skip(f"NVML: {reading['unavailable']}")
     limit = reading["state"]["power_limit_w"]
-    assert reading["seconds"] >= 0.3 and 50 < reading["avg_power_w"] < 1.2 * limit
+    assert reading["seconds"] >= 1.0 and 50 < reading["avg_power_w"] < 1.2 * limit

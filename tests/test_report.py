@@ -60,8 +60,8 @@ def test_report_shows_the_energy_of_a_call_where_nvml_measured_it(results, tmp_p
     assert "mJ / call" in html and "(700," not in html  # a CPU run: the column says nothing was measured
     for bench in data["benchmarks"]:
         bench["extra_info"]["energy"] = {"joules": 4.2, "calls": 2000, "joules_per_call": 0.0021,
-                                         "avg_power_w": 700.0}
-        bench["extra_info"]["gpu"] = {"name": "NVIDIA H200", "uuid": "GPU-0", "state": {"sm_clock_mhz": 1605}}
+                                         "avg_power_w": 700.0, "sm_clock_mhz": 1605}
+        bench["extra_info"]["gpu"] = {"name": "NVIDIA H200", "uuid": "GPU-0"}
     measured = tmp_path / "energy.json"
     measured.write_text(json.dumps(data))
     html = write_report([measured], tmp_path / "e.html").read_text()

@@ -333,23 +333,6 @@ def test_energy_meter_reads_the_counter_across_the_block_and_says_why_when_it_ca
     telemetry._nvml.cache_clear()
 
 
-def test_pedantic_calls_counts_what_pytest_benchmark_calls(tmp_path):
-    """In a pytest of its own: under pytest-xdist (the README's test command) pytest-benchmark times nothing."""
-    probe = tmp_path / "test_probe.py"
-    probe.write_text(
-        "import pytest\n"
-        "from suite.timing import pedantic_calls\n"
-        "@pytest.mark.parametrize('rounds, warmup, iterations', [(3, 2, 4), (5, 0, 1), (1, 1, 7)])\n"
-        "def test_count(benchmark, rounds, warmup, iterations):\n"
-        "    calls = []\n"
-        "    benchmark.pedantic(lambda: calls.append(1), rounds=rounds, warmup_rounds=warmup, iterations=iterations)\n"
-        "    assert len(calls) == pedantic_calls(rounds, warmup, iterations)\n")
-    proc = subprocess.run([sys.executable, "-m", "pytest", str(probe), "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
-                           "--rootdir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env={**child_env(), "PYTHONPATH": str(ROOT)})
-    assert proc.returncode == 0 and "3 passed" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
-
-
 def test_dist_each_runs_every_benchmark_on_every_worker(tmp_path):
     """The fleet check's run: with one worker per GPU, --dist each times every case on every GPU."""
     data = run_suite(tmp_path, "-k", "benchmark", "-n", "2", "--dist", "each", "--impl", "naive", "--grid",
