@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -63,7 +64,7 @@ def graph_target(impl: Impl, problem: Problem, prepared: Prepared, seconds_per_c
     return GraphTarget(calls, graph_repeats(seconds_per_call, copies)), copies
 
 
-def energy_of_calls(target, seconds: float, seconds_per_target: float, calls_per_target: int,
+def energy_of_calls(target: Callable[[], object], seconds: float, seconds_per_target: float, calls_per_target: int,
                     uuid: str) -> dict:
     """The energy of the target's calls run back to back for ``seconds`` (after the timed rounds, so at the
     clocks those ended at): NVML's counter across them, shared out per call (a graph target is several)."""
