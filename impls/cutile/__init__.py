@@ -60,7 +60,10 @@ class Variant:
 
     def heads_per_group(self, *, causal: bool, kv_len: int, head_dim: int, itemsize: int) -> int:
         """HEAD_GROUP for this launch: 1 unless the causal blocks run heaviest first. The automatic choice keeps
-        the K/V of the heads in flight within ``L2_BUDGET_BYTES``: 8 heads at 2K (fp16, D=128), 1 from 16K."""
+        the K/V of the heads in flight within ``L2_BUDGET_BYTES``: 8 heads at 2K (fp16, D=128), 1 from 16K.
+        Counted by query head, also under GQA: session 18 (H200, 4 x 4K causal, ``gpu_session.sh groups``) timed
+        16 / 32 / 128 heads against it: 2-3% faster only at 32-48 batch-heads (70B slice, GPT-2), up to 37% slower
+        elsewhere; counting by kv head would give Llama-3-8B 16 heads, 6% slower."""
         if not (causal and self.reverse_order):
             return 1
         if self.head_group is not None:
