@@ -19,7 +19,8 @@
 #             per tile, cuDNN and flash-attn4 where carried, D=128 and 64 (sweep)
 #   prefill:  blog and fa3 presets, graph timing: cutile, flash-attn4, sdpa-cudnn, triton side by side
 #   prefill-prime: (carry call 1) their checks for cutile, triton and sdpa-cudnn: tuning and compile caches filled
-#   models:   the models preset, every implementation that runs it, graph timing (in the flash-attn-4 carry's
+#   models:   the models preset, every implementation that runs it, graph timing and energy per call
+#             (ENERGY_MS, default 1000 ms of calls after each benchmark; 0: none) (in the flash-attn-4 carry's
 #             last call; fi-models, FlashInfer's checks of the preset, in its second, fills FlashInfer's JIT cache)
 #   models-prime: cuTile's candidates on the softcap edge cases; the models preset's checks of ours, flex and
 #             sdpa-cudnn (compile and tuning caches filled for the models part)
@@ -189,7 +190,7 @@ for part in "$@"; do
       # files under $out (TMPDIR) come back even if the step limit stops the parent before it merges them
       mkdir -p "$out/isolate"
       TMPDIR=$out/isolate step models 570 python3 -m pytest suite "${bench[@]}" --grid models --timing graph \
-        --impl cutile --impl triton --impl flex --impl 'sdpa*' --impl flash-attn4 --impl flashinfer --isolate \
+        --energy-ms "${ENERGY_MS:-1000}" --impl cutile --impl triton --impl flex --impl 'sdpa*' --impl flash-attn4 --impl flashinfer --isolate \
         --benchmark-json="$out/models.json"
       ;;
     models-prime)
