@@ -21,6 +21,7 @@ import math
 import os
 import statistics
 import tempfile
+import warnings
 from collections.abc import Callable, Iterable
 from importlib import metadata
 from pathlib import Path
@@ -170,15 +171,31 @@ def graph_ms(call: Callable[[], object], *, warmup: int = 3, repeats: int = 10) 
 def _captured(call: Callable[[], object], calls: int) -> Callable[[], object] | None:
     """The replay of a CUDA graph holding ``calls`` calls of ``call`` (uploaded: replayed once), or None where
     the call cannot be captured."""
+    caller = torch.cuda.current_stream()
     graph = torch.cuda.CUDAGraph()
     try:
         with torch.cuda.graph(graph):
             for _ in range(calls):
                 call()
     except RuntimeError:
+        recover_from_failed_capture(caller)
         return None
     graph.replay()  # the first replay uploads the graph
     return graph.replay
+
+
+def recover_from_failed_capture(caller: torch.cuda.Stream) -> None:
+    """Undo what a CUDA-graph capture that failed leaves behind, so that the process measures on (torch 2.11 on an
+    H200, session 18): ``torch.cuda.graph`` ends the capture before it restores the stream, so an invalid capture
+    leaves the capture stream current; and the CUDA generators were marked as capturing, which only a capture
+    that ends well unmarks, so that every later random draw on the device fails ("Offset increment outside graph
+    capture"). An empty capture that completes does unmark them. ``caller``: the stream current before."""
+    torch.cuda.set_stream(caller)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "the CUDA graph is empty": it is meant to be
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            pass
+    torch.cuda.set_stream(caller)
 
 
 SETTLE_S = 0.25  # seconds: the suite's --settle-ms default on a GPU, and what the tuners settle for

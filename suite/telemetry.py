@@ -1,8 +1,8 @@
 """The state of the GPU a benchmark ran on, read through NVML (``nvidia-ml-py``): clocks, power limit,
-temperature and throttle reasons, and the energy its timed calls drew. Recorded beside every GPU benchmark, so
-that a fleet comparison can say why one GPU is outside the pack, and a comparison of kernels what each costs in
-joules under the power limit that sets its clocks. Without NVML (not installed, no driver) it records nothing
-and says why.
+temperature and throttle reasons, and (``--energy-ms``) the energy of its calls run back to back after the
+timing. Recorded beside every GPU benchmark, so that a fleet comparison can say why one GPU is outside the pack,
+and a comparison of kernels what each costs in joules under the power limit that sets its clocks. Without NVML
+(not installed, no driver) it records nothing and says why.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 # NVML's clocks-event (throttle) reason bits, by the names nvidia-smi prints.
@@ -55,13 +55,13 @@ def gpu_state(uuid: str) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def energy_during(uuid: str, sync: Any = lambda: None) -> Iterator[dict[str, Any]]:
+def energy_during(uuid: str, sync: Callable[[], object] = lambda: None) -> Iterator[dict[str, Any]]:
     """NVML's energy counter (millijoules since the driver loaded) across the block, for the GPU with this UUID.
 
     Yields a dict that is filled when the block ends (after ``sync``, so that the GPU's queued work is inside):
     ``joules``, ``seconds`` (host clock around the block, idle gaps included) and their ratio ``avg_power_w``, and
-    ``state``, the GPU's clocks and throttle reasons at that moment (``gpu_state``): the clocks the timed calls
-    ended at, before anything else runs. ``unavailable`` says why where NVML cannot tell.
+    ``state``, the GPU's clocks and throttle reasons at that moment (``gpu_state``), before anything else runs.
+    ``unavailable`` says why where NVML cannot tell.
     """
     reading: dict[str, Any] = {}
     try:

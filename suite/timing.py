@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from impls._tuning import mean_ms
+from impls._tuning import mean_ms, recover_from_failed_capture
 
 MODES = ("eager", "graph", "kernel")
 GRAPH_REPLAY_S = 1e-3  # a replay lasts at least this long: the graph launch is amortised over many calls
@@ -169,26 +168,12 @@ class GraphTarget:
                     outputs = [call() for call in calls]
         except Exception as exc:  # capture refuses host syncs, some allocations, CPU tensors, ...
             torch.cuda.synchronize()
-            _recover_from_failed_capture(caller)
+            recover_from_failed_capture(caller)
             raise GraphCaptureError(f"{type(exc).__name__}: {' '.join(str(exc).split())}"[:300]) from exc
         self.outputs = outputs  # written by every replay: the check reads them after one
 
     def __call__(self) -> None:
         self.graph.replay()
-
-
-def _recover_from_failed_capture(caller: torch.cuda.Stream) -> None:
-    """Undo what a capture that failed leaves behind, so that the process measures on (torch 2.11 on an H200,
-    session 18): ``torch.cuda.graph`` ends the capture before it restores the stream, so an invalid capture
-    leaves the capture stream current; and the CUDA generators were marked as capturing, which only a capture
-    that ends well unmarks, so that every later random draw on the device fails ("Offset increment outside graph
-    capture"). An empty capture that completes does unmark them."""
-    torch.cuda.set_stream(caller)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "the CUDA graph is empty": it is meant to be
-        with torch.cuda.graph(torch.cuda.CUDAGraph()):
-            pass
-    torch.cuda.set_stream(caller)
 
 
 def graph_repeats(seconds_per_call: float, copies: int) -> int:
@@ -253,4 +238,3 @@ def iterations_for(seconds_per_call: float, round_seconds: float, cap: int = 100
     if seconds_per_call <= 0:
         return cap
     return max(1, min(cap, math.ceil(round_seconds / seconds_per_call)))
-

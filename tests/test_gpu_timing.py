@@ -59,6 +59,16 @@ def test_a_host_sync_cannot_be_captured_and_says_why():
     assert torch.randn(64, device="cuda").isfinite().all()
 
 
+def test_the_tuners_graph_time_of_an_uncapturable_call_falls_back_and_leaves_the_process_sound():
+    from impls._tuning import graph_ms
+
+    a = torch.randn(64, device="cuda")
+    stream = torch.cuda.current_stream()
+    assert graph_ms(lambda: a * float(a.sum()), warmup=1, repeats=2) > 0  # timed back to back instead
+    assert torch.cuda.current_stream() == stream
+    assert torch.randn(64, device="cuda").isfinite().all()
+
+
 def test_tuners_settle_the_gpu_for_the_time_asked():
     from impls._tuning import settle_gpu
 
