@@ -19,8 +19,8 @@
 #             per tile, cuDNN and flash-attn4 where carried, D=128 and 64 (sweep)
 #   prefill:  blog and fa3 presets, graph timing: cutile, flash-attn4, sdpa-cudnn, triton side by side
 #   prefill-prime: (carry call 1) their checks for cutile, triton and sdpa-cudnn: tuning and compile caches filled
-#   models:   the models preset, every implementation that runs it, graph timing and energy per call
-#             (ENERGY_MS, default 1000 ms of calls after each benchmark; 0: none) (in the flash-attn-4 carry's
+#   models:   the models preset, every implementation that runs it (or MODELS_IMPLS, names with spaces between),
+#             graph timing and energy per call (ENERGY_MS, default 1000 ms of calls after each benchmark; 0: none) (in the flash-attn-4 carry's
 #             last call; fi-models, FlashInfer's checks of the preset, in its second, fills FlashInfer's JIT cache)
 #   models-prime: cuTile's candidates on the softcap edge cases; the models preset's checks of ours, flex and
 #             sdpa-cudnn (compile and tuning caches filled for the models part)
@@ -41,6 +41,8 @@
 #             suite then measures fastest?
 #   groups:   scripts/tuner_probe.py on the short causal models and blog cases: the tuner's head group against
 #             16 / 32 / 128 heads heaviest-first together (graph time)
+#   paired:   scripts/tuner_probe.py on causal models and blog cases: the persistent 128x256 with a paired share
+#             against its plain fixed share and the usual one-block-per-tile picks (graph time)
 #   tuner-ab: the causal models and blog cases, cutile only, tuned from cold by each dense tuner of TUNERS (default
 #             "exhaustive sustained", FMHA_TUNER) into a cache of its own, then benchmarked (graph timing): which
 #             tuner's picks the suite measures faster (about 350 s a tuner: one call each)
@@ -189,8 +191,10 @@ for part in "$@"; do
       # --isolate: one process per implementation (a device fault costs only its own cases); the children's
       # files under $out (TMPDIR) come back even if the step limit stops the parent before it merges them
       mkdir -p "$out/isolate"
+      read -ra names <<< "${MODELS_IMPLS:-cutile triton flex sdpa* flash-attn4 flashinfer}"
+      impls=(); for name in "${names[@]}"; do impls+=(--impl "$name"); done
       TMPDIR=$out/isolate step models 570 python3 -m pytest suite "${bench[@]}" --grid models --timing graph \
-        --energy-ms "${ENERGY_MS:-1000}" --impl cutile --impl triton --impl flex --impl 'sdpa*' --impl flash-attn4 --impl flashinfer --isolate \
+        --energy-ms "${ENERGY_MS:-1000}" "${impls[@]}" --isolate \
         --benchmark-json="$out/models.json"
       ;;
     models-prime)
@@ -233,6 +237,19 @@ for part in "$@"; do
         --case llama3-8b-bf16-causal-h32:8-s4096x4096-d128-b4 --case fp16-causal-h32:32-s4096x4096-d128-b4 \
         --case qwen2.5-7b-bf16-causal-h28:4-s4096x4096-d128-b4
       grep picks "$out/groups.log"
+      ;;
+    paired)
+      # the persistent 128x256 causal candidate with its blocks taking mirror pairs of query tiles (Variant.paired)
+      # beside its every-num_blocks-th share and the tuner's usual one-block-per-tile picks (graph time)
+      step paired 480 python3 scripts/tuner_probe.py --methods graph --match '*persistent*' \
+        --match '64x128:*2}:L2,4:g-auto' --match '128x128:*8}:L2,4:g-auto' --match '128x256:*8}:L2,4:g-auto' \
+        --match '256x64:*' --case llama3-70b-tp8-bf16-causal-h8:1-s4096x4096-d128-b4 \
+        --case gpt2-bf16-causal-h12:12-s4096x4096-d64-b4 --case qwen2.5-7b-bf16-causal-h28:4-s4096x4096-d128-b4 \
+        --case mistral-7b-bf16-causal-h32:8-s4096x4096-d128-w4096:0-b4 --case fp16-causal-h32:32-s2048x2048-d128-b4 \
+        --case llama3-70b-tp8-bf16-causal-h8:1-s32768x32768-d128 --case gpt2-bf16-causal-h12:12-s32768x32768-d64 \
+        --case llama3-8b-bf16-causal-h32:8-s4096x4096-d128-b4 --case phi3-mini-bf16-causal-h32:32-s4096x4096-d96-b4 \
+        --case fp16-causal-h32:32-s4096x4096-d128-b4
+      grep picks "$out/paired.log"
       ;;
     tuner-ab)
       for t in ${TUNERS:-exhaustive sustained}; do

@@ -170,15 +170,16 @@ def test_two_launch_variants_pass_the_softmax_state_between_launches():
 def test_search_space_holds_single_launches_only():
     # The tuner times one launch per candidate (cuda.tile.tune.exhaustive_search); on the H200 the two-launch
     # and dynamically scheduled forms lost, so no causal candidate is persistent but the 128x256 one at head
-    # dims 33-128 on Hopper (the only one whose masked loop kept up there; with GQA it leads from 4K at D=128).
+    # dims 33-128 on Hopper (the only one whose masked loop kept up there; with GQA it leads from 4K at D=128),
+    # with each block's share taken every num_blocks-th item or in mirror pairs.
     for capability in ((8, 0), (9, 0), (10, 0), (12, 0)):
         for head_dim in (32, 64, 96, 128, 256):
             for causal in (False, True):
                 space = search_space(capability, head_dim, causal=causal)
                 assert space and not any(v.two_launch or v.dynamic for v in space)
-                persistent = [(v.tile_m, v.tile_n) for v in space if causal and v.persistent]
+                persistent = [(v.tile_m, v.tile_n, v.paired) for v in space if causal and v.persistent]
                 hopper_wide = causal and capability == (9, 0) and head_dim in (64, 96, 128)
-                assert persistent == ([(128, 256)] if hopper_wide else [])
+                assert persistent == ([(128, 256, False), (128, 256, True)] if hopper_wide else [])
 
 
 @pytest.mark.parametrize("head_dim", [40, 64])

@@ -1,4 +1,5 @@
-"""The cuTile kernel's key-tile ranges (``kernel.key_tiles``) against the reference mask, on the CPU.
+"""The cuTile kernel's key-tile ranges (``kernel.key_tiles``) against the reference mask, and its persistent
+blocks' paired share of the causal work items (``kernel.paired_*``), on the CPU.
 
 The kernel cannot run without a GPU, but the arithmetic that decides which key tiles a query tile visits, and
 which of them run without a mask, is plain integer code: a tile left out loses keys a row must see, a tile
@@ -8,6 +9,7 @@ causal, windowed and ragged shapes, Sq != Skv both ways.
 
 import itertools
 import os
+from collections import Counter
 
 import pytest
 
@@ -18,7 +20,8 @@ else:
 
 from impls._reference import visible
 from impls._validate import NO_WINDOW, window_bounds
-from impls.cutile.kernel import key_tiles
+from impls.cutile import Variant
+from impls.cutile.kernel import key_tiles, paired_item, paired_linear, paired_steps, work_item
 
 SHAPES = [(300, 300), (333, 1000), (200, 130), (97, 97), (256, 256), (64, 700)]
 WINDOWS = [NO_WINDOW, (0, 0), (16, 0), (100, 37), (128, -1), (-1, 50), (1000, 1000)]
@@ -45,3 +48,49 @@ def test_key_tiles_cover_every_visible_key_and_free_tiles_need_no_mask(sq, skv, 
                 assert first >= end, where
             for j in range(free_start, free_end):  # mask-free: whole in Skv and seen whole by every row
                 assert (j + 1) * tile_n <= skv and rows[:, j * tile_n:(j + 1) * tile_n].all(), f"{where} tile {j}"
+
+
+def causal_share(num_m: int, num_bh: int, num_blocks: int, paired: bool,
+                 head_group: int = 1) -> dict[int, list[tuple[int, int]]]:
+    """The (query tile, batch * head) items each persistent block runs, as the kernel's loops order them
+    (heaviest first, ``head_group`` heads at a time)."""
+    items = num_m * num_bh
+    blocks = min(num_blocks, items)  # Variant.grid: no more blocks than items
+    if paired:
+        return {b: [paired_item(paired_linear(step, b, blocks, items), num_m)
+                    for step in range(paired_steps(b, blocks, items))] for b in range(blocks)}
+    return {b: [work_item(linear, num_m, num_bh, True, head_group) for linear in range(b, items, blocks)]
+            for b in range(blocks)}
+
+
+@pytest.mark.parametrize(("num_m", "num_bh", "num_blocks"),
+                         [(32, 32, 132), (32, 128, 132), (256, 8, 132), (7, 3, 4), (5, 1, 8), (3, 5, 132), (1, 1, 132)])
+def test_paired_share_runs_every_query_tile_and_evens_out_the_causal_work(num_m, num_bh, num_blocks):
+    share = causal_share(num_m, num_bh, num_blocks, paired=True)
+    runs = Counter(item for items in share.values() for item in items)
+    assert set(runs) == set(itertools.product(range(num_m), range(num_bh)))
+    # an odd item count runs its last item twice (the same output stored twice), nothing else runs twice
+    assert sorted(runs.values()) == [1] * (num_m * num_bh - (num_m * num_bh) % 2) + [2] * ((num_m * num_bh) % 2)
+    assert all(len(items) % 2 == 0 for items in share.values())
+    if num_m % 2 == 0:  # whole pairs: a causal tile t costs about t + 1, a pair num_m + 1, the busiest block
+        work = {b: sum(t + 1 for t, _ in items) for b, items in share.items()}  # one pair more than the least
+        assert max(work.values()) - min(work.values()) <= num_m + 1
+
+
+def test_paired_share_fixes_the_fixed_share_at_few_items_a_block():
+    # The Llama-3-70B slice at 4 x 4K, 128-row query tiles on 132 SMs: 1024 items, about 8 a block. Taken every
+    # 132nd in turn, heaviest first over 4 heads at a time (the L2 group at 4K), the busiest block gets 1.5x the
+    # mean work; in mirror pairs, within 4%.
+    def busiest_over_mean(paired: bool) -> float:
+        share = causal_share(32, 32, 132, paired, head_group=4)
+        work = [sum(t + 1 for t, _ in items) for items in share.values()]
+        return max(work) * len(work) / sum(work)
+
+    assert busiest_over_mean(paired=False) > 1.5
+    assert busiest_over_mean(paired=True) < 1.04
+
+
+@pytest.mark.parametrize("form", [dict(persistent=False), dict(persistent=True, dynamic=True)])
+def test_paired_order_is_for_a_persistent_fixed_share_only(form):
+    with pytest.raises(ValueError, match="paired"):
+        Variant(128, 256, paired=True, **form)

@@ -56,7 +56,13 @@ class Variant:
     persistent: bool = False  # one block per SM slot, looping over the query tiles
     two_launch: bool = False  # the masked tiles in a launch of their own, then the mask-free ones (kernel PHASE)
     dynamic: bool = False  # persistent: the next work item from an atomic counter (kernel DYNAMIC)
+    paired: bool = False  # persistent, causal: a fixed share of mirror pairs of query tiles (kernel PAIRED)
     head_tail: bool = True  # a head dim that is not a power of two: one and a tail tile, not padded (head_tiles)
+
+    def __post_init__(self) -> None:
+        if self.paired and (not self.persistent or self.dynamic):
+            raise ValueError(f"paired: an order for a persistent block's fixed share of the work items, not for "
+                             f"{'a dynamic scheduler' if self.dynamic else 'one block per item'}")
 
     def heads_per_group(self, *, causal: bool, kv_len: int, head_dim: int, itemsize: int) -> int:
         """HEAD_GROUP for this launch: 1 unless the causal blocks run heaviest first. The automatic choice keeps
@@ -91,7 +97,8 @@ class Variant:
                 "EVEN_N": kv_len % self.tile_n == 0, "HAS_WINDOW": window, "SOFTCAP": float(softcap),
                 "FAST_MATH": self.fast_math, "LOOP_SPLIT": self.loop_split, "MASK_BRANCH": self.mask_branch,
                 "REVERSE_ORDER": self.reverse_order, "K_LATENCY": self.k_latency, "V_LATENCY": self.v_latency,
-                "HEAD_GROUP": group, "PERSISTENT": self.persistent, "DYNAMIC": self.dynamic, "PHASE": phase}
+                "HEAD_GROUP": group, "PERSISTENT": self.persistent, "DYNAMIC": self.dynamic, "PAIRED": self.paired,
+                "PHASE": phase}
 
     def head_tiles(self, head_dim: int, value_dim: int | None = None) -> tuple[int, int, int, int]:
         """The kernel's TILE_D, TILE_D_TAIL, TILE_DV, TILE_DV_TAIL for these head dims."""
@@ -154,7 +161,8 @@ class Variant:
     def label(self) -> str:
         """A short name: tiles, hints, latencies and the switches that differ from the defaults."""
         flags = (("nosplit", not self.loop_split), ("branch", self.mask_branch), ("persistent", self.persistent),
-                 ("dynamic", self.dynamic), ("two-launch", self.two_launch), ("padded", not self.head_tail))
+                 ("dynamic", self.dynamic), ("paired", self.paired), ("two-launch", self.two_launch),
+                 ("padded", not self.head_tail))
         switches = "".join(f":{flag}" for flag, on in flags if on)
         group = {1: "", None: ":g-auto"}.get(self.head_group, f":g{self.head_group}")
         return f"{self.tile_m}x{self.tile_n}:{self.hints()}:L{self.k_latency},{self.v_latency}{switches}{group}"
@@ -315,6 +323,8 @@ def hopper_space(head_dim: int, causal: bool, value_dim: int | None = None) -> l
     streams = [] if causal else [streaming, replace(streaming, k_latency=4, v_latency=4)]
     if width == 64 or (width < 64 and not causal) or (width == 128 and causal):
         streams.append(replace(streaming, tile_n=256))
+        if causal:  # and with a fixed share of mirror pairs of query tiles (kernel PAIRED; session 19)
+            streams.append(replace(streaming, tile_n=256, paired=True))
     return space + streams + (sixteen_warp_space(head_dim, causal) if toolchain.sixteen_warps() else [])
 
 

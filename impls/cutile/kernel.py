@@ -21,6 +21,9 @@ Every step of the blog's optimisation ladder is a compile-time switch of this on
 - DYNAMIC:       not in the blog: a persistent block takes its next work item from an atomic counter instead
                  of every ``num_blocks``-th in turn. Causal items differ in length, and a fixed share leaves
                  some SMs idle at the end; a non-persistent grid gets this balance from the hardware scheduler.
+- PAIRED:        not in the blog: the other cure for that, with a fixed share. A causal query tile t of num_m
+                 sees about t + 1 key tiles, so tiles t and num_m - 1 - t of one head cost the same together: a
+                 persistent block takes such mirror pairs in turn, heavy tile first (see ``paired_item``).
 - PHASE:         not in the blog: the masked tiles and the mask-free tiles in two launches of this kernel.
                  Any mask in the loop body keeps the compiler's K/V pipeline shallow (99-132 KB on sm_90, where
                  a mask-free loop gets 198 KB), so launch 1 (DIAGONAL) runs only the masked tiles of every query
@@ -80,7 +83,7 @@ def fmha_fwd(
     CAUSAL: ConstBool, EVEN_N: ConstBool, HAS_WINDOW: ConstBool, SOFTCAP: ConstFloat,
     FAST_MATH: ConstBool, LOOP_SPLIT: ConstBool, MASK_BRANCH: ConstBool, REVERSE_ORDER: ConstBool,
     K_LATENCY: ConstInt, V_LATENCY: ConstInt, HEAD_GROUP: ConstInt, PERSISTENT: ConstBool, DYNAMIC: ConstBool,
-    PHASE: ConstInt,
+    PAIRED: ConstBool, PHASE: ConstInt,
 ):
     """One block per work item (grid: query tiles x batch * heads), or PERSISTENT: a grid of one block per SM
     slot, each taking every ``num_blocks``-th item in turn. The state arrays (B, Hq, Sq) float32 for the max
@@ -103,6 +106,13 @@ def fmha_fwd(
                               TILE_DV, TILE_DV_TAIL, TILE_M, TILE_N, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP, FAST_MATH,
                               LOOP_SPLIT, MASK_BRANCH, K_LATENCY, V_LATENCY, PHASE)
             linear = ct.num_blocks(0) + ct.atomic_add(NextItem, 0, 1)
+    elif PERSISTENT and PAIRED and heaviest_first:  # pair p: items 2p and 2p + 1 of the paired order
+        for step in range(paired_steps(ct.bid(0), ct.num_blocks(0), num_items)):
+            tile_m, batch_head = paired_item(paired_linear(step, ct.bid(0), ct.num_blocks(0), num_items), num_m)
+            attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_head, qk_scale,
+                              causal_offset, window_left, window_right, num_heads, group, TILE_D, TILE_D_TAIL,
+                              TILE_DV, TILE_DV_TAIL, TILE_M, TILE_N, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP, FAST_MATH,
+                              LOOP_SPLIT, MASK_BRANCH, K_LATENCY, V_LATENCY, PHASE)
     elif PERSISTENT:
         for linear in range(ct.bid(0), num_items, ct.num_blocks(0)):
             tile_m, batch_head = work_item(linear, num_m, num_bh, heaviest_first, HEAD_GROUP)
@@ -181,6 +191,30 @@ def work_item(linear, num_m, num_bh, HEAVIEST_FIRST, HEAD_GROUP):
     else:
         tile_m, batch_head = linear % num_m, linear // num_m
     return tile_m, batch_head
+
+
+def paired_steps(block, num_blocks, num_items):
+    """How many items persistent block ``block`` runs in the paired order: both items of pairs ``block``,
+    ``block + num_blocks``, ..."""
+    num_pairs = ct.cdiv(num_items, 2)
+    return 2 * (max(num_pairs - block + num_blocks - 1, 0) // num_blocks)
+
+
+def paired_linear(step, block, num_blocks, num_items):
+    """The item of a block's ``step``: 2p and 2p + 1 of its pair p. With an odd item count the last pair has
+    one item, run twice (the same output stored twice)."""
+    return min(2 * (block + step // 2 * num_blocks) + step % 2, num_items - 1)
+
+
+def paired_item(linear, num_m):
+    """(query tile, batch * head) of item ``linear`` in the paired order: a head's items alternate between its
+    heaviest remaining query tile and the lightest (num_m - 1, 0, num_m - 2, 1, ...), so that items 2p and 2p + 1
+    cost about the same as any other such pair. Heads go in order: the pairs running at once share few heads'
+    K/V (a head's num_m / 2 pairs are neighbours), as the head groups of ``work_item`` do."""
+    rank = linear % num_m
+    light = rank % 2  # odd ranks take the light tiles 0, 1, ...; even ones the heavy num_m - 1, num_m - 2, ...
+    tile_m = light * (rank // 2) + (1 - light) * (num_m - 1 - rank // 2)
+    return tile_m, linear // num_m
 
 
 def attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_head, qk_scale, causal_offset,
