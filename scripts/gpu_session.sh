@@ -43,6 +43,7 @@
 #             16 / 32 / 128 heads heaviest-first together (graph time)
 #   paired:   scripts/tuner_probe.py on causal models and blog cases: the persistent 128x256 with a paired share
 #             against its plain fixed share and the usual one-block-per-tile picks (graph time)
+#   paired-more: the same cases' usual picks (64x128, 128x128, 256x64) as persistent paired blocks too
 #   tuner-ab: the causal models and blog cases, cutile only, tuned from cold by each dense tuner of TUNERS (default
 #             "exhaustive sustained", FMHA_TUNER) into a cache of its own, then benchmarked (graph timing): which
 #             tuner's picks the suite measures faster (about 350 s a tuner: one call each)
@@ -250,6 +251,20 @@ for part in "$@"; do
         --case llama3-8b-bf16-causal-h32:8-s4096x4096-d128-b4 --case phi3-mini-bf16-causal-h32:32-s4096x4096-d96-b4 \
         --case fp16-causal-h32:32-s4096x4096-d128-b4
       grep picks "$out/paired.log"
+      ;;
+    paired-more)
+      # the tuner's one-block-per-tile picks again as persistent blocks with a paired share (tuner_probe.py
+      # --paired-of), beside themselves and the persistent 128x256 forms (graph time)
+      step paired-more 480 python3 scripts/tuner_probe.py --methods graph --match '*persistent*' \
+        --match '64x128:*2}:L2,4:g-auto' --match '128x128:*8}:L2,4:g-auto' --match '256x64:*' \
+        --paired-of '64x128:*2}:L2,4:g-auto' --paired-of '128x128:*8}:L2,4:g-auto' --paired-of '256x64:*' \
+        --case gpt2-bf16-causal-h12:12-s4096x4096-d64-b4 --case gpt2-bf16-causal-h12:12-s32768x32768-d64 \
+        --case phi3-mini-bf16-causal-h32:32-s4096x4096-d96-b4 --case phi3-mini-bf16-causal-h32:32-s32768x32768-d96 \
+        --case llama3-8b-bf16-causal-h32:8-s4096x4096-d128-b4 --case qwen2.5-7b-bf16-causal-h28:4-s4096x4096-d128-b4 \
+        --case mistral-7b-bf16-causal-h32:8-s4096x4096-d128-w4096:0-b4 \
+        --case deepseek-v3-mla-tp8-bf16-causal-h16:16-s4096x4096-d192-dv128-b4 \
+        --case fp16-causal-h32:32-s4096x4096-d128-b4 --case fp16-causal-h32:32-s2048x2048-d128-b4
+      grep picks "$out/paired-more.log"
       ;;
     tuner-ab)
       for t in ${TUNERS:-exhaustive sustained}; do

@@ -14,7 +14,8 @@ per case with each method's pick and what that pick costs under graph time.
 
 ``--match GLOB`` keeps the candidates whose label matches; ``--head-groups 16 64`` adds each of them again with
 that many heads ordered heaviest-first together (causal; the tuner's own choice is ``g-auto``);
-``--methods graph`` times one way only.
+``--paired-of GLOB`` adds the candidates whose label matches again as persistent blocks taking mirror pairs
+of causal query tiles (``Variant.paired``); ``--methods graph`` times one way only.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ METHODS = ("tune", "graph", "do_bench")
 
 
 def probe(case_id: str, repeats: int, wide_persistent: bool, head_groups: list[int], match: list[str],
-          methods: list[str]) -> None:
+          methods: list[str], paired_of: list[str]) -> None:
     from impls.cutile import HOPPER_STREAMING, Call, exhaustive_timings, precompile, search_space
 
     case = case_by_id(case_id)
@@ -45,7 +46,10 @@ def probe(case_id: str, repeats: int, wide_persistent: bool, head_groups: list[i
     extra = replace(HOPPER_STREAMING, tile_n=256)
     if wide_persistent and extra not in space:
         space.append(extra)
+    pairable = [var for var in space if case.causal and not var.persistent
+                and any(fnmatchcase(var.label(), glob) for glob in paired_of)]
     space = [var for var in space if any(fnmatchcase(var.label(), glob) for glob in match or ["*"])]
+    space += [replace(var, persistent=True, paired=True) for var in pairable]
     space += [replace(var, head_group=group) for var in space for group in head_groups if case.causal]
     calls = precompile([Call(var, q, k, v, out=out, causal=case.causal, scale=case.d ** -0.5, **case.variants)
                         for var in space])
@@ -87,10 +91,13 @@ def main() -> None:
                         help="causal: matched candidates again with these explicit head groups")
     parser.add_argument("--match", action="append", default=[], metavar="GLOB",
                         help="keep only the candidates with a label like this (repeatable; default: all)")
+    parser.add_argument("--paired-of", action="append", default=[], metavar="GLOB",
+                        help="causal: candidates with a label like this again as persistent blocks taking mirror "
+                             "pairs of query tiles (repeatable)")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     args = parser.parse_args()
     for case_id in args.case:
-        probe(case_id, args.repeats, args.wide_persistent, args.head_groups, args.match, args.methods)
+        probe(case_id, args.repeats, args.wide_persistent, args.head_groups, args.match, args.methods, args.paired_of)
 
 
 if __name__ == "__main__":
