@@ -339,11 +339,16 @@ def sixteen_warp_space(head_dim: int, causal: bool) -> list[Variant]:
     persistent 128x256, which 13.5 compiles to 412). Measured and left out: 128x128 and 128x64 with 16 warps at
     D=64 (190-276), and at D=128 every spill-free 16-warp shape (128x64, 128x32, 256x32: 184-449 against 440-598
     for the 8-warp candidates). Session 16, D=96 (64 + 32): causal 361 / 425 / 487 against 364 / 407 / 467 for the
-    tuner's 8-warp candidates, non-causal 462 / 480 / 509 and 475 / 480 / 496 persistent against 457 / 474 / 490."""
+    tuner's 8-warp candidates, non-causal 462 / 480 / 509 and 475 / 480 / 496 persistent against 457 / 474 / 490.
+    Session 19 (H200, graph time, bf16, causal, 4 x 4K): persistent with a paired share (``Variant.paired``),
+    Phi-3-mini (D=96) 469 against 438 as a block a tile, GPT-2 (D=64) 404 against 396; at 1 x 32K within 3% of
+    it either way (Phi-3 507 / 502, GPT-2 455 / 467), where the tuner has other candidates ahead."""
     if head_tiles(head_dim)[0] > 64:
         return []
     tall = replace(HOPPER_WIDE, tile_m=256, tile_n=64, num_worker_warps=16)
-    return [tall] if causal else [tall, replace(tall, persistent=True, k_latency=3, v_latency=6)]
+    if causal:
+        return [tall, replace(tall, persistent=True, paired=True)]
+    return [tall, replace(tall, persistent=True, k_latency=3, v_latency=6)]
 
 
 def other_forms() -> list[Variant]:
