@@ -303,9 +303,16 @@ def hopper_space(head_dim: int, causal: bool, value_dim: int | None = None) -> l
     ragged one; D=96: 140 KB, 40 B ragged). H200, bf16, GQA 32:8 (Llama-3-8B), graph time, TFLOPS: 4 x 4K 550
     against 540 for the best one-block-per-tile candidate, 1 x 32K 647 against 578 (flash-attn4 568 / 650 in
     session 13); without GQA (blog, fp16, 32 heads) it loses below 16K (2K / 4K / 8K 315 / 453 / 505 against
-    483 / 503 / 532), where the tuner keeps the others. 256x64 blocks of 8
-    warps (two warpgroups of 128 rows, no spill at D=64) trailed everywhere (causal 413, full 411 at 16K; 256x128
-    spills); of 16 warps (four warpgroups, tileiras 13.5) they lead on long rows: ``sixteen_warp_space``.
+    483 / 503 / 532), where the tuner keeps the others. Session 19: much of that loss was the fixed share. Causal
+    items differ in work, and at about 8 items a block (the 70B slice at 4 x 4K: 1024 on 132 blocks) taking every
+    132nd gives the busiest block 1.8x the mean; in mirror pairs of query tiles (``paired``) 1.03x. H200, bf16,
+    graph time, fixed / paired share: 70B slice 4 x 4K 364 / 561 (best one-block-per-tile candidate 540), 1 x 32K
+    566 / 638 (587), Qwen2.5 4 x 4K 508 / 544, Phi-3 1 x 32K 479 / 549, GPT-2 4 x 4K 278 / 349, blog fp16 2K / 4K
+    317 / 421 and 447 / 477; level (within 2%) on Llama-3-8B and Mistral 4 x 4K. Both stay candidates (the tuner
+    kept the fixed share for Qwen2.5 1 x 32K); in the suite the 70B slice went 495 / 584 -> 528 / 656.
+    256x64 blocks of 8 warps (two warpgroups of 128 rows, no spill at D=64) trailed everywhere (causal 413, full
+    411 at 16K; 256x128 spills); of 16 warps (four warpgroups, tileiras 13.5) they lead on long rows:
+    ``sixteen_warp_space``.
     """
     wide, streaming, width = HOPPER_WIDE, HOPPER_STREAMING, tile_d(head_dim)
     accumulator = tile_d(value_dim or head_dim)
