@@ -81,7 +81,8 @@ def test_sixteen_warps_run_head_dims_whose_first_tile_is_64_at_most():
         assert sixteen_warp_space(head_dim, True) == [] == sixteen_warp_space(head_dim, False)
     for head_dim in (32, 64, 72, 80, 96):
         assert [v.tile_m for v in sixteen_warp_space(head_dim, False)] == [256, 256]
-        assert [v.persistent for v in sixteen_warp_space(head_dim, True)] == [False]
+        # causal: one block a tile, and persistent only with the paired share (session 19)
+        assert [(v.persistent, v.paired) for v in sixteen_warp_space(head_dim, True)] == [(False, False), (True, True)]
 
 
 def test_a_readable_request_is_offered_and_opens_the_sixteen_warp_space(bytecode, monkeypatch):
@@ -95,7 +96,7 @@ def test_a_readable_request_is_offered_and_opens_the_sixteen_warp_space(bytecode
     assert toolchain.sixteen_warps() and requires("cuda") is None and toolchain.describe()["bytecode"] == "13.5"
     for head_dim in (64, 96):
         assert hopper_space(head_dim, False)[-2:] == sixteen_warp_space(head_dim, False)
-        assert search_space((9, 0), head_dim, causal=True)[-1:] == sixteen_warp_space(head_dim, True)
+        assert search_space((9, 0), head_dim, causal=True)[-2:] == sixteen_warp_space(head_dim, True)
     assert all(v.num_worker_warps != 16 for v in hopper_space(128, False))
     assert all(v.num_worker_warps != 16 for v in search_space((10, 0), 64, causal=False))  # Hopper's only
 
