@@ -90,7 +90,13 @@ def test_paired_share_fixes_the_fixed_share_at_few_items_a_block():
     assert busiest_over_mean(paired=True) < 1.04
 
 
-@pytest.mark.parametrize("form", [dict(persistent=False), dict(persistent=True, dynamic=True)])
+@pytest.mark.parametrize("form", [dict(persistent=False), dict(persistent=True, dynamic=True),
+                                  dict(persistent=True, reverse_order=False)])
 def test_paired_order_is_for_a_persistent_fixed_share_only(form):
     with pytest.raises(ValueError, match="paired"):
         Variant(128, 256, paired=True, **form)
+
+
+def test_a_paired_two_launch_variant_runs_its_diagonal_as_one_block_per_tile():
+    diagonal = Variant(128, 256, persistent=True, paired=True, two_launch=True).diagonal()
+    assert not (diagonal.persistent or diagonal.paired or diagonal.reverse_order)

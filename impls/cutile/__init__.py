@@ -60,9 +60,12 @@ class Variant:
     head_tail: bool = True  # a head dim that is not a power of two: one and a tail tile, not padded (head_tiles)
 
     def __post_init__(self) -> None:
-        if self.paired and (not self.persistent or self.dynamic):
-            raise ValueError(f"paired: an order for a persistent block's fixed share of the work items, not for "
-                             f"{'a dynamic scheduler' if self.dynamic else 'one block per item'}")
+        # the kernel takes PAIRED only for a persistent fixed share of heaviest-first causal work: refuse the rest
+        conflict = ("one block per item" if not self.persistent else "a dynamic scheduler" if self.dynamic
+                    else "plain order (reverse_order=False)" if not self.reverse_order else None)
+        if self.paired and conflict:
+            raise ValueError(f"paired: an order for a persistent block's fixed share of heaviest-first work items, "
+                             f"not for {conflict}")
 
     def heads_per_group(self, *, causal: bool, kv_len: int, head_dim: int, itemsize: int) -> int:
         """HEAD_GROUP for this launch: 1 unless the causal blocks run heaviest first. The automatic choice keeps
@@ -135,7 +138,7 @@ class Variant:
     def diagonal(self) -> Variant:
         """Launch 1 of a two-launch variant: one block per query tile, all alike (a tile or two of masked work
         each), in plain order."""
-        return replace(self, persistent=False, reverse_order=False)
+        return replace(self, persistent=False, reverse_order=False, paired=False)
 
     def state(self, q: torch.Tensor, value_dim: int | None = None) -> tuple[torch.Tensor, ...]:
         """The kernel's workspace: the softmax state the two launches pass on (max and sum (B, Hq, Sq) and the
