@@ -50,7 +50,9 @@ def probe(case_id: str, repeats: int, wide_persistent: bool, head_groups: list[i
                 and any(fnmatchcase(var.label(), glob) for glob in paired_of)]
     space = [var for var in space if any(fnmatchcase(var.label(), glob) for glob in match or ["*"])]
     space += [replace(var, persistent=True, paired=True) for var in pairable]
-    space += [replace(var, head_group=group) for var in space for group in head_groups if case.causal]
+    # the paired order takes no head group: only the others again with one
+    space += [replace(var, head_group=group) for var in space for group in head_groups
+              if case.causal and not var.paired]
     calls = precompile([Call(var, q, k, v, out=out, causal=case.causal, scale=case.d ** -0.5, **case.variants)
                         for var in space])
     times: dict[str, dict[str, list[float]]] = {call.variant.label(): {m: [] for m in methods} for call in calls}
