@@ -44,9 +44,10 @@
 #   paired:   scripts/tuner_probe.py on causal models and blog cases: the persistent 128x256 with a paired share
 #             against its plain fixed share and the usual one-block-per-tile picks (graph time)
 #   paired-more: the same cases' usual picks (64x128, 128x128, 256x64) as persistent paired blocks too
-#   tuner-ab: the causal models and blog cases, cutile only, tuned from cold by each dense tuner of TUNERS (default
-#             "exhaustive sustained", FMHA_TUNER) into a cache of its own, then benchmarked (graph timing): which
-#             tuner's picks the suite measures faster (about 350 s a tuner: one call each)
+#   tuner-ab: the causal cases of TUNER_GRIDS (default "models blog"), cutile only, tuned from cold by each dense
+#             tuner of TUNERS (default "exhaustive settled", FMHA_TUNER) into a cache of its own (/tmp/fmha/tuning-T),
+#             then benchmarked (graph timing): which tuner's picks the suite measures faster (the first tuner
+#             compiles: about 350 s for models and blog; the next ones reuse CUDA_TILE_CACHE_DIR's cubins)
 #   tall:     head dim 64: 256-row cuTile blocks beside the tuner's picks and cuDNN (sweep)
 #   d64causal: the persistent 128x256 causal candidate at D<=64: edge cases, memcheck, fa3/GPT-2 benchmarks
 #   decode-probe: scripts/serving_probe.py on the 256-sequence serving cases: every cuTile decode candidate and
@@ -267,9 +268,11 @@ for part in "$@"; do
       grep picks "$out/paired-more.log"
       ;;
     tuner-ab)
-      for t in ${TUNERS:-exhaustive sustained}; do
+      read -ra grids <<< "${TUNER_GRIDS:-models blog}"
+      grid_args=(); for grid in "${grids[@]}"; do grid_args+=(--grid "$grid"); done
+      for t in ${TUNERS:-exhaustive settled}; do
         step "tuner-$t" 560 env FMHA_TUNER="$t" FMHA_TUNING_CACHE="/tmp/fmha/tuning-$t" python3 -m pytest suite \
-          "${bench[@]}" --grid models --grid blog -k causal --timing graph --impl cutile --benchmark-json="$out/tuner-$t.json"
+          "${bench[@]}" "${grid_args[@]}" -k causal --timing graph --impl cutile --benchmark-json="$out/tuner-$t.json"
       done
       ;;
     mla)

@@ -15,7 +15,9 @@ per case with each method's pick and what that pick costs under graph time.
 ``--match GLOB`` keeps the candidates whose label matches; ``--head-groups 16 64`` adds each of them again with
 that many heads ordered heaviest-first together (causal; the tuner's own choice is ``g-auto``);
 ``--paired-of GLOB`` adds the candidates whose label matches again as persistent blocks taking mirror pairs
-of causal query tiles (``Variant.paired``); ``--methods graph`` times one way only.
+of causal query tiles (``Variant.paired``); ``--methods graph`` times one way only; ``--methods settled`` times
+each candidate alone after 0.25 s of its own calls (``impls._tuning.settled_times``, the ``settled`` tuner's
+second round), the suite's way.
 """
 
 from __future__ import annotations
@@ -28,11 +30,11 @@ from fnmatch import fnmatchcase
 import torch
 import triton
 
-from impls._tuning import graph_ms, settle_gpu
+from impls._tuning import graph_ms, settle_gpu, settled_times
 from suite.cases import case_by_id
 from suite.metrics import flops
 
-METHODS = ("tune", "graph", "do_bench")
+METHODS = ("tune", "graph", "do_bench", "settled")
 
 
 def probe(case_id: str, repeats: int, wide_persistent: bool, head_groups: list[int], match: list[str],
@@ -67,6 +69,9 @@ def probe(case_id: str, repeats: int, wide_persistent: bool, head_groups: list[i
                 settle_gpu()
                 for call in calls:
                     times[call.variant.label()][method].append(time_call(call))
+        if "settled" in methods:  # each alone at the clocks it sustains, as the suite times it
+            for call, ms in zip(calls, settled_times(calls), strict=True):
+                times[call.variant.label()]["settled"].append(ms)
     work = flops(case)
     best = {}
     for label, by_method in times.items():
@@ -85,7 +90,7 @@ def probe(case_id: str, repeats: int, wide_persistent: bool, head_groups: list[i
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--case", action="append", required=True, help="a dense case id (repeatable)")
-    parser.add_argument("--repeats", type=int, default=2, help="rounds of the three methods")
+    parser.add_argument("--repeats", type=int, default=2, help="rounds of the methods")
     parser.add_argument("--wide-persistent", action="store_true",
                         help="the persistent 128x256 (L3,6) beside the space, where it is not in it (causal D=128: "
                              "165 KB of pipeline, no stack with whole key tiles, sm_90, tileiras 13.5)")

@@ -6,6 +6,7 @@ No GPU is needed: ``cuda.tile.compilation.export_kernel`` runs the whole compile
 import itertools
 import os
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -183,6 +184,42 @@ def test_search_space_holds_single_launches_only():
                 assert persistent == ([(128, 256, False), (128, 256, True)] if hopper_wide else [])
                 # tileiras 13.5's blocks of 16 warps: causal and persistent only with a paired share
                 assert all(v.paired for v in space if causal and v.persistent and v.num_worker_warps == 16)
+
+
+def test_settled_tuner_times_again_only_the_candidates_near_the_searchs_best(monkeypatch):
+    # FMHA_TUNER=settled: exhaustive_search first; the candidates within FINALIST_MARGIN of its best are timed
+    # again each at its own sustained clocks, and that decides. Where the search alone decides (the default),
+    # its best is the pick.
+    import impls.cutile as cutile
+    from impls import _tuning
+
+    space = [Variant(64, 128, occupancy=2), HOPPER_WIDE, replace(HOPPER_WIDE, persistent=True, tile_n=256)]
+    times = dict(zip(space, (100.0, 140.0, 102.0), strict=True))  # us: the second is out of the running
+    result = SimpleNamespace(best=SimpleNamespace(config=space[0]),
+                             successes=[SimpleNamespace(config=v, mean_us=t) for v, t in times.items()])
+    retimed = []
+
+    def settled_fastest(candidates):
+        candidates = list(candidates)
+        retimed.extend(variant for variant, _ in candidates)
+        assert all(call.variant is variant for variant, call in candidates)
+        return candidates[-1][0]
+
+    monkeypatch.setenv("FMHA_TUNING", "off")
+    monkeypatch.setattr(cutile, "precompile", lambda calls: calls)
+    monkeypatch.setattr(cutile, "settle_gpu", lambda device: None)
+    monkeypatch.setattr(cutile, "exhaustive_timings", lambda calls: result)
+    monkeypatch.setattr(cutile, "settled_fastest", settled_fastest)
+    monkeypatch.setattr(cutile.TUNING, "key", lambda device, shape: repr(shape))
+    picks = {}
+    for tuner in ("exhaustive", "settled"):
+        monkeypatch.setenv("FMHA_TUNER", tuner)
+        picks[tuner], cached = cutile.tuned(("test-shape", tuner), torch.device("cpu"), space,
+                                            lambda v: SimpleNamespace(variant=v))
+        assert not cached
+    assert picks == {"exhaustive": space[0], "settled": space[2]}
+    assert retimed == [space[0], space[2]]  # fastest first; 140 us is more than 3% behind
+    assert _tuning.FINALIST_MARGIN == 0.03
 
 
 @pytest.mark.parametrize("head_dim", [40, 64])

@@ -354,6 +354,8 @@ def test_the_dense_tuner_is_named_or_refused(monkeypatch):
     assert _tuning.dense_tuner() == "exhaustive"
     monkeypatch.setenv("FMHA_TUNER", "sustained")
     assert _tuning.dense_tuner() == "sustained"
+    monkeypatch.setenv("FMHA_TUNER", "settled")
+    assert _tuning.dense_tuner() == "settled"
     monkeypatch.setenv("FMHA_TUNER", "fastest")
     with pytest.raises(ValueError, match="FMHA_TUNER='fastest'"):
         _tuning.dense_tuner()
@@ -371,3 +373,25 @@ def test_sustained_tuner_ranks_by_the_median_of_interleaved_rounds(monkeypatch):
     assert pick == "steady"
     assert calls == ["settle", 3, 3, 3, 3, 3]  # settled once, after every capture, then five rounds of all three
     assert _tuning.interleaved_medians(lambda: [2.0, 1.0], 1) == [2.0, 1.0]
+
+
+def test_finalists_are_the_candidates_near_the_best_fastest_first():
+    timings = [("a", 1.02), ("b", 1.0), ("c", 1.031), ("d", 1.5)]
+    assert _tuning.finalists(timings, margin=0.03) == ["b", "a"]
+    assert _tuning.finalists(timings, margin=0.5) == ["b", "a", "c", "d"]
+    assert _tuning.finalists([]) == []
+
+
+def test_settled_times_settle_each_call_on_itself_and_alternate_the_order(monkeypatch):
+    # Each call is timed right after its own settling (whose length comes from one timed replay, the 9.0s);
+    # pass 2 runs the calls in reverse; a call's time is the mean of its passes' medians, per call (a replay
+    # holds 2 calls). a: medians 2.0 and 3.0 -> 1.0 and 1.5 per call; b: 1.0 (a 9.0 outlier) and 5.0 -> 0.5, 2.5.
+    events = []
+    clock = {"a": iter([9.0, 2.0, 2.2, 2.0, 9.0, 3.0, 3.0, 3.0]), "b": iter([9.0, 1.0, 9.0, 1.0, 9.0, 5.0, 5.2, 5.0])}
+    monkeypatch.setattr(_tuning, "_replay", lambda call, replay_ms: (call, 2))
+    monkeypatch.setattr(_tuning, "settle", lambda target, seconds, per_call, sync: events.append(target))
+    monkeypatch.setattr(_tuning, "_event_ms", lambda replay: next(clock[replay]))
+    assert _tuning.settled_times(["a", "b"], rounds=3) == pytest.approx([1.25, 1.5])
+    assert events == ["a", "b", "b", "a"]
+    monkeypatch.setattr(_tuning, "settled_times", lambda calls, **timing: [3.0, 1.0, 2.0])
+    assert _tuning.settled_fastest([("x", None), ("y", None), ("z", None)]) == "y"

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import torch
 
 from impls._registry import HALF, Prepared, length_class, module_available, parallel_class, register
-from impls._tuning import TUNERS, TuningCache, dense_tuner, settle_gpu, sustained_fastest
+from impls._tuning import TUNERS, TuningCache, dense_tuner, finalists, settle_gpu, settled_fastest, sustained_fastest
 from impls._validate import NO_WINDOW, window_bounds
 from impls.cutile import toolchain
 
@@ -516,8 +516,10 @@ def tuned(shape: tuple, device: torch.device, space: list[Variant],
           make_call: Callable[[Variant], Launches]) -> tuple[Variant, bool]:
     """The fastest variant of ``space`` for shape class ``shape`` (``make_call`` prepares one candidate; all
     share one output), and whether it came from the tuning cache. ``FMHA_TUNER`` says how candidates are timed:
-    ``exhaustive`` (default: ``cuda.tile.tune.exhaustive_search``) or ``sustained`` (``sustained_fastest``: graph
-    replays interleaved at sustained clocks, as the suite times; its picks are cached apart)."""
+    ``exhaustive`` (default: ``cuda.tile.tune.exhaustive_search``), ``settled`` (that, then the candidates within
+    ``FINALIST_MARGIN`` of its best again by ``settled_times``: each alone at the clocks it sustains, as the suite
+    times) or ``sustained`` (``sustained_fastest``: graph replays interleaved). Each method's picks are cached
+    apart."""
     method = dense_tuner()
 
     def search() -> dict:
@@ -528,7 +530,12 @@ def tuned(shape: tuple, device: torch.device, space: list[Variant],
             if method == "sustained":
                 return sustained_fastest((call.variant, call) for call in calls).describe()
             settle_gpu(device)  # compiling was a pause: time every candidate at sustained clocks
-            return exhaustive_timings(calls).best.config.describe()
+            result = exhaustive_timings(calls)
+            if method == "settled":
+                by_variant = {call.variant: call for call in calls}
+                near = finalists((m.config, m.mean_us) for m in result.successes)
+                return settled_fastest((variant, by_variant[variant]) for variant in near).describe()
+            return result.best.config.describe()
 
     shape = shape if method == TUNERS[0] else (*shape, f"tuner={method}")  # each method's picks kept apart
     return remembered(TUNING.key(device, shape), search, Variant)
