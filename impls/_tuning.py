@@ -30,11 +30,17 @@ from typing import Any
 import torch
 
 MODES = ("on", "off", "retune")
-# How the cuTile dense tuner ranks its candidates (FMHA_TUNER): cuda.tile.tune.exhaustive_search; that, then its
-# finalists (within FINALIST_MARGIN of its best) again by ``settled_times``; or ``sustained_fastest`` (see
-# there). H200, session 18 (gpu_session.sh tuner-ab, 23 causal cases): sustained made the same pick on 17; on
-# the other 6 exhaustive's pick ran within 1% or up to 7% faster in the suite.
-TUNERS = ("exhaustive", "settled", "sustained")
+# How the cuTile dense tuner ranks its candidates (FMHA_TUNER; the first is the default): ``settled``,
+# cuda.tile.tune.exhaustive_search and then its finalists (within FINALIST_MARGIN of its best) again by
+# ``settled_times``; ``exhaustive``, the search alone; or ``sustained_fastest`` (see there). H200, session 18
+# (gpu_session.sh tuner-ab, 23 causal cases): sustained made the same pick as exhaustive on 17; on the other 6
+# exhaustive's pick ran within 1% or up to 7% faster in the suite. Session 20 (the 18 models cases, each tuner
+# from cold, then both again from their caches): settled chose otherwise on 7 and its picks ran faster in the
+# suite on Qwen2.5-7B 4 x 4K (521 / 529 TFLOPS against 498 / 498) and 1 x 32K (628 / 646 against 594 / 611), MLA
+# 4 x 4K (499 / 505 against 486 / 488) and 1 x 32K (571 / 588 against 567 / 574) and GPT-2 4 x 4K (393 / 393
+# against 387 / 389); level on Gemma-2 (local 4 x 4K 485 / 499 against 503 / 500, global 1 x 32K 556 / 553
+# against 556 / 561).
+TUNERS = ("settled", "exhaustive", "sustained")
 FINALIST_MARGIN = 0.03
 
 

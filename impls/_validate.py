@@ -68,6 +68,18 @@ def window_bounds(window: tuple[int, int], causal: bool) -> tuple[int, int]:
     return left, 0 if causal else right
 
 
+def binding_window(window: tuple[int, int], causal: bool, q_len: int, kv_len: int) -> tuple[int, int]:
+    """``window`` with each side that hides no key unbounded (-1), so NO_WINDOW where it hides none: a kernel
+    then runs without the window's masks and loops (flash-attn drops such a side too). Mistral-7B's window of
+    4096 over a 4K prefill is the common case. Bottom-right aligned: the last query row sits at key position
+    kv_len - 1 and the first at kv_len - q_len, so the left side hides a key iff left < kv_len - 1, and the right
+    side (not causal; causal already hides everything right of a row) iff right < q_len - 1."""
+    left, right = window
+    left = left if 0 <= left < kv_len - 1 else -1
+    right = right if not causal and 0 <= right < q_len - 1 else -1
+    return left, right
+
+
 def validate_variants(window: tuple[int, int] | None, softcap: float) -> tuple[tuple[int, int], float]:
     """The model variants: ``window=(left, right)`` of ints >= -1 (-1: unbounded), ``softcap >= 0``."""
     window = NO_WINDOW if window is None else window

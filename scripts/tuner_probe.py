@@ -17,7 +17,9 @@ that many heads ordered heaviest-first together (causal; the tuner's own choice 
 ``--paired-of GLOB`` adds the candidates whose label matches again as persistent blocks taking mirror pairs
 of causal query tiles (``Variant.paired``); ``--methods graph`` times one way only; ``--methods settled`` times
 each candidate alone after 0.25 s of its own calls (``impls._tuning.settled_times``, the ``settled`` tuner's
-second round), the suite's way.
+second round), the suite's way; ``--two-launch-of GLOB`` adds the candidates whose label matches again as two
+launches (kernel PHASE: the masked tiles, then the mask-free ones in a persistent launch), and then checks every
+candidate's output against the float64 oracle before timing.
 """
 
 from __future__ import annotations
@@ -32,13 +34,14 @@ import triton
 
 from impls._tuning import graph_ms, settle_gpu, settled_times
 from suite.cases import case_by_id
+from suite.checks import Oracle
 from suite.metrics import flops
 
 METHODS = ("tune", "graph", "do_bench", "settled")
 
 
 def probe(case_id: str, repeats: int, wide_persistent: bool, head_groups: list[int], match: list[str],
-          methods: list[str], paired_of: list[str]) -> None:
+          methods: list[str], paired_of: list[str], two_launch_of: list[str]) -> None:
     from impls.cutile import HOPPER_STREAMING, Call, exhaustive_timings, precompile, search_space
 
     case = case_by_id(case_id)
@@ -48,20 +51,34 @@ def probe(case_id: str, repeats: int, wide_persistent: bool, head_groups: list[i
     extra = replace(HOPPER_STREAMING, tile_n=256)
     if wide_persistent and extra not in space:
         space.append(extra)
-    pairable = [var for var in space if case.causal and not var.persistent
-                and any(fnmatchcase(var.label(), glob) for glob in paired_of)]
-    space = [var for var in space if any(fnmatchcase(var.label(), glob) for glob in match or ["*"])]
+
+    def like(var, globs: list[str]) -> bool:
+        return any(fnmatchcase(var.label(), glob) for glob in globs)
+
+    pairable = [var for var in space if case.causal and not var.persistent and like(var, paired_of)]
+    # two launches (kernel PHASE): the masked tiles, then the mask-free ones persistent, with each share
+    splittable = [var for var in space if case.causal and like(var, two_launch_of)]
+    space = [var for var in space if like(var, match or ["*"])]
     space += [replace(var, persistent=True, paired=True) for var in pairable]
+    space += [replace(var, persistent=True, paired=paired, two_launch=True) for var in splittable
+              for paired in (False, True)]
     # the paired order takes no head group: only the others again with one
     space += [replace(var, head_group=group) for var in space for group in head_groups
               if case.causal and not var.paired]
     calls = precompile([Call(var, q, k, v, out=out, causal=case.causal, scale=case.d ** -0.5, **case.variants)
                         for var in space])
+    if two_launch_of:  # forms outside the tuner's space: their outputs against the float64 oracle first
+        oracle = Oracle.dense(q, k, v, causal=case.causal, scale=case.d ** -0.5, **case.variants)
+        for call in calls:
+            check = oracle.check(call().clone())
+            print(json.dumps({"case": case_id, "candidate": call.variant.label(), "check": check.passed,
+                              "max_error": check.max_error}), flush=True)
+        calls = [call for call in calls if oracle.check(call().clone()).passed]
     times: dict[str, dict[str, list[float]]] = {call.variant.label(): {m: [] for m in methods} for call in calls}
     for _ in range(repeats):
         if "tune" in methods:
             settle_gpu()
-            for measured in exhaustive_timings(calls).successes:
+            for measured in exhaustive_timings([call for call in calls if len(call.launches) == 1]).successes:
                 times[measured.config.label()]["tune"].append(measured.mean_us / 1e3)
         for method, time_call in (("graph", lambda call: graph_ms(call, repeats=20)),
                                   ("do_bench", triton.testing.do_bench)):
@@ -101,10 +118,15 @@ def main() -> None:
     parser.add_argument("--paired-of", action="append", default=[], metavar="GLOB",
                         help="causal: candidates with a label like this again as persistent blocks taking mirror "
                              "pairs of query tiles (repeatable)")
+    parser.add_argument("--two-launch-of", action="append", default=[], metavar="GLOB",
+                        help="causal: candidates with a label like this again as two launches, the mask-free one "
+                             "persistent (repeatable; every candidate's output is then checked first, and "
+                             "exhaustive_search, which times one launch, leaves them out)")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     args = parser.parse_args()
     for case_id in args.case:
-        probe(case_id, args.repeats, args.wide_persistent, args.head_groups, args.match, args.methods, args.paired_of)
+        probe(case_id, args.repeats, args.wide_persistent, args.head_groups, args.match, args.methods, args.paired_of,
+              args.two_launch_of)
 
 
 if __name__ == "__main__":

@@ -351,6 +351,8 @@ def test_settling_a_tuner_is_nothing_off_cuda():
 
 def test_the_dense_tuner_is_named_or_refused(monkeypatch):
     monkeypatch.delenv("FMHA_TUNER", raising=False)
+    assert _tuning.dense_tuner() == "settled"
+    monkeypatch.setenv("FMHA_TUNER", "exhaustive")
     assert _tuning.dense_tuner() == "exhaustive"
     monkeypatch.setenv("FMHA_TUNER", "sustained")
     assert _tuning.dense_tuner() == "sustained"

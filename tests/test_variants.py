@@ -7,6 +7,7 @@ import torch
 
 import impls
 from impls._reference import attention_ref, visible
+from impls._validate import NO_WINDOW, binding_window
 from suite import metrics
 from suite.cases import PRESETS, Case
 from suite.checks import Oracle
@@ -23,6 +24,21 @@ def test_a_window_is_bottom_right_like_causal():
     seen = visible(3, 5, causal=True, window=(1, 0))
     assert seen.tolist() == [[False, True, True, False, False], [False, False, True, True, False],
                              [False, False, False, True, True]]
+
+
+@pytest.mark.parametrize(("sq", "skv", "causal"), list(itertools.product([1, 4, 9], [1, 4, 9, 12], [True, False])))
+def test_a_window_side_that_hides_no_key_is_dropped_and_one_that_does_is_kept(sq, skv, causal):
+    for window in itertools.product(range(-1, 14), repeat=2):
+        kept = binding_window(window, causal, sq, skv)
+        assert torch.equal(visible(sq, skv, causal=causal, window=kept), visible(sq, skv, causal=causal, window=window))
+        # what is kept is needed: unbounding either kept side would let some row see more
+        for side in (0, 1):
+            if kept[side] >= 0:
+                wider = (-1, kept[1]) if side == 0 else (kept[0], -1)
+                assert not torch.equal(visible(sq, skv, causal=causal, window=wider),
+                                       visible(sq, skv, causal=causal, window=kept))
+    assert binding_window((4096, 0), True, 4096, 4096) == NO_WINDOW  # Mistral-7B's window over a 4K prefill
+    assert binding_window((4096, 0), True, 32768, 32768) == (4096, -1)
 
 
 def test_softcap_bounds_the_scores():

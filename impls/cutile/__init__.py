@@ -24,7 +24,7 @@ import torch
 
 from impls._registry import HALF, Prepared, length_class, module_available, parallel_class, register
 from impls._tuning import TUNERS, TuningCache, dense_tuner, finalists, settle_gpu, settled_fastest, sustained_fastest
-from impls._validate import NO_WINDOW, window_bounds
+from impls._validate import NO_WINDOW, binding_window, window_bounds
 from impls.cutile import toolchain
 
 HEAD_DIMS = tuple(range(16, 257, 8))  # the autotuned kernel: a head dim pads to the next power of two
@@ -516,10 +516,10 @@ def tuned(shape: tuple, device: torch.device, space: list[Variant],
           make_call: Callable[[Variant], Launches]) -> tuple[Variant, bool]:
     """The fastest variant of ``space`` for shape class ``shape`` (``make_call`` prepares one candidate; all
     share one output), and whether it came from the tuning cache. ``FMHA_TUNER`` says how candidates are timed:
-    ``exhaustive`` (default: ``cuda.tile.tune.exhaustive_search``), ``settled`` (that, then the candidates within
-    ``FINALIST_MARGIN`` of its best again by ``settled_times``: each alone at the clocks it sustains, as the suite
-    times) or ``sustained`` (``sustained_fastest``: graph replays interleaved). Each method's picks are cached
-    apart."""
+    ``settled`` (default: ``cuda.tile.tune.exhaustive_search``, then the candidates within ``FINALIST_MARGIN`` of
+    its best again by ``settled_times``, each alone at the clocks it sustains, as the suite times),
+    ``exhaustive`` (the search alone) or ``sustained`` (``sustained_fastest``: graph replays interleaved). Each
+    method's picks are cached apart."""
     method = dense_tuner()
 
     def search() -> dict:
@@ -558,6 +558,8 @@ def tune(q, k, v, *, causal: bool, scale: float, **variants) -> tuple[Variant, b
 def prepare_tuned(q, k, v, *, causal: bool, scale: float, **variants) -> Prepared:
     """``variants``: a sliding window (key tiles outside it are never visited) and softcap, as they come; v may
     have a head dim of its own (MLA), padded like the query/key one."""
+    if "window" in variants:  # one that hides no key runs as no window: no masked loop before the free tiles
+        variants["window"] = binding_window(variants["window"], causal, q.shape[2], k.shape[2])
     variant, cached = tune(q, k, v, causal=causal, scale=scale, **variants)
     return Call(variant, q, k, v, causal=causal, scale=scale, **variants).prepared(
         chosen="tuning cache" if cached else "autotuned", tuner=dense_tuner())

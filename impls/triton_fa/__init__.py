@@ -19,7 +19,7 @@ import torch
 from impls._registry import FLOATS, Prepared, Unsupported, length_class, module_available, register
 from impls._serving import PROGRAMS_PER_SM, combine_plan, decode_shape_class, split_plan
 from impls._tuning import TuningCache, fastest, settle_gpu
-from impls._validate import NO_WINDOW, window_bounds
+from impls._validate import NO_WINDOW, binding_window, window_bounds
 
 # Any multiple of 8 from 16 (the smallest dot) to 256: a head dim that is not a power of two is padded to the
 # next one in registers (masked loads read zeros there). The descriptor (TMA) path needs the exact power of two.
@@ -226,6 +226,7 @@ def _make(name: str, paths: str, description: str) -> None:
             q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         batch, heads, q_len, head_dim = q.shape
         out = q.new_empty((batch, heads, q_len, value_dim))
+        window = binding_window(window, causal, q_len, k.shape[2])  # one that hides no key: no window masks
         meta = dense_meta(q, v, causal=causal, window=window, softcap=softcap)
 
         def grid(cfg):
