@@ -194,7 +194,7 @@ def test_settled_tuner_times_again_only_the_candidates_near_the_searchs_best(mon
     from impls import _tuning
 
     space = [Variant(64, 128, occupancy=2), HOPPER_WIDE, replace(HOPPER_WIDE, persistent=True, tile_n=256)]
-    times = dict(zip(space, (100.0, 140.0, 102.0), strict=True))  # us: the second is out of the running
+    times = dict(zip(space, (100.0, 140.0, 109.0), strict=True))  # us: the second is out of the running
     result = SimpleNamespace(best=SimpleNamespace(config=space[0]),
                              successes=[SimpleNamespace(config=v, mean_us=t) for v, t in times.items()])
     retimed = []
@@ -218,8 +218,8 @@ def test_settled_tuner_times_again_only_the_candidates_near_the_searchs_best(mon
                                             lambda v: SimpleNamespace(variant=v))
         assert not cached
     assert picks == {"exhaustive": space[0], "settled": space[2]}
-    assert retimed == [space[0], space[2]]  # fastest first; 140 us is more than 3% behind
-    assert _tuning.FINALIST_MARGIN == 0.03
+    assert retimed == [space[0], space[2]]  # fastest first; 140 us is more than FINALIST_MARGIN behind
+    assert _tuning.FINALIST_MARGIN == 0.10
 
 
 @pytest.mark.parametrize("head_dim", [40, 64])

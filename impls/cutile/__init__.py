@@ -313,6 +313,11 @@ def hopper_space(head_dim: int, causal: bool, value_dim: int | None = None) -> l
     566 / 638 (587), Qwen2.5 4 x 4K 508 / 544, Phi-3 1 x 32K 479 / 549, GPT-2 4 x 4K 278 / 349, blog fp16 2K / 4K
     317 / 421 and 447 / 477; level (within 2%) on Llama-3-8B and Mistral 4 x 4K. Both stay candidates (the tuner
     kept the fixed share for Qwen2.5 1 x 32K); in the suite the 70B slice went 495 / 584 -> 528 / 656.
+    Session 20: timed the suite's way (each candidate alone after 0.25 s of its own calls, ``settled_times``) 64x128
+    with occupancy 2 falls 15-20% from its burst-clock graph time (Llama-3-8B 4 x 4K 561 -> 456, blog fp16 4K 549
+    -> 447, MLA 4 x 4K 566 -> 473), the persistent 128x256 1-3%: 64 query rows a block read each K/V tile twice as
+    often, and under the 700 W cap those bytes cost clock. It stays a candidate; the ``settled`` tuner sees this
+    where the search alone did not.
     256x64 blocks of 8 warps (two warpgroups of 128 rows, no spill at D=64) trailed everywhere (causal 413, full
     411 at 16K; 256x128 spills); of 16 warps (four warpgroups, tileiras 13.5) they lead on long rows:
     ``sixteen_warp_space``.
@@ -370,6 +375,12 @@ def other_forms() -> list[Variant]:
     against 410 / 468 / 521 at 3 / 6, one block per tile 445 / 496 / 537, flash-attn4 492 / 525 / 588; at D=64 280 /
     341 / 397 against 333 / 388 / 436 for one block per tile. Still out of the tuner (it would also need the
     counter zeroed inside the timed launch).
+
+    Session 20 (H200, bf16 unless fp16, causal, ``scripts/tuner_probe.py --two-launch-of``, settled TFLOPS): two
+    launches with the mask-free one persistent, 128x128 L3,6 or 128x256, with a fixed or a paired share (its mask-free
+    launch gets 167 / 233 KB of pipeline), lost on every case, also where the items are all alike (a window): Mistral
+    1 x 32K 446-466 against 519 for one block per tile, Llama-3-8B 4 x 4K 409-435 against 528 and 1 x 32K 527-552
+    against 640, blog fp16 2K 261-330 against 415, GPT-2 1 x 32K 395-434 against 452, MLA 4 x 4K 406-428 against 495.
 
     Not the two combined (two launches with the dynamic scheduler): slower than either (session 5), wrong once on
     chunked prefill (session 6), and tileiras 13.5 fails to compile its mask-free launch with a ragged Skv
