@@ -44,6 +44,8 @@
 #   paired:   scripts/tuner_probe.py on causal models and blog cases: the persistent 128x256 with a paired share
 #             against its plain fixed share and the usual one-block-per-tile picks (graph time)
 #   paired-more: the same cases' usual picks (64x128, 128x128, 256x64) as persistent paired blocks too
+#   settled:  scripts/tuner_probe.py on causal models and blog cases: each candidate's graph time at burst clocks
+#             against its time at its own sustained clocks (--methods settled), two-launch forms included
 #   tuner-ab: the causal cases of TUNER_GRIDS (default "models blog"), cutile only, tuned from cold by each dense
 #             tuner of TUNERS (default "exhaustive settled", FMHA_TUNER) into a cache of its own (/tmp/fmha/tuning-T),
 #             then benchmarked (graph timing): which tuner's picks the suite measures faster (the first tuner
@@ -266,6 +268,17 @@ for part in "$@"; do
         --case deepseek-v3-mla-tp8-bf16-causal-h16:16-s4096x4096-d192-dv128-b4 \
         --case fp16-causal-h32:32-s4096x4096-d128-b4 --case fp16-causal-h32:32-s2048x2048-d128-b4
       grep picks "$out/paired-more.log"
+      ;;
+    settled)
+      # burst against sustained clocks, by candidate (tuner_probe.py --methods graph settled), with the usual picks
+      # and the two-launch forms (their outputs checked first); session 20's call 4
+      step settled 480 python3 scripts/tuner_probe.py --methods graph settled --repeats 1 --match '*persistent*' \
+        --match '128x128:*8}:L3,6:g-auto' --match '64x128:*2}:L2,4:g-auto' --two-launch-of '128x256:*persistent:g-auto' \
+        --two-launch-of '128x128:*8}:L3,6:g-auto' --case mistral-7b-bf16-causal-h32:8-s32768x32768-d128-w4096:0 \
+        --case llama3-8b-bf16-causal-h32:8-s4096x4096-d128-b4 --case fp16-causal-h32:32-s2048x2048-d128-b4 \
+        --case gpt2-bf16-causal-h12:12-s32768x32768-d64 --case llama3-8b-bf16-causal-h32:8-s32768x32768-d128 \
+        --case deepseek-v3-mla-tp8-bf16-causal-h16:16-s4096x4096-d192-dv128-b4 --case fp16-causal-h32:32-s4096x4096-d128-b4
+      grep picks "$out/settled.log"
       ;;
     tuner-ab)
       read -ra grids <<< "${TUNER_GRIDS:-models blog}"
