@@ -230,6 +230,34 @@ def settle(target: Callable[[], object], seconds: float, seconds_per_call: float
     return calls
 
 
+STEADY_WINDOW_S = 0.05  # seconds of calls a window of ``settle_until_steady``
+STEADY_TOLERANCE = 0.01  # two windows in a row within this fraction of each other: steady
+
+
+def settle_until_steady(target: Callable[[], object], seconds: float, max_seconds: float, seconds_per_call: float,
+                        sync: Callable[[], None], time_calls: Callable[[int], float] | None = None,
+                        tolerance: float = STEADY_TOLERANCE) -> tuple[float, bool]:
+    """``settle`` for ``seconds``, then on in windows of about STEADY_WINDOW_S of back-to-back calls, each timed
+    (``time_calls(n)``: seconds for n calls; CUDA events by default), until two windows in a row agree within
+    ``tolerance`` or ``max_seconds`` have passed in all. Returns (seconds settled, steady). A fixed settling can
+    end while the clocks still move: the report's drift flag found 10 of 48 benchmarks of one H200 run (session
+    20) whose rounds moved by 2-4% while they were timed, on every implementation, mostly right after a heavier
+    case."""
+    if time_calls is None:
+        def time_calls(n: int) -> float:
+            return _event_ms(lambda: [target() for _ in range(n)]) / 1e3
+    calls = max(1, math.ceil(STEADY_WINDOW_S / max(seconds_per_call, 1e-9)))
+    spent = settle(target, seconds, seconds_per_call, sync) * seconds_per_call
+    previous = None
+    while spent < max_seconds:
+        window = time_calls(calls)
+        spent += window
+        if previous is not None and abs(window - previous) <= tolerance * previous:
+            return spent, True
+        previous = window
+    return spent, False
+
+
 def settle_gpu(device: torch.device | None = None, seconds: float = SETTLE_S) -> None:
     """``settle`` with a matrix product on ``device``'s tensor cores, for tuners: what a tuner times next runs at
     the clocks the GPU's power limit sustains, not at the boost clocks after a pause (compiling the candidates

@@ -24,6 +24,10 @@ class ReportError(ValueError):
 
 
 TIMING_LEAD = ("graph", "kernel", "eager")  # the mode a run's leaderboards and charts rank by: the first it has
+# Rounds whose later half ran this much slower or faster than their first half (a fraction of the median) are
+# flagged: the clocks were still moving. H200, session 20: a benchmark timed right after a long heavy case read
+# 1.071 ms in its first round and 1.112 ms in its fourth (+4%), the same kernel 6% slower than on another case.
+DRIFT_FLAG = 0.02
 
 
 @dataclass
@@ -50,6 +54,11 @@ class Measurement:
     gpu: dict[str, Any] = field(default_factory=dict)  # name, uuid, NVML state after the benchmark
     settle_s: float = 0.0  # seconds of back-to-back calls before the warm-up (--settle-ms)
     energy: dict[str, Any] = field(default_factory=dict)  # NVML, with --energy-ms: joules per call, watts
+    drift: float | None = None  # round_drift of the timed rounds
+
+    @property
+    def drifted(self) -> bool:
+        return self.drift is not None and abs(self.drift) > DRIFT_FLAG
 
     @property
     def joules_per_call(self) -> float | None:
@@ -139,6 +148,7 @@ def load_run(path: Path) -> Run:
                 fallback=info.get("fallback"), pct_of_hbm=_num(info.get("pct_of_hbm")),
                 kernels=dict(info.get("kernels") or {}), gpu=dict(info.get("gpu") or {}),
                 settle_s=float(info.get("settle_s") or 0.0), energy=dict(info.get("energy") or {}),
+                drift=round_drift(stats.get("data") or []),
             ))
         except (KeyError, TypeError, ValueError) as exc:
             raise ReportError(f"{path}: benchmark #{i} ({bench.get('name', '?')}) is missing or has a bad "
@@ -148,6 +158,17 @@ def load_run(path: Path) -> Run:
     return Run(label=label, path=str(path), env=env, measurements=measurements, outcomes=fmha["outcomes"],
                unavailable=fmha["unavailable"], presets=fmha["presets"], cases=fmha["cases"],
                baseline=str(fmha.get("baseline") or "sdpa"))
+
+
+def round_drift(times: list[float]) -> float | None:
+    """How much a benchmark's timed rounds moved while it ran: the median of their later half minus that of their
+    first half, over the median of all (positive: slowing down). None below 6 rounds: from 3 rounds a half, one
+    odd round does not move its half's median."""
+    if len(times) < 6 or not all(isinstance(t, int | float) for t in times):
+        return None
+    half = len(times) // 2
+    middle = statistics.median(times)
+    return (statistics.median(times[-half:]) - statistics.median(times[:half])) / middle if middle > 0 else None
 
 
 def _num(value: Any) -> float | None:
@@ -193,8 +214,8 @@ def case_table(run: Run, case_id: str, baseline: str) -> list[dict[str, Any]]:
         eager, graph = modes.get("eager"), modes.get("graph")
         rows.append({
             "impl": impl, "median_ms": m.median_s * 1e3, "iqr_ms": m.iqr_s * 1e3, "rounds": m.rounds,
-            "modes": {t: {"ms": x.median_s * 1e3, "iqr_ms": x.iqr_s * 1e3, "fallback": x.fallback}
-                      for t, x in modes.items()},
+            "modes": {t: {"ms": x.median_s * 1e3, "iqr_ms": x.iqr_s * 1e3, "fallback": x.fallback,
+                          "drift": x.drift if x.drifted else None} for t, x in modes.items()},
             "host_overhead_ms": (eager.median_s - graph.median_s) * 1e3
             if eager and graph and graph.measured_as == "graph" else None,
             "tflops": m.tflops, "pct": m.pct_of_peak, "gbps": m.gbps, "pct_hbm": m.pct_of_hbm,
@@ -355,6 +376,9 @@ def build_context(runs: list[Run], baseline: str) -> dict[str, Any]:
         "matrices": [(r.label, correctness_matrix(r), r.unavailable) for r in runs],
         "ladders": [(r.label, lad) for r in runs if (lad := ladder(r))],
         "fleets": [(r.label, f) for r in runs if (f := fleet(r))],
+        "drifted": sorted(((r.label, m) for r in runs for m in r.measurements if m.drifted),
+                          key=lambda lm: -abs(lm[1].drift)),
+        "drift_flag": DRIFT_FLAG,
     }
 
 

@@ -55,6 +55,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="run each benchmark's call back to back this long before its warm-up rounds, so that "
                          "the GPU's clocks have come down to what its power limit sustains (default 250 on a "
                          "GPU, 0 on CPU; 0: time from whatever state the previous work left)")
+    group.addoption("--settle-max-ms", type=float, default=0,
+                    help="GPU: after --settle-ms, go on settling in timed windows of 50 ms until two in a row agree "
+                         "within 1%%, at most this long in all (0, the default: --settle-ms alone). The report "
+                         "flags rounds that drifted more than 2%% while timed")
     group.addoption("--energy-ms", type=float, default=0,
                     help="GPU: after timing, run each benchmark's call back to back this long and record the "
                          "energy NVML's counter saw (joules per call, average watts). The counter moves in steps "

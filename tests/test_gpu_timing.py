@@ -77,6 +77,16 @@ def test_tuners_settle_the_gpu_for_the_time_asked():
     assert cuda_clock() - start >= 0.09  # device time between the events: the load ran and was waited for
 
 
+def test_settling_until_steady_times_real_windows_within_its_bound():
+    from impls._tuning import mean_ms, settle_until_steady
+
+    call = matmul_call()
+    per_call_s = mean_ms(call) / 1e3
+    spent, steady = settle_until_steady(call, 0.1, 1.0, per_call_s, torch.cuda.synchronize)
+    assert 0.1 <= spent <= 1.2  # the bound holds (the last window may run past it)
+    assert isinstance(steady, bool)
+
+
 def test_sustained_tuner_picks_the_cheaper_call():
     from impls._tuning import sustained_fastest
 

@@ -68,6 +68,28 @@ def test_report_shows_the_energy_of_a_call_where_nvml_measured_it(results, tmp_p
     assert "2.1 (700, 1605)" in html
 
 
+def test_rounds_that_drifted_while_timed_are_flagged(results, tmp_path):
+    from reports.build import DRIFT_FLAG, round_drift
+
+    assert round_drift([1.0, 1.0, 1.04, 1.04, 1.1]) is None  # too few rounds to tell
+    assert round_drift([1.0, 1.0, 1.0, 1.04, 1.04, 1.04]) == pytest.approx(0.04 / 1.02)
+    assert round_drift([1.1, 1.0, 1.0, 1.0, 1.0, 1.0]) == 0.0  # one slow first round is not a trend
+    data = json.loads(results.read_text())
+    html = write_report([results], tmp_path / "plain.html").read_text()
+    assert "Rounds that drifted" not in html  # two rounds each: nothing to flag
+    drifting, steady = data["benchmarks"][0], data["benchmarks"][1]
+    drifting["stats"]["data"] = [1.071, 1.082, 1.104, 1.112, 1.112, 1.107, 1.099]  # session 20, Mistral 4 x 4K
+    steady["stats"]["data"] = [1.0, 1.01, 0.99, 1.0, 1.005, 0.995]
+    edited = tmp_path / "drift.json"
+    edited.write_text(json.dumps(data))
+    run = load_run(edited)
+    flagged = [m for m in run.measurements if m.drifted]
+    assert [(m.impl, m.case) for m in flagged] == [(drifting["extra_info"]["impl"], drifting["extra_info"]["case"])]
+    assert flagged[0].drift == pytest.approx((1.107 - 1.082) / 1.104) and flagged[0].drift > DRIFT_FLAG
+    html = " ".join(write_report([edited], tmp_path / "d.html").read_text().split())
+    assert "Rounds that drifted" in html and "drift +2.3%" in html and 'class="drift"' in html
+
+
 def test_two_runs_side_by_side(results, tmp_path):
     other = tmp_path / "other.json"
     other.write_text(results.read_text())

@@ -106,6 +106,27 @@ def test_settling_runs_the_call_for_the_time_asked_then_waits():
     assert settle(lambda: calls.append(1), 0.0, 0.01, lambda: syncs.append(1)) == 0 and syncs == [1]
 
 
+def test_settling_until_steady_goes_on_while_the_windows_move_and_stops_at_its_bound():
+    from impls._tuning import STEADY_WINDOW_S, settle_until_steady
+
+    calls, windows = [], []
+
+    def timed(window_times):
+        times = iter(window_times)
+        return lambda n: windows.append(n) or next(times)
+
+    # 0.25 s of calls first (25 of 10 ms), then 50 ms windows of 5 calls: 0.052 -> 0.0535 (+2.9%: moving) -> 0.054
+    # (+0.9%: steady).
+    spent, steady = settle_until_steady(lambda: calls.append(1), 0.25, 2.0, 0.01, lambda: None,
+                                        timed([0.052, 0.0535, 0.054]))
+    assert steady and len(calls) == 25 and windows == [round(STEADY_WINDOW_S / 0.01)] * 3
+    assert spent == pytest.approx(0.25 + 0.052 + 0.0535 + 0.054)
+    # clocks that keep falling: stops at the bound, not steady
+    spent, steady = settle_until_steady(lambda: None, 0.25, 0.4, 0.01, lambda: None,
+                                        timed([0.05 * 1.03 ** i for i in range(10)]))
+    assert not steady and 0.4 <= spent < 0.46
+
+
 def test_cpu_benchmarks_do_not_settle_unless_asked(cpu_modes):
     _, data = cpu_modes
     assert {b["extra_info"]["settle_s"] for b in data["benchmarks"]} == {0.0}
