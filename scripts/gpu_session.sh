@@ -19,7 +19,8 @@
 #             per tile, cuDNN and flash-attn4 where carried, D=128 and 64 (sweep)
 #   prefill:  blog and fa3 presets, graph timing: cutile, flash-attn4, sdpa-cudnn, triton side by side
 #   prefill-prime: (carry call 1) their checks for cutile, triton and sdpa-cudnn: tuning and compile caches filled
-#   models:   the models preset, every implementation that runs it (or MODELS_IMPLS, names with spaces between),
+#   models:   the models preset, every implementation that runs it (or MODELS_IMPLS, names with spaces between;
+#             MODELS_ARGS: more suite options),
 #             graph timing and energy per call (ENERGY_MS, default 1000 ms of calls after each benchmark; 0: none) (in the flash-attn-4 carry's
 #             last call; fi-models, FlashInfer's checks of the preset, in its second, fills FlashInfer's JIT cache)
 #   models-prime: cuTile's candidates on the softcap edge cases; the models preset's checks of ours, flex and
@@ -197,8 +198,9 @@ for part in "$@"; do
       mkdir -p "$out/isolate"
       read -ra names <<< "${MODELS_IMPLS:-cutile triton flex sdpa* flash-attn4 flashinfer}"
       impls=(); for name in "${names[@]}"; do impls+=(--impl "$name"); done
+      read -ra extra <<< "${MODELS_ARGS:-}"  # e.g. "--settle-max-ms 1500"
       TMPDIR=$out/isolate step models 570 python3 -m pytest suite "${bench[@]}" --grid models --timing graph \
-        --energy-ms "${ENERGY_MS:-1000}" "${impls[@]}" --isolate \
+        --energy-ms "${ENERGY_MS:-1000}" "${impls[@]}" "${extra[@]}" --isolate \
         --benchmark-json="$out/models.json"
       ;;
     models-prime)

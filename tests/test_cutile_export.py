@@ -220,6 +220,10 @@ def test_settled_tuner_times_again_only_the_candidates_near_the_searchs_best(mon
     assert picks == {"exhaustive": space[0], "settled": space[2]}
     assert retimed == [space[0], space[2]]  # fastest first; 140 us is more than FINALIST_MARGIN behind
     assert _tuning.FINALIST_MARGIN == 0.10
+    # a search with one finalist needs no second round
+    result.successes[2] = SimpleNamespace(config=space[2], mean_us=150.0)
+    pick, _ = cutile.tuned(("test-shape", "alone"), torch.device("cpu"), space, lambda v: SimpleNamespace(variant=v))
+    assert pick == space[0] and retimed == [space[0], space[2]]
 
 
 @pytest.mark.parametrize("head_dim", [40, 64])

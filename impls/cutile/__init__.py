@@ -542,9 +542,9 @@ def tuned(shape: tuple, device: torch.device, space: list[Variant],
                 return sustained_fastest((call.variant, call) for call in calls).describe()
             settle_gpu(device)  # compiling was a pause: time every candidate at sustained clocks
             result = exhaustive_timings(calls)
-            if method == "settled":
+            near = finalists((m.config, m.mean_us) for m in result.successes)
+            if method == "settled" and len(near) > 1:
                 by_variant = {call.variant: call for call in calls}
-                near = finalists((m.config, m.mean_us) for m in result.successes)
                 return settled_fastest((variant, by_variant[variant]) for variant in near).describe()
             return result.best.config.describe()
 
