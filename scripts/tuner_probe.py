@@ -1,9 +1,10 @@
 """Does the cuTile tuner pick what the suite then measures fastest? (GPU)
 
 The dense tuner ranks its candidates with ``cuda.tile.tune.exhaustive_search``: one launch at a time, L2 flushed
-before each, mean of at least five. The suite reports CUDA-graph time of back-to-back calls, and
-``scripts/sweep.py`` do_bench's median. On the blog preset (H200, session 16) the tuner kept 64x128 with
-occupancy 2 at causal 2K-8K where the sweep measured 128x128 of 8 warps 2-6% faster.
+before each, mean of at least five; by default (``FMHA_TUNER=settled``) it then times the finalists again, each
+alone at its own sustained clocks (``--methods settled`` here). The suite reports CUDA-graph time of
+back-to-back calls, and ``scripts/sweep.py`` do_bench's median. On the blog preset (H200, session 16) the
+tuner kept 64x128 with occupancy 2 at causal 2K-8K where the sweep measured 128x128 of 8 warps 2-6% faster.
 
 For each case this times every candidate of the tuner's space three ways, in this process, on a settled GPU:
 ``exhaustive_search`` (its mean), graph time (``impls._tuning.graph_ms``, 20 calls a replay, the suite's graph

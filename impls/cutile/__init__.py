@@ -1,8 +1,9 @@
 """Our cuTile FMHA kernel (``kernel.py``): the NVIDIA blog's optimisation ladder and the autotuned kernel.
 
 - ``cutile-1-baseline`` ... ``cutile-5-remap``: the blog's steps, each a :class:`Variant` of one kernel;
-- ``cutile``: every optimisation on, tile shape and occupancy chosen by ``cuda.tile.tune.exhaustive_search``
-  from a per-architecture search space, once per shape class, cached for the process.
+- ``cutile``: every optimisation on, tile shape and occupancy chosen from a per-architecture search space by
+  ``cuda.tile.tune.exhaustive_search`` and its finalists timed again the suite's way (``tuned``), once per
+  shape class, cached on disk and in the process.
 
 A variant's hints (occupancy, num_ctas) are applied by ``Variant.kernel()``, the one object both the launch
 and the cubin export use (``tests/test_cutile_export.py`` checks that they reach the compiler).
