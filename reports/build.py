@@ -28,6 +28,7 @@ TIMING_LEAD = ("graph", "kernel", "eager")  # the mode a run's leaderboards and 
 # flagged: the clocks were still moving. H200, session 20: a benchmark timed right after a long heavy case read
 # 1.071 ms in its first round and 1.112 ms in its fourth (+4%), the same kernel 6% slower than on another case.
 DRIFT_FLAG = 0.02
+NEAR_BEST = 0.10  # the leaderboards count the cases where an implementation is within this of the case's best
 
 
 @dataclass
@@ -188,16 +189,20 @@ def figure_of_merit(run: Run, case_ids: list[str]) -> str:
 
 def leaderboard(run: Run, preset: str) -> list[dict[str, Any]]:
     """Implementations of a preset ranked by the geometric mean of its figure of merit (TFLOPS, or GB/s for
-    decode) in the run's lead timing mode, over the cases each was measured on."""
+    decode) in the run's lead timing mode, over the cases each was measured on; and against each case's best
+    in this run: on how many it is within NEAR_BEST, and its worst case."""
     case_ids = run.presets.get(preset, [])
     metric = figure_of_merit(run, case_ids)
     per_impl: dict[str, list[float]] = defaultdict(list)
+    of_best: dict[str, list[tuple[float, str]]] = defaultdict(list)
     for cid in case_ids:
-        for impl, m in run.by_case.get(cid, {}).items():
-            if getattr(m, metric):
-                per_impl[impl].append(getattr(m, metric))
-    rows = [{"impl": impl, "value": _geomean(v), "cases": len(v), "of": len(case_ids)}
-            for impl, v in per_impl.items()]
+        values = {impl: getattr(m, metric) for impl, m in run.by_case.get(cid, {}).items() if getattr(m, metric)}
+        for impl, value in values.items():
+            per_impl[impl].append(value)
+            of_best[impl].append((value / max(values.values()), cid))
+    rows = [{"impl": impl, "value": _geomean(v), "cases": len(v), "of": len(case_ids),
+             "near_best": sum(ratio >= 1 - NEAR_BEST for ratio, _ in of_best[impl]),
+             "worst": min(of_best[impl])} for impl, v in per_impl.items()]
     return sorted(rows, key=lambda r: -(r["value"] or 0))
 
 
@@ -376,6 +381,7 @@ def build_context(runs: list[Run], baseline: str) -> dict[str, Any]:
         "matrices": [(r.label, correctness_matrix(r), r.unavailable) for r in runs],
         "ladders": [(r.label, lad) for r in runs if (lad := ladder(r))],
         "fleets": [(r.label, f) for r in runs if (f := fleet(r))],
+        "near_best": NEAR_BEST,
         "drifted": sorted(((r.label, m) for r in runs for m in r.measurements if m.drifted),
                           key=lambda lm: -abs(lm[1].drift)),
         "drift_flag": DRIFT_FLAG,

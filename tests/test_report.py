@@ -90,6 +90,28 @@ def test_rounds_that_drifted_while_timed_are_flagged(results, tmp_path):
     assert "Rounds that drifted" in html and "drift +2.3%" in html and 'class="drift"' in html
 
 
+def test_leaderboards_count_the_cases_near_each_cases_best_and_name_the_worst(results, tmp_path):
+    from reports.build import leaderboard
+
+    data = json.loads(results.read_text())
+    lead = {b["extra_info"]["timing"] for b in data["benchmarks"]}
+    first = data["benchmarks"][0]["extra_info"]["case"]
+    for bench in data["benchmarks"]:  # equal everywhere but on one case, where naive reaches 5% of sdpa-math
+        info = bench["extra_info"]
+        info["tflops"] = (1.0 if info["impl"] == "naive" else 20.0) if info["case"] == first else 5.0
+    edited = tmp_path / "board.json"
+    edited.write_text(json.dumps(data))
+    run = load_run(edited)
+    assert lead == {run.lead}
+    preset = next(p for p, ids in run.presets.items() if first in ids)
+    rows = {row["impl"]: row for row in leaderboard(run, preset)}
+    cases = rows["naive"]["cases"]
+    assert cases > 1 and rows["sdpa-math"]["near_best"] == cases and rows["sdpa-math"]["worst"][0] == 1.0
+    assert rows["naive"]["near_best"] == cases - 1 and rows["naive"]["worst"] == (0.05, first)
+    html = " ".join(write_report([edited], tmp_path / "b.html").read_text().split())
+    assert "within 10% of the case's best" in html and f"0.05 <code>{first}</code>" in html
+
+
 def test_two_runs_side_by_side(results, tmp_path):
     other = tmp_path / "other.json"
     other.write_text(results.read_text())
