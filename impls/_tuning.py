@@ -42,7 +42,7 @@ MODES = ("on", "off", "retune")
 # against 556 / 561).
 TUNERS = ("settled", "exhaustive", "sustained")
 # Session 20 ran the A/B above with 3%. The probe after it (scripts/tuner_probe.py --methods graph settled, H200)
-# found burst-clock times up to 20% optimistic for one candidate (64x128 with occupancy 2) and 1-3% for others, so
+# found burst-clock times up to 20% optimistic for one candidate (64x128 with occupancy 2) and up to 6% for others, so
 # a candidate the search puts 5-10% behind can lead the suite: GPT-2 1 x 32K, where the suite ran 64x128 (442
 # TFLOPS) and the settled timing put the persistent paired 256x64 and 128x128 ahead (452 / 449 against 427).
 # 10% takes those in, at about 0.7 s of settled timing a finalist; not yet A/B'd in the suite at 10%.

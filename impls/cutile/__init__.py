@@ -316,7 +316,7 @@ def hopper_space(head_dim: int, causal: bool, value_dim: int | None = None) -> l
     kept the fixed share for Qwen2.5 1 x 32K); in the suite the 70B slice went 495 / 584 -> 528 / 656.
     Session 20: timed the suite's way (each candidate alone after 0.25 s of its own calls, ``settled_times``) 64x128
     with occupancy 2 falls 15-20% from its burst-clock graph time (Llama-3-8B 4 x 4K 561 -> 456, blog fp16 4K 549
-    -> 447, MLA 4 x 4K 566 -> 473), the persistent 128x256 1-3%: 64 query rows a block read each K/V tile twice as
+    -> 447, MLA 4 x 4K 566 -> 473), the 128-row blocks -6% to +3%: 64 query rows a block read each K/V tile twice as
     often, and under the 700 W cap those bytes cost clock. It stays a candidate; the ``settled`` tuner sees this
     where the search alone did not.
     256x64 blocks of 8 warps (two warpgroups of 128 rows, no spill at D=64) trailed everywhere (causal 413, full
