@@ -197,9 +197,10 @@ def leaderboard(run: Run, preset: str) -> list[dict[str, Any]]:
     of_best: dict[str, list[tuple[float, str]]] = defaultdict(list)
     for cid in case_ids:
         values = {impl: getattr(m, metric) for impl, m in run.by_case.get(cid, {}).items() if getattr(m, metric)}
+        best = max(values.values(), default=None)
         for impl, value in values.items():
             per_impl[impl].append(value)
-            of_best[impl].append((value / max(values.values()), cid))
+            of_best[impl].append((value / best, cid))
     rows = [{"impl": impl, "value": _geomean(v), "cases": len(v), "of": len(case_ids),
              "near_best": sum(ratio >= 1 - NEAR_BEST for ratio, _ in of_best[impl]),
              "worst": min(of_best[impl])} for impl, v in per_impl.items()]

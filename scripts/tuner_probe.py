@@ -70,11 +70,14 @@ def probe(case_id: str, repeats: int, wide_persistent: bool, head_groups: list[i
                         for var in space])
     if two_launch_of:  # forms outside the tuner's space: their outputs against the float64 oracle first
         oracle = Oracle.dense(q, k, v, causal=case.causal, scale=case.d ** -0.5, **case.variants)
+        passed = []
         for call in calls:
             check = oracle.check(call().clone())
             print(json.dumps({"case": case_id, "candidate": call.variant.label(), "check": check.passed,
                               "max_error": check.max_error}), flush=True)
-        calls = [call for call in calls if oracle.check(call().clone()).passed]
+            if check.passed:
+                passed.append(call)
+        calls = passed
     times: dict[str, dict[str, list[float]]] = {call.variant.label(): {m: [] for m in methods} for call in calls}
     for _ in range(repeats):
         if "tune" in methods:
