@@ -21,7 +21,7 @@ else:
 from impls._reference import visible
 from impls._validate import NO_WINDOW, window_bounds
 from impls.cutile import Variant
-from impls.cutile.kernel import key_tiles, paired_item, paired_linear, paired_steps, work_item
+from impls.cutile.kernel import far_edge_or_same, key_tiles, paired_item, paired_linear, paired_steps, work_item
 
 SHAPES = [(300, 300), (333, 1000), (200, 130), (97, 97), (256, 256), (64, 700)]
 WINDOWS = [NO_WINDOW, (0, 0), (16, 0), (100, 37), (128, -1), (-1, 50), (1000, 1000)]
@@ -48,6 +48,17 @@ def test_key_tiles_cover_every_visible_key_and_free_tiles_need_no_mask(sq, skv, 
                 assert first >= end, where
             for j in range(free_start, free_end):  # mask-free: whole in Skv and seen whole by every row
                 assert (j + 1) * tile_n <= skv and rows[:, j * tile_n:(j + 1) * tile_n].all(), f"{where} tile {j}"
+            for masked_from in (free_end, free_start):  # after the mask-free loop, or MASK_BRANCH's one loop
+                assert visits(first, free_start, free_end, end, masked_from) == list(range(first, end)), where
+
+
+def visits(first: int, free_start: int, free_end: int, end: int, masked_from: int) -> list[int]:
+    """The key tiles one query tile visits, sorted, as the kernel's mask-free loop (unless MASK_BRANCH: then
+    ``masked_from`` is ``free_start``) and its one masked loop, far-edge steps first, walk them."""
+    free = range(free_start, free_end) if masked_from == free_end else range(0)
+    far_edge = free_start - first
+    masked = [far_edge_or_same(step, masked_from, free_start) for step in range(masked_from - far_edge, end)]
+    return sorted([*free, *masked])
 
 
 def causal_share(num_m: int, num_bh: int, num_blocks: int, paired: bool,

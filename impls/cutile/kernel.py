@@ -260,16 +260,12 @@ def attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_
     needs_mask = CAUSAL or not EVEN_N or HAS_WINDOW
     if needs_mask and not (LOOP_SPLIT or PHASE != WHOLE):  # the blog's baseline: every tile masked
         free_end = free_start
-    # Three runs of key tiles: masked ones before a window's far edge, mask-free ones, masked ones at the
-    # causal diagonal, a window's near edge and the ragged end of Skv. DIAGONAL runs only the masked ones,
-    # OFF_DIAGONAL only the mask-free ones; MASK_BRANCH runs the last two as one loop with a run-time branch.
-    if HAS_WINDOW and PHASE != OFF_DIAGONAL:
-        for j in range(first, free_start):
-            acc, acc_tail, l_i, m_i = attend_key_tile(
-                acc, acc_tail, l_i, m_i, q, q_tail, K, V, batch, kv_head, j, offs_m, qk_scale, score_scale_log2,
-                kv_len, causal_offset, window_left, window_right, TILE_M, TILE_N, TILE_D, TILE_D_TAIL, TILE_DV,
-                TILE_DV_TAIL, True, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP, True, FAST_MATH, K_LATENCY, V_LATENCY,
-                kv_row0, ROW_OFFSETS)
+    # Three runs of key tiles: masked ones at a window's far edge, mask-free ones, masked ones at the causal
+    # diagonal, a window's near edge and the ragged end of Skv. The two masked runs share one loop after the
+    # mask-free one (the online softmax takes key tiles in any order): a third loop costs the windowed kernel
+    # its pipeline depth (sm_90: 128 x 256 tiles spilled with three loops, not with two). DIAGONAL runs only the
+    # masked tiles, OFF_DIAGONAL only the mask-free ones; MASK_BRANCH runs the mask-free run and the masked one
+    # after it as one loop with a run-time branch.
     if PHASE != DIAGONAL and not MASK_BRANCH:
         for j in range(free_start, free_end):
             acc, acc_tail, l_i, m_i = attend_key_tile(
@@ -282,8 +278,10 @@ def attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_
     # shallow (132 KB instead of 198 on sm_90).
     if PHASE != OFF_DIAGONAL and (needs_mask or MASK_BRANCH):
         masked_from = free_start if MASK_BRANCH and PHASE == WHOLE else free_end
-        for j in range(masked_from, end):
-            masked = needs_mask and (not MASK_BRANCH or j >= free_end)
+        far_edge = free_start - first if HAS_WINDOW else 0  # a window's masked far-edge tiles: steps before
+        for step in range(masked_from - far_edge, end):          # masked_from
+            j = far_edge_or_same(step, masked_from, free_start) if HAS_WINDOW else step
+            masked = needs_mask and (not MASK_BRANCH or j >= free_end or j < free_start)
             acc, acc_tail, l_i, m_i = attend_key_tile(
                 acc, acc_tail, l_i, m_i, q, q_tail, K, V, batch, kv_head, j, offs_m, qk_scale, score_scale_log2,
                 kv_len, causal_offset, window_left, window_right, TILE_M, TILE_N, TILE_D, TILE_D_TAIL, TILE_DV,
@@ -298,6 +296,14 @@ def attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_
         store_rows(Out, normalised(acc, l_i, FAST_MATH).astype(Out.dtype), batch, head, tile_m, 0)
         if TILE_DV_TAIL > 0:
             store_rows(Out, normalised(acc_tail, l_i, FAST_MATH).astype(Out.dtype), batch, head, tile_m, TILE_DV)
+
+
+def far_edge_or_same(step, masked_from, free_start):
+    """Key tile of a masked loop's ``step``: steps from ``masked_from`` on are tiles of that index; the ones
+    before it are the window's far-edge tiles, which end at ``free_start`` (branch-free: the loop's loads are
+    issued ahead of time from this index)."""
+    before = max(min(masked_from - step, 1), 0)  # 1 for a far-edge step, else 0
+    return step + before * (free_start - masked_from)
 
 
 def key_tiles(tile_m, kv_len, causal_offset, window_left, window_right, TILE_M, TILE_N, CAUSAL, HAS_WINDOW):
