@@ -47,6 +47,7 @@
 #   paired-more: the same cases' usual picks (64x128, 128x128, 256x64) as persistent paired blocks too
 #   settled:  scripts/tuner_probe.py on causal models and blog cases: each candidate's graph time at burst clocks
 #             against its time at its own sustained clocks (--methods settled), two-launch forms included
+#   window:   the windowed cuTile candidates on the edge cases, then settled times on Mistral / Gemma-2 local 1 x 32K
 #   tuner-ab: the causal cases of TUNER_GRIDS (default "models blog"), cutile only, tuned from cold by each dense
 #             tuner of TUNERS (default "exhaustive settled", FMHA_TUNER) into a cache of its own (/tmp/fmha/tuning-T),
 #             then benchmarked (graph timing): which tuner's picks the suite measures faster (the first tuner
@@ -281,6 +282,17 @@ for part in "$@"; do
         --case gpt2-bf16-causal-h12:12-s32768x32768-d64 --case llama3-8b-bf16-causal-h32:8-s32768x32768-d128 \
         --case deepseek-v3-mla-tp8-bf16-causal-h16:16-s4096x4096-d192-dv128-b4 --case fp16-causal-h32:32-s4096x4096-d128-b4
       grep picks "$out/settled.log"
+      ;;
+    window)
+      # issue 13's windowed cases (session 21): a window's far-edge tiles in the diagonal's masked loop, and the
+      # persistent candidates a causal window adds to the space. Every windowed cuTile candidate on the edge
+      # cases (ids with a window from 100 keys: -w1..), then each candidate's settled time (tuner_probe.py)
+      step window-candidates 240 python3 -m pytest tests/test_gpu_candidates.py -k "cutile and w1" -q \
+        -p no:cacheprovider -rf
+      step window 240 python3 scripts/tuner_probe.py --methods settled --repeats 1 \
+        --case mistral-7b-bf16-causal-h32:8-s32768x32768-d128-w4096:0 \
+        --case gemma2-9b-local-bf16-causal-h16:8-s32768x32768-d256-w4096:0-cap50
+      grep picks "$out/window.log"
       ;;
     tuner-ab)
       read -ra grids <<< "${TUNER_GRIDS:-models blog}"

@@ -48,7 +48,8 @@ def probe(case_id: str, repeats: int, wide_persistent: bool, head_groups: list[i
     case = case_by_id(case_id)
     q, k, v = case.make_inputs("cuda")
     out = q.new_empty((*q.shape[:3], v.shape[-1]))
-    space = search_space(torch.cuda.get_device_capability(), case.d, causal=case.causal, value_dim=case.dv or None)
+    space = search_space(torch.cuda.get_device_capability(), case.d, causal=case.causal, value_dim=case.dv or None,
+                         window="window" in case.variants)
     extra = replace(HOPPER_STREAMING, tile_n=256)
     if wide_persistent and extra not in space:
         space.append(extra)

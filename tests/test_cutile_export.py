@@ -87,6 +87,21 @@ def test_window_and_softcap_compile(arch):
         assert usage["stack"] == 0 and usage["hgmma"] > 0, usage
 
 
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_sm90_windowed_kernel_has_the_causal_kernels_loops(head_dim):
+    # A window's far-edge tiles run in the diagonal's masked loop, not a third loop: the windowed kernel issues
+    # as many matrix products and TMA loads as the causal one (a third loop cost the persistent 128x256 its
+    # registers: 11-15 spilled words). The persistent candidates a window adds do not spill.
+    space = search_space((9, 0), head_dim, causal=True, window=True)
+    added = [v for v in space if v not in search_space((9, 0), head_dim, causal=True)]
+    assert added and all(v.persistent for v in added)
+    for variant in [space[0], *added]:
+        windowed, causal = (sass(export_cubin(variant, arch="sm_90", dtype=torch.bfloat16, head_dim=head_dim,
+                                              causal=True, window=on)) for on in (True, False))
+        assert (windowed["hgmma"], windowed["utmaldg"]) == (causal["hgmma"], causal["utmaldg"]), variant.label()
+        assert windowed["stack"] == 0, (variant.label(), windowed)
+
+
 def test_fast_math_softcap_is_one_hardware_tanh_per_score():
     # Gemma 2's softcap: the tuned kernel (fast math) takes the hardware's tanh; the precise one, a dozen
     # instructions per score, is left to the fast_math=False form.

@@ -48,7 +48,8 @@ def cutile_candidates(case: Case, q, k, v, out) -> list[tuple[str, Callable[[], 
 
     if case.d not in HEAD_DIMS:
         return []
-    space = search_space(torch.cuda.get_device_capability(), case.d, causal=case.causal, value_dim=case.dv or None)
+    space = search_space(torch.cuda.get_device_capability(), case.d, causal=case.causal, value_dim=case.dv or None,
+                         window="window" in case.variants)
     space += other_forms() if tile_d(case.d) <= 128 else []  # the kernel's other forms: correct, if not tuned
     keep = os.environ.get("FMHA_CANDIDATES", "*")
     calls = [Call(var, q, k, v, out=out, causal=case.causal, scale=case.d ** -0.5, **case.variants)

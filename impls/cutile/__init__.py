@@ -247,11 +247,11 @@ LADDER["cutile-5-remap"] = (_step, "+ causal blocks in reverse order (heaviest f
 
 
 def search_space(capability: tuple[int, int], head_dim: int = 128, *, causal: bool = True,
-                 value_dim: int | None = None) -> list[Variant]:
+                 value_dim: int | None = None, window: bool = False) -> list[Variant]:
     """Candidates for the autotuner, per architecture, head dim (and V's, ``value_dim``, where it differs: MLA)
-    and mask (all optimisations on)."""
+    and mask (all optimisations on; ``window``: a sliding window that hides some keys)."""
     if capability[0] == 9:
-        return hopper_space(head_dim, causal, value_dim)
+        return hopper_space(head_dim, causal, value_dim, window)
     if capability[0] == 12:  # RTX 50 / DGX Spark: few SMs, small tiles
         shapes = [(64, 64, 2), (128, 64, 1)]
     elif capability[0] == 10:  # B200/B300: the blog's three
@@ -268,7 +268,7 @@ HOPPER_WIDE = Variant(128, 128, occupancy=1, num_worker_warps=8, head_group=None
 HOPPER_STREAMING = replace(HOPPER_WIDE, persistent=True, k_latency=3, v_latency=6)
 
 
-def hopper_space(head_dim: int, causal: bool, value_dim: int | None = None) -> list[Variant]:
+def hopper_space(head_dim: int, causal: bool, value_dim: int | None = None, window: bool = False) -> list[Variant]:
     """Hopper, measured on an H200 (fp16, D=128; docs/h200-results-*.md).
 
     The blog's 256x128 tile with one warpgroup spills (5.4 KB of stack, 17-36 TFLOPS: the "trap" made far
@@ -322,12 +322,20 @@ def hopper_space(head_dim: int, causal: bool, value_dim: int | None = None) -> l
     256x64 blocks of 8 warps (two warpgroups of 128 rows, no spill at D=64) trailed everywhere (causal 413, full
     411 at 16K; 256x128 spills); of 16 warps (four warpgroups, tileiras 13.5) they lead on long rows:
     ``sixteen_warp_space``.
+
+    Causal with a sliding window (session 21): every query tile past the first window's length visits as many key
+    tiles as the next (Mistral-7B 1 x 32K: 33 of 128 keys), so the persistent forms' fixed share is even there,
+    and since its far-edge tiles joined the diagonal's masked loop the windowed kernel compiles to the causal one's
+    loops (sm_90, D=128: the persistent 128x128 99 / 132 KB of pipeline at L3,6 / L2,4, no stack; at D=256 the
+    persistent 128x64 132 KB): the persistent 128x128 (128x64 at D=256) join the causal candidates.
     """
     wide, streaming, width = HOPPER_WIDE, HOPPER_STREAMING, tile_d(head_dim)
     accumulator = tile_d(value_dim or head_dim)
+    even_items = causal and window  # causal work items that (almost) all cost the same
     if accumulator > 128:
-        return [Variant(64, 64, occupancy=1, head_group=None), replace(wide, tile_n=64),
-                replace(wide, tile_n=64, persistent=not causal, k_latency=3, v_latency=6)]
+        tall = replace(wide, tile_n=64, persistent=not causal, k_latency=3, v_latency=6)
+        return [Variant(64, 64, occupancy=1, head_group=None), replace(wide, tile_n=64), tall,
+                *([replace(tall, persistent=True)] if even_items else [])]
     space = [Variant(64, 64, occupancy=2, head_group=None), Variant(128, 64, occupancy=2, head_group=None),
              Variant(64, 128, occupancy=2, head_group=None), wide, replace(wide, k_latency=3, v_latency=6),
              replace(wide, tile_n=256)]
@@ -336,7 +344,8 @@ def hopper_space(head_dim: int, causal: bool, value_dim: int | None = None) -> l
     # Causal: no persistent candidate but the 128x256 one at head dims 33-64 and 65-128 (see above). The
     # two-launch and dynamically scheduled forms stay switches of the kernel for scripts/sweep.py; on the H200
     # they lost to these.
-    streams = [] if causal else [streaming, replace(streaming, k_latency=4, v_latency=4)]
+    streams = [streaming, replace(streaming, k_latency=2, v_latency=4)] if even_items else (
+        [] if causal else [streaming, replace(streaming, k_latency=4, v_latency=4)])
     if width == 64 or (width < 64 and not causal) or (width == 128 and causal):
         streams.append(replace(streaming, tile_n=256))
         if causal:  # and with a fixed share of mirror pairs of query tiles (kernel PAIRED; session 19)
@@ -559,7 +568,7 @@ def tune(q, k, v, *, causal: bool, scale: float, **variants) -> tuple[Variant, b
     q, k, v = (t.contiguous() for t in (q, k, v))  # once here, not once per candidate
     out = q.new_empty((*q.shape[:3], v.shape[-1]))
     space = search_space(torch.cuda.get_device_capability(q.device), q.shape[-1], causal=causal,
-                         value_dim=v.shape[-1])
+                         value_dim=v.shape[-1], window=variants.get("window", NO_WINDOW) != NO_WINDOW)
     return tuned(shape_class(q, k, causal, value_dim=v.shape[-1], **variants), q.device, space,
                  lambda variant: Call(variant, q, k, v, causal=causal, scale=scale, out=out, **variants))
 
