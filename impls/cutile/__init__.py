@@ -327,7 +327,11 @@ def hopper_space(head_dim: int, causal: bool, value_dim: int | None = None, wind
     tiles as the next (Mistral-7B 1 x 32K: 33 of 128 keys), so the persistent forms' fixed share is even there,
     and since its far-edge tiles joined the diagonal's masked loop the windowed kernel compiles to the causal one's
     loops (sm_90, D=128: the persistent 128x128 99 / 132 KB of pipeline at L3,6 / L2,4, no stack; at D=256 the
-    persistent 128x64 132 KB): the persistent 128x128 (128x64 at D=256) join the causal candidates.
+    persistent 128x64 132 KB): the persistent 128x128 (128x64 at D=256) join the causal candidates. H200, settled
+    TFLOPS (``scripts/tuner_probe.py --methods settled``), Mistral-7B 1 x 32K: one block per 128x128 tile 524 / 511
+    (L2,4 / L3,6), persistent 128x128 516 / 514, persistent 128x256 518 (499 with the third loop, session 20), paired
+    505; the suite ran the persistent 128x128 L2,4 at 532 (session 20: 528 one block a tile), flash-attn4 611. Gemma-2
+    local 1 x 32K: 128x64 531 / 525, persistent 513. So the loops were not what holds the windowed cases back.
     """
     wide, streaming, width = HOPPER_WIDE, HOPPER_STREAMING, tile_d(head_dim)
     accumulator = tile_d(value_dim or head_dim)
