@@ -100,6 +100,14 @@ def test_sdpa_refusal_keeps_pytorchs_reason_only():
     assert reason == "For dense input, both fused kernels require query, key and value to have the same num_heads."
 
 
+def test_length_class_keeps_the_lengths_of_a_preset_apart():
+    from impls._registry import length_class
+
+    # the blog's 2K, 4K and 8K each tune on their own (their best cuTile blocks differ); 16K-64K too
+    assert [length_class(n) for n in (100, 512, 1025, 2048, 4000, 8192, 16384, 32768, 65536, 131072)] == [
+        128, 1024, 2048, 2048, 4096, 8192, 16384, 32768, 65536, 524288]
+
+
 def test_parallel_class_buckets_batch_times_heads_in_powers_of_four():
     from impls._registry import parallel_class
 
