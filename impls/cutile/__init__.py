@@ -348,8 +348,12 @@ def hopper_space(head_dim: int, causal: bool, value_dim: int | None = None, wind
     # Causal: no persistent candidate but the 128x256 one at head dims 33-64 and 65-128 (see above). The
     # two-launch and dynamically scheduled forms stay switches of the kernel for scripts/sweep.py; on the H200
     # they lost to these.
-    streams = [streaming, replace(streaming, k_latency=2, v_latency=4)] if even_items else (
-        [] if causal else [streaming, replace(streaming, k_latency=4, v_latency=4)])
+    if not causal:
+        streams = [streaming, replace(streaming, k_latency=4, v_latency=4)]
+    elif even_items:
+        streams = [streaming, replace(streaming, k_latency=2, v_latency=4)]
+    else:
+        streams = []
     if width == 64 or (width < 64 and not causal) or (width == 128 and causal):
         streams.append(replace(streaming, tile_n=256))
         if causal:  # and with a fixed share of mirror pairs of query tiles (kernel PAIRED; session 19)
@@ -556,10 +560,11 @@ def tuned(shape: tuple, device: torch.device, space: list[Variant],
                 return sustained_fastest((call.variant, call) for call in calls).describe()
             settle_gpu(device)  # compiling was a pause: time every candidate at sustained clocks
             result = exhaustive_timings(calls)
-            near = finalists((m.config, m.mean_us) for m in result.successes)
-            if method == "settled" and len(near) > 1:
-                by_variant = {call.variant: call for call in calls}
-                return settled_fastest((variant, by_variant[variant]) for variant in near).describe()
+            if method == "settled":  # the search's finalists again, each at the clocks it sustains
+                near = finalists((m.config, m.mean_us) for m in result.successes)
+                if len(near) > 1:
+                    by_variant = {call.variant: call for call in calls}
+                    return settled_fastest((variant, by_variant[variant]) for variant in near).describe()
             return result.best.config.describe()
 
     shape = shape if method == TUNERS[0] else (*shape, f"tuner={method}")  # each method's picks kept apart

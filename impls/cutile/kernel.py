@@ -278,8 +278,9 @@ def attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_
     # shallow (132 KB instead of 198 on sm_90).
     if PHASE != OFF_DIAGONAL and (needs_mask or MASK_BRANCH):
         masked_from = free_start if MASK_BRANCH and PHASE == WHOLE else free_end
-        far_edge = free_start - first if HAS_WINDOW else 0  # a window's masked far-edge tiles: steps before
-        for step in range(masked_from - far_edge, end):          # masked_from
+        # a window's masked far-edge tiles: the loop's first steps, before masked_from
+        far_edge = free_start - first if HAS_WINDOW else 0
+        for step in range(masked_from - far_edge, end):
             j = far_edge_or_same(step, masked_from, free_start) if HAS_WINDOW else step
             masked = needs_mask and (not MASK_BRANCH or j >= free_end or j < free_start)
             acc, acc_tail, l_i, m_i = attend_key_tile(
