@@ -21,6 +21,7 @@ Varlen prefill (flash-attn's packed layout):
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -283,3 +284,71 @@ def decode_shape_class(inputs: PagedKV) -> tuple:
     spread = round(math.log2(max(lengths) * len(lengths) / sum(lengths)))
     pow2 = [1 << (n - 1).bit_length() for n in (batch, max(lengths))]
     return ("paged", inputs.q.dtype, head_dim, hkv, hq // hkv, sq, inputs.page_size, *pow2, spread)
+
+
+# Persistent varlen prefill: the host plans which block runs which query tiles, once, when the call is prepared
+# (as FlashInfer's plan() does), and the kernel follows the plan. A work item is one query tile of one
+# (sequence, head); its cost is counted in key tiles, plus PLAN_ITEM_OVERHEAD_TILES for what every item pays
+# whatever its length (the Q load, the accumulator's start and the output's store).
+PLAN_ITEM_OVERHEAD_TILES = 1
+
+
+@dataclass(frozen=True)
+class WorkPlan:
+    """Block ``b`` of a persistent launch runs ``items[starts[b]:starts[b + 1]]`` in order; an item is
+    ``(sequence * max_tiles + query_tile) * heads + head`` (``encode_item``)."""
+
+    starts: tuple[int, ...]
+    items: tuple[int, ...]
+    max_tiles: int
+    heads: int
+
+    @property
+    def blocks(self) -> int:
+        return len(self.starts) - 1
+
+    def decode(self, item: int) -> tuple[int, int, int]:
+        """(sequence, query tile, head) of an item, as the kernel decodes it."""
+        rest, head = divmod(item, self.heads)
+        sequence, tile = divmod(rest, self.max_tiles)
+        return sequence, tile, head
+
+
+def query_tile_cost(tile: int, len_q: int, len_k: int, tile_m: int, tile_n: int, causal: bool) -> int:
+    """Key tiles query tile ``tile`` of a (len_q, len_k) sequence visits (causal: bottom-right), plus the
+    per-item overhead."""
+    keys = min(len_k, (tile + 1) * tile_m + len_k - len_q) if causal else len_k
+    return -(-max(keys, 0) // tile_n) + PLAN_ITEM_OVERHEAD_TILES
+
+
+def varlen_work_plan(seqlens_q: list[int], seqlens_k: list[int], heads: int, tile_m: int, tile_n: int,
+                     causal: bool, slots: int) -> WorkPlan:
+    """Share a packed batch's query tiles among at most ``slots`` persistent blocks, longest processing time
+    first: units of work, heaviest first, each to the block with the least work so far.
+
+    A unit is one query tile, or, causal, a mirror pair of one (sequence, head)'s tiles (its heaviest remaining
+    and its lightest: every pair of a sequence costs the same, the dense kernel's ``paired`` share), heavy tile
+    first. Units of equal cost keep the order sequence, head, pair, so that the blocks running at once share few
+    heads' K/V, as in the dense kernel. Sequences without query rows give no work."""
+    max_tiles = max(-(-n // tile_m) for n in seqlens_q)
+    units = []  # (cost, items)
+    for sequence, (len_q, len_k) in enumerate(zip(seqlens_q, seqlens_k, strict=True)):
+        tiles = -(-len_q // tile_m)
+        cost = [query_tile_cost(t, len_q, len_k, tile_m, tile_n, causal) for t in range(tiles)]
+        order = list(range(tiles))
+        groups = ([[order[-1 - i], order[i]] for i in range(tiles // 2)] + ([[tiles // 2]] if tiles % 2 else [])
+                  if causal else [[t] for t in order])
+        for head in range(heads):
+            for group in groups:
+                units.append((sum(cost[t] for t in group),
+                              [(sequence * max_tiles + t) * heads + head for t in group]))
+    units.sort(key=lambda unit: -unit[0])  # stable: equal costs keep their order
+    blocks = max(min(slots, len(units)), 1)
+    load = [(0, block) for block in range(blocks)]  # a heap of (work so far, block)
+    shares: list[list[int]] = [[] for _ in range(blocks)]
+    for cost, items in units:
+        work, block = heapq.heappop(load)
+        shares[block].extend(items)
+        heapq.heappush(load, (work + cost, block))
+    starts = (0, *itertools.accumulate(len(share) for share in shares))
+    return WorkPlan(starts, tuple(itertools.chain.from_iterable(shares)), max_tiles, heads)

@@ -406,16 +406,39 @@ def test_decode_without_a_split_writes_the_output_directly():
     assert call.num_splits == 1 and len(call.launches) == 1
 
 
-def test_varlen_launch_compiles():
+def test_varlen_launches_compile():
     from impls.cutile.export import export_launch
     from impls.cutile.serving import VarlenCall, varlen_space
 
     inputs = serving_inputs("varlen-cpu", 0)
     space = varlen_space((9, 0), inputs.head_dim, inputs.causal)
-    assert space and not any(v.persistent or v.two_launch for v in space)
-    (grid, kernel, arguments), = VarlenCall(space[0], inputs, scale=0.125).launches
-    assert grid[1] == inputs.batch * inputs.q.shape[1]
-    assert export_launch(kernel, arguments, arch="sm_90")[:4] == b"\x7fELF"
+    assert not any(v.two_launch or v.dynamic or v.paired for v in space)
+    for variant in (space[0], next(v for v in space if v.persistent)):
+        call = VarlenCall(variant, inputs, scale=0.125, sm_count=132)
+        (grid, kernel, arguments), = call.launches
+        assert grid[1:] == ((1, 1) if variant.persistent else (inputs.batch * inputs.q.shape[1], 1))
+        assert export_launch(kernel, arguments, arch="sm_90")[:4] == b"\x7fELF"
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_sm90_persistent_varlen_kernel_is_the_dense_persistent_kernel(causal):
+    # The planned persistent varlen kernel runs the same tile work as one block per query tile: the same
+    # matrix instructions, TMA loads and no stack (a run-time row check inside the loop doubled the HGMMA and
+    # spilled, before the plan made it needless).
+    from impls._serving import Varlen
+    from impls.cutile.export import export_launch
+    from impls.cutile.serving import VarlenCall, varlen_space
+
+    cu = torch.tensor([0, 4096, 8192], dtype=torch.int32)
+    q = torch.empty((8192, 8, 128), dtype=torch.bfloat16)
+    k = torch.empty((8192, 2, 128), dtype=torch.bfloat16)
+    inputs = Varlen(q, k, k, cu, cu, causal=causal)
+    persistent = next(v for v in varlen_space((9, 0), 128, causal) if v.persistent)
+    usage = [sass(export_launch(*VarlenCall(form, inputs, scale=0.125, sm_count=132).launches[0][1:],
+                                arch="sm_90"))
+             for form in (persistent, replace(persistent, persistent=False))]
+    assert usage[0]["hgmma"] == usage[1]["hgmma"] > 0 and usage[0]["utmaldg"] == usage[1]["utmaldg"] > 0
+    assert usage[0]["stack"] == 0 and usage[0]["ldl"] == 0
 
 
 def test_arguments_are_bound_by_the_kernels_parameter_names():

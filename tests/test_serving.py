@@ -1,6 +1,7 @@
 """The serving operations: their contract's validation, the generated cases, the oracle's grip on them."""
 
 import dataclasses
+import itertools
 import math
 
 import pytest
@@ -141,6 +142,40 @@ def test_split_plan_fills_the_gpu_and_balances_long_tails():
     assert split_plan([8192] * 64, kv_heads=8, block_n=128, sm_count=132) == (1, 8192)  # no sliver of 2 tiles
     splits, length = split_plan([32768] * 16, kv_heads=8, block_n=128, sm_count=132)
     assert splits > 1 and 0 <= splits * length - 32768 < splits * 128  # equal chunks, no sliver
+
+
+@pytest.mark.parametrize(("lengths_q", "lengths_k", "causal"), [
+    *UNEVEN_VARLEN, ([4096] * 4, [4096] * 4, True), ([300, 4000, 17, 1024], [300, 4000, 17, 1024], True),
+    ([512, 1000], [512, 1000], False)])
+@pytest.mark.parametrize("slots", [1, 7, 132])
+def test_varlen_work_plan_runs_every_query_tile_once_and_balances_the_blocks(lengths_q, lengths_k, causal, slots):
+    from impls._serving import query_tile_cost, varlen_work_plan
+
+    heads, tile_m, tile_n = 3, 128, 64
+    plan = varlen_work_plan(lengths_q, lengths_k, heads, tile_m, tile_n, causal, slots)
+    expected = {(b, t, h) for b, n in enumerate(lengths_q) for t in range(-(-n // tile_m)) for h in range(heads)}
+    decoded = [plan.decode(item) for item in plan.items]
+    assert sorted(decoded) == sorted(expected)  # every tile with query rows, once; none past a sequence's end
+    assert plan.starts[0] == 0 and plan.starts[-1] == len(plan.items) and 1 <= plan.blocks <= slots
+    assert all(a <= b for a, b in itertools.pairwise(plan.starts))
+
+    def cost(item):
+        b, t, _ = plan.decode(item)
+        return query_tile_cost(t, lengths_q[b], lengths_k[b], tile_m, tile_n, causal)
+
+    loads = [sum(map(cost, plan.items[a:b])) for a, b in itertools.pairwise(plan.starts)]
+    heaviest_unit = 2 * max(map(cost, plan.items), default=0)  # a causal unit is a pair of tiles
+    assert max(loads) - min(loads) <= heaviest_unit  # longest processing time first: within one unit
+
+
+def test_varlen_work_plan_pairs_mirror_tiles_as_the_dense_kernel_does():
+    from impls._serving import varlen_work_plan
+
+    plan = varlen_work_plan([1024] * 2, [1024] * 2, 2, 128, 128, True, 4)  # 8 tiles a head: 4 mirror pairs
+    block0 = [plan.decode(item) for item in plan.items[plan.starts[0]:plan.starts[1]]]
+    assert block0[:2] == [(0, 7, 0), (0, 0, 0)]  # heaviest tile, then the lightest of the same head
+    assert len(plan.items) == 2 * 2 * 8 and plan.blocks == 4
+    assert {plan.starts[b + 1] - plan.starts[b] for b in range(4)} == {8}  # 16 equal pairs over 4 blocks
 
 
 def test_combine_plan_merges_many_chunks_in_one_step():

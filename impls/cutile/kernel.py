@@ -130,20 +130,23 @@ def fmha_fwd(
 
 @ct.kernel
 def fmha_varlen(
-    Q, K, V, Out, CuSeqlensQ, CuSeqlensK,
+    Q, K, V, Out, CuSeqlensQ, CuSeqlensK, WorkStarts, WorkItems,
     qk_scale: float,
     num_heads: int,
     group: int,
+    max_tiles: int,
     TILE_D: ConstInt, TILE_D_TAIL: ConstInt, TILE_DV: ConstInt, TILE_DV_TAIL: ConstInt,
     TILE_M: ConstInt, TILE_N: ConstInt,
     CAUSAL: ConstBool, FAST_MATH: ConstBool, REVERSE_ORDER: ConstBool, K_LATENCY: ConstInt, V_LATENCY: ConstInt,
-    HEAD_GROUP: ConstInt,
+    HEAD_GROUP: ConstInt, PERSISTENT: ConstBool,
 ):
     """Packed variable-length prefill: the same query-tile work as ``fmha_fwd``, on one sequence of the batch.
 
     Q, K, V and Out are (1, H, total, D) views of the packed (total, H, D) tensors; sequence b is rows
-    ``CuSeqlens[b]:CuSeqlens[b + 1]``. Grid: query tiles of the longest sequence x B * Hq. Tiles past a shorter
-    sequence's end do nothing. The dense code runs unchanged on each sequence, with its own causal offset.
+    ``CuSeqlens[b]:CuSeqlens[b + 1]``. Grid: query tiles of the longest sequence x B * Hq; tiles past a shorter
+    sequence's end do nothing. PERSISTENT: one block per SM slot that runs the items the host planned for it
+    (``impls._serving.varlen_work_plan``): ``WorkItems[WorkStarts[b]:WorkStarts[b + 1]]``, each item
+    ``(sequence * max_tiles + query tile) * num_heads + head``. Otherwise the work arrays are placeholders.
 
     Q, K and V tiles are read at the sequence's first row plus a row offset (ROW_OFFSETS: a view whose tiles
     step by one row), through the packed tensors' own tensor maps. Rows past the sequence's end belong to the
@@ -154,23 +157,42 @@ def fmha_varlen(
     the equal-length batch: sliced 0.91-0.98, row offsets 0.97-1.0; on the random-length batches row offsets
     are as fast or faster for every variant (up to 8%; the best variant of each form: 0-2%).
     """
-    num_m = ct.num_blocks(0)
-    tile_m, batch_head = work_item(ct.bid(1) * num_m + ct.bid(0), num_m, ct.num_blocks(1),
-                                   CAUSAL and REVERSE_ORDER, HEAD_GROUP)
-    batch = batch_head // num_heads
+    if PERSISTENT:
+        first = ct.gather(WorkStarts, ct.bid(0)).item()
+        for i in range(first, ct.gather(WorkStarts, ct.bid(0) + 1).item()):
+            item = ct.gather(WorkItems, i).item()
+            rest = item // num_heads
+            attend_sequence_tile(Q, K, V, Out, CuSeqlensQ, CuSeqlensK, rest // max_tiles, rest % max_tiles,
+                                 item % num_heads, qk_scale, num_heads, group, TILE_D, TILE_D_TAIL, TILE_DV,
+                                 TILE_DV_TAIL, TILE_M, TILE_N, CAUSAL, FAST_MATH, K_LATENCY, V_LATENCY, True)
+    else:
+        num_m = ct.num_blocks(0)
+        tile_m, batch_head = work_item(ct.bid(1) * num_m + ct.bid(0), num_m, ct.num_blocks(1),
+                                       CAUSAL and REVERSE_ORDER, HEAD_GROUP)
+        attend_sequence_tile(Q, K, V, Out, CuSeqlensQ, CuSeqlensK, batch_head // num_heads, tile_m,
+                             batch_head % num_heads, qk_scale, num_heads, group, TILE_D, TILE_D_TAIL, TILE_DV,
+                             TILE_DV_TAIL, TILE_M, TILE_N, CAUSAL, FAST_MATH, K_LATENCY, V_LATENCY, False)
+
+
+def attend_sequence_tile(Q, K, V, Out, CuSeqlensQ, CuSeqlensK, batch, tile_m, head, qk_scale, num_heads, group,
+                         TILE_D, TILE_D_TAIL, TILE_DV, TILE_DV_TAIL, TILE_M, TILE_N, CAUSAL, FAST_MATH, K_LATENCY,
+                         V_LATENCY, PLANNED):
+    """Query tile ``tile_m`` of sequence ``batch``, one head, of a packed batch (``fmha_varlen``). PLANNED: the
+    host's plan holds only tiles with query rows, so there is no run-time check (inside a persistent loop it
+    made the compiler lay the tile's work out twice, sm_90: 96 HGMMA instead of 48, and spill)."""
     q_start = ct.gather(CuSeqlensQ, batch).item()
     q_end = ct.gather(CuSeqlensQ, batch + 1).item()
     k_start = ct.gather(CuSeqlensK, batch).item()
     k_end = ct.gather(CuSeqlensK, batch + 1).item()
-    if tile_m * TILE_M < q_end - q_start:
+    if PLANNED or tile_m * TILE_M < q_end - q_start:
         # batch 0 of the views; no workspace (one launch), no window, no softcap. EVEN_N (no bound on the key
         # index) where causal: a sequence's query rows see only keys before its end anyway, and the rows past
         # its end are not stored. Without causal the ragged end is masked.
-        attend_query_tile(Q, K, V, Out.slice(axis=2, start=q_start, stop=q_end), Q, Q, Q, tile_m,
-                          batch_head % num_heads, qk_scale, (k_end - k_start) - (q_end - q_start), 0, 0, num_heads,
-                          group, TILE_D, TILE_D_TAIL, TILE_DV, TILE_DV_TAIL, TILE_M, TILE_N, CAUSAL, CAUSAL, False,
-                          0.0, FAST_MATH, True, False, K_LATENCY, V_LATENCY, WHOLE, q_row0=q_start, kv_row0=k_start,
-                          kv_len=k_end - k_start, ROW_OFFSETS=True)
+        attend_query_tile(Q, K, V, Out.slice(axis=2, start=q_start, stop=q_end), Q, Q, Q, tile_m, head, qk_scale,
+                          (k_end - k_start) - (q_end - q_start), 0, 0, num_heads, group, TILE_D, TILE_D_TAIL,
+                          TILE_DV, TILE_DV_TAIL, TILE_M, TILE_N, CAUSAL, CAUSAL, False, 0.0, FAST_MATH, True, False,
+                          K_LATENCY, V_LATENCY, WHOLE, q_row0=q_start, kv_row0=k_start, kv_len=k_end - k_start,
+                          ROW_OFFSETS=True)
 
 
 def work_item(linear, num_m, num_bh, HEAVIEST_FIRST, HEAD_GROUP):

@@ -14,12 +14,12 @@ compile the very launches a GPU would run (``export.export_launch``).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
 from impls._registry import HALF, Prepared, Unsupported, length_class, parallel_class, register
-from impls._serving import PagedKV, Varlen, combine_plan, decode_shape_class, split_plan
+from impls._serving import PagedKV, Varlen, combine_plan, decode_shape_class, split_plan, varlen_work_plan
 from impls._tuning import dense_tuner, fastest
 from impls.cutile import (
     COMPILE_TIMEOUT_S,
@@ -196,28 +196,55 @@ def prepare_paged(inputs: PagedKV, *, scale: float) -> Prepared:
 
 
 class VarlenCall(Launches):
-    """One packed prefill with a dense ``variant`` (one block per query tile): the kernel reads the packed
-    tensors through (1, H, total, D) views."""
+    """One packed prefill with a dense ``variant``: the kernel reads the packed tensors through (1, H, total, D)
+    views. One block per query tile of the longest sequence and (sequence, head), or, persistent, one block per
+    SM slot running the query tiles the host planned for it (``impls._serving.varlen_work_plan``, made here, so
+    that a timed call only launches). Construction touches no GPU where ``sm_count`` is given."""
 
-    def __init__(self, variant: Variant, inputs: Varlen, *, scale: float, out: torch.Tensor | None = None) -> None:
+    def __init__(self, variant: Variant, inputs: Varlen, *, scale: float, out: torch.Tensor | None = None,
+                 sm_count: int | None = None) -> None:
         self.variant = variant
         self.out = inputs.output_like() if out is None else out
         q, k, v, o = (t.transpose(0, 1)[None] for t in (inputs.q, inputs.k, inputs.v, self.out))
         heads = inputs.q.shape[1]
         constants = variant.constants(head_dim=inputs.head_dim, causal=inputs.causal, kv_len=inputs.max_seqlen_k,
                                       itemsize=inputs.q.element_size(), value_dim=inputs.v.shape[-1])
-        tiles = -(-inputs.max_seqlen_q // variant.tile_m)
+        self.plan = None
+        if variant.persistent:
+            slots = (sm_count or _sm_count(inputs.q.device.index)) * (variant.occupancy or 1)
+            self.plan = varlen_work_plan(inputs.seqlens_q(), inputs.seqlens_k(), heads, variant.tile_m,
+                                         variant.tile_n, inputs.causal, slots)
+            grid = (self.plan.blocks, 1, 1)
+            work = [torch.tensor(part, dtype=torch.int32, device=inputs.q.device)
+                    for part in (self.plan.starts, self.plan.items or (0,))]  # no rows at all: nothing read
+        else:
+            grid = (-(-inputs.max_seqlen_q // variant.tile_m), inputs.batch * heads, 1)
+            work = [inputs.cu_seqlens_q[:1]] * 2  # placeholders: the kernel reads them only when persistent
         kernel = variant.kernel(int64=needs_int64(inputs.q, inputs.k, inputs.v), base="fmha_varlen")
-        self.launches = [((tiles, inputs.batch * heads, 1), kernel, bind(
+        self.launches = [(grid, kernel, bind(
             "fmha_varlen", Q=q, K=k, V=v, Out=o, CuSeqlensQ=inputs.cu_seqlens_q, CuSeqlensK=inputs.cu_seqlens_k,
-            qk_scale=scale, num_heads=heads, group=heads // inputs.k.shape[1], **constants))]
+            WorkStarts=work[0], WorkItems=work[1], qk_scale=scale, num_heads=heads, group=heads // inputs.k.shape[1],
+            max_tiles=self.plan.max_tiles if self.plan else 0, **constants))]
+
+    def schedule(self) -> dict:
+        """How the work is shared, for the benchmark's config."""
+        if self.plan is None:
+            return {"schedule": "one block per query tile"}
+        return {"schedule": f"host plan: {len(self.plan.items)} query tiles over {self.plan.blocks} blocks"}
 
 
 def varlen_space(capability: tuple[int, int], head_dim: int, causal: bool) -> list[Variant]:
-    """The dense search space's forms with one block per query tile (a persistent block would need the
-    sequences' tile counts to find its work)."""
-    return [variant for variant in search_space(capability, head_dim, causal=causal)
-            if not (variant.persistent or variant.two_launch)]
+    """The dense search space's forms with one block per query tile, and its persistent forms with a fixed
+    share, which here run the host's plan (``varlen_work_plan``: its own order and balance, so the dense share's
+    ``paired`` and ``dynamic`` flags mean nothing here and are dropped). Not the two-launch forms."""
+    space = []
+    for variant in search_space(capability, head_dim, causal=causal):
+        if variant.two_launch or variant.dynamic:
+            continue
+        planned = replace(variant, paired=False)
+        if planned not in space:
+            space.append(planned)
+    return space
 
 
 @register("cutile", op="varlen", family="cutile", dtypes=HALF, devices=("cuda",), head_dims=HEAD_DIMS,
@@ -232,5 +259,5 @@ def prepare_varlen(inputs: Varlen, *, scale: float) -> Prepared:
     space = varlen_space(torch.cuda.get_device_capability(inputs.q.device), head_dim, inputs.causal)
     variant, cached = tuned(shape, inputs.q.device, space,
                             lambda candidate: VarlenCall(candidate, inputs, scale=scale, out=out))
-    return VarlenCall(variant, inputs, scale=scale).prepared(chosen="tuning cache" if cached else "autotuned",
-                                                             tuner=dense_tuner())
+    call = VarlenCall(variant, inputs, scale=scale)
+    return call.prepared(chosen="tuning cache" if cached else "autotuned", tuner=dense_tuner(), **call.schedule())
