@@ -63,6 +63,8 @@
 #             with --settle-ms 0 and twice with the default (benchmarks timed at sustained clocks)
 #   varlen-probe: every cuTile serving candidate on the twins and the uneven packed batches, then
 #             scripts/serving_probe.py --varlen-only
+#   varlen-memcheck: each cuTile varlen candidate on the uneven packed batches under compute-sanitizer memcheck,
+#             one process a candidate, without PyTorch's caching allocator
 #   node:     (several GPUs) issue 14's evidence, PER_GPU workers a GPU (default: the cores / GPUs), as two parts
 #             that each fit one call: node-correct (the correctness preset cold and warm over all GPUs, cold over
 #             one; heartbeats time a stopped pass) and node-bench (the fleet check of blog; blog on one GPU and
@@ -383,6 +385,23 @@ for part in "$@"; do
       step varlen-candidates 300 python3 -m pytest tests/test_gpu_candidates.py -k "serving or uneven" -q \
         -p no:cacheprovider
       step varlen-probe 280 python3 scripts/serving_probe.py --varlen-only
+      ;;
+    varlen-memcheck)
+      # each cuTile varlen candidate on its own under memcheck (a fault ends the process's CUDA context, so one run
+      # for all stops at the first), without PyTorch's caching allocator (exact allocation bounds); session 22 saw
+      # errors at the run-time tensor map of the sliced output in the first candidate (see its notes)
+      labels=$(python3 -c "from impls.cutile.serving import varlen_space
+for v in varlen_space((9, 0), 128, True): print(v.label().replace(' ', '?'))")
+      i=0
+      set -f  # the labels are globs for FMHA_CANDIDATES, not for the shell
+      for label in $labels; do
+        i=$((i + 1))
+        PYTORCH_NO_CUDA_MEMORY_CACHING=1 FMHA_CANDIDATES="$label" step "varlen-memcheck-$i" 90 compute-sanitizer \
+          --tool memcheck --error-exitcode 9 python3 -m pytest tests/test_gpu_candidates.py -k "uneven" -q \
+          -p no:cacheprovider
+        echo "$label: $(grep -E 'ERROR SUMMARY' "$out/varlen-memcheck-$i.log" | tail -1)"
+      done
+      set +f
       ;;
     dynamic)
       step dynamic 150 python3 scripts/sweep.py --seqlens 2048 8192 16384 --causal both --which sdpa cutile \

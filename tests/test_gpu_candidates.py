@@ -6,7 +6,8 @@ case would show up only on the GPU that happens to prefer it. Each candidate of 
 (ragged lengths, Sq != Skv both ways with rows that see no key, GQA, MQA, bf16, large scores that keep moving
 the running max) and checked against the float64 oracle. Without autotuning each candidate runs once per case,
 which is also what the sanitizers run (scripts/gpu_checks.sh). ``FMHA_CANDIDATES=GLOB`` keeps the cuTile
-candidates whose label matches (``*two-launch*``: the sanitizer's subset). The kernel's forms the tuner
+candidates whose label matches (``*two-launch*``: the sanitizer's subset; serving candidates too, by their
+label or, for decode, their description). The kernel's forms the tuner
 does not try (``impls.cutile.other_forms``) are checked too.
 """
 
@@ -122,7 +123,9 @@ def cutile_serving_candidates(inputs) -> list[tuple[str, Callable[[], torch.Tens
                           for var in decode_space(inputs.page_size, huge=True, words=True)]
     else:
         space = varlen_space(torch.cuda.get_device_capability(), inputs.head_dim, inputs.causal)
-        named = [(str(var), VarlenCall(var, inputs, scale=scale)) for var in space]
+        named = [(var.label(), VarlenCall(var, inputs, scale=scale)) for var in space]
+    keep = os.environ.get("FMHA_CANDIDATES", "*")
+    named = [(name, call) for name, call in named if fnmatchcase(name, keep)]
     precompile([call for _, call in named])
     return named
 

@@ -5,7 +5,8 @@
   latencies are tuned per decode shape class, the split plan (``impls._serving.split_plan``) follows from the
   tile width and the batch's lengths;
 - ``varlen``: the dense kernel's query-tile work on each packed sequence (``kernel.fmha_varlen``), with the
-  dense kernel's Hopper candidates that launch one block per query tile, tuned per shape class.
+  dense kernel's Hopper candidates, tuned per shape class: one block per query tile, or a persistent block per
+  SM slot that runs the query tiles a host plan gave it (``impls._serving.varlen_work_plan``).
 
 Both are prepared the way the dense entry is: inputs validated and every launch's arguments made once, so
 that the timed call only launches. Construction touches no GPU (the SM count is passed in), so the CPU tests
@@ -250,7 +251,8 @@ def varlen_space(capability: tuple[int, int], head_dim: int, causal: bool) -> li
 @register("cutile", op="varlen", family="cutile", dtypes=HALF, devices=("cuda",), head_dims=HEAD_DIMS,
           requires=requires,
           description="our cuTile kernel on each packed sequence (read at its row offset in the packed tensors), "
-                      "tile shape and occupancy autotuned")
+                      "one block per query tile or persistent blocks on a host plan (heaviest work first, mirror "
+                      "pairs of causal tiles), autotuned")
 def prepare_varlen(inputs: Varlen, *, scale: float) -> Prepared:
     heads, head_dim = inputs.q.shape[1], inputs.head_dim
     shape = ("varlen", inputs.q.dtype, head_dim, inputs.causal, heads // inputs.k.shape[1],
