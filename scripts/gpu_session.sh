@@ -19,6 +19,7 @@
 #             per tile, cuDNN and flash-attn4 where carried, D=128 and 64 (sweep)
 #   prefill:  blog and fa3 presets, graph timing: cutile, flash-attn4, sdpa-cudnn, triton side by side
 #   prefill-prime: (carry call 1) their checks for cutile, triton and sdpa-cudnn: tuning and compile caches filled
+#             (session 22, a tuning bucket per power of two: about 450 s from cold)
 #   models:   the models preset, every implementation that runs it (or MODELS_IMPLS, names with spaces between;
 #             MODELS_ARGS: more suite options),
 #             graph timing and energy per call (ENERGY_MS, default 1000 ms of calls after each benchmark; 0: none) (in the flash-attn-4 carry's
@@ -192,7 +193,7 @@ for part in "$@"; do
         --impl cutile --impl flash-attn4 --impl sdpa-cudnn --impl triton --benchmark-json="$out/prefill.json"
       ;;
     prefill-prime)
-      step prefill-prime 420 python3 -m pytest suite -k correctness -q -p no:cacheprovider -rf --grid blog --grid fa3 \
+      step prefill-prime 540 python3 -m pytest suite -k correctness -q -p no:cacheprovider -rf --grid blog --grid fa3 \
         --impl cutile --impl triton --impl sdpa-cudnn --durations=5
       ;;
     models)
