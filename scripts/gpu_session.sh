@@ -63,7 +63,7 @@
 #   settle:   the equal-length varlen batch and its dense twin, cutile / sdpa-cudnn / triton, graph timing, twice
 #             with --settle-ms 0 and twice with the default (benchmarks timed at sustained clocks)
 #   varlen-probe: every cuTile serving candidate on the twins and the uneven packed batches, then
-#             scripts/serving_probe.py --varlen-only
+#             scripts/serving_probe.py --varlen-only (VARLEN_PROBE_ARGS: more, e.g. --varlen-persistent)
 #   varlen-memcheck: each cuTile varlen candidate on the uneven packed batches under compute-sanitizer memcheck,
 #             one process a candidate, without PyTorch's caching allocator
 #   node:     (several GPUs) issue 14's evidence, PER_GPU workers a GPU (default: the cores / GPUs), as two parts
@@ -385,7 +385,7 @@ for part in "$@"; do
     varlen-probe)
       step varlen-candidates 300 python3 -m pytest tests/test_gpu_candidates.py -k "serving or uneven" -q \
         -p no:cacheprovider
-      step varlen-probe 280 python3 scripts/serving_probe.py --varlen-only
+      step varlen-probe 280 python3 scripts/serving_probe.py --varlen-only ${VARLEN_PROBE_ARGS:-}
       ;;
     varlen-memcheck)
       # each cuTile varlen candidate on its own under memcheck (a fault ends the process's CUDA context, so one run

@@ -8,7 +8,8 @@ times each of the tuner's configs with and without the mask-free loop (MASK_FREE
 times a registered implementation of the operation the same way, in the same process (``--no-cutile`` leaves
 cuTile out, for a machine without its toolchain). Varlen (``--varlen-only``: nothing else): each varlen
 candidate on every ``varlen`` case, and on the equal-length batch beside the dense kernel with the same variant
-on the same shape (the varlen path should cost nothing over dense). Prints JSON lines.
+on the same shape (the varlen path should cost nothing over dense); ``--varlen-persistent`` adds the persistent
+twin (on the host plan) of every one-block-per-tile candidate. Prints JSON lines.
 
     python scripts/serving_probe.py --case llama3-8b-paged-bf16-h32:8-q1-kv8192-uniform-p16-d128-b64
 """
@@ -113,16 +114,19 @@ def mask_free_ab(inputs, scale: float, case, oracle, rounds: int = 5) -> None:
                           "passed": [oracle.check(run()).passed for run in calls.values()]}), flush=True)
 
 
-def probe_varlen(rounds: int = 3) -> None:
+def probe_varlen(rounds: int = 3, persistent_twins: bool = False) -> None:
     """Each varlen candidate on every ``varlen`` case, and on the equal-length batch beside the dense kernel of
-    the same variant, in ``rounds`` interleaved rounds (median)."""
+    the same variant, in ``rounds`` interleaved rounds (median); ``persistent_twins``: each one-block-per-tile
+    candidate's persistent twin too."""
     dense_case, = [c for c in preset("varlen") if c.op == "dense"]
     q, k, v = dense_case.make_inputs("cuda")
     for varlen_case in [c for c in preset("varlen") if c.op == "varlen"]:
         inputs = varlen_case.make_inputs("cuda")
         scale = inputs.head_dim ** -0.5
         oracle = Oracle.serving(inputs)
-        for variant in varlen_space(torch.cuda.get_device_capability(), inputs.head_dim, True):
+        space = varlen_space(torch.cuda.get_device_capability(), inputs.head_dim, True)
+        twins = [replace(v, persistent=True) for v in space if persistent_twins and not v.persistent]
+        for variant in space + [twin for twin in twins if twin not in space]:
             calls = {"varlen": VarlenCall(variant, inputs, scale=scale)}
             if varlen_case.lengths == "equal":
                 calls["dense"] = Call(variant, q, k, v, causal=True, scale=scale)
@@ -141,6 +145,8 @@ def main() -> None:
     parser.add_argument("--case", action="append", help="a serving case id (repeatable)")
     parser.add_argument("--skip-varlen", action="store_true")
     parser.add_argument("--varlen-only", action="store_true", help="no decode case, only the varlen probe")
+    parser.add_argument("--varlen-persistent", action="store_true",
+                        help="varlen: the persistent twin of every one-block-per-tile candidate too")
     parser.add_argument("--occupancy", action="append", type=int, default=[], help="cuTile blocks per SM to try")
     parser.add_argument("--triton", choices=("tuner", "wide", "ab", "none"), default="tuner",
                         help="the Triton configs beside cuTile's: the tuner's space, TRITON_WIDE, or none")
@@ -153,7 +159,7 @@ def main() -> None:
     for case_id in args.case or default:
         probe_decode(case_id, args.occupancy, args.triton, args.latency, args.peer, cutile=not args.no_cutile)
     if not args.skip_varlen:
-        probe_varlen()
+        probe_varlen(persistent_twins=args.varlen_persistent)
 
 
 if __name__ == "__main__":
