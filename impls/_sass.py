@@ -12,8 +12,9 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-COUNTED = {"hgmma": "HGMMA", "hmma": " HMMA", "utmaldg": "UTMALDG", "ldl": "LDL", "stl": "STL",
-           "mufu_tanh": "MUFU.TANH", "mufu_ex2": "MUFU.EX2"}
+COUNTED = {"hgmma": "HGMMA", "hmma": " HMMA", "utmaldg": "UTMALDG", "utmastg": "UTMASTG", "ldl": "LDL", "stl": "STL",
+           "mufu_tanh": "MUFU.TANH", "mufu_ex2": "MUFU.EX2",
+           "atomg": "ATOMG"}  # a tensor map made at run time is written to global memory with ATOMG.E.EXCH
 
 
 def find_cuobjdump() -> str | None:

@@ -65,7 +65,8 @@
 #   varlen-probe: every cuTile serving candidate on the twins and the uneven packed batches, then
 #             scripts/serving_probe.py --varlen-only (VARLEN_PROBE_ARGS: more, e.g. --varlen-persistent)
 #   varlen-memcheck: each cuTile varlen candidate on the uneven packed batches under compute-sanitizer memcheck,
-#             one process a candidate, without PyTorch's caching allocator
+#             one process a candidate, without PyTorch's caching allocator, with each output store of VARLEN_STORES
+#             (default "tma plain"; varlen-probe takes FMHA_VARLEN_STORE=plain to time the plain one)
 #   node:     (several GPUs) issue 14's evidence, PER_GPU workers a GPU (default: the cores / GPUs), as two parts
 #             that each fit one call: node-correct (the correctness preset cold and warm over all GPUs, cold over
 #             one; heartbeats time a stopped pass) and node-bench (the fleet check of blog; blog on one GPU and
@@ -389,18 +390,21 @@ for part in "$@"; do
       ;;
     varlen-memcheck)
       # each cuTile varlen candidate on its own under memcheck (a fault ends the process's CUDA context, so one run
-      # for all stops at the first), without PyTorch's caching allocator (exact allocation bounds); session 22 saw
-      # errors at the run-time tensor map of the sliced output in the first candidate (see its notes)
+      # for all stops at the first), without PyTorch's caching allocator (exact allocation bounds), for each output
+      # store of VARLEN_STORES (default: tma plain; FMHA_VARLEN_STORE); session 22 saw errors at the write of the
+      # run-time tensor map of the TMA store in the first candidate (see its notes)
       labels=$(python3 -c "from impls.cutile.serving import varlen_space
 for v in varlen_space((9, 0), 128, True): print(v.label().replace(' ', '?'))")
-      i=0
       set -f  # the labels are globs for FMHA_CANDIDATES, not for the shell
-      for label in $labels; do
-        i=$((i + 1))
-        PYTORCH_NO_CUDA_MEMORY_CACHING=1 FMHA_CANDIDATES="$label" step "varlen-memcheck-$i" 90 compute-sanitizer \
-          --tool memcheck --error-exitcode 9 python3 -m pytest tests/test_gpu_candidates.py -k "uneven" -q \
-          -p no:cacheprovider
-        echo "$label: $(grep -E 'ERROR SUMMARY' "$out/varlen-memcheck-$i.log" | tail -1)"
+      for store in ${VARLEN_STORES:-tma plain}; do
+        i=0
+        for label in $labels; do
+          i=$((i + 1))
+          FMHA_VARLEN_STORE=$store PYTORCH_NO_CUDA_MEMORY_CACHING=1 FMHA_CANDIDATES="$label" \
+            step "varlen-memcheck-$store-$i" 60 compute-sanitizer --tool memcheck --error-exitcode 9 \
+            python3 -m pytest tests/test_gpu_candidates.py -k "uneven" -q -p no:cacheprovider
+          echo "$store $label: $(grep -E 'ERROR SUMMARY' "$out/varlen-memcheck-$store-$i.log" | tail -1)"
+        done
       done
       set +f
       ;;

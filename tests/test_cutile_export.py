@@ -441,6 +441,30 @@ def test_sm90_persistent_varlen_kernel_is_the_dense_persistent_kernel(causal):
     assert usage[0]["stack"] == 0 and usage[0]["ldl"] == 0
 
 
+@pytest.mark.parametrize("persistent", [False, True])
+def test_sm90_varlen_plain_store_makes_no_tensor_map_at_run_time(monkeypatch, persistent):
+    # The output of a packed sequence is the packed output sliced at run time: a TMA store of it makes a tensor
+    # map in the kernel and writes it to a global workspace (ATOMG.E.EXCH; memcheck flagged that write, session
+    # 22). FMHA_VARLEN_STORE=plain stores with bounds-checked vector stores instead: no tensor map, no ATOMG.
+    from impls.cutile.export import export_launch
+    from impls.cutile.serving import VarlenCall, varlen_space
+
+    inputs = serving_inputs("varlen-cpu", 0)
+    variant = next(v for v in varlen_space((9, 0), inputs.head_dim, inputs.causal) if v.persistent == persistent)
+    usage = {}
+    for store in ("tma", "plain"):
+        monkeypatch.setenv("FMHA_VARLEN_STORE", store)
+        call = VarlenCall(variant, inputs, scale=0.125, sm_count=132)
+        assert call.schedule()["output_store"] == store
+        usage[store] = sass(export_launch(*call.launches[0][1:], arch="sm_90"))
+    assert usage["tma"]["atomg"] > 0 and usage["tma"]["utmastg"] > 0
+    assert usage["plain"]["atomg"] == 0 and usage["plain"]["utmastg"] == 0
+    assert usage["plain"]["hgmma"] == usage["tma"]["hgmma"] and usage["plain"]["stack"] == 0
+    monkeypatch.setenv("FMHA_VARLEN_STORE", "tensor-map")
+    with pytest.raises(ValueError, match="FMHA_VARLEN_STORE='tensor-map': expected one of tma, plain"):
+        VarlenCall(variant, inputs, scale=0.125, sm_count=132)
+
+
 def test_arguments_are_bound_by_the_kernels_parameter_names():
     """The launch arguments follow the kernel's signature, whatever order they are given in; a parameter left
     without a value is named."""

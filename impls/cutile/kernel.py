@@ -138,7 +138,7 @@ def fmha_varlen(
     TILE_D: ConstInt, TILE_D_TAIL: ConstInt, TILE_DV: ConstInt, TILE_DV_TAIL: ConstInt,
     TILE_M: ConstInt, TILE_N: ConstInt,
     CAUSAL: ConstBool, FAST_MATH: ConstBool, REVERSE_ORDER: ConstBool, K_LATENCY: ConstInt, V_LATENCY: ConstInt,
-    HEAD_GROUP: ConstInt, PERSISTENT: ConstBool,
+    HEAD_GROUP: ConstInt, PERSISTENT: ConstBool, OUT_TMA: ConstBool,
 ):
     """Packed variable-length prefill: the same query-tile work as ``fmha_fwd``, on one sequence of the batch.
 
@@ -164,19 +164,19 @@ def fmha_varlen(
             rest = item // num_heads
             attend_sequence_tile(Q, K, V, Out, CuSeqlensQ, CuSeqlensK, rest // max_tiles, rest % max_tiles,
                                  item % num_heads, qk_scale, num_heads, group, TILE_D, TILE_D_TAIL, TILE_DV,
-                                 TILE_DV_TAIL, TILE_M, TILE_N, CAUSAL, FAST_MATH, K_LATENCY, V_LATENCY, True)
+                                 TILE_DV_TAIL, TILE_M, TILE_N, CAUSAL, FAST_MATH, K_LATENCY, V_LATENCY, True, OUT_TMA)
     else:
         num_m = ct.num_blocks(0)
         tile_m, batch_head = work_item(ct.bid(1) * num_m + ct.bid(0), num_m, ct.num_blocks(1),
                                        CAUSAL and REVERSE_ORDER, HEAD_GROUP)
         attend_sequence_tile(Q, K, V, Out, CuSeqlensQ, CuSeqlensK, batch_head // num_heads, tile_m,
                              batch_head % num_heads, qk_scale, num_heads, group, TILE_D, TILE_D_TAIL, TILE_DV,
-                             TILE_DV_TAIL, TILE_M, TILE_N, CAUSAL, FAST_MATH, K_LATENCY, V_LATENCY, False)
+                             TILE_DV_TAIL, TILE_M, TILE_N, CAUSAL, FAST_MATH, K_LATENCY, V_LATENCY, False, OUT_TMA)
 
 
 def attend_sequence_tile(Q, K, V, Out, CuSeqlensQ, CuSeqlensK, batch, tile_m, head, qk_scale, num_heads, group,
                          TILE_D, TILE_D_TAIL, TILE_DV, TILE_DV_TAIL, TILE_M, TILE_N, CAUSAL, FAST_MATH, K_LATENCY,
-                         V_LATENCY, PLANNED):
+                         V_LATENCY, PLANNED, OUT_TMA):
     """Query tile ``tile_m`` of sequence ``batch``, one head, of a packed batch (``fmha_varlen``). PLANNED: the
     host's plan holds only tiles with query rows, so there is no run-time check (inside a persistent loop it
     made the compiler lay the tile's work out twice, sm_90: 96 HGMMA instead of 48, and spill)."""
@@ -192,7 +192,7 @@ def attend_sequence_tile(Q, K, V, Out, CuSeqlensQ, CuSeqlensK, batch, tile_m, he
                           (k_end - k_start) - (q_end - q_start), 0, 0, num_heads, group, TILE_D, TILE_D_TAIL,
                           TILE_DV, TILE_DV_TAIL, TILE_M, TILE_N, CAUSAL, CAUSAL, False, 0.0, FAST_MATH, True, False,
                           K_LATENCY, V_LATENCY, WHOLE, q_row0=q_start, kv_row0=k_start, kv_len=k_end - k_start,
-                          ROW_OFFSETS=True)
+                          ROW_OFFSETS=True, OUT_TMA=OUT_TMA)
 
 
 def work_item(linear, num_m, num_bh, HEAVIEST_FIRST, HEAD_GROUP):
@@ -242,7 +242,7 @@ def paired_item(linear, num_m):
 def attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_head, qk_scale, causal_offset,
                       window_left, window_right, num_heads, group, TILE_D, TILE_D_TAIL, TILE_DV, TILE_DV_TAIL, TILE_M,
                       TILE_N, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP, FAST_MATH, LOOP_SPLIT, MASK_BRANCH, K_LATENCY,
-                      V_LATENCY, PHASE, q_row0=0, kv_row0=0, kv_len=-1, ROW_OFFSETS=False):
+                      V_LATENCY, PHASE, q_row0=0, kv_row0=0, kv_len=-1, ROW_OFFSETS=False, OUT_TMA=True):
     """Output rows ``tile_m`` of one (batch, query head): the whole FlashAttention forward for one Q tile, or
     the masked (DIAGONAL) or mask-free (OFF_DIAGONAL) part of it.
 
@@ -316,9 +316,10 @@ def attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_
                     TILE_DV_TAIL)
     else:
         l_i = ct.where(l_i == 0.0, 1.0, l_i)  # rows that saw no key: 0 / 1 = 0
-        store_rows(Out, normalised(acc, l_i, FAST_MATH).astype(Out.dtype), batch, head, tile_m, 0)
+        store_rows(Out, normalised(acc, l_i, FAST_MATH).astype(Out.dtype), batch, head, tile_m, 0, OUT_TMA)
         if TILE_DV_TAIL > 0:
-            store_rows(Out, normalised(acc_tail, l_i, FAST_MATH).astype(Out.dtype), batch, head, tile_m, TILE_DV)
+            store_rows(Out, normalised(acc_tail, l_i, FAST_MATH).astype(Out.dtype), batch, head, tile_m, TILE_DV,
+                       OUT_TMA)
 
 
 def far_edge_or_same(step, masked_from, free_start):
@@ -385,11 +386,13 @@ def load_rows(A, batch, head, row_tile, ROWS, WIDTH, FIRST_COLUMN, LATENCY, row0
     return tile.reshape((ROWS, WIDTH))
 
 
-def store_rows(A, tile, batch, head, row_tile, FIRST_COLUMN):
+def store_rows(A, tile, batch, head, row_tile, FIRST_COLUMN, TMA=True):
     """The (ROWS, WIDTH) ``tile`` into rows ``row_tile`` of one (batch, head), from column FIRST_COLUMN (a
-    multiple of WIDTH); what lies past the array's ends is not stored."""
+    multiple of WIDTH); what lies past the array's ends is not stored. TMA False: plain stores, bounds-checked
+    element by element (an array sliced at run time then needs no tensor map made at run time)."""
     rows, width = tile.shape
-    ct.store(A, index=(batch, head, row_tile, FIRST_COLUMN // width), tile=tile.reshape((1, 1, rows, width)))
+    ct.store(A, index=(batch, head, row_tile, FIRST_COLUMN // width), tile=tile.reshape((1, 1, rows, width)),
+             allow_tma=None if TMA else False)
 
 
 def zero_accumulator(TILE_M, WIDTH):

@@ -15,6 +15,7 @@ compile the very launches a GPU would run (``export.export_launch``).
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -196,6 +197,20 @@ def prepare_paged(inputs: PagedKV, *, scale: float) -> Prepared:
         chosen="tuning cache" if cached else "autotuned")
 
 
+VARLEN_STORES = ("tma", "plain")
+
+
+def varlen_output_store() -> str:
+    """How the varlen kernel stores its output, from FMHA_VARLEN_STORE: "tma" (the default) through a tensor map
+    of the sequence's rows that each block makes at run time, or "plain" bounds-checked stores that need none.
+    Session 22 (H200): compute-sanitizer memcheck flagged the write of that run-time tensor map (outside any
+    allocation) on the uneven twins; gpu_session.sh varlen-memcheck and varlen-probe measure both forms."""
+    store = os.environ.get("FMHA_VARLEN_STORE", "tma")
+    if store not in VARLEN_STORES:
+        raise ValueError(f"FMHA_VARLEN_STORE={store!r}: expected one of {', '.join(VARLEN_STORES)}")
+    return store
+
+
 class VarlenCall(Launches):
     """One packed prefill with a dense ``variant``: the kernel reads the packed tensors through (1, H, total, D)
     views. One block per query tile of the longest sequence and (sequence, head), or, persistent, one block per
@@ -210,6 +225,7 @@ class VarlenCall(Launches):
         heads = inputs.q.shape[1]
         constants = variant.constants(head_dim=inputs.head_dim, causal=inputs.causal, kv_len=inputs.max_seqlen_k,
                                       itemsize=inputs.q.element_size(), value_dim=inputs.v.shape[-1])
+        self.store = varlen_output_store()
         self.plan = None
         if variant.persistent:
             slots = (sm_count or _sm_count(inputs.q.device.index)) * (variant.occupancy or 1)
@@ -225,13 +241,13 @@ class VarlenCall(Launches):
         self.launches = [(grid, kernel, bind(
             "fmha_varlen", Q=q, K=k, V=v, Out=o, CuSeqlensQ=inputs.cu_seqlens_q, CuSeqlensK=inputs.cu_seqlens_k,
             WorkStarts=work[0], WorkItems=work[1], qk_scale=scale, num_heads=heads, group=heads // inputs.k.shape[1],
-            max_tiles=self.plan.max_tiles if self.plan else 0, **constants))]
+            max_tiles=self.plan.max_tiles if self.plan else 0, OUT_TMA=self.store == "tma", **constants))]
 
     def schedule(self) -> dict:
-        """How the work is shared, for the benchmark's config."""
-        if self.plan is None:
-            return {"schedule": "one block per query tile"}
-        return {"schedule": f"host plan: {len(self.plan.items)} query tiles over {self.plan.blocks} blocks"}
+        """How the work is shared and the output stored, for the benchmark's config."""
+        share = ("one block per query tile" if self.plan is None
+                 else f"host plan: {len(self.plan.items)} query tiles over {self.plan.blocks} blocks")
+        return {"schedule": share, "output_store": self.store}
 
 
 def varlen_space(capability: tuple[int, int], head_dim: int, causal: bool) -> list[Variant]:
