@@ -272,7 +272,8 @@ def varlen_space(capability: tuple[int, int], head_dim: int, causal: bool) -> li
 def prepare_varlen(inputs: Varlen, *, scale: float) -> Prepared:
     heads, head_dim = inputs.q.shape[1], inputs.head_dim
     shape = ("varlen", inputs.q.dtype, head_dim, inputs.causal, heads // inputs.k.shape[1],
-             length_class(inputs.max_seqlen_q), length_class(inputs.max_seqlen_k), parallel_class(inputs.batch * heads))
+             length_class(inputs.max_seqlen_q), length_class(inputs.max_seqlen_k), parallel_class(inputs.batch * heads),
+             varlen_output_store())  # picks made with one output store are not reused with the other
     out = inputs.output_like()
     space = varlen_space(torch.cuda.get_device_capability(inputs.q.device), head_dim, inputs.causal)
     variant, cached = tuned(shape, inputs.q.device, space,
