@@ -155,7 +155,9 @@ def fmha_varlen(
     those rows stay unwritten. Slicing all four arrays instead (sessions 6-11) made every block build four
     tensor maps at run time before its first load. H200, session 12, per variant against the dense kernel on
     the equal-length batch: sliced 0.91-0.98, row offsets 0.97-1.0; on the random-length batches row offsets
-    are as fast or faster for every variant (up to 8%; the best variant of each form: 0-2%).
+    are as fast or faster for every variant (up to 8%; the best variant of each form: 0-2%). OUT_TMA: the
+    sliced output is stored through TMA, with the one tensor map each block still makes at run time, or, False,
+    with bounds-checked plain stores and none (``impls.cutile.serving.varlen_output_store``).
     """
     if PERSISTENT:
         first = ct.gather(WorkStarts, ct.bid(0)).item()
