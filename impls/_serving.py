@@ -335,13 +335,14 @@ def varlen_work_plan(seqlens_q: list[int], seqlens_k: list[int], heads: int, til
     for sequence, (len_q, len_k) in enumerate(zip(seqlens_q, seqlens_k, strict=True)):
         tiles = -(-len_q // tile_m)
         cost = [query_tile_cost(t, len_q, len_k, tile_m, tile_n, causal) for t in range(tiles)]
-        order = list(range(tiles))
-        groups = ([[order[-1 - i], order[i]] for i in range(tiles // 2)] + ([[tiles // 2]] if tiles % 2 else [])
-                  if causal else [[t] for t in order])
+        if causal:  # mirror pairs, heavy tile first; an odd count's middle tile alone
+            groups = [sorted({tiles - 1 - i, i}, reverse=True) for i in range((tiles + 1) // 2)]
+        else:
+            groups = [[t] for t in range(tiles)]
+        group_cost = [sum(cost[t] for t in group) for group in groups]
         for head in range(heads):
-            for group in groups:
-                units.append((sum(cost[t] for t in group),
-                              [(sequence * max_tiles + t) * heads + head for t in group]))
+            for group, work in zip(groups, group_cost, strict=True):
+                units.append((work, [(sequence * max_tiles + t) * heads + head for t in group]))
     units.sort(key=lambda unit: -unit[0])  # stable: equal costs keep their order
     blocks = max(min(slots, len(units)), 1)
     load = [(0, block) for block in range(blocks)]  # a heap of (work so far, block)
