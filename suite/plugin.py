@@ -25,6 +25,7 @@ import torch
 
 import impls
 from impls import Impl, Prepared, Unsupported
+from impls._tuning import STEADY_TOLERANCE, STEADY_WINDOW_S
 from suite import cases as grid
 from suite import timing
 from suite.cases import Case
@@ -56,9 +57,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "the GPU's clocks have come down to what its power limit sustains (default 250 on a "
                          "GPU, 0 on CPU; 0: time from whatever state the previous work left)")
     group.addoption("--settle-max-ms", type=float, default=0,
-                    help="GPU: after --settle-ms, go on settling in timed windows of 50 ms until two in a row agree "
-                         "within 1%%, at most this long in all (0, the default: --settle-ms alone). The report "
-                         "flags rounds that drifted more than 2%% while timed")
+                    help=f"GPU: after --settle-ms, go on settling in timed windows of {STEADY_WINDOW_S * 1e3:.0f} "
+                         f"ms until two in a row agree within {STEADY_TOLERANCE * 100:.0f}%%, at most this long in "
+                         "all (0, the default: --settle-ms alone). The report flags rounds that drifted more than 2%% "
+                         "while timed")
     group.addoption("--energy-ms", type=float, default=0,
                     help="GPU: after timing, run each benchmark's call back to back this long and record the "
                          "energy NVML's counter saw (joules per call, average watts). The counter moves in steps "
