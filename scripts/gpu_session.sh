@@ -66,7 +66,7 @@
 #             scripts/serving_probe.py --varlen-only (VARLEN_PROBE_ARGS: more, e.g. --varlen-persistent)
 #   varlen-memcheck: each cuTile varlen candidate on the uneven packed batches under compute-sanitizer memcheck,
 #             one process a candidate, without PyTorch's caching allocator, with each output store of VARLEN_STORES
-#             (default "tma plain"; varlen-probe takes FMHA_VARLEN_STORE=plain to time the plain one)
+#             (default "plain tma"), all at once; VARLEN_PROBE_ARGS=--varlen-stores has varlen-probe time both
 #   node:     (several GPUs) issue 14's evidence, PER_GPU workers a GPU (default: the cores / GPUs), as two parts
 #             that each fit one call: node-correct (the correctness preset cold and warm over all GPUs, cold over
 #             one; heartbeats time a stopped pass) and node-bench (the fleet check of blog; blog on one GPU and
@@ -391,19 +391,27 @@ for part in "$@"; do
     varlen-memcheck)
       # each cuTile varlen candidate on its own under memcheck (a fault ends the process's CUDA context, so one run
       # for all stops at the first), without PyTorch's caching allocator (exact allocation bounds), for each output
-      # store of VARLEN_STORES (default: tma plain; FMHA_VARLEN_STORE); session 22 saw errors at the write of the
-      # run-time tensor map of the TMA store in the first candidate (see its notes)
+      # store of VARLEN_STORES (default: plain tma; FMHA_VARLEN_STORE), all processes at once (the compiles take
+      # most of the time); session 22 saw errors at the write of the run-time tensor map of the TMA store
       labels=$(python3 -c "from impls.cutile.serving import varlen_space
 for v in varlen_space((9, 0), 128, True): print(v.label().replace(' ', '?'))")
       set -f  # the labels are globs for FMHA_CANDIDATES, not for the shell
-      for store in ${VARLEN_STORES:-tma plain}; do
+      for store in ${VARLEN_STORES:-plain tma}; do
         i=0
         for label in $labels; do
           i=$((i + 1))
           FMHA_VARLEN_STORE=$store PYTORCH_NO_CUDA_MEMORY_CACHING=1 FMHA_CANDIDATES="$label" \
-            step "varlen-memcheck-$store-$i" 60 compute-sanitizer --tool memcheck --error-exitcode 9 \
-            python3 -m pytest tests/test_gpu_candidates.py -k "uneven" -q -p no:cacheprovider
-          echo "$store $label: $(grep -E 'ERROR SUMMARY' "$out/varlen-memcheck-$store-$i.log" | tail -1)"
+            step "varlen-memcheck-$store-$i" 240 compute-sanitizer --tool memcheck --error-exitcode 9 \
+            python3 -m pytest tests/test_gpu_candidates.py -k "uneven" -q -p no:cacheprovider > /dev/null &
+        done
+      done
+      wait
+      for store in ${VARLEN_STORES:-plain tma}; do
+        i=0
+        for label in $labels; do
+          i=$((i + 1))
+          log=$out/varlen-memcheck-$store-$i.log
+          echo "$store $label: $(grep -E 'ERROR SUMMARY' "$log" | tail -1) $(grep -E 'passed|failed' "$log" | tail -1)"
         done
       done
       set +f

@@ -9,7 +9,8 @@ times a registered implementation of the operation the same way, in the same pro
 cuTile out, for a machine without its toolchain). Varlen (``--varlen-only``: nothing else): each varlen
 candidate on every ``varlen`` case, and on the equal-length batch beside the dense kernel with the same variant
 on the same shape (the varlen path should cost nothing over dense); ``--varlen-persistent`` adds the persistent
-twin (on the host plan) of every one-block-per-tile candidate. Prints JSON lines.
+twin (on the host plan) of every one-block-per-tile candidate, ``--varlen-stores`` times each with both output
+stores. Prints JSON lines.
 
     python scripts/serving_probe.py --case llama3-8b-paged-bf16-h32:8-q1-kv8192-uniform-p16-d128-b64
 """
@@ -26,7 +27,7 @@ import torch
 import impls
 from impls._tuning import graph_ms
 from impls.cutile import Call, _sm_count, precompile
-from impls.cutile.serving import DecodeCall, VarlenCall, decode_space_for, varlen_space
+from impls.cutile.serving import VARLEN_STORES, DecodeCall, VarlenCall, decode_space_for, varlen_space
 from impls.triton_fa import DECODE_SPACE as TRITON_SPACE
 from impls.triton_fa import paged_launch
 from suite import metrics
@@ -114,10 +115,10 @@ def mask_free_ab(inputs, scale: float, case, oracle, rounds: int = 5) -> None:
                           "passed": [oracle.check(run()).passed for run in calls.values()]}), flush=True)
 
 
-def probe_varlen(rounds: int = 3, persistent_twins: bool = False) -> None:
+def probe_varlen(rounds: int = 3, persistent_twins: bool = False, stores: tuple[str, ...] = ()) -> None:
     """Each varlen candidate on every ``varlen`` case, and on the equal-length batch beside the dense kernel of
     the same variant, in ``rounds`` interleaved rounds (median); ``persistent_twins``: each one-block-per-tile
-    candidate's persistent twin too."""
+    candidate's persistent twin too; ``stores``: the varlen call once per output store (else FMHA_VARLEN_STORE's)."""
     dense_case, = [c for c in preset("varlen") if c.op == "dense"]
     q, k, v = dense_case.make_inputs("cuda")
     for varlen_case in [c for c in preset("varlen") if c.op == "varlen"]:
@@ -127,7 +128,8 @@ def probe_varlen(rounds: int = 3, persistent_twins: bool = False) -> None:
         space = varlen_space(torch.cuda.get_device_capability(), inputs.head_dim, True)
         twins = [replace(v, persistent=True) for v in space if persistent_twins and not v.persistent]
         for variant in space + [twin for twin in twins if twin not in space]:
-            calls = {"varlen": VarlenCall(variant, inputs, scale=scale)}
+            calls = {f"varlen_{store}" if store else "varlen": VarlenCall(variant, inputs, scale=scale, store=store)
+                     for store in stores or (None,)}
             if varlen_case.lengths == "equal":
                 calls["dense"] = Call(variant, q, k, v, causal=True, scale=scale)
             precompile(list(calls.values()))
@@ -137,7 +139,8 @@ def probe_varlen(rounds: int = 3, persistent_twins: bool = False) -> None:
                     ms[name].append(graph_ms(call, repeats=20))
             print(json.dumps({"case": varlen_case.id, "variant": variant.label(),
                               **{f"{name}_ms": sorted(times)[len(times) // 2] for name, times in ms.items()},
-                              "passed": oracle.check(calls["varlen"]()).passed}), flush=True)
+                              "passed": [oracle.check(call()).passed for name, call in calls.items()
+                                         if name.startswith("varlen")]}), flush=True)
 
 
 def main() -> None:
@@ -147,6 +150,8 @@ def main() -> None:
     parser.add_argument("--varlen-only", action="store_true", help="no decode case, only the varlen probe")
     parser.add_argument("--varlen-persistent", action="store_true",
                         help="varlen: the persistent twin of every one-block-per-tile candidate too")
+    parser.add_argument("--varlen-stores", action="store_true",
+                        help=f"varlen: each candidate with each output store ({', '.join(VARLEN_STORES)}), interleaved")
     parser.add_argument("--occupancy", action="append", type=int, default=[], help="cuTile blocks per SM to try")
     parser.add_argument("--triton", choices=("tuner", "wide", "ab", "none"), default="tuner",
                         help="the Triton configs beside cuTile's: the tuner's space, TRITON_WIDE, or none")
@@ -159,7 +164,8 @@ def main() -> None:
     for case_id in args.case or default:
         probe_decode(case_id, args.occupancy, args.triton, args.latency, args.peer, cutile=not args.no_cutile)
     if not args.skip_varlen:
-        probe_varlen(persistent_twins=args.varlen_persistent)
+        probe_varlen(persistent_twins=args.varlen_persistent,
+                     stores=VARLEN_STORES if args.varlen_stores else ())
 
 
 if __name__ == "__main__":

@@ -445,23 +445,26 @@ def test_sm90_persistent_varlen_kernel_is_the_dense_persistent_kernel(causal):
 def test_sm90_varlen_plain_store_makes_no_tensor_map_at_run_time(monkeypatch, persistent):
     # The output of a packed sequence is the packed output sliced at run time: a TMA store of it makes a tensor
     # map in the kernel and writes it to a global workspace (ATOMG.E.EXCH; memcheck flagged that write, session
-    # 22). FMHA_VARLEN_STORE=plain stores with bounds-checked vector stores instead: no tensor map, no ATOMG.
+    # 22). The default store, plain, uses bounds-checked vector stores instead: no tensor map, no ATOMG.
     from impls.cutile.export import export_launch
     from impls.cutile.serving import VarlenCall, varlen_space
 
     inputs = serving_inputs("varlen-cpu", 0)
     variant = next(v for v in varlen_space((9, 0), inputs.head_dim, inputs.causal) if v.persistent == persistent)
+    monkeypatch.delenv("FMHA_VARLEN_STORE", raising=False)
+    calls = {"plain": VarlenCall(variant, inputs, scale=0.125, sm_count=132)}  # the default
+    monkeypatch.setenv("FMHA_VARLEN_STORE", "tma")
+    calls["tma"] = VarlenCall(variant, inputs, scale=0.125, sm_count=132)
     usage = {}
-    for store in ("tma", "plain"):
-        monkeypatch.setenv("FMHA_VARLEN_STORE", store)
-        call = VarlenCall(variant, inputs, scale=0.125, sm_count=132)
+    for store, call in calls.items():
         assert call.schedule()["output_store"] == store
         usage[store] = sass(export_launch(*call.launches[0][1:], arch="sm_90"))
     assert usage["tma"]["atomg"] > 0 and usage["tma"]["utmastg"] > 0
     assert usage["plain"]["atomg"] == 0 and usage["plain"]["utmastg"] == 0
     assert usage["plain"]["hgmma"] == usage["tma"]["hgmma"] and usage["plain"]["stack"] == 0
+    assert VarlenCall(variant, inputs, scale=0.125, sm_count=132, store="plain").store == "plain"  # over the env
     monkeypatch.setenv("FMHA_VARLEN_STORE", "tensor-map")
-    with pytest.raises(ValueError, match="FMHA_VARLEN_STORE='tensor-map': expected one of tma, plain"):
+    with pytest.raises(ValueError, match="FMHA_VARLEN_STORE='tensor-map': expected one of plain, tma"):
         VarlenCall(variant, inputs, scale=0.125, sm_count=132)
 
 

@@ -197,15 +197,17 @@ def prepare_paged(inputs: PagedKV, *, scale: float) -> Prepared:
         chosen="tuning cache" if cached else "autotuned")
 
 
-VARLEN_STORES = ("tma", "plain")
+VARLEN_STORES = ("plain", "tma")
 
 
 def varlen_output_store() -> str:
-    """How the varlen kernel stores its output, from FMHA_VARLEN_STORE: "tma" (the default) through a tensor map
-    of the sequence's rows that each block makes at run time, or "plain" bounds-checked stores that need none.
-    Session 22 (H200): compute-sanitizer memcheck flagged the write of that run-time tensor map (outside any
-    allocation) on the uneven twins; gpu_session.sh varlen-memcheck and varlen-probe measure both forms."""
-    store = os.environ.get("FMHA_VARLEN_STORE", "tma")
+    """How the varlen kernel stores its output, from FMHA_VARLEN_STORE: "plain" (the default), bounds-checked
+    vector stores, or "tma", a tensor map of the sequence's rows that each block makes at run time. The default is
+    plain because compute-sanitizer memcheck flagged the write of that run-time tensor map, 16-58 KB past a 2 MB
+    allocation, on an H200 (session 22). In the SASS the map's workspace slot comes from the block's virtual SM id
+    and slot on the SM, not from its index in the grid: the slot count is cuTile's, not ours to mend.
+    ``gpu_session.sh varlen-memcheck`` checks both stores; ``serving_probe.py --varlen-stores`` times them."""
+    store = os.environ.get("FMHA_VARLEN_STORE", VARLEN_STORES[0])
     if store not in VARLEN_STORES:
         raise ValueError(f"FMHA_VARLEN_STORE={store!r}: expected one of {', '.join(VARLEN_STORES)}")
     return store
@@ -218,14 +220,14 @@ class VarlenCall(Launches):
     that a timed call only launches). Construction touches no GPU where ``sm_count`` is given."""
 
     def __init__(self, variant: Variant, inputs: Varlen, *, scale: float, out: torch.Tensor | None = None,
-                 sm_count: int | None = None) -> None:
+                 sm_count: int | None = None, store: str | None = None) -> None:
         self.variant = variant
         self.out = inputs.output_like() if out is None else out
         q, k, v, o = (t.transpose(0, 1)[None] for t in (inputs.q, inputs.k, inputs.v, self.out))
         heads = inputs.q.shape[1]
         constants = variant.constants(head_dim=inputs.head_dim, causal=inputs.causal, kv_len=inputs.max_seqlen_k,
                                       itemsize=inputs.q.element_size(), value_dim=inputs.v.shape[-1])
-        self.store = varlen_output_store()
+        self.store = store or varlen_output_store()
         self.plan = None
         if variant.persistent:
             slots = (sm_count or _sm_count(inputs.q.device.index)) * (variant.occupancy or 1)
