@@ -20,7 +20,8 @@ of causal query tiles (``Variant.paired``); ``--methods graph`` times one way on
 each candidate alone after 0.25 s of its own calls (``impls._tuning.settled_times``, the ``settled`` tuner's
 second round), the suite's way; ``--two-launch-of GLOB`` adds the candidates whose label matches again as two
 launches (kernel PHASE: the masked tiles, then the mask-free ones in a persistent launch), and then checks every
-candidate's output against the float64 oracle before timing.
+candidate's output against the float64 oracle before timing (``--check``: without it); ``--wide-paired`` adds
+the persistent 128x256 with a paired share where the space lacks it.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ METHODS = ("tune", "graph", "do_bench", "settled")
 
 
 def probe(case_id: str, repeats: int, wide_persistent: bool, head_groups: list[int], match: list[str],
-          methods: list[str], paired_of: list[str], two_launch_of: list[str]) -> None:
+          methods: list[str], paired_of: list[str], two_launch_of: list[str], wide_paired: bool = False,
+          check: bool = False) -> None:
     from impls.cutile import HOPPER_STREAMING, Call, exhaustive_timings, precompile, search_space
 
     case = case_by_id(case_id)
@@ -50,9 +52,10 @@ def probe(case_id: str, repeats: int, wide_persistent: bool, head_groups: list[i
     out = q.new_empty((*q.shape[:3], v.shape[-1]))
     space = search_space(torch.cuda.get_device_capability(), case.d, causal=case.causal, value_dim=case.dv or None,
                          window="window" in case.variants)
-    extra = replace(HOPPER_STREAMING, tile_n=256)
-    if wide_persistent and extra not in space:
-        space.append(extra)
+    for wanted, extra in ((wide_persistent, replace(HOPPER_STREAMING, tile_n=256)),
+                          (wide_paired and case.causal, replace(HOPPER_STREAMING, tile_n=256, paired=True))):
+        if wanted and extra not in space:
+            space.append(extra)
 
     def like(var, globs: list[str]) -> bool:
         return any(fnmatchcase(var.label(), glob) for glob in globs)
@@ -69,7 +72,7 @@ def probe(case_id: str, repeats: int, wide_persistent: bool, head_groups: list[i
               if case.causal and not var.paired]
     calls = precompile([Call(var, q, k, v, out=out, causal=case.causal, scale=case.d ** -0.5, **case.variants)
                         for var in space])
-    if two_launch_of:  # forms outside the tuner's space: their outputs against the float64 oracle first
+    if two_launch_of or check:  # forms outside the tuner's space: their outputs against the float64 oracle first
         oracle = Oracle.dense(q, k, v, causal=case.causal, scale=case.d ** -0.5, **case.variants)
         passed = []
         for call in calls:
@@ -116,6 +119,11 @@ def main() -> None:
     parser.add_argument("--wide-persistent", action="store_true",
                         help="the persistent 128x256 (L3,6) beside the space, where it is not in it (causal D=128: "
                              "165 KB of pipeline, no stack with whole key tiles, sm_90, tileiras 13.5)")
+    parser.add_argument("--wide-paired", action="store_true",
+                        help="causal: the persistent 128x256 (L3,6) with a paired share beside the space, where it is "
+                             "not in it (MLA: 56 B of stack with a ragged last key tile, none with whole ones)")
+    parser.add_argument("--check", action="store_true", help="every candidate's output against the float64 oracle "
+                                                             "first (always with --two-launch-of)")
     parser.add_argument("--head-groups", type=int, nargs="+", default=[],
                         help="causal: matched candidates again with these explicit head groups")
     parser.add_argument("--match", action="append", default=[], metavar="GLOB",
@@ -131,7 +139,7 @@ def main() -> None:
     args = parser.parse_args()
     for case_id in args.case:
         probe(case_id, args.repeats, args.wide_persistent, args.head_groups, args.match, args.methods, args.paired_of,
-              args.two_launch_of)
+              args.two_launch_of, wide_paired=args.wide_paired, check=args.check)
 
 
 if __name__ == "__main__":
