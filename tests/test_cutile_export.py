@@ -115,12 +115,11 @@ def test_fast_math_softcap_is_one_hardware_tanh_per_score():
 def test_mla_candidates_compile_without_spills(causal):
     # DeepSeek's MLA prefill: Q/K 192 wide (128 + 64), V and the output 128. The accumulator takes the value
     # width, so the Hopper space is the 128-wide one (two-warpgroup 128x128 tiles; not the 256-wide space of
-    # 64-key tiles), less 128x64 with occupancy 2 and the causal 256-key tile, which spill; causal, with the
-    # persistent paired 128x128 too; nothing in it spills, with whole key tiles or a ragged last one.
+    # 64-key tiles), less 128x64 with occupancy 2 and the causal 256-key tile, which spill; nothing left does,
+    # with whole key tiles or a ragged last one.
     space = search_space((9, 0), 192, causal=causal, value_dim=128)
     shapes = {(v.tile_m, v.tile_n) for v in space}
     assert (128, 128) in shapes and (128, 64) not in shapes and ((128, 256) in shapes) is not causal
-    assert any(v.paired and v.persistent for v in space) is causal
     assert search_space((9, 0), 192, causal=causal) == search_space((9, 0), 192, causal=causal, value_dim=192)
     for variant, even_n in itertools.product(space, (True, False)):
         cubin = export_cubin(variant, arch="sm_90", dtype=torch.bfloat16, head_dim=192, value_dim=128,

@@ -293,10 +293,11 @@ def hopper_space(head_dim: int, causal: bool, value_dim: int | None = None, wind
     (V's head dims 136-256) takes half the rows per warpgroup (checked for spills with scripts/cutile_sass.py).
     The accumulator is V's width: MLA's prefill (Q/K 192 as 128 + 64, V 128) runs the 128-wide space, less the
     two candidates that spill there (sm_90 SASS): 128x64 with occupancy 2 (72-96 B of stack where the keys fill
-    whole tiles) and the causal 128x256 (64 B); the others keep 128-168 registers and no stack. Causal, it has the
-    persistent 128x128 with a paired share too (session 23, sm_90: 149 KB of shared memory, no stack; the
-    persistent paired 128x256, which carries causal D=128 at long rows, has 56 B of stack here with a ragged last
-    key tile: ``scripts/tuner_probe.py --wide-paired`` times it).
+    whole tiles) and the causal 128x256 (64 B); the others keep 128-168 registers and no stack. Session 23 (H200,
+    bf16, causal, ``scripts/tuner_probe.py --wide-paired --paired-of '128x128*L3,6*'``, settled / graph TFLOPS): the
+    persistent forms with a paired share, which carry causal D=128 at long rows, lose here: 1 x 32K 128x128 543 /
+    547, 128x256 550 / 559 (56 B of stack with a ragged last key tile) against 574 / 577 for one block a 128x128
+    tile; 4 x 4K 461 / 505 and 486 / 500 against 492 / 492 (flash-attn4 719 and 601 in session 21).
     Stack elsewhere (session 16, sm_90 SASS of the whole space at D=32-256, fp16 and bf16 alike, keys filling whole
     tiles or a ragged last one): causal 128x256 of 8 warps 40 / 16 B at D=40 / 64 (whole), 32 / 64 B at D=96 / 128
     (ragged); the persistent 128x128 (L3,6 and L4,4) 64 / 24 B at D=40 / 96, non-causal ragged; 128x64 with
@@ -361,8 +362,6 @@ def hopper_space(head_dim: int, causal: bool, value_dim: int | None = None, wind
         streams.append(replace(streaming, tile_n=256))
         if causal:  # and with a fixed share of mirror pairs of query tiles (kernel PAIRED; session 19)
             streams.append(replace(streaming, tile_n=256, paired=True))
-    elif causal and width > accumulator:  # MLA: with the paired share only (the fixed one's imbalance, session 19)
-        streams.append(replace(streaming, paired=True))
     return space + streams + (sixteen_warp_space(head_dim, causal) if toolchain.sixteen_warps() else [])
 
 
