@@ -203,9 +203,10 @@ VARLEN_STORES = ("plain", "tma")
 def varlen_output_store() -> str:
     """How the varlen kernel stores its output, from FMHA_VARLEN_STORE: "plain" (the default), bounds-checked
     vector stores, or "tma", a tensor map of the sequence's rows that each block makes at run time. The default is
-    plain because compute-sanitizer memcheck flagged the write of that run-time tensor map, 16-58 KB past a 2 MB
-    allocation, on an H200 (session 22). In the SASS the map's workspace slot comes from the block's virtual SM id
-    and slot on the SM, not from its index in the grid: the slot count is cuTile's, not ours to mend.
+    plain because compute-sanitizer memcheck finds the write of that run-time tensor map outside every allocation
+    on an H200, with every varlen candidate (sessions 22-23; plain: no error). In the SASS the map's workspace slot
+    comes from the block's virtual SM id and slot on the SM, not from its index in the grid; that workspace is
+    cuTile's, not ours to size. The plain store costs nothing on the candidates the tuner picks (session 23).
     ``gpu_session.sh varlen-memcheck`` checks both stores; ``serving_probe.py --varlen-stores`` times them."""
     store = os.environ.get("FMHA_VARLEN_STORE", VARLEN_STORES[0])
     if store not in VARLEN_STORES:
