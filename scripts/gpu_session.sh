@@ -411,7 +411,7 @@ for v in varlen_space((9, 0), 128, True): print(v.label().replace(' ', '?'))")
         for label in $labels; do
           i=$((i + 1))
           log=$out/varlen-memcheck-$store-$i.log
-          echo "$store $label: $(grep -E 'ERROR SUMMARY' "$log" | tail -1) $(grep -E 'passed|failed' "$log" | tail -1)"
+          echo "$store $label: $(grep -m1 -E 'ERROR SUMMARY' "$log") $(grep -E 'passed|failed' "$log" | tail -1)"
         done
       done
       set +f

@@ -20,7 +20,7 @@ of causal query tiles (``Variant.paired``); ``--methods graph`` times one way on
 each candidate alone after 0.25 s of its own calls (``impls._tuning.settled_times``, the ``settled`` tuner's
 second round), the suite's way; ``--two-launch-of GLOB`` adds the candidates whose label matches again as two
 launches (kernel PHASE: the masked tiles, then the mask-free ones in a persistent launch), and then checks every
-candidate's output against the float64 oracle before timing (``--check``: without it); ``--wide-paired`` adds
+candidate's output against the float64 oracle before timing (``--check`` does that alone); ``--wide-paired`` adds
 the persistent 128x256 with a paired share where the space lacks it.
 """
 
