@@ -396,23 +396,22 @@ for part in "$@"; do
       labels=$(python3 -c "from impls.cutile.serving import varlen_space
 for v in varlen_space((9, 0), 128, True): print(v.label().replace(' ', '?'))")
       set -f  # the labels are globs for FMHA_CANDIDATES, not for the shell
+      runs=()  # "LOG STORE LABEL" of each process
       for store in ${VARLEN_STORES:-plain tma}; do
         i=0
         for label in $labels; do
-          i=$((i + 1))
+          i=$((i + 1)) name=varlen-memcheck-$store-$i
+          runs+=("$name $store $label")
           FMHA_VARLEN_STORE=$store PYTORCH_NO_CUDA_MEMORY_CACHING=1 FMHA_CANDIDATES="$label" \
-            step "varlen-memcheck-$store-$i" 240 compute-sanitizer --tool memcheck --error-exitcode 9 \
+            step "$name" 240 compute-sanitizer --tool memcheck --error-exitcode 9 \
             python3 -m pytest tests/test_gpu_candidates.py -k "uneven" -q -p no:cacheprovider > /dev/null &
         done
       done
       wait
-      for store in ${VARLEN_STORES:-plain tma}; do
-        i=0
-        for label in $labels; do
-          i=$((i + 1))
-          log=$out/varlen-memcheck-$store-$i.log
-          echo "$store $label: $(grep -m1 -E 'ERROR SUMMARY' "$log") $(grep -E 'passed|failed' "$log" | tail -1)"
-        done
+      for run in "${runs[@]}"; do
+        read -r name store label <<< "$run"
+        echo "$store $label: $(grep -m1 -E 'ERROR SUMMARY' "$out/$name.log") $(grep -E 'passed|failed' "$out/$name.log" \
+          | tail -1)"
       done
       set +f
       ;;

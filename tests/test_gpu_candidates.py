@@ -43,6 +43,11 @@ CASES = [
 ]
 
 
+def kept(label: str) -> bool:
+    """Whether a cuTile candidate's label matches FMHA_CANDIDATES (default: all)."""
+    return fnmatchcase(label, os.environ.get("FMHA_CANDIDATES", "*"))
+
+
 def cutile_candidates(case: Case, q, k, v, out) -> list[tuple[str, Callable[[], object]]]:
     pytest.importorskip("cuda.tile")
     from impls.cutile import HEAD_DIMS, Call, other_forms, precompile, search_space, tile_d
@@ -52,9 +57,8 @@ def cutile_candidates(case: Case, q, k, v, out) -> list[tuple[str, Callable[[], 
     space = search_space(torch.cuda.get_device_capability(), case.d, causal=case.causal, value_dim=case.dv or None,
                          window="window" in case.variants)
     space += other_forms() if tile_d(case.d) <= 128 else []  # the kernel's other forms: correct, if not tuned
-    keep = os.environ.get("FMHA_CANDIDATES", "*")
     calls = [Call(var, q, k, v, out=out, causal=case.causal, scale=case.d ** -0.5, **case.variants)
-             for var in space if fnmatchcase(var.label(), keep)]
+             for var in space if kept(var.label())]
     precompile(calls)  # every candidate's compile at once, in threads
     return [(call.variant.label(), call) for call in calls]
 
@@ -124,8 +128,7 @@ def cutile_serving_candidates(inputs) -> list[tuple[str, Callable[[], torch.Tens
     else:
         space = varlen_space(torch.cuda.get_device_capability(), inputs.head_dim, inputs.causal)
         named = [(var.label(), VarlenCall(var, inputs, scale=scale)) for var in space]
-    keep = os.environ.get("FMHA_CANDIDATES", "*")
-    named = [(name, call) for name, call in named if fnmatchcase(name, keep)]
+    named = [(name, call) for name, call in named if kept(name)]
     precompile([call for _, call in named])
     return named
 

@@ -273,13 +273,13 @@ def varlen_space(capability: tuple[int, int], head_dim: int, causal: bool) -> li
                       "one block per query tile or persistent blocks on a host plan (heaviest work first, mirror "
                       "pairs of causal tiles), autotuned")
 def prepare_varlen(inputs: Varlen, *, scale: float) -> Prepared:
-    heads, head_dim = inputs.q.shape[1], inputs.head_dim
+    heads, head_dim, store = inputs.q.shape[1], inputs.head_dim, varlen_output_store()
     shape = ("varlen", inputs.q.dtype, head_dim, inputs.causal, heads // inputs.k.shape[1],
              length_class(inputs.max_seqlen_q), length_class(inputs.max_seqlen_k), parallel_class(inputs.batch * heads),
-             varlen_output_store())  # picks made with one output store are not reused with the other
+             store)  # picks made with one output store are not reused with the other
     out = inputs.output_like()
     space = varlen_space(torch.cuda.get_device_capability(inputs.q.device), head_dim, inputs.causal)
     variant, cached = tuned(shape, inputs.q.device, space,
-                            lambda candidate: VarlenCall(candidate, inputs, scale=scale, out=out))
-    call = VarlenCall(variant, inputs, scale=scale)
+                            lambda candidate: VarlenCall(candidate, inputs, scale=scale, out=out, store=store))
+    call = VarlenCall(variant, inputs, scale=scale, store=store)
     return call.prepared(chosen="tuning cache" if cached else "autotuned", tuner=dense_tuner(), **call.schedule())
