@@ -287,6 +287,24 @@ for part in "$@"; do
         --case deepseek-v3-mla-tp8-bf16-causal-h16:16-s4096x4096-d192-dv128-b4 --case fp16-causal-h32:32-s4096x4096-d128-b4
       grep picks "$out/settled.log"
       ;;
+    peeled)
+      # the causal diagonal's masked tiles as straight-line code after the mask-free loop (Variant.peel_diagonal:
+      # sm_90 pipeline 99/132 -> 165 KB at D=128, 149 -> 214 KB for MLA) beside the same candidates with the
+      # masked loop, one block a tile and persistent paired; outputs checked first, then graph and settled time
+      local_cases=${PEELED_CASES:-"fp16-causal-h32:32-s2048x2048-d128-b4 fp16-causal-h32:32-s16384x16384-d128-b4
+        llama3-8b-bf16-causal-h32:8-s4096x4096-d128-b4 llama3-70b-tp8-bf16-causal-h8:1-s4096x4096-d128-b4
+        deepseek-v3-mla-tp8-bf16-causal-h16:16-s4096x4096-d192-dv128-b4"}
+      extra=()  # PEELED_GLOBS: more candidate labels to time, each with its peeled twin (e.g. '128x64:*8}*')
+      for glob in ${PEELED_GLOBS:-}; do extra+=(--match "$glob" --peeled-of "$glob"); done
+      n=0
+      for c in $local_cases; do
+        n=$((n + 1))
+        step "peeled-$n" 300 python3 scripts/tuner_probe.py --methods graph settled --repeats 1 \
+          --match '128x128:*8}:L*:g-auto' --match '*persistent*' --match '64x128:*2}:L2,4:g-auto' \
+          --paired-of '128x128:*8}:*:g-auto' --peeled-of '128x128*' --peeled-of '64x128*' "${extra[@]}" --case "$c"
+      done
+      cat "$out"/peeled-*.log | grep -E '"check": false|picks'
+      ;;
     window)
       # issue 13's windowed cases (session 21): a window's far-edge tiles in the diagonal's masked loop, and the
       # persistent candidates a causal window adds to the space. Every windowed cuTile candidate on the edge

@@ -35,6 +35,7 @@ import torch
 import triton
 
 from impls._tuning import graph_ms, settle_gpu, settled_times
+from impls._validate import window_bounds
 from suite.cases import case_by_id
 from suite.checks import Oracle
 from suite.metrics import flops
@@ -44,7 +45,7 @@ METHODS = ("tune", "graph", "do_bench", "settled")
 
 def probe(case_id: str, repeats: int, wide_persistent: bool, head_groups: list[int], match: list[str],
           methods: list[str], paired_of: list[str], two_launch_of: list[str], wide_paired: bool = False,
-          check: bool = False) -> None:
+          check: bool = False, peeled_of: list[str] | None = None) -> None:
     from impls.cutile import HOPPER_STREAMING, Call, exhaustive_timings, precompile, search_space
 
     case = case_by_id(case_id)
@@ -65,6 +66,9 @@ def probe(case_id: str, repeats: int, wide_persistent: bool, head_groups: list[i
     splittable = [var for var in space if case.causal and like(var, two_launch_of)]
     space = [var for var in space if like(var, match or ["*"])]
     space += [replace(var, persistent=True, paired=True) for var in pairable]
+    window = window_bounds(case.variants["window"], case.causal) if "window" in case.variants else None
+    space += [replace(var, peel_diagonal=True) for var in list(space) if case.causal and like(var, peeled_of or [])
+              and not var.peel_refusal(causal=True, q_len=case.sq, kv_len=case.skv, window=window)]
     space += [replace(var, persistent=True, paired=paired, two_launch=True) for var in splittable
               for paired in (False, True)]
     # the paired order takes no head group: only the others again with one
@@ -72,7 +76,7 @@ def probe(case_id: str, repeats: int, wide_persistent: bool, head_groups: list[i
               if case.causal and not var.paired]
     calls = precompile([Call(var, q, k, v, out=out, causal=case.causal, scale=case.d ** -0.5, **case.variants)
                         for var in space])
-    if two_launch_of or check:  # forms outside the tuner's space: their outputs against the float64 oracle first
+    if two_launch_of or peeled_of or check:  # forms outside the tuner's space: outputs against float64 first
         oracle = Oracle.dense(q, k, v, causal=case.causal, scale=case.d ** -0.5, **case.variants)
         passed = []
         for call in calls:
@@ -135,11 +139,15 @@ def main() -> None:
                         help="causal: candidates with a label like this again as two launches, the mask-free one "
                              "persistent (repeatable; every candidate's output is then checked first, and "
                              "exhaustive_search, which times one launch, leaves them out)")
+    parser.add_argument("--peeled-of", action="append", default=[], metavar="GLOB",
+                        help="causal: candidates with a label like this (the paired ones too) again with the "
+                             "diagonal's masked tiles peeled out of the loop (Variant.peel_diagonal; outputs checked "
+                             "first)")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     args = parser.parse_args()
     for case_id in args.case:
         probe(case_id, args.repeats, args.wide_persistent, args.head_groups, args.match, args.methods, args.paired_of,
-              args.two_launch_of, wide_paired=args.wide_paired, check=args.check)
+              args.two_launch_of, wide_paired=args.wide_paired, check=args.check, peeled_of=args.peeled_of)
 
 
 if __name__ == "__main__":

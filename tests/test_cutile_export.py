@@ -155,7 +155,8 @@ def test_sm90_two_warpgroup_candidate_never_spills(head_dim, causal):
     # others carry 8-80 B of stack in some of those combinations (hopper_space's docstring lists them); the
     # tuner times each compiled kernel, so one whose spill costs is not picked.
     two_warpgroups = replace(HOPPER_WIDE, tile_n=64 if tile_d(head_dim) > 128 else 128)
-    assert two_warpgroups in search_space((9, 0), head_dim, causal=causal)
+    space = search_space((9, 0), head_dim, causal=causal)
+    assert two_warpgroups in space or replace(two_warpgroups, peel_diagonal=True) in space  # peeled where aligned
     for dtype, even_n in itertools.product((torch.float16, torch.bfloat16), (True, False)):
         usage = sass(export_cubin(two_warpgroups, arch="sm_90", dtype=dtype, head_dim=head_dim, causal=causal,
                                   even_n=even_n))
@@ -168,6 +169,23 @@ def test_sm90_head_tail_candidates_do_not_spill(causal):
     for variant in search_space((9, 0), 96, causal=causal):
         usage = sass(export_cubin(variant, arch="sm_90", dtype=torch.bfloat16, head_dim=96, causal=causal))
         assert usage["stack"] == 0 and usage["hgmma"] > 0, (variant.label(), usage)
+
+
+@pytest.mark.parametrize(("head_dim", "value_dim", "window"),
+                         [(128, None, False), (128, None, True), (192, 128, False)])
+def test_sm90_peeled_candidates_deepen_the_pipeline_without_spilling(head_dim, value_dim, window):
+    # peeled_space (issue 15): with the diagonal's masked tiles as straight-line code, each peeled candidate of the
+    # Hopper space keeps no stack and gets more shared memory for its K/V pipeline than the same form with the
+    # masked loop (session 24: 99 / 132 -> 165 KB at D=128, 149 -> 214 KB for MLA, 198 KB with a window).
+    peeled = [v for v in search_space((9, 0), head_dim, causal=True, value_dim=value_dim, window=window)
+              if v.peel_diagonal]
+    assert len(peeled) >= 3
+    for variant in peeled:
+        usage, looped = (sass(export_cubin(v, arch="sm_90", dtype=torch.bfloat16, head_dim=head_dim,
+                                           value_dim=value_dim, causal=True, window=window))
+                         for v in (variant, replace(variant, peel_diagonal=False)))
+        assert usage["stack"] == 0 and usage["hgmma"] > 0, (variant.label(), usage)
+        assert usage["shared"] > looped["shared"], (variant.label(), usage["shared"], looped["shared"])
 
 
 def test_two_launch_variants_pass_the_softmax_state_between_launches():
@@ -196,7 +214,8 @@ def test_search_space_holds_single_launches_only():
                 persistent = [(v.tile_m, v.tile_n, v.paired) for v in space
                               if causal and v.persistent and v.num_worker_warps != 16]
                 hopper_wide = causal and capability == (9, 0) and head_dim in (64, 96, 128)
-                assert persistent == ([(128, 256, False), (128, 256, True)] if hopper_wide else [])
+                peeled = [(128, 128, True)] if hopper_wide and head_dim == 128 else []  # peeled_space
+                assert persistent == ([(128, 256, False), (128, 256, True), *peeled] if hopper_wide else [])
                 # tileiras 13.5's blocks of 16 warps: causal and persistent only with a paired share
                 assert all(v.paired for v in space if causal and v.persistent and v.num_worker_warps == 16)
 

@@ -61,6 +61,59 @@ def visits(first: int, free_start: int, free_end: int, end: int, masked_from: in
     return sorted([*free, *masked])
 
 
+PEEL_SHAPES = [(256, 256), (128, 512), (512, 512), (384, 1024)]
+
+
+@pytest.mark.parametrize(("tile_m", "tile_n"), TILES)
+@pytest.mark.parametrize(("sq", "skv"), PEEL_SHAPES + SHAPES)
+def test_peeled_diagonal_visits_the_same_tiles_as_the_masked_loop(sq, skv, tile_m, tile_n):
+    # Variant.peel_diagonal: where peel_refusal accepts a shape, every query tile has exactly DIAGONAL_TILES
+    # masked tiles at the diagonal (and a window's far edge none or as many), the kernel's straight-line code
+    # visits the same key tiles as the masked loop would, and every row sees a key in the first diagonal tile
+    # (so the online softmax there needs no guard against a row without keys).
+    variant = Variant(tile_m, tile_n, peel_diagonal=True)
+    accepted = 0
+    for window in (NO_WINDOW, (128, 0), (256, 0), (100, 0)):
+        bounds = window_bounds(window, True) if window != NO_WINDOW else None
+        if variant.peel_refusal(causal=True, q_len=sq, kv_len=skv, window=bounds):
+            assert variant.resolved(causal=True, q_len=sq, kv_len=skv, window=bounds) == Variant(tile_m, tile_n)
+            with pytest.raises(ValueError, match="cannot be peeled"):
+                variant.diagonal_tiles(causal=True, q_len=sq, kv_len=skv, window=bounds)
+            continue
+        accepted += 1
+        count = variant.diagonal_tiles(causal=True, q_len=sq, kv_len=skv, window=bounds)
+        seen = visible(sq, skv, causal=True, window=window)
+        left, right = window_bounds(window, True)
+        for tile in range(sq // tile_m):
+            rows = seen[tile * tile_m:(tile + 1) * tile_m]
+            first, free_start, free_end, end = key_tiles(tile, skv, skv - sq, left, right, tile_m, tile_n, True,
+                                                         bounds is not None)
+            where = f"window={window} query tile {tile}"
+            assert end - free_end == count and free_start - first in (0, count), where
+            far = range(first, free_start) if bounds is not None and first < free_start else range(0)
+            assert sorted([*range(free_start, free_end), *range(free_end, free_end + count), *far]) == list(
+                range(first, end)), where
+            assert rows[:, free_end * tile_n:(free_end + 1) * tile_n].any(axis=1).all(), where
+    assert accepted or (sq, skv) in SHAPES  # each aligned shape peels at least without a window
+
+
+def test_peel_refusals_name_the_reason():
+    peeled = Variant(128, 128, peel_diagonal=True)
+    reasons = {
+        "not causal": dict(causal=False, q_len=256, kv_len=256),
+        "Sq=300 not a multiple of TILE_M=128": dict(causal=True, q_len=300, kv_len=384),
+        "Skv=300 not a multiple of TILE_N=128": dict(causal=True, q_len=256, kv_len=300),
+        "Skv - Sq=-128 negative": dict(causal=True, q_len=384, kv_len=256),
+        "left size 100 not a positive multiple": dict(causal=True, q_len=256, kv_len=256, window=(100, 0)),
+        "query length unknown": dict(causal=True, q_len=None, kv_len=256),
+    }
+    for reason, shape in reasons.items():
+        assert reason in peeled.peel_refusal(**shape)
+    assert "run-time branch" in Variant(128, 128, peel_diagonal=True, mask_branch=True).peel_refusal(
+        causal=True, q_len=256, kv_len=256)
+    assert peeled.peel_refusal(causal=True, q_len=256, kv_len=512, window=(256, 0)) is None
+
+
 def causal_share(num_m: int, num_bh: int, num_blocks: int, paired: bool,
                  head_group: int = 1) -> dict[int, list[tuple[int, int]]]:
     """The (query tile, batch * head) items each persistent block runs, as the kernel's loops order them

@@ -40,6 +40,11 @@ CASES = [
     Case(1, 4, 1, 200, 130, 128, "fp16", True, window=(16, 0)),  # a window narrower than a tile; empty rows
     Case(1, 4, 4, 257, 257, 96, "fp16", False, softcap=50.0),
     Case(2, 4, 4, 300, 300, 192, "bf16", True, dv=128),  # DeepSeek's MLA prefill: V and the output narrower
+    # Whole 128-row tiles: the peeled candidates run peeled (elsewhere with the masked loop: Variant.resolved)
+    Case(2, 8, 2, 512, 512, 128, "bf16", True),
+    Case(1, 4, 2, 256, 768, 128, "fp16", True),  # chunked prefill, Skv - Sq = 512
+    Case(1, 4, 2, 768, 768, 128, "bf16", True, window=(256, 0)),  # the window's far edge peeled too
+    Case(2, 4, 4, 512, 512, 192, "bf16", True, dv=128),
 ]
 
 
@@ -59,6 +64,7 @@ def cutile_candidates(case: Case, q, k, v, out) -> list[tuple[str, Callable[[], 
     space += other_forms() if tile_d(case.d) <= 128 else []  # the kernel's other forms: correct, if not tuned
     calls = [Call(var, q, k, v, out=out, causal=case.causal, scale=case.d ** -0.5, **case.variants)
              for var in space if kept(var.label())]
+    calls = list({call.variant: call for call in calls}.values())  # a refused peel runs its twin's form
     precompile(calls)  # every candidate's compile at once, in threads
     return [(call.variant.label(), call) for call in calls]
 

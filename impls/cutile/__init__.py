@@ -59,6 +59,7 @@ class Variant:
     dynamic: bool = False  # persistent: the next work item from an atomic counter (kernel DYNAMIC)
     paired: bool = False  # persistent, causal: a fixed share of mirror pairs of query tiles (kernel PAIRED)
     head_tail: bool = True  # a head dim that is not a power of two: one and a tail tile, not padded (head_tiles)
+    peel_diagonal: bool = False  # causal, aligned: the diagonal's masked tiles as straight-line code, no loop
 
     def __post_init__(self) -> None:
         # the kernel takes PAIRED only for a persistent fixed share of heaviest-first causal work: refuse the rest
@@ -92,17 +93,62 @@ class Variant:
         return _kernel_with_hints(base + ("_int64" if int64 else ""), tuple(sorted(self.hints().items())))
 
     def constants(self, *, head_dim: int, causal: bool, kv_len: int, itemsize: int, phase: int = 0,
-                  window: bool = False, softcap: float = 0.0, value_dim: int | None = None) -> dict[str, Any]:
-        """The kernels' compile-time arguments by parameter name (``fmha_varlen`` takes a subset)."""
+                  window: tuple[int, int] | None = None, softcap: float = 0.0, value_dim: int | None = None,
+                  q_len: int | None = None) -> dict[str, Any]:
+        """The kernels' compile-time arguments by parameter name (``fmha_varlen`` takes a subset); ``window``:
+        the kernel's (left, right) bounds (``window_bounds``) or None, ``q_len``: Sq where known."""
         group = self.heads_per_group(causal=causal, kv_len=kv_len, head_dim=head_dim, itemsize=itemsize)
         tiles = dict(zip(("TILE_D", "TILE_D_TAIL", "TILE_DV", "TILE_DV_TAIL"), self.head_tiles(head_dim, value_dim),
                          strict=True))
         return {**tiles, "TILE_M": self.tile_m, "TILE_N": self.tile_n, "CAUSAL": causal,
-                "EVEN_N": kv_len % self.tile_n == 0, "HAS_WINDOW": window, "SOFTCAP": float(softcap),
+                "EVEN_N": kv_len % self.tile_n == 0, "HAS_WINDOW": window is not None, "SOFTCAP": float(softcap),
                 "FAST_MATH": self.fast_math, "LOOP_SPLIT": self.loop_split, "MASK_BRANCH": self.mask_branch,
                 "REVERSE_ORDER": self.reverse_order, "K_LATENCY": self.k_latency, "V_LATENCY": self.v_latency,
                 "HEAD_GROUP": group, "PERSISTENT": self.persistent, "DYNAMIC": self.dynamic, "PAIRED": self.paired,
-                "PHASE": phase}
+                "PHASE": phase,
+                "DIAGONAL_TILES": self.diagonal_tiles(causal=causal, q_len=q_len, kv_len=kv_len, phase=phase,
+                                                      window=window)}
+
+    def diagonal_tiles(self, *, causal: bool, q_len: int | None, kv_len: int, phase: int = 0,
+                       window: tuple[int, int] | None = None) -> int:
+        """The kernel's DIAGONAL_TILES: 0 (masked key tiles run in a loop), or, ``peel_diagonal``, the number of
+        masked tiles every query tile has, run as straight-line code after the mask-free loop."""
+        if not self.peel_diagonal:
+            return 0
+        refusal = self.peel_refusal(causal=causal, q_len=q_len, kv_len=kv_len, phase=phase, window=window)
+        if refusal:
+            raise ValueError(f"{self.label()}: the diagonal cannot be peeled: {refusal}")
+        return max(self.tile_m // self.tile_n, 1)
+
+    def peel_refusal(self, *, causal: bool, q_len: int | None, kv_len: int, phase: int = 0,
+                     window: tuple[int, int] | None = None) -> str | None:
+        """Why the masked tiles of this call are not the same few for every query tile (None: they are). They
+        are where every query tile is whole and the diagonal crosses key tiles at the same place in each: then
+        query tile t masks key tiles from ``t * TILE_M + Skv - Sq`` on, ``max(TILE_M / TILE_N, 1)`` of them, and
+        each of its rows sees a key in the first. A window's far edge, where the left size is a multiple of
+        TILE_M (and TILE_M of TILE_N), adds as many tiles at its start to the tiles past the first window."""
+        offset = None if q_len is None else kv_len - q_len
+        left, right = window or (-1, -1)
+        return next((why for why, bad in (
+            ("not causal", not causal), ("a split launch", phase != 0),
+            ("the mask as a run-time branch", self.mask_branch or not self.loop_split),
+            ("query length unknown", q_len is None),
+            (f"Sq={q_len} not a multiple of TILE_M={self.tile_m}", q_len is not None and q_len % self.tile_m),
+            (f"Skv={kv_len} not a multiple of TILE_N={self.tile_n}", kv_len % self.tile_n),
+            (f"Skv - Sq={offset} negative or not a multiple of TILE_N={self.tile_n}",
+             offset is not None and (offset < 0 or offset % self.tile_n)),
+            (f"a window to the right ({right})", right > 0),
+            (f"a window's left size {left} not a positive multiple of TILE_M={self.tile_m} (and TILE_N of TILE_M)",
+             window is not None and (left <= 0 or left % self.tile_m or self.tile_m % self.tile_n)),
+        ) if bad), None)
+
+    def resolved(self, *, causal: bool, q_len: int, kv_len: int, window: tuple[int, int] | None = None) -> Variant:
+        """The form a call of this shape runs: with the masked loop where the shape refuses this variant's peeled
+        diagonal (``peel_refusal``), as it is otherwise. The tuner's candidates and its cached pick come this way,
+        so a prepared call's ``variant`` is what it launches."""
+        if self.peel_diagonal and self.peel_refusal(causal=causal, q_len=q_len, kv_len=kv_len, window=window):
+            return replace(self, peel_diagonal=False)
+        return self
 
     def head_tiles(self, head_dim: int, value_dim: int | None = None) -> tuple[int, int, int, int]:
         """The kernel's TILE_D, TILE_D_TAIL, TILE_DV, TILE_DV_TAIL for these head dims."""
@@ -115,7 +161,8 @@ class Variant:
         kv_len = k.shape[2]
         window_left, window_right = window_bounds(window, causal)
         constants = self.constants(head_dim=head_dim, causal=causal, kv_len=kv_len, itemsize=q.element_size(),
-                                   phase=phase, window=window != NO_WINDOW, softcap=softcap, value_dim=v.shape[-1])
+                                   phase=phase, window=(window_left, window_right) if window != NO_WINDOW else None,
+                                   softcap=softcap, value_dim=v.shape[-1], q_len=q_len)
         return bind("fmha_fwd", Q=q, K=k, V=v, Out=out, **state_arrays(state), qk_scale=scale,
                     causal_offset=kv_len - q_len, window_left=window_left, window_right=window_right,
                     num_heads=heads, group=heads // k.shape[1], **constants)
@@ -166,7 +213,7 @@ class Variant:
         """A short name: tiles, hints, latencies and the switches that differ from the defaults."""
         flags = (("nosplit", not self.loop_split), ("branch", self.mask_branch), ("persistent", self.persistent),
                  ("dynamic", self.dynamic), ("paired", self.paired), ("two-launch", self.two_launch),
-                 ("padded", not self.head_tail))
+                 ("peeled", self.peel_diagonal), ("padded", not self.head_tail))
         switches = "".join(f":{flag}" for flag, on in flags if on)
         group = {1: "", None: ":g-auto"}.get(self.head_group, f":g{self.head_group}")
         return f"{self.tile_m}x{self.tile_n}:{self.hints()}:L{self.k_latency},{self.v_latency}{switches}{group}"
@@ -263,6 +310,9 @@ def search_space(capability: tuple[int, int], head_dim: int = 128, *, causal: bo
     return [Variant(m, n, occupancy=occ) for m, n, occ in shapes]
 
 
+# The causal candidates whose diagonal runs peeled (``peeled_space``) are 128x128: a shape class notes whether
+# its lengths come in whole tiles of this size.
+PEELED_TILE = 128
 # Hopper's two warpgroup tile: one block per query tile, and the persistent form that streams K/V on.
 HOPPER_WIDE = Variant(128, 128, occupancy=1, num_worker_warps=8, head_group=None)
 HOPPER_STREAMING = replace(HOPPER_WIDE, persistent=True, k_latency=3, v_latency=6)
@@ -362,7 +412,31 @@ def hopper_space(head_dim: int, causal: bool, value_dim: int | None = None, wind
         streams.append(replace(streaming, tile_n=256))
         if causal:  # and with a fixed share of mirror pairs of query tiles (kernel PAIRED; session 19)
             streams.append(replace(streaming, tile_n=256, paired=True))
-    return space + streams + (sixteen_warp_space(head_dim, causal) if toolchain.sixteen_warps() else [])
+    space = space + streams + (sixteen_warp_space(head_dim, causal) if toolchain.sixteen_warps() else [])
+    if causal and head_tiles(head_dim)[0] == PEELED_TILE and accumulator == PEELED_TILE:
+        space = peeled_space(space, window)
+    return space
+
+
+def peeled_space(space: list[Variant], window: bool) -> list[Variant]:
+    """The causal space at head dims whose Q/K tile is 128 wide (65-128 without a tail, MLA's 128 + 64) with the
+    diagonal peeled (``Variant.peel_diagonal``) in its 128x128 candidates, which then run it where the shape
+    allows, and (no window) a persistent 128x128 with a paired share and the peel.
+
+    Session 24 (sm_90 SASS, tileiras 13.5, bf16): with the masked tiles as straight-line code after the mask-free
+    loop instead of a second loop, the 128x128 pipeline grows from 132 / 99 KB (L2,4 / L3,6) to 165 KB at D=128,
+    from 149 to 214 KB for MLA, and to 198 KB with a window (its far-edge tiles peeled too), no stack. The other
+    shapes lose by it (128x64 with occupancy 2 and 128x256 spill 240-624 B; 64x128 gains nothing; D=64's
+    128x128 already had 149-165 KB; D=256's 128x64 goes to 255 registers and 30% slower). H200, bf16 unless fp16,
+    settled TFLOPS (``scripts/tuner_probe.py --peeled-of``), best 128x128 candidate with the loop / peeled: blog
+    fp16 2K 432 / 440 (the paired peeled one), 4K 477 / 483, 16K 542 / 550 (the persistent 128x256 paired 609
+    stays ahead), fa3 D=128 2K 416 / 431; Llama-3-8B 4 x 4K 519 / 523, 1 x 32K 563 / 566 (128x256 637 ahead);
+    70B slice 4 x 4K 523 / 521; MLA 4 x 4K 502 / 521 (paired peeled), 1 x 32K 575 / 574; Mistral-7B 1 x 32K 510 /
+    534 (the persistent 128x128 peeled). Within 1% or ahead everywhere but on the 70B slice's L3,6 (-1%)."""
+    peeled = [replace(v, peel_diagonal=True) if (v.tile_m, v.tile_n) == (PEELED_TILE, PEELED_TILE) else v
+              for v in space]
+    paired = replace(HOPPER_STREAMING, paired=True, peel_diagonal=True)
+    return peeled if window else [*peeled, paired]
 
 
 def sixteen_warp_space(head_dim: int, causal: bool) -> list[Variant]:
@@ -454,7 +528,9 @@ class Call(Launches):
 
     def __init__(self, variant: Variant, q, k, v, *, causal: bool, scale: float,
                  out: torch.Tensor | None = None, **variants) -> None:
-        self.variant = variant
+        window = variants.get("window", NO_WINDOW)
+        self.variant = variant = variant.resolved(causal=causal, q_len=q.shape[2], kv_len=k.shape[2],
+                                                  window=window_bounds(window, causal) if window != NO_WINDOW else None)
         self.q, self.k, self.v = (t.contiguous() for t in (q, k, v))  # a no-op for the contract's usual layout
         self.out = self.q.new_empty((*self.q.shape[:3], self.v.shape[-1])) if out is None else out
         self.state = variant.state(self.q, self.v.shape[-1])
@@ -496,8 +572,12 @@ def remembered(key: str, search: Callable[[], dict], build: Callable[..., Choice
 
 def shape_class(q: torch.Tensor, k: torch.Tensor, causal: bool, window: tuple[int, int] = NO_WINDOW,
                 softcap: float = 0.0, value_dim: int | None = None) -> tuple:
+    """What the dense tuner's pick depends on; ``whole``: lengths (and a window's left size) in whole tiles of the
+    peeled candidates, whose peel shapes without them refuse."""
+    whole = not (q.shape[2] % PEELED_TILE or k.shape[2] % PEELED_TILE or (window[0] > 0 and window[0] % PEELED_TILE))
     return (q.dtype, q.shape[-1], value_dim or q.shape[-1], causal, q.shape[1] // k.shape[1], length_class(q.shape[2]),
-            length_class(k.shape[2]), parallel_class(q.shape[0] * q.shape[1]), window != NO_WINDOW, softcap > 0)
+            length_class(k.shape[2]), parallel_class(q.shape[0] * q.shape[1]), window != NO_WINDOW, softcap > 0,
+            whole)
 
 
 def precompile(calls: list[Launches]) -> list[Launches]:
@@ -580,8 +660,12 @@ def tune(q, k, v, *, causal: bool, scale: float, **variants) -> tuple[Variant, b
     call will run)."""
     q, k, v = (t.contiguous() for t in (q, k, v))  # once here, not once per candidate
     out = q.new_empty((*q.shape[:3], v.shape[-1]))
+    window = variants.get("window", NO_WINDOW)
     space = search_space(torch.cuda.get_device_capability(q.device), q.shape[-1], causal=causal,
-                         value_dim=v.shape[-1], window=variants.get("window", NO_WINDOW) != NO_WINDOW)
+                         value_dim=v.shape[-1], window=window != NO_WINDOW)
+    bounds = window_bounds(window, causal) if window != NO_WINDOW else None
+    space = list(dict.fromkeys(var.resolved(causal=causal, q_len=q.shape[2], kv_len=k.shape[2], window=bounds)
+                               for var in space))  # a peeled candidate this shape refuses is its twin's double
     return tuned(shape_class(q, k, causal, value_dim=v.shape[-1], **variants), q.device, space,
                  lambda variant: Call(variant, q, k, v, causal=causal, scale=scale, out=out, **variants))
 

@@ -10,6 +10,9 @@ import torch
 
 from impls.cutile import Variant, bind, state_arrays
 
+# The window a windowed signature stands for (Mistral-7B's, bottom-right causal bounds): a multiple of every
+# TILE_M, as a kernel with the diagonal peeled needs (``Variant.peel_refusal``); only its divisibility matters.
+WINDOW = (4096, 0)
 TORCH_TO_TILE = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
                  torch.int32: "int32"}
 
@@ -53,7 +56,8 @@ def signature(variant: Variant, *, dtype: torch.dtype, head_dim: int, causal: bo
     state = [array_constraint(t.dtype, tuple(t.shape), int64=int64) for t in variant.state(q, value_dim)]
     float32, int32 = ScalarConstraint(ct.float32), ScalarConstraint(ct.int32)
     constants = variant.constants(head_dim=head_dim, causal=causal, kv_len=seq, itemsize=dtype.itemsize,
-                                  phase=phase, window=window, softcap=softcap, value_dim=value_dim)
+                                  phase=phase, window=WINDOW if window else None, softcap=softcap, value_dim=value_dim,
+                                  q_len=seq if even_n else None)
     parameters = bind("fmha_fwd", Q=qk, K=qk, V=vo, Out=vo, **state_arrays(state), qk_scale=float32,
                       causal_offset=int32, window_left=int32, window_right=int32, num_heads=int32, group=int32,
                       **constants)
