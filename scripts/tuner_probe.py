@@ -35,7 +35,7 @@ import torch
 import triton
 
 from impls._tuning import graph_ms, settle_gpu, settled_times
-from impls._validate import window_bounds
+from impls._validate import NO_WINDOW
 from suite.cases import case_by_id
 from suite.checks import Oracle
 from suite.metrics import flops
@@ -46,7 +46,7 @@ METHODS = ("tune", "graph", "do_bench", "settled")
 def probe(case_id: str, repeats: int, wide_persistent: bool, head_groups: list[int], match: list[str],
           methods: list[str], paired_of: list[str], two_launch_of: list[str], wide_paired: bool = False,
           check: bool = False, peeled_of: list[str] | None = None) -> None:
-    from impls.cutile import HOPPER_STREAMING, Call, exhaustive_timings, precompile, search_space
+    from impls.cutile import HOPPER_STREAMING, Call, exhaustive_timings, kernel_window, precompile, search_space
 
     case = case_by_id(case_id)
     q, k, v = case.make_inputs("cuda")
@@ -66,7 +66,7 @@ def probe(case_id: str, repeats: int, wide_persistent: bool, head_groups: list[i
     splittable = [var for var in space if case.causal and like(var, two_launch_of)]
     space = [var for var in space if like(var, match or ["*"])]
     space += [replace(var, persistent=True, paired=True) for var in pairable]
-    window = window_bounds(case.variants["window"], case.causal) if "window" in case.variants else None
+    window = kernel_window(case.variants.get("window", NO_WINDOW), case.causal)
     space += [replace(var, peel_diagonal=True) for var in list(space) if case.causal and like(var, peeled_of or [])
               and not var.peel_refusal(causal=True, q_len=case.sq, kv_len=case.skv, window=window)]
     space += [replace(var, persistent=True, paired=paired, two_launch=True) for var in splittable

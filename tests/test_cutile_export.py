@@ -91,11 +91,13 @@ def test_window_and_softcap_compile(arch):
 def test_sm90_windowed_kernel_has_the_causal_kernels_loops(head_dim):
     # A window's far-edge tiles run in the diagonal's masked loop, not a third loop: the windowed kernel issues
     # as many matrix products and TMA loads as the causal one (a third loop cost the persistent 128x256 its
-    # registers: 11-15 spilled words). The persistent candidates a window adds do not spill.
+    # registers: 11-15 spilled words). The persistent candidates a window adds do not spill. Each as it runs
+    # where the lengths are not whole tiles: with the masked loop (peeled, the far edge is straight-line code
+    # of its own, test_sm90_peeled_candidates_deepen_the_pipeline_without_spilling).
     space = search_space((9, 0), head_dim, causal=True, window=True)
     added = [v for v in space if v not in search_space((9, 0), head_dim, causal=True)]
     assert added and all(v.persistent for v in added)
-    for variant in [space[0], *added]:
+    for variant in [replace(v, peel_diagonal=False) for v in (space[0], *added)]:
         windowed, causal = (sass(export_cubin(variant, arch="sm_90", dtype=torch.bfloat16, head_dim=head_dim,
                                               causal=True, window=on)) for on in (True, False))
         assert (windowed["hgmma"], windowed["utmaldg"]) == (causal["hgmma"], causal["utmaldg"]), variant.label()
@@ -205,7 +207,8 @@ def test_search_space_holds_single_launches_only():
     # The tuner times one launch per candidate (cuda.tile.tune.exhaustive_search); on the H200 the two-launch
     # and dynamically scheduled forms lost, so no causal candidate is persistent but the 128x256 one at head
     # dims 33-128 on Hopper (the only one whose masked loop kept up there; with GQA it leads from 4K at D=128),
-    # with each block's share taken every num_blocks-th item or in mirror pairs.
+    # with each block's share taken every num_blocks-th item or in mirror pairs, and at D=128 a 128x128 one
+    # with the diagonal peeled (no masked loop at all where it runs), in mirror pairs.
     for capability in ((8, 0), (9, 0), (10, 0), (12, 0)):
         for head_dim in (32, 64, 96, 128, 256):
             for causal in (False, True):

@@ -138,8 +138,10 @@ class Variant:
             (f"Skv - Sq={offset} negative or not a multiple of TILE_N={self.tile_n}",
              offset is not None and (offset < 0 or offset % self.tile_n)),
             (f"a window to the right ({right})", right > 0),
-            (f"a window's left size {left} not a positive multiple of TILE_M={self.tile_m} (and TILE_N of TILE_M)",
-             window is not None and (left <= 0 or left % self.tile_m or self.tile_m % self.tile_n)),
+            (f"a window's left size {left} not a positive multiple of TILE_M={self.tile_m}",
+             window is not None and (left <= 0 or left % self.tile_m)),
+            (f"a window with TILE_M={self.tile_m} not a multiple of TILE_N={self.tile_n}",
+             window is not None and self.tile_m % self.tile_n),
         ) if bad), None)
 
     def resolved(self, *, causal: bool, q_len: int, kv_len: int, window: tuple[int, int] | None = None) -> Variant:
@@ -161,8 +163,8 @@ class Variant:
         kv_len = k.shape[2]
         window_left, window_right = window_bounds(window, causal)
         constants = self.constants(head_dim=head_dim, causal=causal, kv_len=kv_len, itemsize=q.element_size(),
-                                   phase=phase, window=(window_left, window_right) if window != NO_WINDOW else None,
-                                   softcap=softcap, value_dim=v.shape[-1], q_len=q_len)
+                                   phase=phase, window=kernel_window(window, causal), softcap=softcap,
+                                   value_dim=v.shape[-1], q_len=q_len)
         return bind("fmha_fwd", Q=q, K=k, V=v, Out=out, **state_arrays(state), qk_scale=scale,
                     causal_offset=kv_len - q_len, window_left=window_left, window_right=window_right,
                     num_heads=heads, group=heads // k.shape[1], **constants)
@@ -217,6 +219,12 @@ class Variant:
         switches = "".join(f":{flag}" for flag, on in flags if on)
         group = {1: "", None: ":g-auto"}.get(self.head_group, f":g{self.head_group}")
         return f"{self.tile_m}x{self.tile_n}:{self.hints()}:L{self.k_latency},{self.v_latency}{switches}{group}"
+
+
+def kernel_window(window: tuple[int, int], causal: bool) -> tuple[int, int] | None:
+    """A call's window as ``Variant.constants`` and ``Variant.resolved`` take it: the kernel's (left, right)
+    bounds (``window_bounds``), or None for no window."""
+    return None if window == NO_WINDOW else window_bounds(window, causal)
 
 
 def tile_d(head_dim: int) -> int:
@@ -399,9 +407,9 @@ def hopper_space(head_dim: int, causal: bool, value_dim: int | None = None, wind
              replace(wide, tile_n=256)]
     if width > accumulator:  # Q/K wider than V (MLA): a warpgroup's 128 rows and the causal 256-key tile spill
         space = [v for v in space if not (v.tile_m == 128 and v.occupancy == 2) and not (causal and v.tile_n == 256)]
-    # Causal: no persistent candidate but the 128x256 one at head dims 33-64 and 65-128 (see above). The
-    # two-launch and dynamically scheduled forms stay switches of the kernel for scripts/sweep.py; on the H200
-    # they lost to these.
+    # Causal: no persistent candidate but the 128x256 one at head dims 33-64 and 65-128 (see above), and the
+    # 128x128 with the diagonal peeled (peeled_space) where Q/K's tile is 128 wide. The two-launch and
+    # dynamically scheduled forms stay switches of the kernel for scripts/sweep.py; on the H200 they lost to these.
     if not causal:
         streams = [streaming, replace(streaming, k_latency=4, v_latency=4)]
     elif even_items:
@@ -528,9 +536,8 @@ class Call(Launches):
 
     def __init__(self, variant: Variant, q, k, v, *, causal: bool, scale: float,
                  out: torch.Tensor | None = None, **variants) -> None:
-        window = variants.get("window", NO_WINDOW)
-        self.variant = variant = variant.resolved(causal=causal, q_len=q.shape[2], kv_len=k.shape[2],
-                                                  window=window_bounds(window, causal) if window != NO_WINDOW else None)
+        window = kernel_window(variants.get("window", NO_WINDOW), causal)
+        self.variant = variant = variant.resolved(causal=causal, q_len=q.shape[2], kv_len=k.shape[2], window=window)
         self.q, self.k, self.v = (t.contiguous() for t in (q, k, v))  # a no-op for the contract's usual layout
         self.out = self.q.new_empty((*self.q.shape[:3], self.v.shape[-1])) if out is None else out
         self.state = variant.state(self.q, self.v.shape[-1])
@@ -660,11 +667,10 @@ def tune(q, k, v, *, causal: bool, scale: float, **variants) -> tuple[Variant, b
     call will run)."""
     q, k, v = (t.contiguous() for t in (q, k, v))  # once here, not once per candidate
     out = q.new_empty((*q.shape[:3], v.shape[-1]))
-    window = variants.get("window", NO_WINDOW)
+    window = kernel_window(variants.get("window", NO_WINDOW), causal)
     space = search_space(torch.cuda.get_device_capability(q.device), q.shape[-1], causal=causal,
-                         value_dim=v.shape[-1], window=window != NO_WINDOW)
-    bounds = window_bounds(window, causal) if window != NO_WINDOW else None
-    space = list(dict.fromkeys(var.resolved(causal=causal, q_len=q.shape[2], kv_len=k.shape[2], window=bounds)
+                         value_dim=v.shape[-1], window=window is not None)
+    space = list(dict.fromkeys(var.resolved(causal=causal, q_len=q.shape[2], kv_len=k.shape[2], window=window)
                                for var in space))  # a peeled candidate this shape refuses is its twin's double
     return tuned(shape_class(q, k, causal, value_dim=v.shape[-1], **variants), q.device, space,
                  lambda variant: Call(variant, q, k, v, causal=causal, scale=scale, out=out, **variants))

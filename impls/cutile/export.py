@@ -42,13 +42,16 @@ def signature(variant: Variant, *, dtype: torch.dtype, head_dim: int, causal: bo
               window: bool = False, softcap: float = 0.0, value_dim: int | None = None):
     """The signature ``ct.launch`` would compile for contiguous (B, H, S, D) tensors of ``dtype``
     (``shape`` is (B, H, S); only its divisibility matters) in launch ``phase`` of ``variant``, with a
-    sliding window or not, softcap ``softcap`` (0: none) and V/Out of ``value_dim`` (default: ``head_dim``)."""
+    sliding window or not, softcap ``softcap`` (0: none) and V/Out of ``value_dim`` (default: ``head_dim``).
+    The variant compiles as a call of that shape runs it (``Variant.resolved``: a peeled diagonal on ragged keys
+    as the masked loop)."""
     import cuda.tile as ct
     from cuda.tile.compilation import CallingConvention, KernelSignature, ScalarConstraint
 
     batch, heads, seq = shape
     if not even_n:
         seq = seq // variant.tile_n * variant.tile_n + 1  # ragged: the last K/V tile is partial
+    variant = variant.resolved(causal=causal, q_len=seq, kv_len=seq, window=WINDOW if window else None)
     value_dim = value_dim or head_dim
     qk = array_constraint(dtype, (batch, heads, seq, head_dim), int64=int64)
     vo = array_constraint(dtype, (batch, heads, seq, value_dim), int64=int64)
@@ -57,7 +60,7 @@ def signature(variant: Variant, *, dtype: torch.dtype, head_dim: int, causal: bo
     float32, int32 = ScalarConstraint(ct.float32), ScalarConstraint(ct.int32)
     constants = variant.constants(head_dim=head_dim, causal=causal, kv_len=seq, itemsize=dtype.itemsize,
                                   phase=phase, window=WINDOW if window else None, softcap=softcap, value_dim=value_dim,
-                                  q_len=seq if even_n else None)
+                                  q_len=seq)
     parameters = bind("fmha_fwd", Q=qk, K=qk, V=vo, Out=vo, **state_arrays(state), qk_scale=float32,
                       causal_offset=int32, window_left=int32, window_right=int32, num_heads=int32, group=int32,
                       **constants)
