@@ -48,6 +48,8 @@
 #   paired-more: the same cases' usual picks (64x128, 128x128, 256x64) as persistent paired blocks too
 #   settled:  scripts/tuner_probe.py on causal models and blog cases: each candidate's graph time at burst clocks
 #             against its time at its own sustained clocks (--methods settled), two-launch forms included
+#   peeled:   scripts/tuner_probe.py --peeled-of: the 128x128 candidates with the causal diagonal peeled out of the loop
+#             beside the same forms with the masked loop (PEELED_CASES: case ids; PEELED_GLOBS: more labels)
 #   window:   the windowed cuTile candidates on the edge cases, then settled times on Mistral / Gemma-2 local 1 x 32K
 #   tuner-ab: the causal cases of TUNER_GRIDS (default "models blog"), cutile only, tuned from cold by each dense
 #             tuner of TUNERS (default "exhaustive settled", FMHA_TUNER) into a cache of its own (/tmp/fmha/tuning-T),

@@ -21,7 +21,9 @@ each candidate alone after 0.25 s of its own calls (``impls._tuning.settled_time
 second round), the suite's way; ``--two-launch-of GLOB`` adds the candidates whose label matches again as two
 launches (kernel PHASE: the masked tiles, then the mask-free ones in a persistent launch), and then checks every
 candidate's output against the float64 oracle before timing (``--check`` does that alone); ``--wide-paired`` adds
-the persistent 128x256 with a paired share where the space lacks it.
+the persistent 128x256 with a paired share where the space lacks it; ``--peeled-of GLOB`` adds the matching
+candidates (paired ones too) again with the causal diagonal peeled out of the loop (``Variant.peel_diagonal``),
+where the case's lengths allow it, outputs checked first.
 """
 
 from __future__ import annotations
