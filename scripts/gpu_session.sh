@@ -50,6 +50,9 @@
 #             against its time at its own sustained clocks (--methods settled), two-launch forms included
 #   peeled:   scripts/tuner_probe.py --peeled-of: the 128x128 candidates with the causal diagonal peeled out of the loop
 #             beside the same forms with the masked loop (PEELED_CASES: case ids; PEELED_GLOBS: more labels)
+#   narrow:   the persistent 128x256 with the diagonal peeled at 128 keys beside its loop form (NARROW_CASES: case
+#             ids), settled time, outputs checked first; narrow-check: those candidates' edge cases, also under
+#             memcheck
 #   window:   the windowed cuTile candidates on the edge cases, then settled times on Mistral / Gemma-2 local 1 x 32K
 #   tuner-ab: the causal cases of TUNER_GRIDS (default "models blog"), cutile only, tuned from cold by each dense
 #             tuner of TUNERS (default "exhaustive settled", FMHA_TUNER) into a cache of its own (/tmp/fmha/tuning-T),
@@ -306,6 +309,26 @@ for part in "$@"; do
           --paired-of '128x128:*8}:*:g-auto' --peeled-of '128x128*' --peeled-of '64x128*' "${extra[@]}" --case "$c"
       done
       cat "$out"/peeled-*.log | grep -E '"check": false|picks'
+      ;;
+    narrow)
+      # the persistent 128x256 with the causal diagonal peeled at 128 keys (kernel peel_narrow; sm_90 pipeline
+      # 161 -> 225 KB at D=128, 81 -> 129 KB at D=64, no stack) beside its loop form, the 128x128 peeled pick and
+      # D=64's 256x64: outputs checked first, then settled time
+      local_cases=${NARROW_CASES:-"fp16-causal-h32:32-s4096x4096-d128-b4 fp16-causal-h32:32-s16384x16384-d128-b4
+        llama3-8b-bf16-causal-h32:8-s4096x4096-d128-b4 llama3-8b-bf16-causal-h32:8-s32768x32768-d128
+        gpt2-bf16-causal-h12:12-s32768x32768-d64"}
+      n=0
+      for c in $local_cases; do
+        n=$((n + 1))
+        step "narrow-$n" 300 python3 scripts/tuner_probe.py --methods settled --repeats 1 --check \
+          --match '128x256*persistent*' --match '128x128*persistent:paired:peeled*' --match '256x64*' --case "$c"
+      done
+      cat "$out"/narrow-*.log | grep -E '"check": false|picks'
+      ;;
+    narrow-check)
+      FMHA_CANDIDATES='*128x256*peeled*' step narrow-edges 240 python3 -m pytest tests/test_gpu_candidates.py \
+        -k cutile -q -p no:cacheprovider -rf
+      memcheck_candidates '*128x256*peeled*' 240 cutile
       ;;
     window)
       # issue 13's windowed cases (session 21): a window's far-edge tiles in the diagonal's masked loop, and the

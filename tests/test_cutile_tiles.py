@@ -25,7 +25,7 @@ from impls.cutile.kernel import far_edge_or_same, key_tiles, paired_item, paired
 
 SHAPES = [(300, 300), (333, 1000), (200, 130), (97, 97), (256, 256), (64, 700)]
 WINDOWS = [NO_WINDOW, (0, 0), (16, 0), (100, 37), (128, -1), (-1, 50), (1000, 1000)]
-TILES = [(64, 64), (128, 64), (64, 128), (128, 128)]
+TILES = [(64, 64), (128, 64), (64, 128), (128, 128), (128, 256)]
 
 
 @pytest.mark.parametrize(("tile_m", "tile_n"), TILES)
@@ -61,7 +61,15 @@ def visits(first: int, free_start: int, free_end: int, end: int, masked_from: in
     return sorted([*free, *masked])
 
 
-PEEL_SHAPES = [(256, 256), (128, 512), (512, 512), (384, 1024)]
+PEEL_SHAPES = [(256, 256), (128, 512), (512, 512), (384, 1024), (384, 640)]
+
+
+def narrow_peel_visits(tile: int, free_end: int, offset: int, tile_m: int, tile_n: int) -> tuple[list[int], int]:
+    """The TILE_M-key tiles ``peel_narrow`` runs after the mask-free loop of ``tile_n``-key tiles: those without a
+    mask (its run-time ``if``), and the masked diagonal one."""
+    diagonal = (tile * tile_m + offset) // tile_m
+    return [j for j in range(free_end * (tile_n // tile_m), (free_end + 1) * (tile_n // tile_m) - 1)
+            if j < diagonal], diagonal
 
 
 @pytest.mark.parametrize(("tile_m", "tile_n"), TILES)
@@ -89,6 +97,15 @@ def test_peeled_diagonal_visits_the_same_tiles_as_the_masked_loop(sq, skv, tile_
             first, free_start, free_end, end = key_tiles(tile, skv, skv - sq, left, right, tile_m, tile_n, True,
                                                          bounds is not None)
             where = f"window={window} query tile {tile}"
+            if tile_n > tile_m:  # peel_narrow: keys past the loop in tiles of tile_m, the diagonal's one masked
+                assert count == 1 and bounds is None, where
+                free, diagonal = narrow_peel_visits(tile, free_end, skv - sq, tile_m, tile_n)
+                keys = [*range(free_end * tile_n), *(k for j in free for k in range(j * tile_m, (j + 1) * tile_m)),
+                        *range(diagonal * tile_m, (diagonal + 1) * tile_m)]
+                assert sorted(keys) == rows.any(axis=0).nonzero().flatten().tolist(), where  # all seen keys, once
+                assert all(rows[:, j * tile_m:(j + 1) * tile_m].all() for j in free), where  # no mask needed
+                assert rows[:, diagonal * tile_m:(diagonal + 1) * tile_m].any(axis=1).all(), where
+                continue
             assert end - free_end == count and free_start - first in (0, count), where
             far = range(first, free_start) if bounds is not None and first < free_start else range(0)
             assert sorted([*range(free_start, free_end), *range(free_end, free_end + count), *far]) == list(
@@ -102,7 +119,7 @@ def test_peel_refusals_name_the_reason():
     reasons = {
         "not causal": dict(causal=False, q_len=256, kv_len=256),
         "Sq=300 not a multiple of TILE_M=128": dict(causal=True, q_len=300, kv_len=384),
-        "Skv=300 not a multiple of TILE_N=128": dict(causal=True, q_len=256, kv_len=300),
+        "Skv=300 not a multiple of 128": dict(causal=True, q_len=256, kv_len=300),
         "Skv - Sq=-128 negative": dict(causal=True, q_len=384, kv_len=256),
         "left size 100 not a positive multiple": dict(causal=True, q_len=256, kv_len=256, window=(100, 0)),
         "query length unknown": dict(causal=True, q_len=None, kv_len=256),

@@ -124,19 +124,21 @@ class Variant:
                      window: tuple[int, int] | None = None) -> str | None:
         """Why the masked tiles of this call are not the same few for every query tile (None: they are). They
         are where every query tile is whole and the diagonal crosses key tiles at the same place in each: then
-        query tile t masks key tiles from ``t * TILE_M + Skv - Sq`` on, ``max(TILE_M / TILE_N, 1)`` of them, and
-        each of its rows sees a key in the first. A window's far edge, where the left size is a multiple of
-        TILE_M (and TILE_M of TILE_N), adds as many tiles at its start to the tiles past the first window."""
+        query tile t masks the keys from ``t * TILE_M + Skv - Sq`` on, ``max(TILE_M / TILE_N, 1)`` tiles of
+        ``min(TILE_M, TILE_N)`` keys (key tiles wider than query tiles peel at the query tile's width), and each of
+        its rows sees a key in the first. A window's far edge, where the left size is a multiple of TILE_M (and
+        TILE_M of TILE_N), adds as many tiles at its start to the tiles past the first window."""
         offset = None if q_len is None else kv_len - q_len
         left, right = window or (-1, -1)
+        width = min(self.tile_m, self.tile_n)  # of the peeled tiles
         return next((why for why, bad in (
             ("not causal", not causal), ("a split launch", phase != 0),
             ("the mask as a run-time branch", self.mask_branch or not self.loop_split),
             ("query length unknown", q_len is None),
             (f"Sq={q_len} not a multiple of TILE_M={self.tile_m}", q_len is not None and q_len % self.tile_m),
-            (f"Skv={kv_len} not a multiple of TILE_N={self.tile_n}", kv_len % self.tile_n),
-            (f"Skv - Sq={offset} negative or not a multiple of TILE_N={self.tile_n}",
-             offset is not None and (offset < 0 or offset % self.tile_n)),
+            (f"Skv={kv_len} not a multiple of {width}", kv_len % width),
+            (f"Skv - Sq={offset} negative or not a multiple of {width}",
+             offset is not None and (offset < 0 or offset % width)),
             (f"a window to the right ({right})", right > 0),
             (f"a window's left size {left} not a positive multiple of TILE_M={self.tile_m}",
              window is not None and (left <= 0 or left % self.tile_m)),
@@ -421,6 +423,8 @@ def hopper_space(head_dim: int, causal: bool, value_dim: int | None = None, wind
         if causal:  # and with a fixed share of mirror pairs of query tiles (kernel PAIRED; session 19)
             streams.append(replace(streaming, tile_n=256, paired=True))
     space = space + streams + (sixteen_warp_space(head_dim, causal) if toolchain.sixteen_warps() else [])
+    if causal and not window:  # the persistent 128x256 peeled at the query tile's width (kernel peel_narrow)
+        space += [replace(v, peel_diagonal=True) for v in streams if v.tile_n > v.tile_m]
     if causal and head_tiles(head_dim)[0] == PEELED_TILE and accumulator == PEELED_TILE:
         space = peeled_space(space, window)
     return space
