@@ -178,7 +178,8 @@ def test_sm90_head_tail_candidates_do_not_spill(causal):
 def test_sm90_peeled_candidates_deepen_the_pipeline_without_spilling(head_dim, value_dim, window):
     # peeled_space (issue 15): with the diagonal's masked tiles as straight-line code, each peeled candidate of the
     # Hopper space keeps no stack and gets more shared memory for its K/V pipeline than the same form with the
-    # masked loop (session 24: 99 / 132 -> 165 KB at D=128, 149 -> 214 KB for MLA, 198 KB with a window).
+    # masked loop (session 24: 99 / 132 -> 165 KB at D=128, 149 -> 214 KB for MLA, 198 KB with a window; session 25:
+    # the paired 128x256, its diagonal peeled in 128-key tiles, 161 -> 225 KB).
     peeled = [v for v in search_space((9, 0), head_dim, causal=True, value_dim=value_dim, window=window)
               if v.peel_diagonal]
     assert len(peeled) >= 3

@@ -423,8 +423,6 @@ def hopper_space(head_dim: int, causal: bool, value_dim: int | None = None, wind
         if causal:  # and with a fixed share of mirror pairs of query tiles (kernel PAIRED; session 19)
             streams.append(replace(streaming, tile_n=256, paired=True))
     space = space + streams + (sixteen_warp_space(head_dim, causal) if toolchain.sixteen_warps() else [])
-    if causal and not window:  # the persistent 128x256 peeled at the query tile's width (kernel peel_narrow)
-        space += [replace(v, peel_diagonal=True) for v in streams if v.tile_n > v.tile_m]
     if causal and head_tiles(head_dim)[0] == PEELED_TILE and accumulator == PEELED_TILE:
         space = peeled_space(space, window)
     return space
@@ -433,7 +431,8 @@ def hopper_space(head_dim: int, causal: bool, value_dim: int | None = None, wind
 def peeled_space(space: list[Variant], window: bool) -> list[Variant]:
     """The causal space at head dims whose Q/K tile is 128 wide (65-128 without a tail, MLA's 128 + 64) with the
     diagonal peeled (``Variant.peel_diagonal``) in its 128x128 candidates, which then run it where the shape
-    allows, and (no window) a persistent 128x128 with a paired share and the peel.
+    allows, and (no window) a persistent 128x128 with a paired share and the peel, and the paired 128x256 of the
+    space again with the peel.
 
     Session 24 (sm_90 SASS, tileiras 13.5, bf16): with the masked tiles as straight-line code after the mask-free
     loop instead of a second loop, the 128x128 pipeline grows from 132 / 99 KB (L2,4 / L3,6) to 165 KB at D=128,
@@ -444,11 +443,19 @@ def peeled_space(space: list[Variant], window: bool) -> list[Variant]:
     fp16 2K 432 / 440 (the paired peeled one), 4K 477 / 483, 16K 542 / 550 (the persistent 128x256 paired 609
     stays ahead), fa3 D=128 2K 416 / 431; Llama-3-8B 4 x 4K 519 / 523, 1 x 32K 563 / 566 (128x256 637 ahead);
     70B slice 4 x 4K 523 / 521; MLA 4 x 4K 502 / 521 (paired peeled), 1 x 32K 575 / 574; Mistral-7B 1 x 32K 510 /
-    534 (the persistent 128x128 peeled). Within 1% or ahead everywhere but on the 70B slice's L3,6 (-1%)."""
+    534 (the persistent 128x128 peeled). Within 1% or ahead everywhere but on the 70B slice's L3,6 (-1%).
+
+    Session 25: also the paired 128x256 beside its loop form, its diagonal peeled at 128 keys (kernel
+    ``peel_narrow``: a 256-key masked tile spilled 240-256 B; in 128-key tiles none, 161 -> 225 KB of pipeline at
+    D=128, 81 -> 129 KB at D=64). H200, settled TFLOPS, loop / peeled: blog fp16 4K 496 / 507, 16K 596 / 583;
+    Llama-3-8B 4 x 4K 522 / 533, 1 x 32K 636 / 618; GPT-2 (D=64) 1 x 32K 426 / 419 (the 256x64 of 16 warps 455:
+    not added there). The plain persistent 128x256 peeled was no faster than the paired one anywhere (428 / 433,
+    528 / 483, 528 / 534, 625 / 604): left out."""
     peeled = [replace(v, peel_diagonal=True) if (v.tile_m, v.tile_n) == (PEELED_TILE, PEELED_TILE) else v
               for v in space]
     paired = replace(HOPPER_STREAMING, paired=True, peel_diagonal=True)
-    return peeled if window else [*peeled, paired]
+    narrow = [replace(v, peel_diagonal=True) for v in space if v.paired and v.tile_n > v.tile_m]  # the 128x256
+    return peeled if window else [*peeled, paired, *narrow]
 
 
 def sixteen_warp_space(head_dim: int, causal: bool) -> list[Variant]:
