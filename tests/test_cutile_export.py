@@ -209,7 +209,7 @@ def test_search_space_holds_single_launches_only():
     # and dynamically scheduled forms lost, so no causal candidate is persistent but the 128x256 one at head
     # dims 33-128 on Hopper (the only one whose masked loop kept up there; with GQA it leads from 4K at D=128),
     # with each block's share taken every num_blocks-th item or in mirror pairs, and at D=128 a 128x128 one
-    # with the diagonal peeled (no masked loop at all where it runs), in mirror pairs.
+    # with the diagonal peeled (no masked loop at all where it runs) and the paired 128x256 peeled too.
     for capability in ((8, 0), (9, 0), (10, 0), (12, 0)):
         for head_dim in (32, 64, 96, 128, 256):
             for causal in (False, True):
@@ -218,7 +218,7 @@ def test_search_space_holds_single_launches_only():
                 persistent = [(v.tile_m, v.tile_n, v.paired) for v in space
                               if causal and v.persistent and v.num_worker_warps != 16]
                 hopper_wide = causal and capability == (9, 0) and head_dim in (64, 96, 128)
-                peeled = [(128, 128, True)] if hopper_wide and head_dim == 128 else []  # peeled_space
+                peeled = [(128, 128, True), (128, 256, True)] if hopper_wide and head_dim == 128 else []  # peeled_space
                 assert persistent == ([(128, 256, False), (128, 256, True), *peeled] if hopper_wide else [])
                 # tileiras 13.5's blocks of 16 warps: causal and persistent only with a paired share
                 assert all(v.paired for v in space if causal and v.persistent and v.num_worker_warps == 16)

@@ -400,7 +400,9 @@ def hopper_space(head_dim: int, causal: bool, value_dim: int | None = None, wind
     wide, streaming, width = HOPPER_WIDE, HOPPER_STREAMING, tile_d(head_dim)
     accumulator = tile_d(value_dim or head_dim)
     even_items = causal and window  # causal work items that (almost) all cost the same
-    if accumulator > 128:
+    if accumulator > 128:  # causal, no window: a persistent paired 128x64 lost (session 25, H200, Gemma-2 global
+        # D=256 cap 50, settled TFLOPS: 1 x 32K 564 / 553 at L2,4 / L3,6 against 572 / 564 one block a tile; 4 x 4K
+        # 511 / 498 against 497 / 510)
         tall = replace(wide, tile_n=64, persistent=not causal, k_latency=3, v_latency=6)
         return [Variant(64, 64, occupancy=1, head_group=None), replace(wide, tile_n=64), tall,
                 *([replace(tall, persistent=True)] if even_items else [])]
@@ -450,7 +452,8 @@ def peeled_space(space: list[Variant], window: bool) -> list[Variant]:
     D=128, 81 -> 129 KB at D=64). H200, settled TFLOPS, loop / peeled: blog fp16 4K 496 / 507, 16K 596 / 583;
     Llama-3-8B 4 x 4K 522 / 533, 1 x 32K 636 / 618; GPT-2 (D=64) 1 x 32K 426 / 419 (the 256x64 of 16 warps 455:
     not added there). The plain persistent 128x256 peeled was no faster than the paired one anywhere (428 / 433,
-    528 / 483, 528 / 534, 625 / 604): left out."""
+    528 / 483, 528 / 534, 625 / 604): left out; so is the 16-warp 256x64 at D=64 peeled in two 128-key tiles (sm_90:
+    584 B of stack, 128 B as a persistent paired block)."""
     peeled = [replace(v, peel_diagonal=True) if (v.tile_m, v.tile_n) == (PEELED_TILE, PEELED_TILE) else v
               for v in space]
     paired = replace(HOPPER_STREAMING, paired=True, peel_diagonal=True)
