@@ -358,17 +358,16 @@ def peel_narrow(acc, acc_tail, l_i, m_i, q, q_tail, K, V, batch, kv_head, tile_m
     TILE_N-wide masked tile held twice the score registers and read those keys too: with it peeled, 128 x 256
     tiles spilled 240-256 B on sm_90 (session 24)."""
     diagonal = (tile_m * TILE_M + causal_offset) // TILE_M  # in TILE_M-key tiles; every row sees its first key
-    for i in ct.static_iter(range(TILE_N // TILE_M - 1)):
-        j = free_end * (TILE_N // TILE_M) + i
-        if j < diagonal:
+    for i in ct.static_iter(range(TILE_N // TILE_M)):
+        last = i == TILE_N // TILE_M - 1  # the diagonal block, after the whole ones
+        j = diagonal if last else free_end * (TILE_N // TILE_M) + i
+        if last or j < diagonal:
             acc, acc_tail, l_i, m_i = attend_key_tile(
                 acc, acc_tail, l_i, m_i, q, q_tail, K, V, batch, kv_head, j, offs_m, qk_scale, score_scale_log2,
-                kv_len, causal_offset, 0, 0, TILE_M, TILE_M, TILE_D, TILE_D_TAIL, TILE_DV, TILE_DV_TAIL, False,
-                True, EVEN_N, False, SOFTCAP, False, FAST_MATH, K_LATENCY, V_LATENCY)
-    return attend_key_tile(
-        acc, acc_tail, l_i, m_i, q, q_tail, K, V, batch, kv_head, diagonal, offs_m, qk_scale, score_scale_log2,
-        kv_len, causal_offset, 0, 0, TILE_M, TILE_M, TILE_D, TILE_D_TAIL, TILE_DV, TILE_DV_TAIL, True, True, EVEN_N,
-        False, SOFTCAP, False, FAST_MATH, K_LATENCY, V_LATENCY)
+                kv_len, causal_offset, 0, 0, TILE_M, TILE_M, TILE_D, TILE_D_TAIL, TILE_DV, TILE_DV_TAIL,
+                MASKED=last, CAUSAL=True, EVEN_N=EVEN_N, HAS_WINDOW=False, SOFTCAP=SOFTCAP, MAY_BE_EMPTY=False,
+                FAST_MATH=FAST_MATH, K_LATENCY=K_LATENCY, V_LATENCY=V_LATENCY)
+    return acc, acc_tail, l_i, m_i
 
 
 def far_edge_or_same(step, masked_from, free_start):
