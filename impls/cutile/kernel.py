@@ -302,8 +302,9 @@ def attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_
             acc, acc_tail, l_i, m_i = attend_key_tile(
                 acc, acc_tail, l_i, m_i, q, q_tail, K, V, batch, kv_head, j, offs_m, qk_scale, score_scale_log2,
                 kv_len, causal_offset, window_left, window_right, TILE_M, TILE_N, TILE_D, TILE_D_TAIL, TILE_DV,
-                TILE_DV_TAIL, False, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP, False, FAST_MATH, K_LATENCY, V_LATENCY,
-                kv_row0, ROW_OFFSETS)
+                TILE_DV_TAIL, MASKED=False, CAUSAL=CAUSAL, EVEN_N=EVEN_N, HAS_WINDOW=HAS_WINDOW, SOFTCAP=SOFTCAP,
+                MAY_BE_EMPTY=False, FAST_MATH=FAST_MATH, K_LATENCY=K_LATENCY, V_LATENCY=V_LATENCY, kv_row0=kv_row0,
+                ROW_OFFSETS=ROW_OFFSETS)
     # The mask-free launch has no masked loop at all, not even an empty one, and neither has a kernel that needs
     # no mask (its mask-free loop ran every tile): a loop the compiler cannot prove empty keeps its pipeline
     # shallow (132 KB instead of 198 on sm_90).
@@ -322,8 +323,9 @@ def attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_
                 acc, acc_tail, l_i, m_i = attend_key_tile(
                     acc, acc_tail, l_i, m_i, q, q_tail, K, V, batch, kv_head, j, offs_m, qk_scale,
                     score_scale_log2, kv_len, causal_offset, window_left, window_right, TILE_M, TILE_N, TILE_D,
-                    TILE_D_TAIL, TILE_DV, TILE_DV_TAIL, True, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP, False, FAST_MATH,
-                    K_LATENCY, V_LATENCY, kv_row0, ROW_OFFSETS)
+                    TILE_D_TAIL, TILE_DV, TILE_DV_TAIL, MASKED=True, CAUSAL=CAUSAL, EVEN_N=EVEN_N,
+                    HAS_WINDOW=HAS_WINDOW, SOFTCAP=SOFTCAP, MAY_BE_EMPTY=False, FAST_MATH=FAST_MATH,
+                    K_LATENCY=K_LATENCY, V_LATENCY=V_LATENCY, kv_row0=kv_row0, ROW_OFFSETS=ROW_OFFSETS)
     elif PHASE != OFF_DIAGONAL and (needs_mask or MASK_BRANCH):
         masked_from = free_start if MASK_BRANCH and PHASE == WHOLE else free_end
         # a window's masked far-edge tiles: the loop's first steps, before masked_from
@@ -334,8 +336,9 @@ def attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_
             acc, acc_tail, l_i, m_i = attend_key_tile(
                 acc, acc_tail, l_i, m_i, q, q_tail, K, V, batch, kv_head, j, offs_m, qk_scale, score_scale_log2,
                 kv_len, causal_offset, window_left, window_right, TILE_M, TILE_N, TILE_D, TILE_D_TAIL, TILE_DV,
-                TILE_DV_TAIL, masked, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP, needs_mask, FAST_MATH, K_LATENCY,
-                V_LATENCY, kv_row0, ROW_OFFSETS)
+                TILE_DV_TAIL, MASKED=masked, CAUSAL=CAUSAL, EVEN_N=EVEN_N, HAS_WINDOW=HAS_WINDOW, SOFTCAP=SOFTCAP,
+                MAY_BE_EMPTY=needs_mask, FAST_MATH=FAST_MATH, K_LATENCY=K_LATENCY, V_LATENCY=V_LATENCY,
+                kv_row0=kv_row0, ROW_OFFSETS=ROW_OFFSETS)
 
     if PHASE == DIAGONAL:
         store_state(MaxState, SumState, AccState, m_i, l_i, acc, acc_tail, batch, head, tile_m, TILE_M, TILE_DV,
