@@ -104,6 +104,15 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit, log to $out/NAME.log
   echo "-- $name: exit $? after $(( $(date +%s) - start )) s"
   tail -4 "$out/$name.log"
 }
+probe_cases() {  # probe_cases NAME "CASE ..." ARGS...: scripts/tuner_probe.py ARGS on each case, a step each
+  # (NAME-1, NAME-2, ...), then the failed checks and each case's picks
+  local name=$1 cases=$2 n=0 c; shift 2
+  for c in $cases; do
+    n=$((n + 1))
+    step "$name-$n" 300 python3 scripts/tuner_probe.py "$@" --case "$c"
+  done
+  cat "$out/$name"-*.log | grep -E '"check": false|picks'
+}
 memcheck_candidates() {  # memcheck_candidates GLOB SECONDS [SELECT]: the cuTile candidates whose label matches GLOB
   # on the edge cases of tests/test_gpu_candidates.py (pytest -k SELECT) under compute-sanitizer memcheck
   FMHA_CANDIDATES=$1 step memcheck "$2" compute-sanitizer --tool memcheck --error-exitcode 9 \
@@ -301,14 +310,9 @@ for part in "$@"; do
         deepseek-v3-mla-tp8-bf16-causal-h16:16-s4096x4096-d192-dv128-b4"}
       extra=()  # PEELED_GLOBS: more candidate labels to time, each with its peeled twin (e.g. '128x64:*8}*')
       for glob in ${PEELED_GLOBS:-}; do extra+=(--match "$glob" --peeled-of "$glob"); done
-      n=0
-      for c in $local_cases; do
-        n=$((n + 1))
-        step "peeled-$n" 300 python3 scripts/tuner_probe.py --methods graph settled --repeats 1 \
-          --match '128x128:*8}:L*:g-auto' --match '*persistent*' --match '64x128:*2}:L2,4:g-auto' \
-          --paired-of '128x128:*8}:*:g-auto' --peeled-of '128x128*' --peeled-of '64x128*' "${extra[@]}" --case "$c"
-      done
-      cat "$out"/peeled-*.log | grep -E '"check": false|picks'
+      probe_cases peeled "$local_cases" --methods graph settled --repeats 1 \
+        --match '128x128:*8}:L*:g-auto' --match '*persistent*' --match '64x128:*2}:L2,4:g-auto' \
+        --paired-of '128x128:*8}:*:g-auto' --peeled-of '128x128*' --peeled-of '64x128*' "${extra[@]}"
       ;;
     narrow)
       # the persistent 128x256 with the causal diagonal peeled at 128 keys (kernel peel_narrow; sm_90 pipeline
@@ -317,13 +321,8 @@ for part in "$@"; do
       local_cases=${NARROW_CASES:-"fp16-causal-h32:32-s4096x4096-d128-b4 fp16-causal-h32:32-s16384x16384-d128-b4
         llama3-8b-bf16-causal-h32:8-s4096x4096-d128-b4 llama3-8b-bf16-causal-h32:8-s32768x32768-d128
         gpt2-bf16-causal-h12:12-s32768x32768-d64"}
-      n=0
-      for c in $local_cases; do
-        n=$((n + 1))
-        step "narrow-$n" 300 python3 scripts/tuner_probe.py --methods settled --repeats 1 --check \
-          --match '128x256*persistent*' --match '128x128*persistent:paired:peeled*' --match '256x64*' --case "$c"
-      done
-      cat "$out"/narrow-*.log | grep -E '"check": false|picks'
+      probe_cases narrow "$local_cases" --methods settled --repeats 1 --check \
+        --match '128x256*persistent*' --match '128x128*persistent:paired:peeled*' --match '256x64*'
       ;;
     narrow-check)
       FMHA_CANDIDATES='*128x256*peeled*' step narrow-edges 240 python3 -m pytest tests/test_gpu_candidates.py \

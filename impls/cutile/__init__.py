@@ -320,8 +320,8 @@ def search_space(capability: tuple[int, int], head_dim: int = 128, *, causal: bo
     return [Variant(m, n, occupancy=occ) for m, n, occ in shapes]
 
 
-# The causal candidates whose diagonal runs peeled (``peeled_space``) are 128x128: a shape class notes whether
-# its lengths come in whole tiles of this size.
+# The causal candidates whose diagonal runs peeled (``peeled_space``) peel it in tiles of 128 keys (128x128, and
+# the 128x256 at its query tile's width): a shape class notes whether its lengths come in whole tiles of this size.
 PEELED_TILE = 128
 # Hopper's two warpgroup tile: one block per query tile, and the persistent form that streams K/V on.
 HOPPER_WIDE = Variant(128, 128, occupancy=1, num_worker_warps=8, head_group=None)

@@ -360,10 +360,11 @@ def peel_narrow(acc, acc_tail, l_i, m_i, q, q_tail, K, V, batch, kv_head, tile_m
     mask (a run-time ``if`` each), and the keys past the diagonal, which no row sees, are never visited. A
     TILE_N-wide masked tile held twice the score registers and read those keys too: with it peeled, 128 x 256
     tiles spilled 240-256 B on sm_90 (session 24)."""
+    parts = TILE_N // TILE_M  # TILE_M-key tiles in one key tile of the loop
     diagonal = (tile_m * TILE_M + causal_offset) // TILE_M  # in TILE_M-key tiles; every row sees its first key
-    for i in ct.static_iter(range(TILE_N // TILE_M)):
-        last = i == TILE_N // TILE_M - 1  # the diagonal block, after the whole ones
-        j = diagonal if last else free_end * (TILE_N // TILE_M) + i
+    for i in ct.static_iter(range(parts)):
+        last = i == parts - 1  # the diagonal block, after the whole ones
+        j = diagonal if last else free_end * parts + i
         if last or j < diagonal:
             acc, acc_tail, l_i, m_i = attend_key_tile(
                 acc, acc_tail, l_i, m_i, q, q_tail, K, V, batch, kv_head, j, offs_m, qk_scale, score_scale_log2,
