@@ -241,7 +241,8 @@ UNSPLIT_SLACK = 1.25  # a batch whose longest sequence is at most this many targ
 
 
 def split_plan(lengths: list[int] | tuple[int, ...], kv_heads: int, block_n: int, sm_count: int,
-               min_tiles: int | None = None, programs_per_sm: int = PROGRAMS_PER_SM) -> tuple[int, int]:
+               min_tiles: int | None = None, programs_per_sm: int = PROGRAMS_PER_SM,
+               fit: bool = False) -> tuple[int, int]:
     """(num_splits, split_len): the longest sequence cut into equal chunks of whole key tiles, at least
     ``min_tiles`` long, about as long as the batch's tiles (over every kv head) shared among ``programs_per_sm``
     programs per SM (the target; a tuner may try several).
@@ -250,14 +251,37 @@ def split_plan(lengths: list[int] | tuple[int, ...], kv_heads: int, block_n: int
     Session 8 (H200, Nsight Compute, 8B 64 x 8K): cutting at the target length left each sequence 62 tiles and
     a sliver of 2, so half the programs carried 3% of the keys and every row paid a combine; unsplit, like
     FlashInfer's plan, it read 4.22 TB/s instead of 4.10. A long-tailed batch keeps the count rounded up: its
-    longest sequences are the critical path (with one split fewer, 8B 64 x 8K long-tailed fell 10%)."""
+    longest sequences are the critical path (with one split fewer, 8B 64 x 8K long-tailed fell 10%).
+
+    ``fit``: the shortest chunk whose programs that hold keys all fit in ``programs_per_sm`` x ``sm_count``
+    slots at once (``fitted_chunk``), so the launch is whole waves with no tail."""
     min_tiles = SPLIT_MIN_TILES if min_tiles is None else min_tiles
     tiles = [-(-n // block_n) for n in lengths]
     longest = max(tiles)
+    if fit:
+        chunk = fitted_chunk(tiles, kv_heads, programs_per_sm * sm_count, min_tiles)
+        return -(-longest // chunk), chunk * block_n
     target = max(min_tiles, -(-kv_heads * sum(tiles) // (programs_per_sm * sm_count)))
     splits = 1 if longest <= UNSPLIT_SLACK * target else min(-(-longest // target), longest // min_tiles)
     chunk = -(-longest // splits)
     return -(-longest // chunk), chunk * block_n
+
+
+def fitted_chunk(tiles: list[int], kv_heads: int, slots: int, min_tiles: int) -> int:
+    """The shortest chunk, in key tiles and at least ``min_tiles``, that cuts these sequences into at most
+    ``slots`` programs over ``kv_heads`` kv heads (the longest sequence whole where even that is more). The
+    count falls as the chunk grows, so a bisection finds it, as FlashInfer's decode plan sizes its chunks to the
+    grid that fits the GPU at once."""
+    longest = max(tiles)
+
+    def programs(chunk: int) -> int:
+        return kv_heads * sum(-(-t // chunk) for t in tiles)
+
+    low, high = min(min_tiles, longest), longest
+    while low < high:
+        mid = (low + high) // 2
+        low, high = (low, mid) if programs(mid) <= slots else (mid + 1, high)
+    return low
 
 
 COMBINE_STEP_ELEMENTS = 4096  # partial-output elements a combine program merges per step: 16 KB of fp32

@@ -64,6 +64,9 @@
 #             Triton's tuner space (graph of 20 calls)
 #   decode-wide: the same probe on the long uniform cases: Triton's wide space beside FlashInfer in one process
 #             (carry .gpu-fi; no cuTile)
+#   plans:    scripts/serving_probe.py --triton plans on the serving cases where ours trailed or missed 85% of HBM
+#             (PLANS_CASES: case ids): the fastest aimed and fitted split plans beside FlashInfer, alternating
+#             (carry .gpu-fi; no cuTile)
 #   clocks:   scripts/clock_probe.py: per-round times and SM clocks over 2 s of sustained work after a rest
 #   settle:   the equal-length varlen batch and its dense twin, cutile / sdpa-cudnn / triton, graph timing, twice
 #             with --settle-ms 0 and twice with the default (benchmarks timed at sustained clocks)
@@ -347,6 +350,18 @@ for part in "$@"; do
         step "tuner-$t" 560 env FMHA_TUNER="$t" FMHA_TUNING_CACHE="/tmp/fmha/tuning-$t" python3 -m pytest suite \
           "${bench[@]}" "${grid_args[@]}" -k causal --timing graph --impl cutile --benchmark-json="$out/tuner-$t.json"
       done
+      ;;
+    plans)
+      n=0
+      for c in ${PLANS_CASES:-$(printf 'llama3-70b-tp8-paged-bf16-h8:1-q1-%s ' kv32768-uniform-p16-d128-b64 \
+          kv32768-uniform-p16-d128-b16 kv8192-uniform-p16-d128-b256 kv8192-uniform-p64-d128-b64 \
+          kv512-uniform-p16-d128-b64; printf 'llama3-8b-paged-bf16-h32:8-q1-%s ' kv8192-uniform-p16-d128-b64 \
+          kv8192-uniform-p16-d128-b256 kv32768-uniform-p16-d128)}; do
+        n=$((n + 1))
+        step "plans-$n" 200 python3 scripts/serving_probe.py --skip-varlen --no-cutile --triton plans \
+          --peer flashinfer --case "$c"
+      done
+      grep -h '"case"' "$out"/plans-*.log | grep -v inputs_s
       ;;
     mla)
       step mla-sweep 240 python3 scripts/sweep.py --d 192 --dv 128 --seqlens 4096 16384 --causal causal \

@@ -4,7 +4,9 @@ For one paged-decode case: building the inputs, the float64 oracle, and per deco
 (compile) and its time per call (one replay of a CUDA graph of 20 calls). ``--occupancy N`` and ``--latency
 K,V`` (repeatable) add each cuTile candidate with that many blocks per SM asked of the compiler or those load
 latencies; ``--triton wide`` sweeps a wider Triton decode space (TRITON_WIDE) than the tuner's, ``--triton ab``
-times each of the tuner's configs with and without the mask-free loop (MASK_FREE), alternating; ``--peer NAME``
+times each of the tuner's configs with and without the mask-free loop (MASK_FREE), alternating, ``--triton plans``
+times every tuner config once, then the fastest with an aimed plan, the fastest with a fitted one (PLAN_FIT) and
+each peer in alternation; ``--peer NAME``
 times a registered implementation of the operation the same way, in the same process (``--no-cutile`` leaves
 cuTile out, for a machine without its toolchain). Varlen (``--varlen-only``: nothing else): each varlen
 candidate on every ``varlen`` case, and on the equal-length batch beside the dense kernel with the same variant
@@ -67,10 +69,12 @@ def probe_decode(case_id: str, occupancies: list[int], triton: str, latencies: l
     torch.cuda.synchronize()
     print(json.dumps({"oracle_s": time.perf_counter() - t}), flush=True)
     scale = inputs.head_dim ** -0.5
+    peer_calls = {}
     for name in peers:
         try:
             prepared = impls.get(name, "paged").prepare(inputs, scale=scale)
             report(name, prepared, case, oracle, config=str(prepared.config)[:200])
+            peer_calls[name] = prepared
         except Exception as exc:  # a peer that cannot run this case: say why, go on
             print(json.dumps({"variant": name, "error": str(exc)[:200]}), flush=True)
     space = decode_space_for(inputs) if cutile else []
@@ -84,12 +88,46 @@ def probe_decode(case_id: str, occupancies: list[int], triton: str, latencies: l
     if triton == "ab":
         mask_free_ab(inputs, scale, case, oracle)
         return
+    if triton == "plans":
+        plans_ab(inputs, scale, case, oracle, peer_calls)
+        return
     for config in {"tuner": TRITON_SPACE, "wide": TRITON_WIDE, "none": []}[triton]:
         try:
             run, plan = paged_launch(inputs, scale, config)
             report(f"triton {config}", run, case, oracle, splits=plan["num_splits"])
         except Exception as exc:  # a config beyond the GPU's resources: say so, go on
             print(json.dumps({"variant": f"triton {config}", "error": str(exc)[:200]}), flush=True)
+
+
+def interleaved(calls: dict, rounds: int) -> dict:
+    """Each call's graph time (a replay of 20 calls), the calls timed in turn ``rounds`` times, so that clock
+    drift falls on all alike: the median per name."""
+    ms = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            ms[name].append(graph_ms(call, repeats=20))
+    return {name: sorted(times)[rounds // 2] for name, times in ms.items()}
+
+
+def plans_ab(inputs, scale: float, case, oracle, peers: dict, rounds: int = 7) -> None:
+    """Every Triton decode config of the tuner's space once; then the fastest with an aimed plan, the fastest
+    with a fitted plan (PLAN_FIT) and each peer, in alternation (median of ``rounds``)."""
+    best = {}
+    for config in TRITON_SPACE:
+        run, plan = paged_launch(inputs, scale, config)
+        run()  # compile outside the timing
+        ms = graph_ms(run, repeats=20)
+        kind = "fitted" if config["PLAN_FIT"] else "aimed"
+        if kind not in best or ms < best[kind][0]:
+            best[kind] = (ms, config, run, plan["num_splits"])
+    calls = {f"triton {kind}": run for kind, (_, _, run, _) in best.items()} | peers
+    median = interleaved(calls, rounds)
+    for name, call in calls.items():
+        kind = name.split()[-1]
+        detail = {"config": best[kind][1], "splits": best[kind][3]} if kind in best else {}
+        print(json.dumps({"case": case.id, "variant": name, "ms": median[name],
+                          "gbps": metrics.kv_bytes(case) / median[name] / 1e6, **detail,
+                          "passed": oracle.check(call()).passed}), flush=True)
 
 
 def mask_free_ab(inputs, scale: float, case, oracle, rounds: int = 5) -> None:
@@ -104,11 +142,7 @@ def mask_free_ab(inputs, scale: float, case, oracle, rounds: int = 5) -> None:
         seen.add(form)
         calls = {mask_free: paged_launch(inputs, scale, {**config, "MASK_FREE": mask_free})[0]
                  for mask_free in (False, True)}
-        ms = {mask_free: [] for mask_free in calls}
-        for _ in range(rounds):
-            for mask_free, run in calls.items():
-                ms[mask_free].append(graph_ms(run, repeats=20))
-        median = {mask_free: sorted(times)[rounds // 2] for mask_free, times in ms.items()}
+        median = interleaved(calls, rounds)
         print(json.dumps({"form": form, "off_ms": median[False], "on_ms": median[True],
                           "off_over_on": median[False] / median[True],
                           "on_gbps": metrics.kv_bytes(case) / median[True] / 1e6,
@@ -133,12 +167,9 @@ def probe_varlen(rounds: int = 3, persistent_twins: bool = False, stores: tuple[
             if varlen_case.lengths == "equal":
                 calls["dense"] = Call(variant, q, k, v, causal=True, scale=scale)
             precompile(list(calls.values()))
-            ms = {name: [] for name in calls}
-            for _ in range(rounds):
-                for name, call in calls.items():
-                    ms[name].append(graph_ms(call, repeats=20))
+            median = interleaved(calls, rounds)
             print(json.dumps({"case": varlen_case.id, "variant": variant.label(),
-                              **{f"{name}_ms": sorted(times)[len(times) // 2] for name, times in ms.items()},
+                              **{f"{name}_ms": ms for name, ms in median.items()},
                               "passed": [oracle.check(call()).passed for name, call in calls.items()
                                          if name.startswith("varlen")]}), flush=True)
 
@@ -153,8 +184,9 @@ def main() -> None:
     parser.add_argument("--varlen-stores", action="store_true",
                         help=f"varlen: each candidate with each output store ({', '.join(VARLEN_STORES)}), interleaved")
     parser.add_argument("--occupancy", action="append", type=int, default=[], help="cuTile blocks per SM to try")
-    parser.add_argument("--triton", choices=("tuner", "wide", "ab", "none"), default="tuner",
-                        help="the Triton configs beside cuTile's: the tuner's space, TRITON_WIDE, or none")
+    parser.add_argument("--triton", choices=("tuner", "wide", "ab", "plans", "none"), default="tuner",
+                        help="the Triton configs beside cuTile's: the tuner's space, TRITON_WIDE, or none; ab and "
+                             "plans: the A/B comparisons above")
     parser.add_argument("--peer", action="append", default=[], help="a registered implementation to time too")
     parser.add_argument("--no-cutile", action="store_true", help="leave cuTile's candidates out")
     parser.add_argument("--latency", action="append", default=[], metavar="K,V",

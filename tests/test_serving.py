@@ -144,6 +144,29 @@ def test_split_plan_fills_the_gpu_and_balances_long_tails():
     assert splits > 1 and 0 <= splits * length - 32768 < splits * 128  # equal chunks, no sliver
 
 
+@pytest.mark.parametrize(("lengths", "kv_heads", "slots_per_sm"), [
+    ([32768] * 64, 1, 1), ([32768] * 64, 1, 2), ([32768] * 16, 1, 1), ([32768] + [1000] * 15, 8, 4),
+    ([8192] * 256, 1, 1), ([300, 4000, 17, 1024], 8, 2), ([512] * 256, 8, 4)])
+def test_fitted_split_plan_is_the_shortest_chunk_whose_programs_fit_at_once(lengths, kv_heads, slots_per_sm):
+    from impls._serving import SPLIT_MIN_TILES, split_plan
+
+    block_n, sm_count = 64, 132
+    splits, length = split_plan(lengths, kv_heads, block_n, sm_count, programs_per_sm=slots_per_sm, fit=True)
+    tiles = [-(-n // block_n) for n in lengths]
+    chunk = length // block_n
+
+    def programs(c: int) -> int:
+        return kv_heads * sum(-(-t // c) for t in tiles)
+
+    assert length % block_n == 0 and splits == -(-max(tiles) // chunk)
+    slots = slots_per_sm * sm_count
+    if chunk < max(tiles):  # split: every program fits at once, and a chunk one tile shorter would not
+        assert programs(chunk) <= slots and chunk >= SPLIT_MIN_TILES
+        assert chunk == SPLIT_MIN_TILES or programs(chunk - 1) > slots
+    else:  # whole sequences: one chunk shorter was too many programs (or the sequences are that short)
+        assert programs(chunk) > slots or chunk <= SPLIT_MIN_TILES or programs(chunk - 1) > slots
+
+
 @pytest.mark.parametrize(("lengths_q", "lengths_k", "causal"), [
     *UNEVEN_VARLEN, ([4096] * 4, [4096] * 4, True), ([300, 4000, 17, 1024], [300, 4000, 17, 1024], True),
     ([512, 1000], [512, 1000], False)])
@@ -207,19 +230,20 @@ def test_triton_decode_with_a_narrowed_combine(monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's run of the split plans: CPU")
 def test_triton_decode_plans_for_more_or_fewer_programs_are_correct():
-    """The decode tuner's PLAN_PROGRAMS axis changes the chunk count; each plan is still correct."""
+    """The decode tuner's plan axes (PLAN_PROGRAMS, PLAN_FIT) change the chunk count; each plan is still
+    correct."""
     pytest.importorskip("triton")
     from impls.triton_fa import INTERPRETER_DECODE_CONFIG, paged_launch
 
     inputs = PRESETS["serving-cpu"][4].make_inputs("cpu")  # MQA, 300 tokens
     splits = set()
-    for programs in (2, 8):
+    for programs, fit in ((2, False), (8, False), (1, True)):
         run, plan = paged_launch(inputs, inputs.head_dim ** -0.5, {**INTERPRETER_DECODE_CONFIG,
-                                                                   "PLAN_PROGRAMS": programs})
+                                                                   "PLAN_PROGRAMS": programs, "PLAN_FIT": fit})
         result = Oracle.serving(inputs).check(run())
         assert result.passed, result.message
         splits.add(plan["num_splits"])
-    assert len(splits) == 2
+    assert len(splits) == 3
 
 
 @pytest.mark.parametrize("mask_free", [True, False])

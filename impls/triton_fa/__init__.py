@@ -302,9 +302,15 @@ def _describe(cfg) -> dict:
 # cache (HEAD_SPLIT; commit b0b13a4 has it, with CPU and GPU tests), to get more programs without a combine on
 # short 70B steps: on all 11 cases the best head-split config ran at 0.70-0.97 of the best unsplit one with 2
 # parts (70B 64 x 512: 1513 against 1556 GB/s) and 0.42-0.79 with 4; the second read of each page costs more.
+# Session 26: the plans above aim at a number of programs per SM and land on a little more (the chunk count is
+# rounded up): 70B 64 x 32K's 64 (batch, kv head) pairs made 320, 576 or 1024 programs, a wave and a tail. The
+# fitted plans (PLAN_FIT, impls._serving.fitted_chunk) take the shortest chunk whose programs all fit in 1, 2 or
+# 4 per SM at once (128, 256 or 512 there), as FlashInfer's plan sizes its grid.
 DECODE_TILES = ((128, 4, 3), (128, 4, 2), (64, 4, 3), (64, 4, 2), (64, 8, 2), (32, 4, 2))
-DECODE_SPACE = [{"BLOCK_N": n, "num_warps": w, "num_stages": st, "MASK_FREE": mask_free, "PLAN_PROGRAMS": programs}
-                for n, w, st in DECODE_TILES for mask_free in (True, False) for programs in (2, PROGRAMS_PER_SM, 8)]
+DECODE_PLANS = [{"PLAN_PROGRAMS": programs, "PLAN_FIT": False} for programs in (2, PROGRAMS_PER_SM, 8)] + [
+    {"PLAN_PROGRAMS": programs, "PLAN_FIT": True} for programs in (1, 2, 4)]
+DECODE_SPACE = [{"BLOCK_N": n, "num_warps": w, "num_stages": st, "MASK_FREE": mask_free, **plan}
+                for n, w, st in DECODE_TILES for mask_free in (True, False) for plan in DECODE_PLANS]
 INTERPRETER_DECODE_CONFIG = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "MASK_FREE": True,
                              "PLAN_PROGRAMS": PROGRAMS_PER_SM}
 INTERPRETER_SM_COUNT = 8  # the interpreter has no SMs: with these and one-tile chunks the CPU cases split
@@ -324,10 +330,11 @@ def paged_launch(inputs, scale: float, config: dict):
     rows = hq // hkv * sq
     interp = interpreting()
     sm_count = INTERPRETER_SM_COUNT if interp else torch.cuda.get_device_properties(q.device).multi_processor_count
-    split_config = {name: value for name, value in config.items() if name != "PLAN_PROGRAMS"}
+    split_config = {name: value for name, value in config.items() if name not in DECODE_PLANS[0]}
     num_splits, split_len = split_plan(list(inputs.seqlens), hkv, config["BLOCK_N"], sm_count,
                                        min_tiles=1 if interp else None,
-                                       programs_per_sm=config.get("PLAN_PROGRAMS", PROGRAMS_PER_SM))
+                                       programs_per_sm=config.get("PLAN_PROGRAMS", PROGRAMS_PER_SM),
+                                       fit=config.get("PLAN_FIT", False))
     split = num_splits > 1
     block_m = max(16, triton.next_power_of_2(rows))
     parts = (batch * hkv, num_splits, block_m) if split else (1, 1, 1)  # unused without a split
@@ -370,10 +377,10 @@ def prepare_paged(inputs, *, scale: float) -> Prepared:
         config, source = INTERPRETER_DECODE_CONFIG, "fixed (interpreter)"
     else:
         def tune() -> dict:
-            distinct = {}  # several PLAN_PROGRAMS often make one plan: time each kernel and plan once
+            distinct = {}  # several plans often cut alike: time each kernel and chunk length once
             for candidate in DECODE_SPACE:
                 run, plan = paged_launch(inputs, scale, candidate)
-                form = (*(v for k, v in candidate.items() if k != "PLAN_PROGRAMS"), plan["num_splits"])
+                form = (*(v for k, v in candidate.items() if k not in DECODE_PLANS[0]), plan["split_len"])
                 distinct.setdefault(form, (candidate, run))
             return fastest(distinct.values())
 
