@@ -65,8 +65,8 @@
 #   decode-wide: the same probe on the long uniform cases: Triton's wide space beside FlashInfer in one process
 #             (carry .gpu-fi; no cuTile)
 #   plans:    scripts/serving_probe.py --triton plans on the serving cases where ours trailed or missed 85% of HBM
-#             (PLANS_CASES: case ids): the fastest aimed and fitted split plans beside FlashInfer, alternating
-#             (carry .gpu-fi; no cuTile)
+#             (PLANS_CASES: case ids): the fastest aimed and fitted split plans beside FlashInfer and the tuner's
+#             pick, alternating (PLANS_MODE=plans-wide: over more tiles; carry .gpu-fi; no cuTile)
 #   clocks:   scripts/clock_probe.py: per-round times and SM clocks over 2 s of sustained work after a rest
 #   settle:   the equal-length varlen batch and its dense twin, cutile / sdpa-cudnn / triton, graph timing, twice
 #             with --settle-ms 0 and twice with the default (benchmarks timed at sustained clocks)
@@ -358,8 +358,8 @@ for part in "$@"; do
           kv512-uniform-p16-d128-b64; printf 'llama3-8b-paged-bf16-h32:8-q1-%s ' kv8192-uniform-p16-d128-b64 \
           kv8192-uniform-p16-d128-b256 kv32768-uniform-p16-d128)}; do
         n=$((n + 1))
-        step "plans-$n" 200 python3 scripts/serving_probe.py --skip-varlen --no-cutile --triton plans \
-          --peer flashinfer --case "$c"
+        step "plans-$n" 300 python3 scripts/serving_probe.py --skip-varlen --no-cutile --triton "${PLANS_MODE:-plans}" \
+          --peer flashinfer --peer triton --case "$c"
       done
       grep -h '"case"' "$out"/plans-*.log | grep -v inputs_s
       ;;

@@ -6,7 +6,7 @@ K,V`` (repeatable) add each cuTile candidate with that many blocks per SM asked 
 latencies; ``--triton wide`` sweeps a wider Triton decode space (TRITON_WIDE) than the tuner's, ``--triton ab``
 times each of the tuner's configs with and without the mask-free loop (MASK_FREE), alternating, ``--triton plans``
 times every tuner config once, then the fastest with an aimed plan, the fastest with a fitted one (PLAN_FIT) and
-each peer in alternation; ``--peer NAME``
+each peer in alternation (``plans-wide``: over TRITON_WIDE's tiles with each plan); ``--peer NAME``
 times a registered implementation of the operation the same way, in the same process (``--no-cutile`` leaves
 cuTile out, for a machine without its toolchain). Varlen (``--varlen-only``: nothing else): each varlen
 candidate on every ``varlen`` case, and on the equal-length batch beside the dense kernel with the same variant
@@ -30,8 +30,8 @@ import impls
 from impls._tuning import graph_ms
 from impls.cutile import Call, _sm_count, precompile
 from impls.cutile.serving import VARLEN_STORES, DecodeCall, VarlenCall, decode_space_for, varlen_space
+from impls.triton_fa import DECODE_PLANS, paged_launch
 from impls.triton_fa import DECODE_SPACE as TRITON_SPACE
-from impls.triton_fa import paged_launch
 from suite import metrics
 from suite.cases import case_by_id, preset
 from suite.checks import Oracle
@@ -48,6 +48,10 @@ def seconds(fn) -> float:
 # Tile width, warps and pipeline stages beyond the Triton decode tuner's space.
 TRITON_WIDE = [{"BLOCK_N": n, "num_warps": w, "num_stages": st}
                for n in (32, 64, 128, 256) for w in (4, 8) for st in (2, 3, 4)]
+# Tiles from 16 keys on (2 or 3 stages), each with and without the mask-free loop and with every split plan.
+TRITON_WIDE_PLANS = [{"BLOCK_N": n, "num_warps": w, "num_stages": st, "MASK_FREE": mask_free, **plan}
+                     for n in (16, 32, 64, 128) for w in (4, 8) for st in (2, 3) for mask_free in (True, False)
+                     for plan in DECODE_PLANS]
 
 
 def report(name: str, call, case, oracle, **extra) -> None:
@@ -88,8 +92,8 @@ def probe_decode(case_id: str, occupancies: list[int], triton: str, latencies: l
     if triton == "ab":
         mask_free_ab(inputs, scale, case, oracle)
         return
-    if triton == "plans":
-        plans_ab(inputs, scale, case, oracle, peer_calls)
+    if triton.startswith("plans"):
+        plans_ab(inputs, scale, case, oracle, peer_calls, TRITON_WIDE_PLANS if triton == "plans-wide" else TRITON_SPACE)
         return
     for config in {"tuner": TRITON_SPACE, "wide": TRITON_WIDE, "none": []}[triton]:
         try:
@@ -109,22 +113,26 @@ def interleaved(calls: dict, rounds: int) -> dict:
     return {name: sorted(times)[rounds // 2] for name, times in ms.items()}
 
 
-def plans_ab(inputs, scale: float, case, oracle, peers: dict, rounds: int = 7) -> None:
-    """Every Triton decode config of the tuner's space once; then the fastest with an aimed plan, the fastest
-    with a fitted plan (PLAN_FIT) and each peer, in alternation (median of ``rounds``)."""
+def plans_ab(inputs, scale: float, case, oracle, peers: dict, space: list[dict], rounds: int = 7) -> None:
+    """Every Triton decode config of ``space`` once; then the fastest with an aimed plan, the fastest with a
+    fitted plan (PLAN_FIT) and each peer, in alternation (median of ``rounds``)."""
     best = {}
-    for config in TRITON_SPACE:
-        run, plan = paged_launch(inputs, scale, config)
-        run()  # compile outside the timing
+    for config in space:
+        try:
+            run, plan = paged_launch(inputs, scale, config)
+            run()  # compile outside the timing
+        except Exception as exc:  # a config beyond the GPU's resources: say so, go on
+            print(json.dumps({"variant": f"triton {config}", "error": str(exc)[:200]}), flush=True)
+            continue
         ms = graph_ms(run, repeats=20)
         kind = "fitted" if config["PLAN_FIT"] else "aimed"
         if kind not in best or ms < best[kind][0]:
-            best[kind] = (ms, config, run, plan["num_splits"])
+            best[kind] = (ms, config, run, plan)
     calls = {f"triton {kind}": run for kind, (_, _, run, _) in best.items()} | peers
     median = interleaved(calls, rounds)
     for name, call in calls.items():
         kind = name.split()[-1]
-        detail = {"config": best[kind][1], "splits": best[kind][3]} if kind in best else {}
+        detail = {"config": best[kind][1], "plan": best[kind][3]} if kind in best else {}
         print(json.dumps({"case": case.id, "variant": name, "ms": median[name],
                           "gbps": metrics.kv_bytes(case) / median[name] / 1e6, **detail,
                           "passed": oracle.check(call()).passed}), flush=True)
@@ -184,7 +192,7 @@ def main() -> None:
     parser.add_argument("--varlen-stores", action="store_true",
                         help=f"varlen: each candidate with each output store ({', '.join(VARLEN_STORES)}), interleaved")
     parser.add_argument("--occupancy", action="append", type=int, default=[], help="cuTile blocks per SM to try")
-    parser.add_argument("--triton", choices=("tuner", "wide", "ab", "plans", "none"), default="tuner",
+    parser.add_argument("--triton", choices=("tuner", "wide", "ab", "plans", "plans-wide", "none"), default="tuner",
                         help="the Triton configs beside cuTile's: the tuner's space, TRITON_WIDE, or none; ab and "
                              "plans: the A/B comparisons above")
     parser.add_argument("--peer", action="append", default=[], help="a registered implementation to time too")

@@ -302,18 +302,37 @@ def _describe(cfg) -> dict:
 # cache (HEAD_SPLIT; commit b0b13a4 has it, with CPU and GPU tests), to get more programs without a combine on
 # short 70B steps: on all 11 cases the best head-split config ran at 0.70-0.97 of the best unsplit one with 2
 # parts (70B 64 x 512: 1513 against 1556 GB/s) and 0.42-0.79 with 4; the second read of each page costs more.
-# Session 26: the plans above aim at a number of programs per SM and land on a little more (the chunk count is
-# rounded up): 70B 64 x 32K's 64 (batch, kv head) pairs made 320, 576 or 1024 programs, a wave and a tail. The
-# fitted plans (PLAN_FIT, impls._serving.fitted_chunk) take the shortest chunk whose programs all fit in 1, 2 or
-# 4 per SM at once (128, 256 or 512 there), as FlashInfer's plan sizes its grid.
+# Session 26 (H200, scripts/bandwidth_probe.py): a kernel that only reads a decode step's pages through the block
+# table reads 4.15 TB/s at 8B 1 x 32K and 4.29 at the 70B slice's 16 x 32K with about 1000 programs, where the
+# tuned decode read 3.25 and 3.70; the aimed plans above land past a wave of the blocks an SM holds at once, and
+# the programs of that last partial wave run with the GPU mostly idle. The fitted plans (PLAN_FIT) take the
+# shortest chunk whose programs fill PLAN_PROGRAMS whole waves of the compiled split kernel's resident blocks
+# (``resident_blocks``: the driver's occupancy for its registers, shared memory and warps), as FlashInfer sizes
+# its grid.
 DECODE_TILES = ((128, 4, 3), (128, 4, 2), (64, 4, 3), (64, 4, 2), (64, 8, 2), (32, 4, 2))
 DECODE_PLANS = [{"PLAN_PROGRAMS": programs, "PLAN_FIT": False} for programs in (2, PROGRAMS_PER_SM, 8)] + [
-    {"PLAN_PROGRAMS": programs, "PLAN_FIT": True} for programs in (1, 2, 4)]
+    {"PLAN_PROGRAMS": waves, "PLAN_FIT": True} for waves in (1, 2)]
 DECODE_SPACE = [{"BLOCK_N": n, "num_warps": w, "num_stages": st, "MASK_FREE": mask_free, **plan}
                 for n, w, st in DECODE_TILES for mask_free in (True, False) for plan in DECODE_PLANS]
 INTERPRETER_DECODE_CONFIG = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "MASK_FREE": True,
                              "PLAN_PROGRAMS": PROGRAMS_PER_SM}
 INTERPRETER_SM_COUNT = 8  # the interpreter has no SMs: with these and one-tile chunks the CPU cases split
+
+
+def resident_blocks(kernel, args: tuple, meta: dict) -> int:
+    """How many blocks of ``kernel`` compiled for ``args`` and ``meta`` one SM holds at once: the driver's
+    occupancy for its registers, shared memory and warps (cuOccupancyMaxActiveBlocksPerMultiprocessor)."""
+    import ctypes
+
+    compiled = kernel.warmup(*args, grid=(1,), **meta)
+    compiled._init_handles()
+    blocks = ctypes.c_int()
+    status = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveBlocksPerMultiprocessor(
+        ctypes.byref(blocks), ctypes.c_void_p(compiled.function), ctypes.c_int(32 * meta["num_warps"]),
+        ctypes.c_size_t(compiled.metadata.shared))
+    if status != 0:
+        raise RuntimeError(f"cuOccupancyMaxActiveBlocksPerMultiprocessor failed with CUresult {status}")
+    return max(blocks.value, 1)
 
 
 def paged_launch(inputs, scale: float, config: dict):
@@ -330,25 +349,31 @@ def paged_launch(inputs, scale: float, config: dict):
     rows = hq // hkv * sq
     interp = interpreting()
     sm_count = INTERPRETER_SM_COUNT if interp else torch.cuda.get_device_properties(q.device).multi_processor_count
-    split_config = {name: value for name, value in config.items() if name not in DECODE_PLANS[0]}
-    num_splits, split_len = split_plan(list(inputs.seqlens), hkv, config["BLOCK_N"], sm_count,
-                                       min_tiles=1 if interp else None,
-                                       programs_per_sm=config.get("PLAN_PROGRAMS", PROGRAMS_PER_SM),
-                                       fit=config.get("PLAN_FIT", False))
-    split = num_splits > 1
     block_m = max(16, triton.next_power_of_2(rows))
-    parts = (batch * hkv, num_splits, block_m) if split else (1, 1, 1)  # unused without a split
-    o_part = torch.empty(*parts, head_dim if split else 1, dtype=torch.float32, device=q.device)
-    lse_part = torch.empty(parts, dtype=torch.float32, device=q.device)
     out = inputs.output_like()
     tile_rows = {"GROUP": hq // hkv, "SQ": sq, "BLOCK_M": block_m}
-    split_args = (q, k_cache, v_cache, inputs.block_table, inputs.cache_seqlens, o_part, lse_part, out,
-                  scale * LOG2_E, *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
-                  inputs.block_table.stride(0), *o_part.stride()[:3], *out.stride()[:3], hkv, split_len)
     split_meta = {"PAGE_SIZE": inputs.page_size, "HEAD_DIM": head_dim, "DOT_FP32": interp or q.dtype == torch.float32,
-                  "SPLIT": split, **tile_rows, **split_config}
-    launches = [(paged_decode_split, (num_splits, batch * hkv), split_args, split_meta)]
+                  **tile_rows, **{name: value for name, value in config.items() if name not in DECODE_PLANS[0]}}
+
+    def split_args(num_splits: int, split_len: int) -> tuple:
+        parts = (batch * hkv, num_splits, block_m) if num_splits > 1 else (1, 1, 1)  # unused without a split
+        o_part = torch.empty(*parts, head_dim if num_splits > 1 else 1, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(parts, dtype=torch.float32, device=q.device)
+        return (q, k_cache, v_cache, inputs.block_table, inputs.cache_seqlens, o_part, lse_part, out,
+                scale * LOG2_E, *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
+                inputs.block_table.stride(0), *o_part.stride()[:3], *out.stride()[:3], hkv, split_len)
+
+    programs_per_sm, fit = config.get("PLAN_PROGRAMS", PROGRAMS_PER_SM), config.get("PLAN_FIT", False)
+    if fit and not interp:  # whole waves of the split kernel's resident blocks
+        programs_per_sm *= resident_blocks(paged_decode_split, split_args(2, config["BLOCK_N"]),
+                                           {**split_meta, "SPLIT": True})
+    num_splits, split_len = split_plan(list(inputs.seqlens), hkv, config["BLOCK_N"], sm_count,
+                                       min_tiles=1 if interp else None, programs_per_sm=programs_per_sm, fit=fit)
+    split = num_splits > 1
+    args = split_args(num_splits, split_len)
+    launches = [(paged_decode_split, (num_splits, batch * hkv), args, {**split_meta, "SPLIT": split})]
     if split:
+        o_part, lse_part = args[5], args[6]
         tile_d, chunks = combine_plan(num_splits, head_dim)
         combine_args = (o_part, lse_part, inputs.cache_seqlens, out, *o_part.stride()[:3], *out.stride()[:3], hkv,
                         num_splits, split_len)
@@ -361,7 +386,8 @@ def paged_launch(inputs, scale: float, config: dict):
             kernel[grid](*args, **meta)
         return out
 
-    return run, {"num_splits": num_splits, "split_len": split_len, "BLOCK_M": block_m}
+    return run, {"num_splits": num_splits, "split_len": split_len, "BLOCK_M": block_m,
+                 **({"programs_per_sm": programs_per_sm} if fit else {})}
 
 
 @register("triton", op="paged", family="triton", dtypes=FLOATS, head_dims=POW2_HEAD_DIMS, requires=requires,
