@@ -11,7 +11,7 @@ import impls
 from impls import Prepared, register, unregister
 from impls._serving import PagedKV, Varlen
 from suite import metrics
-from suite.cases import PRESETS, UNEVEN_VARLEN, Case, paged, uneven_varlen, varlen
+from suite.cases import PRESETS, UNEVEN_VARLEN, Case, case_by_id, paged, uneven_varlen, varlen
 from suite.checks import Oracle
 
 TINY = ("", 4, 2, 64)
@@ -244,6 +244,32 @@ def test_triton_decode_plans_for_more_or_fewer_programs_are_correct():
         assert result.passed, result.message
         splits.add(plan["num_splits"])
     assert len(splits) == 3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the driver's occupancy of a compiled kernel: GPU")
+@pytest.mark.parametrize("waves", [1, 2])
+def test_triton_fitted_decode_plans_fill_whole_waves_of_resident_blocks(waves):
+    """A fitted plan (PLAN_FIT) counts the compiled split kernel's resident blocks: its programs fit in
+    ``waves`` x that x the SMs, and it is correct on every paged CPU twin and on the 70B slice at batch 1 (32K
+    tokens: split)."""
+    pytest.importorskip("triton")
+    from impls.triton_fa import DECODE_TILES, paged_launch
+
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    long_one = case_by_id("llama3-70b-tp8-paged-bf16-h8:1-q1-kv32768-uniform-p16-d128")
+    for case in [c for c in PRESETS["serving-cpu"] if c.op == "paged"] + [long_one]:
+        inputs = case.make_inputs("cuda")
+        oracle = Oracle.serving(inputs)
+        for n, w, st in DECODE_TILES:
+            run, plan = paged_launch(inputs, inputs.head_dim ** -0.5, {
+                "BLOCK_N": n, "num_warps": w, "num_stages": st, "PLAN_PROGRAMS": waves, "PLAN_FIT": True})
+            resident = plan["programs_per_sm"] // waves
+            assert plan["programs_per_sm"] == waves * resident and 1 <= resident <= 32
+            chunks = sum(-(-length // plan["split_len"]) for length in inputs.seqlens)
+            assert plan["num_splits"] == 1 or chunks * inputs.k_cache.shape[2] <= waves * resident * sm_count
+            assert plan["num_splits"] > 1 or case is not long_one
+            result = oracle.check(run())
+            assert result.passed, f"{case.id} {n}x{w}x{st}: {result.message}"
 
 
 @pytest.mark.parametrize("mask_free", [True, False])
