@@ -430,12 +430,19 @@ def test_decode_without_a_split_writes_the_output_directly():
 
 
 def test_varlen_launches_compile():
+    from impls._serving import Varlen
     from impls.cutile.export import export_launch
     from impls.cutile.serving import VarlenCall, varlen_space
 
     inputs = serving_inputs("varlen-cpu", 0)
     space = varlen_space((9, 0), inputs.head_dim, inputs.causal)
-    assert not any(v.two_launch or v.dynamic or v.paired for v in space)
+    assert not any(v.two_launch or v.dynamic or v.paired or v.peel_diagonal for v in space)
+    for head_dim in (64, 128):  # every candidate makes its launch (D=128 causal: the dense space peels)
+        cu = torch.tensor([0, 300, 1324], dtype=torch.int32)
+        q = torch.empty((1324, 4, head_dim), dtype=torch.bfloat16)
+        packed = Varlen(q, q[:, :2], q[:, :2], cu, cu, causal=True)
+        for variant in varlen_space((9, 0), head_dim, True):
+            assert VarlenCall(variant, packed, scale=0.125, sm_count=132).launches
     for variant in (space[0], next(v for v in space if v.persistent)):
         call = VarlenCall(variant, inputs, scale=0.125, sm_count=132)
         (grid, kernel, arguments), = call.launches

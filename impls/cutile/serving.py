@@ -256,12 +256,14 @@ class VarlenCall(Launches):
 def varlen_space(capability: tuple[int, int], head_dim: int, causal: bool) -> list[Variant]:
     """The dense search space's forms with one block per query tile, and its persistent forms with a fixed
     share, which here run the host's plan (``varlen_work_plan``: its own order and balance, so the dense share's
-    ``paired`` and ``dynamic`` flags mean nothing here and are dropped). Not the two-launch forms."""
+    ``paired`` and ``dynamic`` flags mean nothing here and are dropped). Not the two-launch forms, and the causal
+    diagonal in the masked loop: a peeled diagonal (``Variant.peel_refusal``) needs one query length for every
+    query tile, and the packed sequences each have their own."""
     space = []
     for variant in search_space(capability, head_dim, causal=causal):
         if variant.two_launch or variant.dynamic:
             continue
-        planned = replace(variant, paired=False)
+        planned = replace(variant, paired=False, peel_diagonal=False)
         if planned not in space:
             space.append(planned)
     return space
