@@ -302,13 +302,14 @@ def _describe(cfg) -> dict:
 # cache (HEAD_SPLIT; commit b0b13a4 has it, with CPU and GPU tests), to get more programs without a combine on
 # short 70B steps: on all 11 cases the best head-split config ran at 0.70-0.97 of the best unsplit one with 2
 # parts (70B 64 x 512: 1513 against 1556 GB/s) and 0.42-0.79 with 4; the second read of each page costs more.
-# Session 26 (H200, scripts/bandwidth_probe.py): a kernel that only reads a decode step's pages through the block
-# table reads 4.15 TB/s at 8B 1 x 32K and 4.29 at the 70B slice's 16 x 32K with about 1000 programs, where the
-# tuned decode read 3.25 and 3.70; the aimed plans above land past a wave of the blocks an SM holds at once, and
-# the programs of that last partial wave run with the GPU mostly idle. The fitted plans (PLAN_FIT) take the
-# shortest chunk whose programs fill PLAN_PROGRAMS whole waves of the compiled split kernel's resident blocks
-# (``resident_blocks``: the driver's occupancy for its registers, shared memory and warps), as FlashInfer sizes
-# its grid.
+# Session 26 (H200): the plans above aim at programs per SM and round the chunk count up, so a batch can land a
+# little past a wave of the blocks the SMs hold at once. The fitted plans (PLAN_FIT) take the shortest chunk whose
+# programs fill PLAN_PROGRAMS whole waves of the compiled split kernel's resident blocks (``resident_blocks``: the
+# driver's occupancy for its registers, shared memory and warps), as FlashInfer sizes its grid. Measured
+# (scripts/serving_probe.py --triton plans, best of each kind, alternating): the 70B slice at 64 x 32K +0.9-1.1%
+# (4 or 12 chunks; level with FlashInfer), elsewhere level or up to 3% behind the aimed plan, which the tuner then
+# keeps. The wave tail is not what holds the 70B slice at 16 x 32K at 3.7 TB/s: a kernel that only reads its pages
+# (scripts/bandwidth_probe.py) reads 4.29 on the same grid, so the gap is the split kernel's own.
 DECODE_TILES = ((128, 4, 3), (128, 4, 2), (64, 4, 3), (64, 4, 2), (64, 8, 2), (32, 4, 2))
 DECODE_PLANS = [{"PLAN_PROGRAMS": programs, "PLAN_FIT": False} for programs in (2, PROGRAMS_PER_SM, 8)] + [
     {"PLAN_PROGRAMS": waves, "PLAN_FIT": True} for waves in (1, 2)]
