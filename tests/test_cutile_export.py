@@ -524,3 +524,42 @@ def test_a_kernel_and_its_hints_are_made_once():
     assert variant.kernel() is variant.kernel()
     assert variant.kernel(base="fmha_varlen") is Variant(64, 128, occupancy=2).kernel(base="fmha_varlen")
     assert variant.kernel() is not Variant(64, 128, occupancy=1).kernel()
+
+
+@pytest.mark.parametrize("capability", [(8, 0), (9, 0), (10, 0), (12, 0)])
+def test_every_candidate_of_every_gpu_preset_case_makes_its_launches(monkeypatch, capability):
+    """What the tuners try on the GPU presets, built on the CPU without compiling: each dense case's candidates
+    (``candidates``, its window bound as ``prepare_tuned`` binds it) and each varlen case's (``varlen_space``).
+    A form some shape refuses at launch time fails here, not on the GPU (session 24's peeled diagonal reached the
+    varlen space, which has no one query length, and refused every causal D=128 varlen case there)."""
+    import impls.cutile
+    from impls._serving import Varlen
+    from impls._validate import binding_window
+    from impls.cutile import Call, candidates
+    from impls.cutile.serving import VarlenCall, varlen_space
+    from suite.cases import PRESETS
+
+    monkeypatch.setattr(impls.cutile, "_sm_count", lambda *args, **kwargs: 132)  # persistent grids size by SMs
+    cases = {case.id: case for name, preset in PRESETS.items() if "cpu" not in name for case in preset}
+    built = 0
+    for case in cases.values():
+        if case.op == "dense":  # meta tensors: shapes and strides, no memory
+            q, k, v = (torch.empty(shape, dtype=case.torch_dtype, device="meta") for shape in (
+                (case.batch, case.hq, case.sq, case.d), (case.batch, case.hkv, case.skv, case.d),
+                (case.batch, case.hkv, case.skv, case.value_dim)))
+            variants = {"softcap": case.softcap} if case.softcap else {}
+            if tuple(case.window) != (-1, -1):
+                variants["window"] = binding_window(tuple(case.window), case.causal, case.sq, case.skv)
+            calls = [Call(variant, q, k, v, causal=case.causal, scale=0.125, **variants)
+                     for variant in candidates(capability, q, k, v, causal=case.causal, **variants)]
+        elif case.op == "varlen":
+            cu = torch.tensor([0, *itertools.accumulate(case.seqlens())], dtype=torch.int32)
+            q, k = (torch.empty((case.sq, heads, case.d), dtype=case.torch_dtype) for heads in (case.hq, case.hkv))
+            inputs = Varlen(q, k, k, cu, cu.clone(), causal=case.causal)
+            calls = [VarlenCall(variant, inputs, scale=0.125, sm_count=132)
+                     for variant in varlen_space(capability, case.d, case.causal)]
+        else:
+            continue
+        assert calls and all(call.launches for call in calls), case.id
+        built += len(calls)
+    assert built > len(cases)

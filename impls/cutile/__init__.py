@@ -681,13 +681,19 @@ def tune(q, k, v, *, causal: bool, scale: float, **variants) -> tuple[Variant, b
     call will run)."""
     q, k, v = (t.contiguous() for t in (q, k, v))  # once here, not once per candidate
     out = q.new_empty((*q.shape[:3], v.shape[-1]))
-    window = kernel_window(variants.get("window", NO_WINDOW), causal)
-    space = search_space(torch.cuda.get_device_capability(q.device), q.shape[-1], causal=causal,
-                         value_dim=v.shape[-1], window=window is not None)
-    space = list(dict.fromkeys(var.resolved(causal=causal, q_len=q.shape[2], kv_len=k.shape[2], window=window)
-                               for var in space))  # a peeled candidate this shape refuses is its twin's double
+    space = candidates(torch.cuda.get_device_capability(q.device), q, k, v, causal=causal, **variants)
     return tuned(shape_class(q, k, causal, value_dim=v.shape[-1], **variants), q.device, space,
                  lambda variant: Call(variant, q, k, v, causal=causal, scale=scale, out=out, **variants))
+
+
+def candidates(capability: tuple[int, int], q, k, v, *, causal: bool, **variants) -> list[Variant]:
+    """The search space as this dense call runs it: each candidate in the form the call's shape resolves it to
+    (``Variant.resolved``: a peeled diagonal the shape refuses runs the masked loop, and is then its twin's
+    double, kept once)."""
+    window = kernel_window(variants.get("window", NO_WINDOW), causal)
+    space = search_space(capability, q.shape[-1], causal=causal, value_dim=v.shape[-1], window=window is not None)
+    return list(dict.fromkeys(var.resolved(causal=causal, q_len=q.shape[2], kv_len=k.shape[2], window=window)
+                              for var in space))
 
 
 @register("cutile", family="cutile", dtypes=HALF, devices=("cuda",), head_dims=HEAD_DIMS, requires=requires,
