@@ -547,9 +547,9 @@ def test_every_candidate_of_every_gpu_preset_case_makes_its_launches(monkeypatch
             q, k, v = (torch.empty(shape, dtype=case.torch_dtype, device="meta") for shape in (
                 (case.batch, case.hq, case.sq, case.d), (case.batch, case.hkv, case.skv, case.d),
                 (case.batch, case.hkv, case.skv, case.value_dim)))
-            variants = {"softcap": case.softcap} if case.softcap else {}
-            if tuple(case.window) != (-1, -1):
-                variants["window"] = binding_window(tuple(case.window), case.causal, case.sq, case.skv)
+            variants = dict(case.variants)
+            if "window" in variants:  # as prepare_tuned binds it
+                variants["window"] = binding_window(variants["window"], case.causal, case.sq, case.skv)
             calls = [Call(variant, q, k, v, causal=case.causal, scale=0.125, **variants)
                      for variant in candidates(capability, q, k, v, causal=case.causal, **variants)]
         elif case.op == "varlen":

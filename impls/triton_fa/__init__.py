@@ -356,25 +356,28 @@ def paged_launch(inputs, scale: float, config: dict):
     split_meta = {"PAGE_SIZE": inputs.page_size, "HEAD_DIM": head_dim, "DOT_FP32": interp or q.dtype == torch.float32,
                   **tile_rows, **{name: value for name, value in config.items() if name not in DECODE_PLANS[0]}}
 
-    def split_args(num_splits: int, split_len: int) -> tuple:
-        parts = (batch * hkv, num_splits, block_m) if num_splits > 1 else (1, 1, 1)  # unused without a split
+    def partials(num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each chunk's normalised output and log-sum-exp, for the combine (unused without a split)."""
+        parts = (batch * hkv, num_splits, block_m) if num_splits > 1 else (1, 1, 1)
         o_part = torch.empty(*parts, head_dim if num_splits > 1 else 1, dtype=torch.float32, device=q.device)
-        lse_part = torch.empty(parts, dtype=torch.float32, device=q.device)
+        return o_part, torch.empty(parts, dtype=torch.float32, device=q.device)
+
+    def split_args(o_part: torch.Tensor, lse_part: torch.Tensor, split_len: int) -> tuple:
         return (q, k_cache, v_cache, inputs.block_table, inputs.cache_seqlens, o_part, lse_part, out,
                 scale * LOG2_E, *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
                 inputs.block_table.stride(0), *o_part.stride()[:3], *out.stride()[:3], hkv, split_len)
 
     programs_per_sm, fit = config.get("PLAN_PROGRAMS", PROGRAMS_PER_SM), config.get("PLAN_FIT", False)
     if fit and not interp:  # whole waves of the split kernel's resident blocks
-        programs_per_sm *= resident_blocks(paged_decode_split, split_args(2, config["BLOCK_N"]),
+        programs_per_sm *= resident_blocks(paged_decode_split, split_args(*partials(2), config["BLOCK_N"]),
                                            {**split_meta, "SPLIT": True})
     num_splits, split_len = split_plan(list(inputs.seqlens), hkv, config["BLOCK_N"], sm_count,
                                        min_tiles=1 if interp else None, programs_per_sm=programs_per_sm, fit=fit)
     split = num_splits > 1
-    args = split_args(num_splits, split_len)
-    launches = [(paged_decode_split, (num_splits, batch * hkv), args, {**split_meta, "SPLIT": split})]
+    o_part, lse_part = partials(num_splits)
+    launches = [(paged_decode_split, (num_splits, batch * hkv), split_args(o_part, lse_part, split_len),
+                 {**split_meta, "SPLIT": split})]
     if split:
-        o_part, lse_part = args[5], args[6]
         tile_d, chunks = combine_plan(num_splits, head_dim)
         combine_args = (o_part, lse_part, inputs.cache_seqlens, out, *o_part.stride()[:3], *out.stride()[:3], hkv,
                         num_splits, split_len)
