@@ -107,15 +107,16 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit, log to $out/NAME.log
   echo "-- $name: exit $? after $(( $(date +%s) - start )) s"
   tail -4 "$out/$name.log"
 }
-probe_cases() {  # probe_cases NAME "CASE ..." ARGS...: scripts/tuner_probe.py ARGS on each case, a step each
-  # (NAME-1, NAME-2, ...), then the failed checks and each case's picks
-  local name=$1 cases=$2 n=0 c; shift 2
+probe_cases() {  # probe_cases NAME "CASE ..." PATTERN COMMAND...: COMMAND --case CASE on each case, a step each
+  # (NAME-1, NAME-2, ...), then the lines of their logs that match PATTERN (grep -E)
+  local name=$1 cases=$2 pattern=$3 n=0 c; shift 3
   for c in $cases; do
     n=$((n + 1))
-    step "$name-$n" 300 python3 scripts/tuner_probe.py "$@" --case "$c"
+    step "$name-$n" 300 "$@" --case "$c"
   done
-  cat "$out/$name"-*.log | grep -E '"check": false|picks'
+  cat "$out/$name"-*.log | grep -E "$pattern"
 }
+tuner_picks='"check": false|picks'  # tuner_probe.py's failed checks and each case's picks
 memcheck_candidates() {  # memcheck_candidates GLOB SECONDS [SELECT]: the cuTile candidates whose label matches GLOB
   # on the edge cases of tests/test_gpu_candidates.py (pytest -k SELECT) under compute-sanitizer memcheck
   FMHA_CANDIDATES=$1 step memcheck "$2" compute-sanitizer --tool memcheck --error-exitcode 9 \
@@ -313,7 +314,7 @@ for part in "$@"; do
         deepseek-v3-mla-tp8-bf16-causal-h16:16-s4096x4096-d192-dv128-b4"}
       extra=()  # PEELED_GLOBS: more candidate labels to time, each with its peeled twin (e.g. '128x64:*8}*')
       for glob in ${PEELED_GLOBS:-}; do extra+=(--match "$glob" --peeled-of "$glob"); done
-      probe_cases peeled "$local_cases" --methods graph settled --repeats 1 \
+      probe_cases peeled "$local_cases" "$tuner_picks" python3 scripts/tuner_probe.py --methods graph settled --repeats 1 \
         --match '128x128:*8}:L*:g-auto' --match '*persistent*' --match '64x128:*2}:L2,4:g-auto' \
         --paired-of '128x128:*8}:*:g-auto' --peeled-of '128x128*' --peeled-of '64x128*' "${extra[@]}"
       ;;
@@ -324,7 +325,7 @@ for part in "$@"; do
       local_cases=${NARROW_CASES:-"fp16-causal-h32:32-s4096x4096-d128-b4 fp16-causal-h32:32-s16384x16384-d128-b4
         llama3-8b-bf16-causal-h32:8-s4096x4096-d128-b4 llama3-8b-bf16-causal-h32:8-s32768x32768-d128
         gpt2-bf16-causal-h12:12-s32768x32768-d64"}
-      probe_cases narrow "$local_cases" --methods settled --repeats 1 --check \
+      probe_cases narrow "$local_cases" "$tuner_picks" python3 scripts/tuner_probe.py --methods settled --repeats 1 --check \
         --match '128x256*persistent*' --match '128x128*persistent:paired:peeled*' --match '256x64*'
       ;;
     narrow-check)
@@ -352,16 +353,12 @@ for part in "$@"; do
       done
       ;;
     plans)
-      n=0
-      for c in ${PLANS_CASES:-$(printf 'llama3-70b-tp8-paged-bf16-h8:1-q1-%s ' kv32768-uniform-p16-d128-b64 \
+      local_cases=${PLANS_CASES:-$(printf 'llama3-70b-tp8-paged-bf16-h8:1-q1-%s ' kv32768-uniform-p16-d128-b64 \
           kv32768-uniform-p16-d128-b16 kv8192-uniform-p16-d128-b256 kv8192-uniform-p64-d128-b64 \
           kv512-uniform-p16-d128-b64; printf 'llama3-8b-paged-bf16-h32:8-q1-%s ' kv8192-uniform-p16-d128-b64 \
-          kv8192-uniform-p16-d128-b256 kv32768-uniform-p16-d128)}; do
-        n=$((n + 1))
-        step "plans-$n" 300 python3 scripts/serving_probe.py --skip-varlen --no-cutile --triton "${PLANS_MODE:-plans}" \
-          --peer flashinfer --peer triton --case "$c"
-      done
-      grep -h '"case"' "$out"/plans-*.log | grep -v inputs_s
+          kv8192-uniform-p16-d128-b256 kv32768-uniform-p16-d128)}
+      probe_cases plans "$local_cases" '"case".*"variant"' python3 scripts/serving_probe.py --skip-varlen --no-cutile \
+        --triton "${PLANS_MODE:-plans}" --peer flashinfer --peer triton
       ;;
     mla)
       step mla-sweep 240 python3 scripts/sweep.py --d 192 --dv 128 --seqlens 4096 16384 --causal causal \
