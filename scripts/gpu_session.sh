@@ -53,6 +53,10 @@
 #   narrow:   the persistent 128x256 with the diagonal peeled at 128 keys beside its loop form (NARROW_CASES: case
 #             ids), settled time, outputs checked first; narrow-check: those candidates' edge cases, also under
 #             memcheck
+#   extras:   candidates outside the space (tuner_probe.py --add, outputs checked first) beside the space's usual picks,
+#             settled time, in groups (EXTRAS: default "full-wide d256 d64 mla"): full-wide, the persistent 128x256
+#             on non-causal D=128; d256, Gemma-2 global's 128x32, 128x128 and 16-warp 128x64; d64, the 128x128 with
+#             the causal diagonal peeled at D=64; mla, the 8-warp 128x64 peeled
 #   window:   the windowed cuTile candidates on the edge cases, then settled times on Mistral / Gemma-2 local 1 x 32K
 #   tuner-ab: the causal cases of TUNER_GRIDS (default "models blog"), cutile only, tuned from cold by each dense
 #             tuner of TUNERS (default "exhaustive settled", FMHA_TUNER) into a cache of its own (/tmp/fmha/tuning-T),
@@ -327,6 +331,33 @@ for part in "$@"; do
         gpt2-bf16-causal-h12:12-s32768x32768-d64"}
       probe_cases narrow "$local_cases" "$tuner_picks" python3 scripts/tuner_probe.py --methods settled --repeats 1 --check \
         --match '128x256*persistent*' --match '128x128*persistent:paired:peeled*' --match '256x64*'
+      ;;
+    extras)
+      probe() {  # probe GROUP "CASE ..." ARGS...: tuner_probe.py's settled time of the matched and added candidates
+        local group=$1 cases=$2; shift 2
+        probe_cases "extras-$group" "$cases" "$tuner_picks" python3 scripts/tuner_probe.py --methods settled \
+          --repeats 1 "$@"
+      }
+      for group in ${EXTRAS:-full-wide d256 d64 mla}; do
+        case "$group" in
+          full-wide) probe "$group" "fp16-full-h16:16-s2048x2048-d128-b8 fp16-full-h16:16-s4096x4096-d128-b4
+              fp16-full-h16:16-s16384x16384-d128" --match '*persistent*' \
+              --add tile_n=256,persistent=1,k_latency=3,v_latency=6 --add tile_n=256,persistent=1,k_latency=2,v_latency=4 \
+              --add tile_n=256,persistent=1,k_latency=4,v_latency=4 ;;
+          d256) probe "$group" "gemma2-9b-global-bf16-causal-h16:8-s32768x32768-d256-cap50
+              gemma2-9b-global-bf16-causal-h16:8-s4096x4096-d256-cap50-b4" --add tile_n=32 \
+              --add tile_n=32,k_latency=3,v_latency=6 --add tile_n=128 --add tile_n=64,num_worker_warps=16 ;;
+          d64) probe "$group" "gpt2-bf16-causal-h12:12-s32768x32768-d64 fp16-causal-h32:32-s4096x4096-d64-b4
+              fp16-causal-h32:32-s16384x16384-d64" --match '256x64*' --match '*persistent*' \
+              --add peel_diagonal=1 --add peel_diagonal=1,k_latency=3,v_latency=6 \
+              --add persistent=1,paired=1,peel_diagonal=1,k_latency=3,v_latency=6 ;;
+          mla) probe "$group" "deepseek-v3-mla-tp8-bf16-causal-h16:16-s4096x4096-d192-dv128-b4
+              deepseek-v3-mla-tp8-bf16-causal-h16:16-s32768x32768-d192-dv128" --match '128x128*' \
+              --add tile_n=64 --add tile_n=64,peel_diagonal=1 --add tile_n=64,peel_diagonal=1,k_latency=3,v_latency=6 \
+              --add tile_n=64,persistent=1,paired=1,peel_diagonal=1,k_latency=3,v_latency=6 ;;
+          *) echo "extras: no group $group" ;;
+        esac
+      done
       ;;
     narrow-check)
       FMHA_CANDIDATES='*128x256*peeled*' step narrow-edges 240 python3 -m pytest tests/test_gpu_candidates.py \

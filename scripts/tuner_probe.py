@@ -23,7 +23,9 @@ launches (kernel PHASE: the masked tiles, then the mask-free ones in a persisten
 candidate's output against the float64 oracle before timing (``--check`` does that alone); ``--wide-paired`` adds
 the persistent 128x256 with a paired share where the space lacks it; ``--peeled-of GLOB`` adds the matching
 candidates (paired ones too) again with the causal diagonal peeled out of the loop (``Variant.peel_diagonal``),
-where the case's lengths allow it, outputs checked first.
+where the case's lengths allow it, outputs checked first; ``--add FIELD=VALUE,...`` adds a candidate outside the
+space, the Hopper two-warpgroup block (``HOPPER_WIDE``) with those fields of ``Variant`` changed (e.g.
+``tile_n=256,persistent=1,k_latency=3,v_latency=6``; outputs checked first), where the case's shape allows it.
 """
 
 from __future__ import annotations
@@ -45,9 +47,22 @@ from suite.metrics import flops
 METHODS = ("tune", "graph", "do_bench", "settled")
 
 
+def added(spec: str):
+    """The candidate ``--add`` names: HOPPER_WIDE with the fields of ``spec`` (``FIELD=VALUE,...``) changed, each
+    value read as its field's type (an int; a bool as 0 / 1)."""
+    from impls.cutile import HOPPER_WIDE
+
+    fields = {}
+    for item in spec.split(","):
+        name, _, value = item.partition("=")
+        current = getattr(HOPPER_WIDE, name)  # an unknown field name raises here
+        fields[name] = bool(int(value)) if isinstance(current, bool) else int(value)
+    return replace(HOPPER_WIDE, **fields)
+
+
 def probe(case_id: str, repeats: int, wide_persistent: bool, head_groups: list[int], match: list[str],
           methods: list[str], paired_of: list[str], two_launch_of: list[str], wide_paired: bool = False,
-          check: bool = False, peeled_of: list[str] | None = None) -> None:
+          check: bool = False, peeled_of: list[str] | None = None, add: list[str] | None = None) -> None:
     from impls.cutile import HOPPER_STREAMING, Call, exhaustive_timings, kernel_window, precompile, search_space
 
     case = case_by_id(case_id)
@@ -73,12 +88,15 @@ def probe(case_id: str, repeats: int, wide_persistent: bool, head_groups: list[i
               and not var.peel_refusal(causal=True, q_len=case.sq, kv_len=case.skv, window=window)]
     space += [replace(var, persistent=True, paired=paired, two_launch=True) for var in splittable
               for paired in (False, True)]
+    extras = [added(spec) for spec in add or []]  # those the case's shape allows (a peel needs whole tiles)
+    space += [var for var in extras if not (var.peel_diagonal and var.peel_refusal(
+        causal=case.causal, q_len=case.sq, kv_len=case.skv, window=window)) and var not in space]
     # the paired order takes no head group: only the others again with one
     space += [replace(var, head_group=group) for var in space for group in head_groups
               if case.causal and not var.paired]
     calls = precompile([Call(var, q, k, v, out=out, causal=case.causal, scale=case.d ** -0.5, **case.variants)
                         for var in space])
-    if two_launch_of or peeled_of or check:  # forms outside the tuner's space: outputs against float64 first
+    if two_launch_of or peeled_of or add or check:  # forms outside the tuner's space: outputs against float64 first
         oracle = Oracle.dense(q, k, v, causal=case.causal, scale=case.d ** -0.5, **case.variants)
         passed = []
         for call in calls:
@@ -145,11 +163,15 @@ def main() -> None:
                         help="causal: candidates with a label like this (the paired ones too) again with the "
                              "diagonal's masked tiles peeled out of the loop (Variant.peel_diagonal; outputs checked "
                              "first)")
+    parser.add_argument("--add", action="append", default=[], metavar="FIELD=VALUE,...",
+                        help="a candidate outside the space: HOPPER_WIDE with these Variant fields changed "
+                             "(repeatable; outputs checked first)")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     args = parser.parse_args()
     for case_id in args.case:
         probe(case_id, args.repeats, args.wide_persistent, args.head_groups, args.match, args.methods, args.paired_of,
-              args.two_launch_of, wide_paired=args.wide_paired, check=args.check, peeled_of=args.peeled_of)
+              args.two_launch_of, wide_paired=args.wide_paired, check=args.check, peeled_of=args.peeled_of,
+              add=args.add)
 
 
 if __name__ == "__main__":
