@@ -347,6 +347,10 @@ for part in "$@"; do
           d256) probe "$group" "gemma2-9b-global-bf16-causal-h16:8-s32768x32768-d256-cap50
               gemma2-9b-global-bf16-causal-h16:8-s4096x4096-d256-cap50-b4" --add tile_n=32 \
               --add tile_n=32,k_latency=3,v_latency=6 --add tile_n=128 --add tile_n=64,num_worker_warps=16 ;;
+          d256-wide) probe "$group" "gemma2-9b-global-bf16-causal-h16:8-s32768x32768-d256-cap50
+              gemma2-9b-local-bf16-causal-h16:8-s32768x32768-d256-w4096:0-cap50
+              gemma2-9b-local-bf16-causal-h16:8-s4096x4096-d256-w4096:0-cap50-b4" --match '128x64*' --add tile_n=128 \
+              --add tile_n=128,k_latency=3,v_latency=6 --add tile_n=128,persistent=1,k_latency=3,v_latency=6 ;;
           d64) probe "$group" "gpt2-bf16-causal-h12:12-s32768x32768-d64 fp16-causal-h32:32-s4096x4096-d64-b4
               fp16-causal-h32:32-s16384x16384-d64" --match '256x64*' --match '*persistent*' \
               --add peel_diagonal=1 --add peel_diagonal=1,k_latency=3,v_latency=6 \

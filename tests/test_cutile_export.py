@@ -563,3 +563,15 @@ def test_every_candidate_of_every_gpu_preset_case_makes_its_launches(monkeypatch
         assert calls and all(call.launches for call in calls), case.id
         built += len(calls)
     assert built > len(cases)
+
+
+def test_sm90_wide_block_joins_the_head_dim_256_space_with_its_deep_pipeline():
+    # Session 27: the 128x128 block of 8 warps joined the D=256 space (H200, Gemma-2: 3-4% ahead of the 128x64
+    # block). Its 256-wide accumulator leaves the compiler few registers: none spilled without softcap on whole key
+    # tiles, a few words with softcap (24 B), and the deep K/V pipeline either way.
+    for causal in (True, False):
+        assert HOPPER_WIDE in search_space((9, 0), 256, causal=causal)
+    for softcap, most in ((0.0, 0), (50.0, 24)):
+        usage = sass(export_cubin(HOPPER_WIDE, arch="sm_90", dtype=torch.bfloat16, head_dim=256, causal=True,
+                                  softcap=softcap))
+        assert usage["stack"] <= most and usage["shared"] > 190_000 and usage["hgmma"] > 0, (softcap, usage)

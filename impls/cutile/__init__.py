@@ -351,6 +351,15 @@ def hopper_space(head_dim: int, causal: bool, value_dim: int | None = None, wind
 
     Head dims: up to 64 a score tile twice as wide fits beside the small accumulator; a 256-wide accumulator
     (V's head dims 136-256) takes half the rows per warpgroup (checked for spills with scripts/cutile_sass.py).
+    Session 27: the 128x128 block of 8 warps at D=256 too, though its 256-wide accumulator leaves the compiler
+    few registers (sm_90, bf16, L2,4: 198 KB of pipeline; no stack without softcap and whole key tiles, 24 B with
+    Gemma-2's softcap, 8 B with its window too, 96-136 B with a ragged last key tile; none at D=136-192). H200,
+    settled TFLOPS (``gpu_session.sh extras``, outputs checked first), 128x128 L2,4 / L3,6 against the best 128x64:
+    Gemma-2 global (cap 50) 1 x 32K 588-595 / 574 against 567-573 (FlashInfer 615 in session 25), 4 x 4K 519 against
+    500; Gemma-2 local (window 4096, cap 50) 1 x 32K 552 / 527 against 529, 4 x 4K 520 / 507 against 503. Kept at
+    L2,4 beside the 128x64 candidates; measured and not kept at D=256: 128x32 (470-473 and 412-420), 128x64 of 16
+    warps (351, 307), the persistent 128x128 L3,6 with a window (542, 516), and the 128x128 peeled (sm_90: 254
+    registers, 132 KB, 104 B of stack with softcap). Non-causal D=256 was not measured: the tuner times it there.
     The accumulator is V's width: MLA's prefill (Q/K 192 as 128 + 64, V 128) runs the 128-wide space, less the
     two candidates that spill there (sm_90 SASS): 128x64 with occupancy 2 (72-96 B of stack where the keys fill
     whole tiles) and the causal 128x256 (64 B); the others keep 128-168 registers and no stack. Session 23 (H200,
@@ -402,9 +411,9 @@ def hopper_space(head_dim: int, causal: bool, value_dim: int | None = None, wind
     even_items = causal and window  # causal work items that (almost) all cost the same
     if accumulator > 128:  # causal, no window: a persistent paired 128x64 lost (session 25, H200, Gemma-2 global
         # D=256 cap 50, settled TFLOPS: 1 x 32K 564 / 553 at L2,4 / L3,6 against 572 / 564 one block a tile; 4 x 4K
-        # 511 / 498 against 497 / 510)
+        # 511 / 498 against 497 / 510). The 128x128 block (``wide``) leads there (session 27, below).
         tall = replace(wide, tile_n=64, persistent=not causal, k_latency=3, v_latency=6)
-        return [Variant(64, 64, occupancy=1, head_group=None), replace(wide, tile_n=64), tall,
+        return [Variant(64, 64, occupancy=1, head_group=None), replace(wide, tile_n=64), tall, wide,
                 *([replace(tall, persistent=True)] if even_items else [])]
     space = [Variant(64, 64, occupancy=2, head_group=None), Variant(128, 64, occupancy=2, head_group=None),
              Variant(64, 128, occupancy=2, head_group=None), wide, replace(wide, k_latency=3, v_latency=6),
