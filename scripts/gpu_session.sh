@@ -221,12 +221,13 @@ for part in "$@"; do
       ;;
     models)
       # --isolate: one process per implementation (a device fault costs only its own cases); the children's
-      # files under $out (TMPDIR) come back even if the step limit stops the parent before it merges them
+      # files under $out (FMHA_ISOLATE_DIR; not TMPDIR, where FlashInfer's JIT leaves nvcc's temporary files, too many
+      # to come back) come back even if the step limit stops the parent before it merges them
       mkdir -p "$out/isolate"
       read -ra names <<< "${MODELS_IMPLS:-cutile triton flex sdpa* flash-attn4 flashinfer}"
       impls=(); for name in "${names[@]}"; do impls+=(--impl "$name"); done
       read -ra extra <<< "${MODELS_ARGS:-}"  # e.g. "--settle-max-ms 1500"
-      TMPDIR=$out/isolate step models 570 python3 -m pytest suite "${bench[@]}" --grid models --timing graph \
+      FMHA_ISOLATE_DIR=$out/isolate step models 570 python3 -m pytest suite "${bench[@]}" --grid models --timing graph \
         --energy-ms "${ENERGY_MS:-1000}" "${impls[@]}" "${extra[@]}" --isolate \
         --benchmark-json="$out/models.json"
       ;;

@@ -181,4 +181,10 @@ def merge(results: list[ChildResult], fmha: dict[str, Any]) -> dict[str, Any]:
 
 
 def workdir() -> Path:
-    return Path(tempfile.mkdtemp(prefix="fmha-isolate-"))
+    """A fresh folder for the children's results: under FMHA_ISOLATE_DIR where set (a device call's $OUT, so that
+    they come back even if the parent is stopped before it merges them), else the system's temporary folder.
+    Not TMPDIR: a JIT's compiler (FlashInfer's nvcc) writes its own temporary files there."""
+    parent = os.environ.get("FMHA_ISOLATE_DIR")
+    if parent:
+        Path(parent).mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix="fmha-isolate-", dir=parent or None))

@@ -126,9 +126,18 @@ def pytest_configure(config: pytest.Config) -> None:
     if device.type == "cuda" and config.getoption("benchmark_timer", None) == "time.perf_counter":
         config.option.benchmark_timer = "suite.timing.cuda_clock"
     wants_file = config.getoption("--report") or config.getoption("--isolate")
-    if wants_file and not config.getoption("benchmark_json", None):
+    if wants_file and not benchmark_json(config):
         Path("results").mkdir(exist_ok=True)
         config.option.benchmark_json = Path("results") / "benchmark.json"
+
+
+def benchmark_json(config: pytest.Config) -> Path | None:
+    """Where ``--benchmark-json`` writes, or None. pytest-benchmark 5.3 keeps the option as a path; older ones (5.2.3,
+    the GPU image's own) as the file they opened for it, whose name is the path."""
+    value = config.getoption("benchmark_json", None)
+    if hasattr(value, "write"):  # an open file (a Path has a ``name`` too: the file name alone)
+        value = value.name
+    return Path(value) if value else None
 
 
 def grids_for(config: pytest.Config, phase: str) -> list[str]:
@@ -460,7 +469,7 @@ def pytest_runtestloop(session: pytest.Session) -> bool | None:
 
     results = isolation.run_isolated(config, session.items, isolation.workdir())
     merged = isolation.merge(results, fmha_record(config))
-    path = Path(config.getoption("benchmark_json"))
+    path = benchmark_json(config)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(merged, indent=1, default=str))
     counts: dict[str, int] = defaultdict(int)
@@ -475,7 +484,7 @@ def pytest_runtestloop(session: pytest.Session) -> bool | None:
 def checkpoint(config: pytest.Config) -> None:
     """Rewrite the results JSON after every test, atomically: a run killed part-way leaves a valid file
     with everything that finished (pytest-benchmark writes the same file once more at the end)."""
-    path = config.getoption("benchmark_json", None)
+    path = benchmark_json(config)
     bench_session = getattr(config, "_benchmarksession", None)  # pytest-benchmark keeps its results there
     if not path or bench_session is None:
         return
@@ -488,7 +497,7 @@ def checkpoint(config: pytest.Config) -> None:
         config=config, benchmarks=benchmarks, include_data=False,
         machine_info=state.machine_info, commit_info=state.commit_info)
     config.hook.pytest_benchmark_update_json(config=config, benchmarks=benchmarks, output_json=output)
-    path = worker_results_path(Path(path))
+    path = worker_results_path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
     partial.write_text(json.dumps(output, indent=1, default=str))
@@ -551,15 +560,15 @@ def merge_worker_results(config: pytest.Config, path: Path) -> None:
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     # pytest-benchmark writes its JSON in a wrapper around this hook, so the file exists here.
     report = session.config.getoption("--report")
-    results = session.config.getoption("benchmark_json", None)
+    results = benchmark_json(session.config)
     if results and not os.environ.get("PYTEST_XDIST_WORKER"):
-        merge_worker_results(session.config, Path(results))
+        merge_worker_results(session.config, results)
     if not report:
         return
-    if not results or not Path(results).exists():
+    if not results or not results.exists():
         session.config.get_terminal_writer().line(f"fmha-bench: no benchmark results, {report} not written")
         return
     from reports.build import write_report
 
-    write_report([Path(results)], Path(report), baseline=session.config.getoption("--baseline"))
+    write_report([results], Path(report), baseline=session.config.getoption("--baseline"))
     session.config.get_terminal_writer().line(f"fmha-bench: report written to {report}")
