@@ -238,7 +238,7 @@ for part in "$@"; do
         --impl cutile --impl triton --impl flex --impl sdpa-cudnn --durations=8
       ;;
     fi-models)
-      step fi-models 420 python3 -m pytest suite -k correctness -q -p no:cacheprovider -rf --impl flashinfer \
+      step fi-models 560 python3 -m pytest suite -k correctness -q -p no:cacheprovider -rf --impl flashinfer \
         --grid models --durations=8
       ;;
     gqa)
