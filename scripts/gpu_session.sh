@@ -54,9 +54,10 @@
 #             ids), settled time, outputs checked first; narrow-check: those candidates' edge cases, also under
 #             memcheck
 #   extras:   candidates outside the space (tuner_probe.py --add, outputs checked first) beside the space's usual picks,
-#             settled time, in groups (EXTRAS: default "full-wide d256 d64 mla"): full-wide, the persistent 128x256
-#             on non-causal D=128; d256, Gemma-2 global's 128x32, 128x128 and 16-warp 128x64; d64, the 128x128 with
-#             the causal diagonal peeled at D=64; mla, the 8-warp 128x64 peeled
+#             settled time, in groups (EXTRAS: default "full-wide d256 d256-wide d64 mla"): full-wide, the
+#             persistent 128x256 on non-causal D=128; d256, Gemma-2 global's 128x32, 128x128 and 16-warp 128x64;
+#             d256-wide, the 128x128 forms on Gemma-2 local and global; d64, the 128x128 with the causal diagonal
+#             peeled at D=64; mla, the 8-warp 128x64 peeled (session 27: only the 128x128 at D=256 won)
 #   window:   the windowed cuTile candidates on the edge cases, then settled times on Mistral / Gemma-2 local 1 x 32K
 #   tuner-ab: the causal cases of TUNER_GRIDS (default "models blog"), cutile only, tuned from cold by each dense
 #             tuner of TUNERS (default "exhaustive settled", FMHA_TUNER) into a cache of its own (/tmp/fmha/tuning-T),
@@ -339,7 +340,7 @@ for part in "$@"; do
         probe_cases "extras-$group" "$cases" "$tuner_picks" python3 scripts/tuner_probe.py --methods settled \
           --repeats 1 "$@"
       }
-      for group in ${EXTRAS:-full-wide d256 d64 mla}; do
+      for group in ${EXTRAS:-full-wide d256 d256-wide d64 mla}; do
         case "$group" in
           full-wide) probe "$group" "fp16-full-h16:16-s2048x2048-d128-b8 fp16-full-h16:16-s4096x4096-d128-b4
               fp16-full-h16:16-s16384x16384-d128" --match '*persistent*' \
