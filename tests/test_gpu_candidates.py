@@ -33,6 +33,7 @@ CASES = [
     Case(2, 4, 2, 300, 300, 96, "bf16", True),  # head dims padded to the next power of two
     Case(1, 4, 1, 200, 330, 40, "fp16", True),
     Case(1, 4, 2, 250, 250, 256, "bf16", True),
+    Case(1, 4, 2, 300, 300, 256, "bf16", True, window=(100, 0), softcap=50.0),  # Gemma 2's local layers, ragged
     Case(1, 2, 2, 129, 129, 192, "fp16", False),
     # Model variants: key tiles before a window's far edge are masked or skipped, softcap before the mask.
     Case(2, 8, 2, 700, 700, 128, "bf16", True, window=(128, 0), softcap=30.0),  # Gemma 2's local layers
