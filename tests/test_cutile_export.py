@@ -437,7 +437,7 @@ def test_varlen_launches_compile():
     inputs = serving_inputs("varlen-cpu", 0)
     space = varlen_space((9, 0), inputs.head_dim, inputs.causal)
     assert not any(v.two_launch or v.dynamic or v.paired or v.peel_diagonal for v in space)
-    for head_dim in (64, 128):  # every candidate makes its launch (D=128 causal: the dense space peels)
+    for head_dim in (64, 128, 256):  # every candidate makes its launch (D=128 causal: the dense space peels)
         cu = torch.tensor([0, 300, 1324], dtype=torch.int32)
         q = torch.empty((1324, 4, head_dim), dtype=torch.bfloat16)
         packed = Varlen(q, q[:, :2], q[:, :2], cu, cu, causal=True)
