@@ -21,7 +21,8 @@
 #   prefill-prime: (carry call 1) their checks for cutile, triton and sdpa-cudnn: tuning and compile caches filled
 #             (session 22, a tuning bucket per power of two: about 450 s from cold)
 #   models:   the models preset, every implementation that runs it (or MODELS_IMPLS, names with spaces between;
-#             MODELS_ARGS: more suite options),
+#             MODELS_ARGS: more suite options; MODELS_NAME: the JSON's and log's name, default models; MODELS_LIMIT:
+#             its seconds, default 570),
 #             graph timing and energy per call (ENERGY_MS, default 1000 ms of calls after each benchmark; 0: none) (in the flash-attn-4 carry's
 #             last call; fi-models, FlashInfer's checks of the preset, in its second, fills FlashInfer's JIT cache)
 #   models-prime: cuTile's candidates on the softcap edge cases; the models preset's checks of ours, flex and
@@ -228,9 +229,10 @@ for part in "$@"; do
       read -ra names <<< "${MODELS_IMPLS:-cutile triton flex sdpa* flash-attn4 flashinfer}"
       impls=(); for name in "${names[@]}"; do impls+=(--impl "$name"); done
       read -ra extra <<< "${MODELS_ARGS:-}"  # e.g. "--settle-max-ms 1500"
-      FMHA_ISOLATE_DIR=$out/isolate step models 570 python3 -m pytest suite "${bench[@]}" --grid models --timing graph \
-        --energy-ms "${ENERGY_MS:-1000}" "${impls[@]}" "${extra[@]}" --isolate \
-        --benchmark-json="$out/models.json"
+      name=${MODELS_NAME:-models}  # a second run of the part in one call writes beside the first
+      FMHA_ISOLATE_DIR=$out/isolate step "$name" "${MODELS_LIMIT:-570}" python3 -m pytest suite "${bench[@]}" --grid models \
+        --timing graph --energy-ms "${ENERGY_MS:-1000}" "${impls[@]}" "${extra[@]}" --isolate \
+        --benchmark-json="$out/$name.json"
       ;;
     models-prime)
       step softcap-candidates 200 python3 -m pytest tests/test_gpu_candidates.py -k "cutile and cap" -q \
