@@ -16,6 +16,8 @@ of the CPU preset would cost more than the preset itself.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -25,11 +27,27 @@ from impls._validate import NO_WINDOW
 requires = module_available("torch.nn.attention.flex_attention", "PyTorch 2.5 or newer")
 
 
+# Dynamo keeps one compiled graph per input shape (and per mask closure) of a function and, past its recompile
+# limit (8), quietly runs the function eagerly from then on: for flex, scores materialised, 4-12 TFLOPS where its
+# kernel makes 400. A run compiles flex once per case, so the 9th to 18th cases of the `models` preset ran eagerly
+# until session 28. The limits go up to one graph per case of any run, and reaching them raises instead.
+RECOMPILES = {"recompile_limit": 4096, "accumulated_recompile_limit": 4096, "fail_on_recompile_limit_hit": True}
+
+
+def compile_per_case(fn: Callable, **options: Any) -> Callable:
+    """``torch.compile(fn, dynamic=False)`` that compiles for every new case instead of falling back to eager."""
+    config = torch._dynamo.config
+    for name, value in RECOMPILES.items():
+        if hasattr(config, name):  # the names of PyTorch 2.7 and newer
+            setattr(config, name, max(getattr(config, name), value))
+    return torch.compile(fn, dynamic=False, **options)
+
+
 @functools.cache
-def flex_function(device_type: str):
+def flex_function(device_type: str) -> Callable:
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False) if device_type == "cuda" else flex_attention
+    return compile_per_case(flex_attention) if device_type == "cuda" else flex_attention
 
 
 def _prepared(q, k, v, mask_mod, *, scale: float, score_mod=None) -> Prepared:

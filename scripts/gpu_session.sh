@@ -38,7 +38,8 @@
 #             each in turn, on one machine: head dims TC_DIMS (default 128 64), the tuner's usual picks and the
 #             16-warp candidates (at D=96 too: sweep.py's extras) beside cuDNN
 #   Any part with tileiras 13.5: carry .gpu135 where a chain carries .gpu, and source scripts/tileiras135_env.sh
-#   after .gpu-env/env.sh in every call of the chain.
+#   after .gpu-env/env.sh in every call of the chain (and scripts/flashinfer_env.sh after it in every call that
+#   runs FlashInfer: its JIT's flags name CUDA_HOME, which tileiras135_env.sh sets).
 #   tuner:    scripts/tuner_probe.py: every cuTile candidate of the tuner's space (and the persistent 128x256) timed
 #             by exhaustive_search, graph and do_bench, on causal blog and models cases: does the tuner pick what the
 #             suite then measures fastest?
