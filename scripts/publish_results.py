@@ -1,8 +1,9 @@
 """Copy a suite results JSON into ``docs/results/`` compactly: the same pytest-benchmark file, without the
 ``params`` reprs (each benchmark's ``extra_info`` holds the same facts), gzipped when the name ends in ``.gz``
-(``python -m reports`` reads either).
+(``python -m reports`` reads either). Several sources, the JSONs of one run's parts, become one file.
 
     python scripts/publish_results.py results/serving.json docs/results/serving-h200.json.gz
+    python scripts/publish_results.py results/models.json results/models-rest.json docs/results/models-h200.json.gz
 """
 
 from __future__ import annotations
@@ -12,9 +13,16 @@ import json
 import sys
 from pathlib import Path
 
+from suite.isolation import merge_files
 
-def main(src: str, dst: str) -> None:
-    data = json.loads(Path(src).read_text())
+
+def main(*paths: str) -> None:
+    *sources, dst = paths
+    data = json.loads(Path(sources[0]).read_text())
+    if len(sources) > 1:
+        first = data.get("fmha", {})
+        fmha = {**first, "outcomes": [], **{key: {} for key in ("cases", "impls", "unavailable", "presets")}}
+        data = merge_files([Path(source) for source in sources], fmha)
     for bench in data.get("benchmarks", []):
         bench.pop("params", None)
     Path(dst).parent.mkdir(parents=True, exist_ok=True)
@@ -24,4 +32,4 @@ def main(src: str, dst: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:])

@@ -158,25 +158,30 @@ def _outcome(impl: str, nodeid: str, message: str) -> dict[str, Any]:
 
 def merge(results: list[ChildResult], fmha: dict[str, Any]) -> dict[str, Any]:
     """One pytest-benchmark JSON from the children's: benchmarks concatenated, the fmha blocks united."""
-    merged: dict[str, Any] = {"benchmarks": [], "fmha": fmha}
+    merged = merge_files([path for result in results for path in result.json_files], fmha)
     for result in results:
-        for path in result.json_files:
-            if not path.exists():
-                continue
-            data = json.loads(path.read_text())
-            merged.setdefault("machine_info", data.get("machine_info"))
-            merged.setdefault("commit_info", data.get("commit_info"))
-            merged.setdefault("datetime", data.get("datetime"))
-            merged.setdefault("version", data.get("version"))
-            merged["benchmarks"] += data.get("benchmarks", [])
-            child = data.get("fmha", {})
-            fmha["outcomes"] += child.get("outcomes", [])
-            for key in ("cases", "impls", "unavailable"):
-                fmha[key].update(child.get(key, {}))
-            for preset, ids in child.get("presets", {}).items():
-                known = fmha["presets"].setdefault(preset, [])
-                known += [i for i in ids if i not in known]
         fmha["outcomes"] += result.outcomes
+    return merged
+
+
+def merge_files(paths: list[Path], fmha: dict[str, Any]) -> dict[str, Any]:
+    """The suite's JSON files as one (those that exist): benchmarks concatenated, their fmha blocks united into
+    ``fmha``. The first file's machine, commit and date stand for all."""
+    merged: dict[str, Any] = {"benchmarks": [], "fmha": fmha}
+    for path in paths:
+        if not path.exists():
+            continue
+        data = json.loads(path.read_text())
+        for key in ("machine_info", "commit_info", "datetime", "version"):
+            merged.setdefault(key, data.get(key))
+        merged["benchmarks"] += data.get("benchmarks", [])
+        child = data.get("fmha", {})
+        fmha["outcomes"] += child.get("outcomes", [])
+        for key in ("cases", "impls", "unavailable"):
+            fmha[key].update(child.get(key, {}))
+        for preset, ids in child.get("presets", {}).items():
+            known = fmha["presets"].setdefault(preset, [])
+            known += [i for i in ids if i not in known]
     return merged
 
 

@@ -1,5 +1,6 @@
 """The report: built from real suite output, escaped, strict about its input, and clean in a browser."""
 
+import gzip
 import json
 import os
 import re
@@ -211,3 +212,27 @@ def test_matrix_keeps_properties_apart_and_marks_every_status(results, tmp_path)
     for css in ("differs", "timed-out", "out-of-memory"):
         assert f'class="{css}"' in html
     assert "asked for 8 GiB" in html
+
+
+def test_the_parts_of_one_run_are_published_as_one_file(results, tmp_path):
+    """A device call runs the contenders and the rest as two parts: publish_results.py joins their JSONs."""
+    data = json.loads(results.read_text())
+    parts = []
+    for impl in ("naive", "sdpa-math"):
+        part = json.loads(json.dumps(data))
+        part["benchmarks"] = [b for b in data["benchmarks"] if b["extra_info"]["impl"] == impl]
+        part["fmha"]["impls"] = {impl: data["fmha"]["impls"][impl]}
+        part["fmha"]["outcomes"] = [o for o in data["fmha"]["outcomes"] if o["impl"] == impl]
+        parts.append(tmp_path / f"{impl}.json")
+        parts[-1].write_text(json.dumps(part))
+    assert all(json.loads(p.read_text())["benchmarks"] for p in parts)
+    published = tmp_path / "published.json.gz"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "publish_results.py"), *map(str, parts), str(published)],
+                   cwd=ROOT, check=True, capture_output=True, env=child_env())
+    run = load_run(published)
+    merged = json.loads(gzip.decompress(published.read_bytes()))
+    assert len(merged["benchmarks"]) == len(data["benchmarks"])
+    assert sorted(merged["fmha"]["impls"]) == ["naive", "sdpa-math"]
+    assert len(merged["fmha"]["outcomes"]) == len(data["fmha"]["outcomes"])
+    assert all("params" not in b for b in merged["benchmarks"])
+    assert {"naive", "sdpa-math"} <= {m.impl for m in run.measurements}
