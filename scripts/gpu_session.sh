@@ -234,6 +234,8 @@ for part in "$@"; do
       FMHA_ISOLATE_DIR=$out/isolate step "$name" "${MODELS_LIMIT:-570}" python3 -m pytest suite "${bench[@]}" --grid models \
         --timing graph --energy-ms "${ENERGY_MS:-1000}" "${impls[@]}" "${extra[@]}" --isolate \
         --benchmark-json="$out/$name.json"
+      # at most 8 files come back from a call: the children's JSONs and logs travel as one archive
+      tar czf "$out/$name-isolate.tgz" -C "$out" isolate && rm -rf "$out/isolate"
       ;;
     models-prime)
       step softcap-candidates 200 python3 -m pytest tests/test_gpu_candidates.py -k "cutile and cap" -q \
