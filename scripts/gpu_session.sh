@@ -24,7 +24,8 @@
 #             MODELS_ARGS: more suite options; MODELS_NAME: the JSON's and log's name, default models; MODELS_LIMIT:
 #             its seconds, default 570),
 #             graph timing and energy per call (ENERGY_MS, default 1000 ms of calls after each benchmark; 0: none) (in the flash-attn-4 carry's
-#             last call; fi-models, FlashInfer's checks of the preset, in its second, fills FlashInfer's JIT cache)
+#             last call; fi-models, FlashInfer's checks of the preset, in its second, fills FlashInfer's JIT cache and
+#             brings it back as jit-cache.tar.gz)
 #   models-prime: cuTile's candidates on the softcap edge cases; the models preset's checks of ours, flex and
 #             sdpa-cudnn (compile and tuning caches filled for the models part)
 #   gqa:      blog causal 4K, fp16 and bf16, MHA and GQA 32:8: cuTile's candidates, sdpa-cudnn, flash-attn4 (sweep)
@@ -246,6 +247,9 @@ for part in "$@"; do
     fi-models)
       step fi-models 560 python3 -m pytest suite -k correctness -q -p no:cacheprovider -rf --impl flashinfer \
         --grid models --durations=8
+      # the JIT's modules, objects and ninja's logs (session 28: about 5 MB a module) come back to be carried in
+      # .gpu-fi/jit-cache.tar.gz by later chains (scripts/flashinfer_env.sh restores it): no JIT in their calls
+      tar -czf "$out/jit-cache.tar.gz" -C /tmp/fmha flashinfer && ls -l "$out/jit-cache.tar.gz"
       ;;
     gqa)
       step gqa 100 python3 scripts/sweep.py --seqlens 4096 --causal causal --dtype fp16 bf16 --hkv 32 8 \
