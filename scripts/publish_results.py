@@ -17,18 +17,17 @@ from suite.isolation import merge_files
 
 
 def main(*paths: str) -> None:
-    *sources, dst = paths
-    data = json.loads(Path(sources[0]).read_text())
-    if len(sources) > 1:
-        first = data.get("fmha", {})
-        fmha = {**first, "outcomes": [], **{key: {} for key in ("cases", "impls", "unavailable", "presets")}}
-        data = merge_files([Path(source) for source in sources], fmha)
+    *sources, dst = map(Path, paths)
+    data = json.loads(sources[0].read_text())
+    if len(sources) > 1:  # the first file's settings (schema, device, baseline) stand; its lists and tables unite
+        settings = {key: value for key, value in data.get("fmha", {}).items() if not isinstance(value, (dict, list))}
+        data = merge_files(sources, settings)
     for bench in data.get("benchmarks", []):
         bench.pop("params", None)
-    Path(dst).parent.mkdir(parents=True, exist_ok=True)
+    dst.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(data, separators=(",", ":"), default=str).encode()
-    Path(dst).write_bytes(gzip.compress(text, mtime=0) if dst.endswith(".gz") else text)
-    print(f"{dst}: {Path(dst).stat().st_size / 1024:.0f} KiB, {len(data.get('benchmarks', []))} benchmarks")
+    dst.write_bytes(gzip.compress(text, mtime=0) if dst.suffix == ".gz" else text)
+    print(f"{dst}: {dst.stat().st_size / 1024:.0f} KiB, {len(data.get('benchmarks', []))} benchmarks")
 
 
 if __name__ == "__main__":

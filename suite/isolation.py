@@ -166,8 +166,12 @@ def merge(results: list[ChildResult], fmha: dict[str, Any]) -> dict[str, Any]:
 
 def merge_files(paths: list[Path], fmha: dict[str, Any]) -> dict[str, Any]:
     """The suite's JSON files as one (those that exist): benchmarks concatenated, their fmha blocks united into
-    ``fmha``. The first file's machine, commit and date stand for all."""
+    ``fmha`` (its lists and tables made where it lacks them). The first file's machine, commit and date stand for
+    all."""
     merged: dict[str, Any] = {"benchmarks": [], "fmha": fmha}
+    fmha.setdefault("outcomes", [])
+    for key in ("cases", "impls", "unavailable", "presets"):
+        fmha.setdefault(key, {})
     for path in paths:
         if not path.exists():
             continue
