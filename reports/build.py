@@ -181,9 +181,9 @@ def _geomean(values: Iterable[float]) -> float | None:
     return math.exp(statistics.fmean(math.log(v) for v in values)) if values else None
 
 
-def figure_of_merit(run: Run, case_ids: list[str]) -> str:
+def figure_of_merit(cases: Iterable[dict[str, Any]]) -> str:
     """Decode is memory-bound: its cases rank by GB/s; everything else by TFLOPS."""
-    ops = {run.cases.get(cid, {}).get("op") or "dense" for cid in case_ids}
+    ops = {c.get("op") or "dense" for c in cases}
     return "gbps" if ops == {"paged"} else "tflops"
 
 
@@ -192,7 +192,7 @@ def leaderboard(run: Run, preset: str) -> list[dict[str, Any]]:
     decode) in the run's lead timing mode, over the cases each was measured on; and against each case's best
     in this run: on how many it is within NEAR_BEST, and its worst case."""
     case_ids = run.presets.get(preset, [])
-    metric = figure_of_merit(run, case_ids)
+    metric = figure_of_merit(run.cases.get(cid, {}) for cid in case_ids)
     per_impl: dict[str, list[float]] = defaultdict(list)
     of_best: dict[str, list[tuple[float, str]]] = defaultdict(list)
     for cid in case_ids:
@@ -259,34 +259,65 @@ def correctness_matrix(run: Run) -> dict[str, Any]:
     return {"impls": sorted({i for i, _ in cells}), "cases": list(rows), "cells": cells}
 
 
-def chart_groups(run: Run, preset: str) -> dict[str, list[str]]:
-    """Cases of a preset grouped so that only the sequence length varies along a chart's x axis."""
-    groups: dict[str, list[str]] = defaultdict(list)
-    for cid in run.presets.get(preset, []):
-        c = run.cases.get(cid, {})
-        if c.get("op") == "paged":
-            key = (f"{c.get('model') or 'decode'}, h{c.get('hq')}:{c.get('hkv')}, Sq_new={c.get('sq')}, "
-                   f"{c.get('lengths')} lengths, page {c.get('page_size')}, {c.get('dtype')}, B={c.get('batch')}")
+def chart_key(case: dict[str, Any], with_batch: bool = True) -> str:
+    """What a case is, less its sequence (or cache) length: the cases of one line chart differ only there."""
+    if case.get("op") == "paged":
+        parts = [case.get("model") or "decode", f"h{case.get('hq')}:{case.get('hkv')}", f"d{case.get('d')}",
+                 f"Sq_new={case.get('sq')}", f"{case.get('lengths')} lengths", f"page {case.get('page_size')}"]
+    else:
+        window, softcap, dv = tuple(case.get("window") or (-1, -1)), case.get("softcap"), case.get("dv")
+        parts = [case.get("model") or "", case.get("op") or "dense", "causal" if case.get("causal") else "non-causal",
+                 f"window {window}" if window != (-1, -1) else "", f"softcap {softcap:g}" if softcap else "",
+                 f"h{case.get('hq')}:{case.get('hkv')}", f"d{case.get('d')}" + (f"/{dv}" if dv else ""),
+                 f"{case.get('lengths')} lengths" if case.get("op") == "varlen" else "",
+                 "Sq=Skv" if case.get("sq") == case.get("skv") else f"Sq={case.get('sq')}"]
+    parts += [str(case.get("dtype")), f"B={case.get('batch')}" if with_batch else ""]
+    return ", ".join(p for p in parts if p)
+
+
+def chart_groups(runs: list[Run], preset: str) -> dict[str, list[str]]:
+    """The preset's cases (of every run) that a line chart of one x axis, the sequence length, can show: those
+    alike but for it, batch included, or whose batch shrinks as the length grows (the fa3 preset keeps B x S
+    fixed). A group of one length makes no line: the report shows those by case."""
+    cases = {cid: r.cases.get(cid, {}) for r in runs for cid in r.presets.get(preset, [])}
+    loose: dict[str, list[str]] = defaultdict(list)
+    for cid, c in cases.items():
+        loose[chart_key(c, with_batch=False)].append(cid)
+    groups: dict[str, list[str]] = {}
+    for key, ids in loose.items():
+        lengths = {cases[cid].get("skv") for cid in ids}
+        tokens = {cases[cid].get("batch") * cases[cid].get("skv") for cid in ids}
+        if len(lengths) == len(ids) > 1 and len(tokens) == 1:
+            groups[f"{key}, B x Skv = {tokens.pop()}"] = ids
         else:
-            shape = "Sq=Skv" if c.get("sq") == c.get("skv") else f"Sq={c.get('sq')}"
-            key = (f"{c.get('op') or 'dense'}, {'causal' if c.get('causal') else 'non-causal'}, "
-                   f"h{c.get('hq')}:{c.get('hkv')}, d{c.get('d')}, {c.get('dtype')}, {shape}, B={c.get('batch')}")
-        groups[key].append(cid)
-    return dict(groups)
+            for cid in ids:
+                groups.setdefault(chart_key(cases[cid]), []).append(cid)
+    return groups
 
 
-def series(runs: list[Run], preset: str, case_ids: list[str], value: str) -> dict[str, list[tuple[int, float]]]:
-    out: dict[str, list[tuple[int, float]]] = defaultdict(list)
+def _x_lengths(runs: list[Run], ids: list[str]) -> set[Any]:
+    return {r.cases[cid].get("skv") for r in runs for cid in ids if cid in r.cases}
+
+
+def values(runs: list[Run], case_ids: list[str], value: str) -> dict[str, dict[str, float]]:
+    """label -> case -> the value (a figure of merit, or "memory": peak MiB) of each implementation on each case
+    it was measured on; with several runs, the label names the run."""
+    out: dict[str, dict[str, float]] = defaultdict(dict)
     holders = [run for run in runs if any(cid in run.by_case for cid in case_ids)]
     for run in holders:
         for cid in case_ids:
-            skv = run.cases.get(cid, {}).get("skv")
             for impl, m in run.by_case.get(cid, {}).items():
                 y = (m.peak_memory_bytes or 0) / 2**20 if value == "memory" else getattr(m, value)
                 if y:
-                    label = impl if len(holders) == 1 else f"{impl} @ {run.label}"
-                    out[label].append((skv, y))
-    return {k: sorted(v) for k, v in out.items()}
+                    out[impl if len(holders) == 1 else f"{impl} @ {run.label}"][cid] = y
+    return dict(out)
+
+
+def series(runs: list[Run], case_ids: list[str], value: str) -> dict[str, list[tuple[int, float]]]:
+    """``values`` as points (sequence or cache length, value) for a line chart."""
+    skv = {cid: r.cases[cid].get("skv") for r in runs for cid in case_ids if cid in r.cases}
+    return {label: sorted((skv[cid], y) for cid, y in by_case.items())
+            for label, by_case in values(runs, case_ids, value).items()}
 
 
 def ladder(run: Run) -> dict[str, Any] | None:
@@ -349,28 +380,26 @@ def build_context(runs: list[Run], baseline: str) -> dict[str, Any]:
                if any(cid in r.by_case for r in runs for cid in r.presets.get(p, []))]
     sections = []
     for preset in presets:
-        groups = chart_groups(runs[0], preset) if runs else {}
-        for r in runs[1:]:
-            for k, v in chart_groups(r, preset).items():
-                groups.setdefault(k, v)
-        metric = figure_of_merit(runs[0], runs[0].presets.get(preset, [])) if runs else "tflops"
-        roofline = _roofline(runs) if metric == "gbps" else None
-        charts_ = [{"title": f"{preset}: {key}", "svg": charts.line_chart(
-                        series(runs, preset, ids, metric), xlabel="Skv (longest cache)" if metric == "gbps"
-                        else "Skv", ylabel="GB/s" if metric == "gbps" else "TFLOPS", title=key,
-                        hline=roofline)}
-                   for key, ids in groups.items() if len(ids) > 1]
-        memory = [{"title": f"{preset}: {key}", "svg": charts.line_chart(
-                       series(runs, preset, ids, "memory"), xlabel="Skv", ylabel="peak memory (MiB)",
-                       title=key, logy=True)}
-                  for key, ids in groups.items() if len(ids) > 1 and series(runs, preset, ids, "memory")]
+        metric = figure_of_merit(r.cases.get(cid, {}) for r in runs for cid in r.presets.get(preset, []))
+        ceilings = rooflines(runs, preset) if metric == "gbps" else []
+        unit = "GB/s" if metric == "gbps" else "TFLOPS"
+        groups = chart_groups(runs, preset)
+        lines = {key: ids for key, ids in groups.items() if len(_x_lengths(runs, ids)) > 1}
+        charts_ = [charts.line_chart(series(runs, ids, metric), xlabel="Skv (longest cache)" if metric == "gbps"
+                                     else "Skv", ylabel=unit, title=key, hlines=ceilings)
+                   for key, ids in lines.items()]
+        memory = [charts.line_chart(series(runs, ids, "memory"), xlabel="Skv", ylabel="peak memory (MiB)",
+                                    title=key, logy=True) for key, ids in lines.items()]
+        single = [cid for key, ids in groups.items() if key not in lines for cid in ids]
         sections.append({
             "preset": preset,
-            "metric": "GB/s" if metric == "gbps" else "TFLOPS",
-            "roofline": roofline[1] if roofline else None,
+            "metric": unit,
+            "roofline": "; ".join(label for _, label in ceilings) or None,
             "leaderboards": [(r.label, r.lead, board) for r in runs if (board := leaderboard(r, preset))],
-            "charts": [c for c in charts_ if c["svg"]],
-            "memory": [c for c in memory if c["svg"]],
+            "charts": [svg for svg in charts_ if svg],
+            "by_case": charts.dot_chart(single, values(runs, single, metric), xlabel=unit,
+                                        title=f"{preset}: cases of one length each", vlines=ceilings),
+            "memory": [svg for svg in memory if svg],
             "tables": [(r.label, r, cid, case_table(r, cid, baseline)) for r in runs
                        for cid in r.presets.get(preset, []) if r.modes.get(cid)],
             "lead_note": " / ".join(dict.fromkeys(r.lead for r in runs)) or "eager",
@@ -389,14 +418,17 @@ def build_context(runs: list[Run], baseline: str) -> dict[str, Any]:
     }
 
 
-def _roofline(runs: list[Run]) -> tuple[float, str] | None:
-    """The HBM bandwidth line for decode charts: the first run's datasheet peak, in GB/s."""
-    env = runs[0].env if runs else {}
-    for m in runs[0].measurements if runs else []:
-        if m.pct_of_hbm and m.gbps:
-            peak = m.gbps / m.pct_of_hbm * 100
-            return peak, f"HBM peak {peak / 1000:.2f} TB/s ({env.get('gpu', 'this GPU')}, datasheet)"
-    return None
+def rooflines(runs: list[Run], preset: str) -> list[tuple[float, str]]:
+    """The HBM bandwidth line (GB/s, its datasheet peak) of each GPU whose runs measured the preset's decode."""
+    lines: dict[tuple[str, int], tuple[float, str]] = {}
+    for run in runs:
+        cases = set(run.presets.get(preset, []))
+        for m in run.measurements:
+            if m.case in cases and m.pct_of_hbm and m.gbps:
+                peak, gpu = m.gbps / m.pct_of_hbm * 100, str(run.env.get("gpu") or "this GPU")
+                lines.setdefault((gpu, round(peak)), (peak, f"HBM peak {peak / 1000:.2f} TB/s ({gpu}, datasheet)"))
+                break
+    return list(lines.values())
 
 
 def _format_number(value: float | None, fmt: str | None = None) -> str:

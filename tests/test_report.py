@@ -1,5 +1,6 @@
 """The report: built from real suite output, escaped, strict about its input, and clean in a browser."""
 
+import dataclasses
 import gzip
 import json
 import os
@@ -236,3 +237,71 @@ def test_the_parts_of_one_run_are_published_as_one_file(results, tmp_path):
     assert len(merged["fmha"]["outcomes"]) == len(data["fmha"]["outcomes"])
     assert all("params" not in b for b in merged["benchmarks"])
     assert {"naive", "sdpa-math"} <= {m.impl for m in run.measurements}
+
+
+@pytest.fixture(scope="module")
+def serving_results(tmp_path_factory) -> Path:
+    """A real benchmark run of decode over a paged cache and of the models twin (CPU, tiny cases)."""
+    out = tmp_path_factory.mktemp("serving") / "serving.json"
+    cmd = [sys.executable, "-m", "pytest", "suite", "--benchmark-only", "-q", "-p", "no:cacheprovider",
+           "--impl", "naive", "--impl", "sdpa", "--grid", "serving-cpu-bench", "--grid", "models-cpu",
+           "--rounds", "2", "--round-ms", "1", f"--benchmark-json={out}"]
+    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, env=child_env())
+    return out
+
+
+def _section(html: str, preset: str) -> str:
+    """The HTML of one preset's section of a report."""
+    start = html.index(f'id="preset-{preset}"')
+    end = html.find('<h2 id="', start)
+    return html[start:end if end >= 0 else None]
+
+
+def test_a_line_chart_holds_only_cases_that_differ_in_length(serving_results):
+    from reports.build import chart_groups, chart_key
+
+    run = load_run(serving_results)
+    models = chart_groups([run], "models-cpu")  # one length a model: nothing to draw a line through
+    assert models and all(len({run.cases[c]["skv"] for c in ids}) == 1 for ids in models.values())
+    base = {"op": "dense", "causal": True, "hq": 32, "hkv": 8, "d": 128, "dtype": "bf16", "model": "m",
+            "window": [-1, -1], "softcap": 0.0, "dv": 0, "lengths": "fixed"}
+    cases = {  # the models preset's Llama-3 and Mistral (its window) at 4 x 4K: one length, two lines
+        "a-4k": {**base, "batch": 4, "sq": 4096, "skv": 4096},
+        "a-8k": {**base, "batch": 4, "sq": 8192, "skv": 8192},
+        "w-4k": {**base, "batch": 4, "sq": 4096, "skv": 4096, "window": [4096, 0]},
+        "w-8k": {**base, "batch": 4, "sq": 8192, "skv": 8192, "window": [4096, 0]},
+        "fa3-1k": {**base, "batch": 16, "sq": 1024, "skv": 1024, "model": "fa3"},  # B x S fixed: one line
+        "fa3-2k": {**base, "batch": 8, "sq": 2048, "skv": 2048, "model": "fa3"},
+        "b1-32k": {**base, "batch": 1, "sq": 32768, "skv": 32768},  # another batch, B x S not the same: alone
+    }
+    groups = chart_groups([dataclasses.replace(run, presets={"p": list(cases)}, cases=cases)], "p")
+    assert sorted(map(sorted, groups.values())) == [["a-4k", "a-8k"], ["b1-32k"], ["fa3-1k", "fa3-2k"],
+                                                     ["w-4k", "w-8k"]]
+    assert "window (4096, 0)" in chart_key(cases["w-4k"]) and "B x Skv = 16384" in " ".join(groups)
+
+
+def test_cases_of_one_length_each_are_charted_by_case(serving_results, tmp_path):
+    html = write_report([serving_results], tmp_path / "r.html").read_text()
+    models = _section(html, "models-cpu")
+    assert "TFLOPS by case" in models and "against sequence length" not in models and "<svg" in models
+    assert "by case" not in _section(html, "serving-cpu-bench")
+
+
+def test_decode_charts_bandwidth_and_each_gpus_roofline_in_a_report_of_several_runs(results, serving_results,
+                                                                                   tmp_path):
+    """Decode ranks by GB/s whichever run comes first, and each GPU's HBM line is drawn (session 29: a report
+    whose first run had no decode charted the serving preset in TFLOPS, without the roofline)."""
+    html = write_report([results, serving_results], tmp_path / "r.html").read_text()
+    assert "GB/s against cache length" in _section(html, "serving-cpu-bench")
+    data = json.loads(serving_results.read_text())
+    paths = []
+    for gpu, peak_gbps in (("NVIDIA H100 80GB HBM3", 3350.0), ("NVIDIA H200", 4800.0)):
+        for bench in data["benchmarks"]:
+            if bench["extra_info"].get("gbps"):
+                bench["extra_info"]["pct_of_hbm"] = 100 * bench["extra_info"]["gbps"] / peak_gbps
+        data["machine_info"]["fmha"]["gpu"] = gpu
+        paths.append(tmp_path / f"{gpu.split()[1]}.json")
+        paths[-1].write_text(json.dumps(data))
+    serving = " ".join(_section(write_report([results, *paths], tmp_path / "g.html").read_text(),
+                                "serving-cpu-bench").split())
+    assert "HBM peak 3.35 TB/s (NVIDIA H100 80GB HBM3, datasheet); HBM peak 4.80 TB/s (NVIDIA H200" in serving
