@@ -18,6 +18,8 @@
 #   causal-deep: the causal persistent forms (fixed share, dynamic) at latencies 2 / 4 and 3 / 6 beside one block
 #             per tile, cuDNN and flash-attn4 where carried, D=128 and 64 (sweep)
 #   prefill:  blog and fa3 presets, graph timing: cutile, flash-attn4, sdpa-cudnn, triton side by side
+#   ladder:   the blog's optimisation ladder (cutile-1-baseline ... cutile-5-remap) on the blog preset, graph timing (after
+#             prefill in the same call: one run, `scripts/publish_results.py prefill.json ladder.json DST`)
 #   prefill-prime: (carry call 1) their checks for cutile, triton and sdpa-cudnn: tuning and compile caches filled
 #             (session 22, a tuning bucket per power of two: about 450 s from cold)
 #   models:   the models preset, every implementation that runs it (or MODELS_IMPLS, names with spaces between;
@@ -218,6 +220,10 @@ for part in "$@"; do
     prefill)
       step prefill 420 python3 -m pytest suite --benchmark-only -p no:cacheprovider -q --grid blog --grid fa3 --timing graph \
         --impl cutile --impl flash-attn4 --impl sdpa-cudnn --impl triton --benchmark-json="$out/prefill.json"
+      ;;
+    ladder)
+      step ladder 300 python3 -m pytest suite --benchmark-only -p no:cacheprovider -q --grid blog --timing graph \
+        --impl 'cutile-*' --benchmark-json="$out/ladder.json"
       ;;
     prefill-prime)
       step prefill-prime 540 python3 -m pytest suite -k correctness -q -p no:cacheprovider -rf --grid blog --grid fa3 \
