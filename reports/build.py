@@ -324,8 +324,8 @@ def ladder(run: Run) -> dict[str, Any] | None:
     steps = list(BLOG_LADDER)
     case_ids = run.presets.get("ladder") or run.presets.get("blog") or []
     by_seq = {run.cases[c]["sq"]: c for c in case_ids if c in run.cases}
-    if not any(s in run.by_case.get(by_seq.get(seq, ""), {}) for s in steps for seq in by_seq):
-        return None
+    if not any(s in run.by_case.get(by_seq.get(seq, ""), {}) for s in steps if s != "cutile" for seq in by_seq):
+        return None  # the autotuned kernel alone is no ladder
     here = {s: {seq: getattr(run.by_case.get(by_seq.get(seq, ""), {}).get(s), "tflops", None)
                 for seq in BLOG_SEQLENS} for s in steps}
     hopper = str(run.env.get("compute_capability", "")).startswith("9.")

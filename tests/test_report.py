@@ -305,3 +305,24 @@ def test_decode_charts_bandwidth_and_each_gpus_roofline_in_a_report_of_several_r
     serving = " ".join(_section(write_report([results, *paths], tmp_path / "g.html").read_text(),
                                 "serving-cpu-bench").split())
     assert "HBM peak 3.35 TB/s (NVIDIA H100 80GB HBM3, datasheet); HBM peak 4.80 TB/s (NVIDIA H200" in serving
+
+
+def test_the_ladder_section_needs_a_step_of_the_ladder(results):
+    from reports.blog import BLOG_SEQLENS
+    from reports.build import Measurement, ladder
+
+    run = load_run(results)
+    cases = {f"blog-{s}": {"sq": s, "skv": s} for s in BLOG_SEQLENS}
+
+    def measured(*impls: str):
+        return [Measurement(impl=impl, family="cutile", case=cid, fields={}, median_s=1e-3, iqr_s=0.0, stddev_s=0.0,
+                            rounds=3, tflops=100.0, pct_of_peak=None, gbps=None, peak_memory_bytes=None,
+                            max_error=0.0, config={}) for impl in impls for cid in cases]
+
+    def blog_run(*impls: str):
+        return dataclasses.replace(run, measurements=measured(*impls), presets={"blog": list(cases)}, cases=cases,
+                                   modes={}, by_case={})
+
+    assert ladder(blog_run("cutile")) is None  # the autotuned kernel alone (a prefill run): no ladder
+    steps = ladder(blog_run("cutile", "cutile-1-baseline"))
+    assert steps and steps["here"]["cutile-1-baseline"][BLOG_SEQLENS[0]] == 100.0
