@@ -4,15 +4,18 @@
 # - FlashInfer compiles with the image's nvcc. env.sh points CUDA_HOME at cuTile's tileiras toolchain
 #   (/tmp/ctk: ptxas and libnvvm 13.4, no nvcc and no headers), which tileiras needs, so FlashInfer gets the
 #   image's nvcc through FLASHINFER_NVCC and the image's headers and libraries linked into /tmp/ctk;
-# - its JIT cache lives under /tmp/fmha/flashinfer, for the life of the machine; where .gpu-fi/jit-cache.tar.gz
-#   is carried (the archive `gpu_session.sh fi-models` brings back, copied there), it starts from that, and ninja
-#   finds its modules built as long as CUDA_HOME is the one they were built with (the warning below).
+# - its JIT cache lives under /tmp/fmha/flashinfer, for the life of the machine;
+# - modules compiled on an earlier machine travel as FlashInfer's own ahead-of-time artifacts: where
+#   .gpu-fi-aot/flashinfer-aot.tar.xz is carried (the archive `gpu_session.sh fi-aot` brings back, copied there),
+#   its .so files go to flashinfer/data/aot/NAME/NAME.so, which FlashInfer loads before it looks at its JIT (no
+#   nvcc, no ninja, whatever CUDA_HOME is); a module not in it still compiles.
 if [ ! -d /tmp/fisite/flashinfer ] && [ -d .gpu-fi ]; then
   mkdir -p /tmp/fisite && tar -xJf .gpu-fi/flashinfer-site.tar.xz -C /tmp/fisite \
     && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fisite .gpu-fi/apache_tvm_ffi-*.whl
 fi
-if [ ! -d /tmp/fmha/flashinfer ] && [ -f .gpu-fi/jit-cache.tar.gz ]; then
-  mkdir -p /tmp/fmha && tar -xzf .gpu-fi/jit-cache.tar.gz -C /tmp/fmha
+if [ -d /tmp/fisite/flashinfer ] && [ ! -d /tmp/fisite/flashinfer/data/aot ] && [ -f .gpu-fi-aot/flashinfer-aot.tar.xz ]; then
+  mkdir -p /tmp/fisite/flashinfer/data/aot && tar -xJf .gpu-fi-aot/flashinfer-aot.tar.xz -C /tmp/fisite/flashinfer/data/aot
+  echo "flashinfer: $(ls /tmp/fisite/flashinfer/data/aot | wc -l) modules ahead of time (.gpu-fi-aot)"
 fi
 if [ -d /tmp/fisite/flashinfer ]; then
   export PYTHONPATH=/tmp/fisite${PYTHONPATH:+:$PYTHONPATH}

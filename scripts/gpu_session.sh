@@ -27,7 +27,10 @@
 #             its seconds, default 570),
 #             graph timing and energy per call (ENERGY_MS, default 1000 ms of calls after each benchmark; 0: none) (in the flash-attn-4 carry's
 #             last call; fi-models, FlashInfer's checks of the preset, in its second, fills FlashInfer's JIT cache and
-#             brings it back as jit-cache.tar.gz)
+#             brings its modules back as flashinfer-aot.tar.xz, like fi-aot)
+#   fi-aot:   FlashInfer's checks of FI_GRIDS (default "models serving varlen"; carry .gpu-fi) compile its modules, which
+#             come back as $OUT/flashinfer-aot.tar.xz: copied to .gpu-fi-aot/ here and carried beside .gpu-fi, later
+#             calls load them ahead of time (scripts/flashinfer_env.sh) instead of compiling them (minutes a chain)
 #   models-prime: cuTile's candidates on the softcap edge cases; the models preset's checks of ours, flex and
 #             sdpa-cudnn (compile and tuning caches filled for the models part)
 #   gqa:      blog causal 4K, fp16 and bf16, MHA and GQA 32:8: cuTile's candidates, sdpa-cudnn, flash-attn4 (sweep)
@@ -125,6 +128,18 @@ probe_cases() {  # probe_cases NAME "CASE ..." PATTERN COMMAND...: COMMAND --cas
     step "$name-$n" 300 "$@" --case "$c"
   done
   cat "$out/$name"-*.log | grep -E "$pattern"
+}
+fi_aot() {  # FlashInfer's modules of this machine (compiled here, or carried) as ahead-of-time artifacts,
+  # $out/flashinfer-aot.tar.xz: NAME/NAME.so each, for .gpu-fi-aot/ (scripts/flashinfer_env.sh)
+  local aot=/tmp/fi-aot so name
+  mkdir -p $aot
+  for so in /tmp/fmha/flashinfer/.cache/flashinfer/*/*/cached_ops/*/*.so /tmp/fisite/flashinfer/data/aot/*/*.so; do
+    [ -f "$so" ] || continue
+    name=$(basename "$so" .so)
+    mkdir -p "$aot/$name" && cp -u "$so" "$aot/$name/"
+  done
+  tar -cf - -C $aot . | xz -6 -T0 > "$out/flashinfer-aot.tar.xz"
+  echo "fi-aot: $(ls $aot | wc -l) modules, $(du -h "$out/flashinfer-aot.tar.xz" | cut -f1)"
 }
 tuner_picks='"check": false|picks'  # tuner_probe.py's failed checks and each case's picks
 memcheck_candidates() {  # memcheck_candidates GLOB SECONDS [SELECT]: the cuTile candidates whose label matches GLOB
@@ -253,9 +268,12 @@ for part in "$@"; do
     fi-models)
       step fi-models 560 python3 -m pytest suite -k correctness -q -p no:cacheprovider -rf --impl flashinfer \
         --grid models --durations=8
-      # the JIT's modules, objects and ninja's logs (session 28: about 5 MB a module) come back to be carried in
-      # .gpu-fi/jit-cache.tar.gz by later chains (scripts/flashinfer_env.sh restores it): no JIT in their calls
-      tar -czf "$out/jit-cache.tar.gz" -C /tmp/fmha flashinfer && ls -l "$out/jit-cache.tar.gz"
+      fi_aot
+      ;;
+    fi-aot)
+      step fi-aot "${FI_LIMIT:-540}" python3 -m pytest suite -k correctness -q -p no:cacheprovider -rf --impl flashinfer \
+        $(printf -- '--grid %s ' ${FI_GRIDS:-models serving varlen}) --durations=8
+      fi_aot
       ;;
     gqa)
       step gqa 100 python3 scripts/sweep.py --seqlens 4096 --causal causal --dtype fp16 bf16 --hkv 32 8 \
