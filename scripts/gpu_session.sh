@@ -25,9 +25,9 @@
 #   models:   the models preset, every implementation that runs it (or MODELS_IMPLS, names with spaces between;
 #             MODELS_ARGS: more suite options; MODELS_NAME: the JSON's and log's name, default models; MODELS_LIMIT:
 #             its seconds, default 570),
-#             graph timing and energy per call (ENERGY_MS, default 1000 ms of calls after each benchmark; 0: none) (in the flash-attn-4 carry's
-#             last call; fi-models, FlashInfer's checks of the preset, in its second, fills FlashInfer's JIT cache and
-#             brings its modules back as flashinfer-aot.tar.xz, like fi-aot)
+#             graph timing and energy per call (ENERGY_MS, default 1000 ms of calls after each benchmark; 0: none), in
+#             the flash-attn-4 carry's last call (with .gpu-fi and .gpu-fi-aot carried there too, FlashInfer needs no
+#             JIT; without .gpu-fi-aot, fi-models in the second call compiles its modules: about 400 s)
 #   fi-aot:   FlashInfer's checks of FI_GRIDS (default "models serving varlen"; carry .gpu-fi) compile its modules, which
 #             come back as $OUT/flashinfer-aot.tar.xz: copied to .gpu-fi-aot/ here and carried beside .gpu-fi, later
 #             calls load them ahead of time (scripts/flashinfer_env.sh) instead of compiling them (minutes a chain)
