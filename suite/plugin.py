@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 import torch
@@ -225,12 +225,17 @@ _last_problem: list[Problem] = []  # tests run case-major, so one cached case se
 
 
 @pytest.fixture
-def problem(case: Case, device: torch.device) -> Problem:
+def problem(case: Case, device: torch.device, record: Recorder) -> Problem:
     if not _last_problem or _last_problem[0].case != case or _last_problem[0].device != device:
         _last_problem.clear()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        _last_problem.append(Problem(case, device))
+        try:
+            _last_problem.append(Problem(case, device))
+        except Exception as exc:  # the case's inputs alone outgrow the memory free now (e.g. many xdist workers
+            if not is_out_of_memory(exc):  # sharing one 80 GB GPU, session 29): recorded, and the run goes on
+                raise
+            record.skip_out_of_memory(exc, "making the case's inputs")
     return _last_problem[0]
 
 
@@ -298,12 +303,17 @@ class Recorder:
                 if not self.recorded:
                     self("failed", f"{type(exc).__name__}: {exc}"[:500])
                 raise
-            message = out_of_memory_message(exc)
-            self("out of memory", message)
-            traceback.clear_frames(exc.__traceback__)  # drop the frames' references to big tensors
-            del exc
-            release_device_memory(self._state.device)
-            pytest.skip(message)
+            self.skip_out_of_memory(exc)
+
+    def skip_out_of_memory(self, exc: BaseException, during: str = "") -> NoReturn:
+        """Record an out-of-memory error as the outcome ("out of memory (asked for N)", and ``during`` what),
+        release what it held and skip the test."""
+        message = out_of_memory_message(exc) + (f" {during}" if during else "")
+        self("out of memory", message)
+        traceback.clear_frames(exc.__traceback__)  # drop the frames' references to big tensors
+        del exc
+        release_device_memory(self._state.device)
+        pytest.skip(message)
 
     def check(self, problem: Problem, prepared: Prepared) -> CheckResult:
         result = problem.check(prepared())
