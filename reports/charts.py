@@ -66,10 +66,12 @@ def dot_chart(rows: list[str], series: dict[str, dict[str, float]], *, xlabel: s
     return _finish(fig, ax)
 
 
+CEILING_STYLES = ["--", ":", "-."]  # one per GPU where runs of several are charted together
+
+
 def _ceilings(draw, lines: list[tuple[float, str]]) -> None:
     for j, (value, label) in enumerate(lines):
-        draw(value, color="black", linestyle=LINE_STYLES[j % len(LINE_STYLES)] if j else "--", linewidth=1,
-             label=label)
+        draw(value, color="black", linestyle=CEILING_STYLES[j % len(CEILING_STYLES)], linewidth=1, label=label)
 
 
 def _finish(fig, ax) -> str:
