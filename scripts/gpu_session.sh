@@ -164,8 +164,11 @@ for part in "$@"; do
         --impl cutile --impl triton --benchmark-json="$out/serving-ours.json"
       ;;
     serve-prime)
+      # 16 workers share an H200's 141 GB; on an 80 GB H100 some cases' inputs did not fit beside the others (session 29)
+      mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
       step prime 300 python3 -m pytest suite -k correctness -q -p no:cacheprovider -rf --impl cutile --impl triton \
-        --impl flex --impl sdpa --impl naive "${serving[@]}" -n 16 --dist load --no-tuning-cache
+        --impl flex --impl sdpa --impl naive "${serving[@]}" -n "${PRIME_WORKERS:-$(( ${mib:-0} > 100000 ? 16 : 8 ))}" \
+        --dist load --no-tuning-cache
       step tune 260 python3 -m pytest suite -k correctness -q -p no:cacheprovider -rf --impl cutile --impl triton \
         --grid serving --grid varlen --durations=8
       ;;
