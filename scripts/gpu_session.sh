@@ -97,7 +97,8 @@
 #   serve-prime: (call 1) serving correctness of the implementations without a carried package, 16 workers:
 #             fills the cuTile, Triton and inductor compile caches (no tuning cache: 16 processes share the
 #             GPU); then ours again in one process, tuning on an idle GPU into the tuning cache
-#   serve-flashinfer: (call 2) FlashInfer's serving correctness: its JIT compiles the kernels (minutes)
+#   serve-flashinfer: (call 2) FlashInfer's serving correctness: its JIT compiles the kernels (minutes), or, with
+#             .gpu-fi-aot carried (fi-aot), loads them ahead of time (10 s on an H100, session 29)
 #   serve-all: (call 3) serving and varlen benchmarks, every implementation, graph timing
 set -u
 out=${OUT:-results}
