@@ -95,7 +95,7 @@
 # The side-by-side serving run with every implementation, in the three calls of the flash-attn-4 carry (caches
 # under /tmp/fmha live as long as the machine; FlashInfer needs `source scripts/flashinfer_env.sh`):
 #   serve-prime: (call 1) serving correctness of the implementations without a carried package, 16 workers:
-#             fills the cuTile, Triton and inductor compile caches (no tuning cache: 16 processes share the
+#             fills the cuTile, Triton and inductor compile caches (no tuning cache: 16 processes, 8 under 100 GB, share the
 #             GPU); then ours again in one process, tuning on an idle GPU into the tuning cache
 #   serve-flashinfer: (call 2) FlashInfer's serving correctness: its JIT compiles the kernels (minutes), or, with
 #             .gpu-fi-aot carried (fi-aot), loads them ahead of time (10 s on an H100, session 29)
