@@ -269,14 +269,10 @@ for part in "$@"; do
       step models-tune 300 python3 -m pytest suite -k correctness -q -p no:cacheprovider -rf --grid models \
         --impl cutile --impl triton --impl flex --impl sdpa-cudnn --durations=8
       ;;
-    fi-models)
-      step fi-models 560 python3 -m pytest suite -k correctness -q -p no:cacheprovider -rf --impl flashinfer \
-        --grid models --durations=8
-      fi_aot
-      ;;
-    fi-aot)
-      step fi-aot "${FI_LIMIT:-540}" python3 -m pytest suite -k correctness -q -p no:cacheprovider -rf --impl flashinfer \
-        $(printf -- '--grid %s ' ${FI_GRIDS:-models serving varlen}) --durations=8
+    fi-models|fi-aot)  # fi-models: the models preset alone, the models chain's second call without .gpu-fi-aot
+      if [ "$part" = fi-models ]; then grids=models limit=560; else grids=${FI_GRIDS:-models serving varlen} limit=${FI_LIMIT:-540}; fi
+      step "$part" "$limit" python3 -m pytest suite -k correctness -q -p no:cacheprovider -rf --impl flashinfer \
+        $(printf -- '--grid %s ' $grids) --durations=8
       fi_aot
       ;;
     gqa)
