@@ -237,6 +237,10 @@ def scatter_sequence(out: torch.Tensor, inputs: PagedKV | Varlen, b: int, o: tor
 # longest sequence, so a long-tailed batch splits its long sequences finely and leaves its short ones whole.
 SPLIT_MIN_TILES = 4
 PROGRAMS_PER_SM = 4
+# The programs per SM that the tuners' plans aim at (each kernel form is timed with each; several often cut
+# alike): a batch whose plan at PROGRAMS_PER_SM lands just past a wave, or splits where one chunk a sequence
+# would do, can take fewer or more chunks without another compiled kernel.
+AIMED_PLANS = (2, PROGRAMS_PER_SM, 8)
 UNSPLIT_SLACK = 1.25  # a batch whose longest sequence is at most this many target chunks runs unsplit
 
 

@@ -83,6 +83,14 @@ def source_hash(paths: tuple[Path, ...]) -> str:
     return digest.hexdigest()[:16]
 
 
+def family_sources(package_init: str) -> list[Path]:
+    """What a kernel family's tuning picks depend on: every module of its package (kernels, launches, search
+    spaces; the decode kernel's module too, which the cache once left out) and the split and work plans the
+    families share (``impls/_serving.py``)."""
+    package = Path(package_init).parent
+    return [*sorted(package.glob("*.py")), package.parent / "_serving.py"]
+
+
 class TuningCache:
     """The tuning results of one kernel family (``family``.json), for kernels built from ``sources`` with
     ``libraries`` and, where the library's version does not say it all, the compiler ``toolchain()`` names."""
@@ -90,7 +98,7 @@ class TuningCache:
     def __init__(self, family: str, sources: Iterable[Path], libraries: Iterable[str],
                  toolchain: Callable[[], dict[str, str]] | None = None) -> None:
         self.family = family
-        self._sources = tuple(sorted(Path(p) for p in sources))
+        self.sources = tuple(sorted(Path(p) for p in sources))
         self._libraries = tuple(libraries)
         self._toolchain = toolchain
 
@@ -104,7 +112,7 @@ class TuningCache:
         versions |= self._toolchain() if self._toolchain else {}
         return json.dumps({
             "gpu": props.name, "capability": f"{props.major}.{props.minor}", **versions,
-            "source": source_hash(self._sources), "shape": [str(x) for x in shape_class],
+            "source": source_hash(self.sources), "shape": [str(x) for x in shape_class],
         }, sort_keys=True)
 
     def _entries(self) -> dict[str, Any]:

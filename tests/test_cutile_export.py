@@ -421,6 +421,29 @@ def test_decode_combine_in_head_dim_slices_compiles(monkeypatch, short_chunks):
     assert export_launch(kernel, arguments, arch="sm_90")[:4] == b"\x7fELF"
 
 
+def test_decode_tuner_tries_each_aimed_plan_once_per_chunk_length(monkeypatch):
+    """The decode tuner times every kernel form with each split plan of ``AIMED_PLANS`` (one chunk a sequence
+    where the GPU holds the batch, or more), once per distinct chunk length, and every plan of a form runs the
+    same compiled kernel (the chunk length is a run-time argument)."""
+    import impls._serving
+    from impls._serving import AIMED_PLANS
+    from impls.cutile.serving import DecodeVariant, plan_candidates
+
+    inputs = serving_inputs("serving-cpu", 4)  # MQA at batch 1, 300 tokens: 5 tiles of 64 keys
+    forms = [DecodeVariant(64), DecodeVariant(64, "indexed")]
+    monkeypatch.setattr(impls._serving, "SPLIT_MIN_TILES", 1)  # one-tile chunks, one SM: each plan cuts apart
+    one_sm = plan_candidates(forms, inputs, scale=0.125, sm_count=1)
+    assert len(one_sm) == len(forms) * len(AIMED_PLANS)
+    for form in forms:
+        calls = [call for call in one_sm if call.variant.read == form.read]
+        assert sorted(call.variant.plan_programs for call in calls) == sorted(AIMED_PLANS)
+        assert len({call.split_len for call in calls}) == len(AIMED_PLANS)  # 2, 3 and 5 chunks
+        assert len({call.launches[0][1] for call in calls}) == 1
+    monkeypatch.undo()
+    many_sms = plan_candidates(forms, inputs, scale=0.125, sm_count=132)  # every plan leaves it whole
+    assert [call.num_splits for call in many_sms] == [1, 1]
+
+
 def test_decode_without_a_split_writes_the_output_directly():
     from impls.cutile.serving import DecodeCall, DecodeVariant
 

@@ -2,6 +2,7 @@
 The GPU half (graph and kernel modes measuring) is tests/test_gpu_timing.py."""
 
 import copy
+import importlib
 import json
 import multiprocessing
 import os
@@ -203,6 +204,16 @@ def test_the_source_hash_changes_with_the_kernel(tmp_path):
     kernel.write_text("a = 2\n")
     _tuning.source_hash.cache_clear()
     assert _tuning.source_hash((kernel,)) != first
+
+
+@pytest.mark.parametrize("family", ["cutile", "triton_fa"])
+def test_a_familys_tuning_key_covers_every_module_its_picks_depend_on(family):
+    """The decode kernel's module, the serving launches and the shared split plans change a family's picks as
+    much as the dense kernel does: an edit to any of them must not reuse the cached choices."""
+    package = Path(importlib.import_module(f"impls.{family}").__file__).parent
+    sources = importlib.import_module(f"impls.{family}").TUNING.sources
+    assert set(package.glob("*.py")) <= set(sources)
+    assert {"decode.py", "kernel.py", "_serving.py"} <= {path.name for path in sources}
 
 
 @pytest.fixture(scope="module")

@@ -18,13 +18,21 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
 from impls._registry import HALF, Prepared, length_class, module_available, parallel_class, register
-from impls._tuning import TUNERS, TuningCache, dense_tuner, finalists, settle_gpu, settled_fastest, sustained_fastest
+from impls._tuning import (
+    TUNERS,
+    TuningCache,
+    dense_tuner,
+    family_sources,
+    finalists,
+    settle_gpu,
+    settled_fastest,
+    sustained_fastest,
+)
 from impls._validate import NO_WINDOW, binding_window, window_bounds
 from impls.cutile import toolchain
 
@@ -585,7 +593,7 @@ for _name, (_variant, _what) in LADDER.items():
 
 
 # Tune once per machine: the chosen variant per shape class, on disk (impls/_tuning.py), and in the process.
-TUNING = TuningCache("cutile", [Path(__file__).with_name("kernel.py"), Path(__file__)], ["cuda-tile"],
+TUNING = TuningCache("cutile", family_sources(__file__), ["cuda-tile"],
                      toolchain.describe)
 _TUNED: dict[str, tuple[Any, bool]] = {}
 Choice = TypeVar("Choice")

@@ -2,8 +2,8 @@
 
 - ``paged``: split-KV decode over the paged cache with GQA packing (``decode.py``), then the combine; the key
   tile width, how pages are read (gathered row by row, or a page at a time with block loads) and the load
-  latencies are tuned per decode shape class, the split plan (``impls._serving.split_plan``) follows from the
-  tile width and the batch's lengths;
+  latencies are tuned per decode shape class, with the split plan (``impls._serving.split_plan``: from the
+  tile width, the batch's lengths and the programs per SM it aims at, ``AIMED_PLANS``);
 - ``varlen``: the dense kernel's query-tile work on each packed sequence (``kernel.fmha_varlen``), with the
   dense kernel's Hopper candidates, tuned per shape class: one block per query tile, or a persistent block per
   SM slot that runs the query tiles a host plan gave it (``impls._serving.varlen_work_plan``).
@@ -21,7 +21,16 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from impls._registry import HALF, Prepared, Unsupported, length_class, parallel_class, register
-from impls._serving import PagedKV, Varlen, combine_plan, decode_shape_class, split_plan, varlen_work_plan
+from impls._serving import (
+    AIMED_PLANS,
+    PROGRAMS_PER_SM,
+    PagedKV,
+    Varlen,
+    combine_plan,
+    decode_shape_class,
+    split_plan,
+    varlen_work_plan,
+)
 from impls._tuning import dense_tuner, fastest
 from impls.cutile import (
     COMPILE_TIMEOUT_S,
@@ -49,13 +58,16 @@ MAX_PACKED_ROWS = 128  # query heads per kv head x new tokens in one tile
 class DecodeVariant:
     """One compiled form of the decode kernel: key tile width, how a tile is read from the pages (``read``:
     "rows", "pages" or "indexed", decode.py's GATHER), how far ahead K and V loads are issued, and the blocks
-    per SM asked of the compiler (``occupancy``; None: its own choice)."""
+    per SM asked of the compiler (``occupancy``; None: its own choice); and the programs per SM its split plan
+    aims at (``plan_programs``: the chunk length is a run-time argument, so every plan of a form runs the same
+    compiled kernel)."""
 
     tile_n: int
     read: str = "pages"
     k_latency: int = 3
     v_latency: int = 3
     occupancy: int | None = None
+    plan_programs: int = PROGRAMS_PER_SM
 
     def split_kernel(self, int64: bool):
         """The split kernel of this form: 64-bit cache offsets or not, with its occupancy hint."""
@@ -123,7 +135,8 @@ class DecodeCall(Launches):
         hkv = k_cache.shape[2]
         group, width = hq // hkv, tile_d(head_dim)
         tile_m = max(16, 1 << (group * sq - 1).bit_length())
-        self.num_splits, self.split_len = split_plan(inputs.seqlens, hkv, variant.tile_n, sm_count)
+        self.num_splits, self.split_len = split_plan(inputs.seqlens, hkv, variant.tile_n, sm_count,
+                                                     programs_per_sm=variant.plan_programs)
         split = self.num_splits > 1
         parts = (batch * hkv, self.num_splits, tile_m) if split else (1, 1, 1)  # unused without a split
         self.part = torch.empty((*parts, width if split else 1), dtype=torch.float32, device=q.device)
@@ -172,6 +185,20 @@ def decode_space_for(inputs: PagedKV) -> list[DecodeVariant]:
     return decode_space(inputs.page_size, huge=huge, words=words)
 
 
+def plan_candidates(forms: list[DecodeVariant], inputs: PagedKV, *, scale: float,
+                    sm_count: int) -> list[DecodeCall]:
+    """The decode tuner's candidates: each kernel form with each aimed split plan (``AIMED_PLANS``), one call
+    per form and chunk length (plans that cut the batch alike are timed once). Session 26 (H200): with the
+    one plan the 70B slice at 256 x 8K split in 3 chunks, 83% of HBM, where the Triton kernel's tuner took
+    one chunk a sequence for 88%."""
+    distinct: dict[tuple, DecodeCall] = {}
+    for form in forms:
+        for programs in AIMED_PLANS:
+            call = DecodeCall(replace(form, plan_programs=programs), inputs, scale=scale, sm_count=sm_count)
+            distinct.setdefault((form, call.split_len), call)
+    return list(distinct.values())
+
+
 @register("cutile", op="paged", family="cutile", dtypes=HALF, devices=("cuda",), head_dims=DECODE_HEAD_DIMS,
           requires=requires,
           description="our cuTile split-KV decode: all query heads of a kv head in one tile (K/V read once), "
@@ -188,8 +215,7 @@ def prepare_paged(inputs: PagedKV, *, scale: float) -> Prepared:
         import cuda.tile as ct
 
         with ct.compiler_timeout(COMPILE_TIMEOUT_S):
-            calls = precompile([DecodeCall(variant, inputs, scale=scale, sm_count=sm_count)
-                                for variant in decode_space_for(inputs)])
+            calls = precompile(plan_candidates(decode_space_for(inputs), inputs, scale=scale, sm_count=sm_count))
         return fastest((call.variant, call) for call in calls).describe()
 
     variant, cached = remembered(TUNING.key(inputs.q.device, decode_shape_class(inputs)), search, DecodeVariant)

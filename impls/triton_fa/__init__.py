@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import functools
 import os
-from pathlib import Path
 
 import torch
 
 from impls._registry import FLOATS, Prepared, Unsupported, length_class, module_available, register
-from impls._serving import PROGRAMS_PER_SM, combine_plan, decode_shape_class, split_plan
-from impls._tuning import TuningCache, fastest, settle_gpu
+from impls._serving import AIMED_PLANS, PROGRAMS_PER_SM, combine_plan, decode_shape_class, split_plan
+from impls._tuning import TuningCache, family_sources, fastest, settle_gpu
 from impls._validate import NO_WINDOW, binding_window, window_bounds
 
 # Any multiple of 8 from 16 (the smallest dot) to 256: a head dim that is not a power of two is padded to the
@@ -168,7 +167,7 @@ def precompile(kernel, args: tuple, meta: dict, grid, candidates: list[dict]) ->
         list(pool.map(lambda c: kernel.warmup(*args, grid=grid(c), **meta, **c), candidates))
 
 
-TUNING = TuningCache("triton", [Path(__file__).with_name("kernel.py"), Path(__file__)], ["triton"])
+TUNING = TuningCache("triton", family_sources(__file__), ["triton"])
 
 
 def prepared_launch(args: tuple, meta: dict, grid, out: torch.Tensor, *, pointer: bool, tma: bool,
@@ -311,7 +310,7 @@ def _describe(cfg) -> dict:
 # keeps. The wave tail is not what holds the 70B slice at 16 x 32K at 3.7 TB/s: a kernel that only reads its pages
 # (scripts/bandwidth_probe.py) reads 4.29 on the same grid, so the gap is the split kernel's own.
 DECODE_TILES = ((128, 4, 3), (128, 4, 2), (64, 4, 3), (64, 4, 2), (64, 8, 2), (32, 4, 2))
-DECODE_PLANS = [{"PLAN_PROGRAMS": programs, "PLAN_FIT": False} for programs in (2, PROGRAMS_PER_SM, 8)] + [
+DECODE_PLANS = [{"PLAN_PROGRAMS": programs, "PLAN_FIT": False} for programs in AIMED_PLANS] + [
     {"PLAN_PROGRAMS": waves, "PLAN_FIT": True} for waves in (1, 2)]
 DECODE_SPACE = [{"BLOCK_N": n, "num_warps": w, "num_stages": st, "MASK_FREE": mask_free, **plan}
                 for n, w, st in DECODE_TILES for mask_free in (True, False) for plan in DECODE_PLANS]
