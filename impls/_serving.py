@@ -239,7 +239,9 @@ SPLIT_MIN_TILES = 4
 PROGRAMS_PER_SM = 4
 # The programs per SM that the tuners' plans aim at (each kernel form is timed with each; several often cut
 # alike): a batch whose plan at PROGRAMS_PER_SM lands just past a wave, or splits where one chunk a sequence
-# would do, can take fewer or more chunks without another compiled kernel.
+# would do, can take fewer or more chunks without another compiled kernel. Session 30 (H200, serving_probe.py
+# --plans, cuTile): a plan aimed at 1 was slower than the best of these on 6 of 7 cases (by 4-18%), and
+# 0.9% faster at 8B 16 x 32K.
 AIMED_PLANS = (2, PROGRAMS_PER_SM, 8)
 UNSPLIT_SLACK = 1.25  # a batch whose longest sequence is at most this many target chunks runs unsplit
 

@@ -3,7 +3,8 @@
 For one paged-decode case: building the inputs, the float64 oracle, and per decode candidate its first call
 (compile) and its time per call (one replay of a CUDA graph of 20 calls). ``--occupancy N`` and ``--latency
 K,V`` (repeatable) add each cuTile candidate with that many blocks per SM asked of the compiler or those load
-latencies; ``--triton wide`` sweeps a wider Triton decode space (TRITON_WIDE) than the tuner's, ``--triton ab``
+latencies, ``--plans N`` (repeatable) runs each with split plans aimed at N programs per SM instead;
+``--triton wide`` sweeps a wider Triton decode space (TRITON_WIDE) than the tuner's, ``--triton ab``
 times each of the tuner's configs with and without the mask-free loop (MASK_FREE), alternating, ``--triton plans``
 times every tuner config once, then the fastest with an aimed plan, the fastest with a fitted one (PLAN_FIT) and
 each peer in alternation (``plans-wide``: over TRITON_WIDE's tiles with each plan); ``--peer NAME``
@@ -62,7 +63,7 @@ def report(name: str, call, case, oracle, **extra) -> None:
 
 
 def probe_decode(case_id: str, occupancies: list[int], triton: str, latencies: list[str], peers: list[str],
-                 cutile: bool = True) -> None:
+                 cutile: bool = True, plans: tuple[int, ...] = ()) -> None:
     case = case_by_id(case_id)
     t = time.perf_counter()
     inputs = case.make_inputs("cuda")
@@ -86,6 +87,7 @@ def probe_decode(case_id: str, occupancies: list[int], triton: str, latencies: l
     for pair in latencies:  # K and V load latencies of each candidate's form
         k, v = (int(x) for x in pair.split(","))
         space += [replace(var, k_latency=k, v_latency=v) for var in space if (var.k_latency, var.v_latency) == (3, 3)]
+    space = [replace(var, plan_programs=p) for var in space for p in plans] or space
     for variant in space:
         call = DecodeCall(variant, inputs, scale=scale, sm_count=_sm_count(None))
         report(f"cutile {variant}", call, case, oracle, splits=call.num_splits)
@@ -192,6 +194,9 @@ def main() -> None:
     parser.add_argument("--varlen-stores", action="store_true",
                         help=f"varlen: each candidate with each output store ({', '.join(VARLEN_STORES)}), interleaved")
     parser.add_argument("--occupancy", action="append", type=int, default=[], help="cuTile blocks per SM to try")
+    parser.add_argument("--plans", action="append", type=int, default=[],
+                        help="programs per SM the cuTile candidates' split plans aim at (repeatable; default: "
+                             "the usual one, PROGRAMS_PER_SM)")
     parser.add_argument("--triton", choices=("tuner", "wide", "ab", "plans", "plans-wide", "none"), default="tuner",
                         help="the Triton configs beside cuTile's: the tuner's space, TRITON_WIDE, or none; ab and "
                              "plans: the A/B comparisons above")
@@ -202,7 +207,8 @@ def main() -> None:
     args = parser.parse_args()
     default = [] if args.varlen_only else ["llama3-8b-paged-bf16-h32:8-q1-kv8192-uniform-p16-d128-b64"]
     for case_id in args.case or default:
-        probe_decode(case_id, args.occupancy, args.triton, args.latency, args.peer, cutile=not args.no_cutile)
+        probe_decode(case_id, args.occupancy, args.triton, args.latency, args.peer, cutile=not args.no_cutile,
+                     plans=tuple(args.plans))
     if not args.skip_varlen:
         probe_varlen(persistent_twins=args.varlen_persistent,
                      stores=VARLEN_STORES if args.varlen_stores else ())
