@@ -109,6 +109,12 @@ ROWS_FALLBACK = DecodeVariant(64, "rows", 2, 2)
 COMBINE_OCCUPANCY = 16
 
 
+def chunks_of(variant: DecodeVariant, inputs: PagedKV, sm_count: int) -> tuple[int, int]:
+    """(num_splits, split_len): how ``variant``'s split plan cuts these caches (``impls._serving.split_plan``)."""
+    return split_plan(inputs.seqlens, inputs.k_cache.shape[2], variant.tile_n, sm_count,
+                      programs_per_sm=variant.plan_programs)
+
+
 def word_view_fits(k_cache: torch.Tensor, v_cache: torch.Tensor, width: int) -> bool:
     """Whether page loads can read these caches through 32-bit word views with 32-bit indexing (decode.py's
     WORD_PAGES): 16-bit elements, a head dim that fills the tile (no padded columns: the word view cannot
@@ -135,8 +141,7 @@ class DecodeCall(Launches):
         hkv = k_cache.shape[2]
         group, width = hq // hkv, tile_d(head_dim)
         tile_m = max(16, 1 << (group * sq - 1).bit_length())
-        self.num_splits, self.split_len = split_plan(inputs.seqlens, hkv, variant.tile_n, sm_count,
-                                                     programs_per_sm=variant.plan_programs)
+        self.num_splits, self.split_len = chunks_of(variant, inputs, sm_count)
         split = self.num_splits > 1
         parts = (batch * hkv, self.num_splits, tile_m) if split else (1, 1, 1)  # unused without a split
         self.part = torch.empty((*parts, width if split else 1), dtype=torch.float32, device=q.device)
@@ -191,12 +196,12 @@ def plan_candidates(forms: list[DecodeVariant], inputs: PagedKV, *, scale: float
     per form and chunk length (plans that cut the batch alike are timed once). Session 26 (H200): with the
     one plan the 70B slice at 256 x 8K split in 3 chunks, 83% of HBM, where the Triton kernel's tuner took
     one chunk a sequence for 88%."""
-    distinct: dict[tuple, DecodeCall] = {}
+    distinct: dict[tuple, DecodeVariant] = {}
     for form in forms:
         for programs in AIMED_PLANS:
-            call = DecodeCall(replace(form, plan_programs=programs), inputs, scale=scale, sm_count=sm_count)
-            distinct.setdefault((form, call.split_len), call)
-    return list(distinct.values())
+            variant = replace(form, plan_programs=programs)
+            distinct.setdefault((form, chunks_of(variant, inputs, sm_count)), variant)
+    return [DecodeCall(variant, inputs, scale=scale, sm_count=sm_count) for variant in distinct.values()]
 
 
 @register("cutile", op="paged", family="cutile", dtypes=HALF, devices=("cuda",), head_dims=DECODE_HEAD_DIMS,
