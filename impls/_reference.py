@@ -92,9 +92,11 @@ def attention_ref(
 
 
 def serving_attention_ref(inputs, *, scale: float | None = None, upcast: bool = True,
-                          indices: list[int] | None = None) -> dict[int, torch.Tensor]:
+                          indices: list[int] | None = None, window: tuple[int, int] = NO_WINDOW,
+                          softcap: float = 0.0) -> dict[int, torch.Tensor]:
     """The dense reference per sequence of a paged-decode or varlen batch (``impls._serving``): sequence
-    ``b`` -> its output ``(1, Hq, Sq, D)``. ``indices`` picks sequences (all by default)."""
+    ``b`` -> its output ``(1, Hq, Sq, D)``. ``indices`` picks sequences (all by default); a window and softcap
+    apply within each sequence, bottom-right like its causal mask."""
     from impls._serving import sequences
 
     scale = inputs.scale(scale)
@@ -102,6 +104,6 @@ def serving_attention_ref(inputs, *, scale: float | None = None, upcast: bool = 
     def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
         if 0 in (q.shape[2], k.shape[2]):  # a varlen sequence with no rows, or rows that see no key: zeros
             return q.new_zeros((*q.shape[:3], v.shape[-1]))
-        return attention_ref(q, k, v, causal=causal, scale=scale, upcast=upcast)
+        return attention_ref(q, k, v, causal=causal, scale=scale, upcast=upcast, window=window, softcap=softcap)
 
     return {b: reference(q, k, v, causal) for b, q, k, v, causal in sequences(inputs, indices)}

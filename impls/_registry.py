@@ -19,6 +19,9 @@ take the validated inputs object and the scale::
     @register("my-kernel", op="paged", family="triton", dtypes=HALF, devices=("cuda",))
     def my_decode(inputs: PagedKV, *, scale: float) -> Prepared: ...
 
+A window or softcap reaches a prepare function, as ``window=`` / ``softcap=``, of any operation only where it
+declares the variant (``variants=("window", "softcap")``).
+
 One name may be registered once per operation (``naive`` is all three).
 """
 
@@ -113,24 +116,19 @@ class Impl:
         """Validate, check support, and run the setup that stays outside any timed region.
 
         Dense: ``prepare(q, k, v, causal=..., scale=..., window=..., softcap=...)``; serving:
-        ``prepare(inputs, scale=...)`` with a ``PagedKV`` or ``Varlen`` (validated when it was made). A window
-        or softcap reaches only implementations that declare it (``variants=``); others refuse with the reason.
+        ``prepare(inputs, scale=..., window=..., softcap=...)`` with a ``PagedKV`` or ``Varlen`` (validated when
+        it was made; causality is the operation's). A window or softcap reaches only implementations that
+        declare it (``variants=``); others refuse with the reason.
         """
+        window, softcap = validate_variants(window, softcap)
         if self.op == "dense":
             q, k, v = inputs
             scale = validate_attention_inputs(q, k, v, scale)
             options: dict[str, Any] = {"causal": bool(causal), "scale": scale}
-            window, softcap = validate_variants(window, softcap)
             value_dim = v.shape[-1]
             if value_dim != q.shape[-1] and "value_dim" not in self.variants:
                 raise Unsupported(f"{self.name}: value head dim {value_dim} other than the query/key head dim "
                                   f"{q.shape[-1]} not supported")
-            for variant, used, value in (("window", window != NO_WINDOW, window), ("softcap", softcap > 0, softcap)):
-                if used and variant not in self.variants:
-                    raise Unsupported(f"{self.name}: {'sliding window' if variant == 'window' else 'softcap'} "
-                                      "not supported")
-                if used:
-                    options[variant] = value
         else:
             (batch,) = inputs
             if getattr(batch, "op", None) != self.op:
@@ -138,6 +136,12 @@ class Impl:
             q, scale = batch.q, batch.scale(scale)
             value_dim = None  # the serving operations have one head dim
             options = {"scale": scale}
+        for variant, used, value in (("window", window != NO_WINDOW, window), ("softcap", softcap > 0, softcap)):
+            if used and variant not in self.variants:
+                raise Unsupported(f"{self.name}: {'sliding window' if variant == 'window' else 'softcap'} "
+                                  f"not supported{'' if self.op == 'dense' else f' in {self.op} attention'}")
+            if used:
+                options[variant] = value
         reason = self.support_reason(q.dtype, q.device.type, q.shape[-1], value_dim)
         if reason:
             raise Unsupported(f"{self.name}: {reason}")

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from impls._validate import default_scale, validate_scale
+from impls._validate import UNBOUNDED, binding_window, default_scale, validate_scale
 
 
 def _check_tensor(name: str, t: torch.Tensor, dims: int, layout: str) -> None:
@@ -146,6 +146,20 @@ class PagedKV(_ServingInputs):
     @property
     def max_seqlen(self) -> int:
         return max(self.seqlens)
+
+    def read_lengths(self, window_left: int = UNBOUNDED, align: int = 1) -> list[int]:
+        """Cache positions that each sequence's new tokens see together, so a kernel reads: the whole cache, or
+        with a sliding window of ``window_left`` keys the last ``window_left + Sq_new`` positions, from the first
+        of them rounded down to a multiple of ``align`` (a kernel that reads whole tiles from the tile that
+        holds it)."""
+        sq = self.q.shape[1]
+        return [n - max(n - sq - window_left, 0) // align * align for n in self.seqlens]
+
+    def window_left(self, window: tuple[int, int]) -> int:
+        """A window's left side as the decode kernels take it: UNBOUNDED where it hides no key of these
+        sequences (decode is causal: no right side)."""
+        left, _ = binding_window(window, True, self.q.shape[1], self.max_seqlen)
+        return UNBOUNDED if left < 0 else left
 
 
 @dataclass
@@ -306,14 +320,16 @@ def combine_plan(num_splits: int, head_dim: int) -> tuple[int, int]:
     return tile_d, min(chunks, COMBINE_STEP_ELEMENTS // tile_d)
 
 
-def decode_shape_class(inputs: PagedKV) -> tuple:
+def decode_shape_class(inputs: PagedKV, window_left: int = UNBOUNDED, softcap: float = 0.0) -> tuple:
     """What a decode autotuner's choice depends on: dtype, head dim, heads, new tokens, page size, and the
-    batch, longest length and spread of lengths in powers of two."""
+    batch, longest length read and spread of those lengths in powers of two; and whether a window or softcap
+    is compiled in."""
     batch, sq, hq, head_dim = inputs.q.shape
-    hkv, lengths = inputs.k_cache.shape[2], inputs.seqlens
+    hkv, lengths = inputs.k_cache.shape[2], inputs.read_lengths(window_left)
     spread = round(math.log2(max(lengths) * len(lengths) / sum(lengths)))
     pow2 = [1 << (n - 1).bit_length() for n in (batch, max(lengths))]
-    return ("paged", inputs.q.dtype, head_dim, hkv, hq // hkv, sq, inputs.page_size, *pow2, spread)
+    variants = ("window",) * (window_left < UNBOUNDED) + ("softcap",) * (softcap > 0)
+    return ("paged", inputs.q.dtype, head_dim, hkv, hq // hkv, sq, inputs.page_size, *pow2, spread, *variants)
 
 
 # Persistent varlen prefill: the host plans which block runs which query tiles, once, when the call is prepared

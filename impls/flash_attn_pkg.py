@@ -86,12 +86,12 @@ FA4_DECODE_SETTINGS = {"num_splits": 0, "pack_gqa": True}
 def _make_serving(name: str, module: str, hint: str) -> None:
     fa4 = name == "flash-attn4"
 
-    @register(name, op="paged", family="flash-attn", dtypes=HALF, devices=("cuda",),
+    @register(name, op="paged", family="flash-attn", dtypes=HALF, devices=("cuda",), variants=("window", "softcap"),
               requires=_requires(module, "flash_attn_varlen_func" if fa4 else "flash_attn_with_kvcache", hint),
               description=f"{module}." + ("flash_attn_varlen_func with page_table, seqused_k, split heuristic "
                                           "and pack_gqa" if fa4 else "flash_attn_with_kvcache with block_table"))
-    def prepare_paged(inputs, *, scale: float):
-        common = {"softmax_scale": scale, "causal": True}
+    def prepare_paged(inputs, *, scale: float, **variants):
+        common = {"softmax_scale": scale, "causal": True, **variant_kwargs(name, **variants)}
         if fa4:
             func = load_function(module, "flash_attn_varlen_func")
             kwargs = {**common, "seqused_k": inputs.cache_seqlens, "page_table": inputs.block_table,
@@ -112,14 +112,14 @@ def _make_serving(name: str, module: str, hint: str) -> None:
             return Prepared(probe(call, *REFUSALS), config={**FA4_DECODE_SETTINGS, "num_splits": 1,
                                                              "why": str(exc)[:120]})
 
-    @register(name, op="varlen", family="flash-attn", dtypes=HALF, devices=("cuda",),
+    @register(name, op="varlen", family="flash-attn", dtypes=HALF, devices=("cuda",), variants=("window", "softcap"),
               requires=_requires(module, "flash_attn_varlen_func", hint),
               description=f"{module}.flash_attn_varlen_func")
-    def prepare_varlen(inputs, *, scale: float):
+    def prepare_varlen(inputs, *, scale: float, **variants):
         func = load_function(module, "flash_attn_varlen_func")
         kwargs = {"cu_seqlens_q": inputs.cu_seqlens_q, "cu_seqlens_k": inputs.cu_seqlens_k,
                   "max_seqlen_q": inputs.max_seqlen_q, "max_seqlen_k": inputs.max_seqlen_k,
-                  "softmax_scale": scale, "causal": inputs.causal}
+                  "softmax_scale": scale, "causal": inputs.causal, **variant_kwargs(name, **variants)}
 
         def call() -> torch.Tensor:
             return _first_output(func(inputs.q, inputs.k, inputs.v, **kwargs))

@@ -4,8 +4,9 @@
   setting FlashInfer recommends for grouped-query heads); several (speculative decoding) through
   ``BatchPrefillWithPagedKVCacheWrapper`` with ``causal=True``. The block table becomes FlashInfer's CSR page
   list (``indptr``, ``indices``, ``last_page_len``) in prepare, as a server keeps it.
-- ``varlen`` and dense: ``BatchPrefillWithRaggedKVCacheWrapper`` (dense is the equal-length batch), with the
-  window (left side; FlashInfer has no right bound) and softcap (``logits_soft_cap``).
+- ``varlen`` and dense: ``BatchPrefillWithRaggedKVCacheWrapper`` (dense is the equal-length batch).
+- Every operation takes the window (left side, ``window_left``; FlashInfer has no right bound) and softcap
+  (``logits_soft_cap``) where the call asks for them.
 
 Planning (which also JIT-compiles the kernels on first use) happens in prepare; the timed call is ``run``.
 FlashInfer aligns a causal mask bottom-right when a sequence has more keys than queries, as the contract does.
@@ -50,6 +51,11 @@ def page_table_csr(block_table: torch.Tensor, seqlens: tuple[int, ...], page_siz
     return indptr.to(device), indices.contiguous(), last.to(device)
 
 
+def check_window(window: tuple[int, int], causal: bool) -> None:
+    if window != NO_WINDOW and not causal and window[1] >= 0:
+        raise Unsupported("a window with a right bound: FlashInfer's window has a left side only")
+
+
 def _ragged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, *,
             causal: bool, scale: float, window_left: int = -1, softcap: float = 0.0):
     """A planned ragged prefill over packed (tokens, heads, D) tensors; returns the timed call."""
@@ -68,8 +74,7 @@ def _ragged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tenso
           description="flashinfer.BatchPrefillWithRaggedKVCacheWrapper over the equal-length batch")
 def prepare_dense(q, k, v, *, causal: bool, scale: float, window: tuple[int, int] = NO_WINDOW,
                   softcap: float = 0.0) -> Prepared:
-    if window != NO_WINDOW and not causal and window[1] >= 0:
-        raise Unsupported("a window with a right bound: FlashInfer's window has a left side only")
+    check_window(window, causal)
     batch, heads, q_len, head_dim = q.shape
     kv_len = k.shape[2]
     packed = [t.transpose(1, 2).reshape(-1, t.shape[1], head_dim) for t in (q, k, v)]  # (B*S, H, D)
@@ -83,39 +88,40 @@ def prepare_dense(q, k, v, *, causal: bool, scale: float, window: tuple[int, int
 
 
 @register("flashinfer", op="varlen", family="flashinfer", dtypes=HALF, devices=("cuda",), head_dims=HEAD_DIMS,
-          requires=requires,
+          requires=requires, variants=("window", "softcap"),
           description="flashinfer.BatchPrefillWithRaggedKVCacheWrapper")
-def prepare_varlen(inputs, *, scale: float) -> Prepared:
+def prepare_varlen(inputs, *, scale: float, window: tuple[int, int] = NO_WINDOW, softcap: float = 0.0) -> Prepared:
+    check_window(window, inputs.causal)
     run = _ragged(inputs.q, inputs.k, inputs.v, inputs.cu_seqlens_q, inputs.cu_seqlens_k, causal=inputs.causal,
-                  scale=scale)
+                  scale=scale, window_left=window[0], softcap=softcap)
     return Prepared(probe(run, *REFUSALS), config={"layout": LAYOUT})
 
 
 @register("flashinfer", op="paged", family="flashinfer", dtypes=HALF, devices=("cuda",), head_dims=HEAD_DIMS,
-          requires=requires,
+          requires=requires, variants=("window", "softcap"),
           description="flashinfer.BatchDecodeWithPagedKVCacheWrapper (tensor cores) for one new token, "
                       "BatchPrefillWithPagedKVCacheWrapper (causal) for several")
-def prepare_paged(inputs, *, scale: float) -> Prepared:
+def prepare_paged(inputs, *, scale: float, window: tuple[int, int] = NO_WINDOW, softcap: float = 0.0) -> Prepared:
     import flashinfer
 
     batch, new, heads, head_dim = inputs.q.shape
     kv_heads = inputs.k_cache.shape[2]
     indptr, indices, last = page_table_csr(inputs.block_table, inputs.seqlens, inputs.page_size)
     dtypes = {"q_data_type": inputs.q.dtype, "kv_data_type": inputs.k_cache.dtype}
+    options = {"sm_scale": scale, "window_left": window[0], "logits_soft_cap": softcap or None, **dtypes}
     cache = (inputs.k_cache, inputs.v_cache)
     workspace = _workspace(inputs.q.device)
     with refusing(*REFUSALS):
         if new == 1:
             wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, LAYOUT, use_tensor_cores=True)
-            wrapper.plan(indptr, indices, last, heads, kv_heads, head_dim, inputs.page_size, sm_scale=scale,
-                         **dtypes)
+            wrapper.plan(indptr, indices, last, heads, kv_heads, head_dim, inputs.page_size, **options)
             q = inputs.q.view(batch, heads, head_dim)
             config = {"wrapper": "BatchDecodeWithPagedKVCacheWrapper", "use_tensor_cores": True}
         else:
             wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, LAYOUT)
             qo_indptr = torch.arange(batch + 1, dtype=torch.int32, device=inputs.q.device) * new
             wrapper.plan(qo_indptr, indptr, indices, last, heads, kv_heads, head_dim, inputs.page_size,
-                         causal=True, sm_scale=scale, **dtypes)
+                         causal=True, **options)
             q = inputs.q.reshape(batch * new, heads, head_dim)
             config = {"wrapper": "BatchPrefillWithPagedKVCacheWrapper", "causal": True}
 

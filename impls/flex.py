@@ -77,6 +77,21 @@ def _zero_empty_rows(out: torch.Tensor, q_len: int, kv_len: int) -> torch.Tensor
     return out
 
 
+def _within(kv_idx, position, left: int, right: int):
+    """Keys a query at key position ``position`` sees: at most ``right`` after it and ``left`` before it (-1:
+    unbounded), bottom-right like impls._reference.visible."""
+    seen = (kv_idx <= position + right) if right >= 0 else (kv_idx >= 0)
+    return seen & (kv_idx >= position - left) if left >= 0 else seen
+
+
+def _softcap_mod(softcap: float):
+    """The score_mod of a softcap, or None without one."""
+    def capped(score, b, h, q_idx, kv_idx):
+        return softcap * torch.tanh(score / softcap)
+
+    return capped if softcap else None
+
+
 @register("flex", family="sdpa", requires=requires, variants=("window", "softcap", "value_dim"),
           description="torch FlexAttention, compiled on a GPU; causal and window as a mask_mod and a block mask, "
                       "softcap as a score_mod")
@@ -86,24 +101,19 @@ def flex_dense(q, k, v, *, causal: bool, scale: float, window: tuple[int, int] =
     left, right = window
     right = 0 if causal else right
 
-    def visible(b, h, q_idx, kv_idx):  # bottom-right, like impls._reference.visible
-        position = q_idx + offset
-        seen = (kv_idx <= position + right) if right >= 0 else (kv_idx >= 0)
-        return seen & (kv_idx >= position - left) if left >= 0 else seen
-
-    def capped(score, b, h, q_idx, kv_idx):
-        return softcap * torch.tanh(score / softcap)
+    def visible(b, h, q_idx, kv_idx):
+        return _within(kv_idx, q_idx + offset, left, right)
 
     masked = causal or window != NO_WINDOW
-    prepared = _prepared(q, k, v, visible if masked else None, scale=scale, score_mod=capped if softcap else None)
+    prepared = _prepared(q, k, v, visible if masked else None, scale=scale, score_mod=_softcap_mod(softcap))
     if masked and q_len > kv_len:
         return Prepared(lambda: _zero_empty_rows(prepared(), q_len, kv_len), prepared.config)
     return prepared
 
 
-@register("flex", op="varlen", family="sdpa", requires=requires,
+@register("flex", op="varlen", family="sdpa", requires=requires, variants=("window", "softcap"),
           description="torch FlexAttention over the packed batch with a document mask (no padding computed)")
-def flex_varlen(inputs, *, scale: float):
+def flex_varlen(inputs, *, scale: float, window: tuple[int, int] = NO_WINDOW, softcap: float = 0.0):
     device = inputs.q.device
     lengths_q = torch.tensor(inputs.seqlens_q(), device=device)
     lengths_k = torch.tensor(inputs.seqlens_k(), device=device)
@@ -114,14 +124,16 @@ def flex_varlen(inputs, *, scale: float):
     causal = inputs.causal
     if causal and bool((offset < 0).any()):
         raise Unsupported("a sequence with more queries than keys: its first rows see no key")
+    left, right = window
+    right = 0 if causal else right
 
     def document(b, h, q_idx, kv_idx):
         same = doc_q[q_idx] == doc_k[kv_idx]
-        if not causal:
+        if not causal and window == NO_WINDOW:
             return same
         seq = doc_q[q_idx]
-        return same & (kv_idx - start_k[seq] <= q_idx - start_q[seq] + offset[seq])
+        return same & _within(kv_idx - start_k[seq], q_idx - start_q[seq] + offset[seq], left, right)
 
     q, k, v = (t.transpose(0, 1)[None] for t in (inputs.q, inputs.k, inputs.v))  # (1, H, total, D)
-    prepared = _prepared(q, k, v, document, scale=scale)
+    prepared = _prepared(q, k, v, document, scale=scale, score_mod=_softcap_mod(softcap))
     return Prepared(lambda: prepared()[0].transpose(0, 1), prepared.config)

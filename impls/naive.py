@@ -31,14 +31,15 @@ def naive(q, k, v, *, causal: bool, scale: float, **variants):
     return lambda: attention_ref(q, k, v, causal=causal, scale=scale, upcast=False, chunk_bytes=None, **variants)
 
 
-@register("naive", op="paged", family="naive",
+@register("naive", op="paged", family="naive", variants=("window", "softcap"),
           description="each sequence's pages gathered, then standard attention per sequence, eager PyTorch")
-@register("naive", op="varlen", family="naive", description="standard attention per packed sequence, eager PyTorch")
-def naive_serving(inputs, *, scale: float):
+@register("naive", op="varlen", family="naive", variants=("window", "softcap"),
+          description="standard attention per packed sequence, eager PyTorch")
+def naive_serving(inputs, *, scale: float, **variants):
     out = inputs.output_like()
 
     def run():
-        for b, o in serving_attention_ref(inputs, scale=scale, upcast=False).items():
+        for b, o in serving_attention_ref(inputs, scale=scale, upcast=False, **variants).items():
             scatter_sequence(out, inputs, b, o)
         return out
 

@@ -11,6 +11,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from impls._registry import Unsupported, probe, register
+from impls._validate import NO_WINDOW
 
 BACKENDS: dict[str, tuple[SDPBackend | None, tuple[str, ...]]] = {
     "sdpa": (None, ("cpu", "cuda")),
@@ -88,10 +89,10 @@ for _name, (_backend, _devices) in BACKENDS.items():
 
 # Serving with SDPA: what every PyTorch user has without a serving kernel.
 
-@register("sdpa", op="paged", family="sdpa",
+@register("sdpa", op="paged", family="sdpa", variants=("window",),
           description="pages gathered into a padded contiguous cache inside the timed call, then torch SDPA "
-                      "with a length and causal mask")
-def sdpa_paged(inputs, *, scale: float):
+                      "with a length and causal mask (and a window's)")
+def sdpa_paged(inputs, *, scale: float, window: tuple[int, int] = NO_WINDOW):
     batch, sq, hq, _ = inputs.q.shape
     page, longest = inputs.page_size, inputs.max_seqlen
     device = inputs.q.device
@@ -105,6 +106,8 @@ def sdpa_paged(inputs, *, scale: float):
     slots = torch.where(valid, slots, 0)
     new_pos = lengths - sq + torch.arange(sq, device=device)[None, :]  # (B, Sq): position of each new token
     visible = (positions[None, None, :] <= new_pos[:, :, None]) & valid[:, None, :]  # (B, Sq, Lmax)
+    if window[0] >= 0:
+        visible &= positions[None, None, :] >= new_pos[:, :, None] - window[0]
     mask = visible[:, None]  # (B, 1, Sq, Lmax)
     keep = valid[:, :, None, None]
     flat_k, flat_v = inputs.k_cache.flatten(0, 1), inputs.v_cache.flatten(0, 1)

@@ -46,8 +46,8 @@ class Case:
     page_size: int = 0
     lengths: str = "fixed"
     model: str = ""  # the checkpoint whose attention shape this is, shown in the id
-    window: tuple[int, int] = NO_WINDOW  # sliding window (left, right), bottom-right; -1: unbounded (dense only)
-    softcap: float = 0.0  # scores become softcap * tanh(scores / softcap) (dense only)
+    window: tuple[int, int] = NO_WINDOW  # sliding window (left, right), bottom-right; -1: unbounded
+    softcap: float = 0.0  # scores become softcap * tanh(scores / softcap)
     dv: int = 0  # the value (and output) head dim where it differs from d, as in MLA prefill; 0: d (dense only)
 
     def __post_init__(self) -> None:
@@ -64,8 +64,8 @@ class Case:
             raise ValueError(f"page_size {self.page_size} for op {self.op}: paged cases need one, others none")
         if self.op == "paged" and not self.causal:
             raise ValueError("paged decode is causal: the new tokens are the last positions of each sequence")
-        if self.op != "dense" and (self.window != NO_WINDOW or self.softcap or self.dv):
-            raise ValueError("window, softcap and a value head dim of its own are dense-attention variants here")
+        if self.op != "dense" and self.dv:
+            raise ValueError("a value head dim of its own is a dense-attention variant here")
         if self.op == "varlen" and (self.sq != self.skv or self.sq < self.batch):
             raise ValueError(f"varlen: {self.batch} sequences need sq == skv >= batch tokens in all")
 
@@ -77,15 +77,15 @@ class Case:
         mask = "causal" if self.causal else "full"
         tail = f"-b{self.batch}" if self.batch != 1 else ""
         heads = f"h{self.hq}:{self.hkv}"
+        variants = (f"-dv{self.dv}" if self.dv else "") + (
+            f"-w{self.window[0]}:{self.window[1]}" if self.window != NO_WINDOW else "") + (
+            f"-cap{self.softcap:g}" if self.softcap else "")
         if self.op == "paged":
             body = (f"paged-{self.dtype}-{heads}-q{self.sq}-kv{self.skv}-{self.lengths}-p{self.page_size}"
-                    f"-d{self.d}{tail}")
+                    f"-d{self.d}{variants}{tail}")
         elif self.op == "varlen":
-            body = f"varlen-{self.dtype}-{mask}-{heads}-t{self.sq}-{self.lengths}-d{self.d}{tail}"
+            body = f"varlen-{self.dtype}-{mask}-{heads}-t{self.sq}-{self.lengths}-d{self.d}{variants}{tail}"
         else:
-            variants = (f"-dv{self.dv}" if self.dv else "") + (
-                f"-w{self.window[0]}:{self.window[1]}" if self.window != NO_WINDOW else "") + (
-                f"-cap{self.softcap:g}" if self.softcap else "")
             body = f"{self.dtype}-{mask}-{heads}-s{self.sq}x{self.skv}-d{self.d}{variants}{tail}"
         return f"{self.model}-{body}" if self.model else body
 
@@ -223,16 +223,19 @@ MAX_SERVING_TOKENS = 1 << 21  # batch x cache length: 8 GiB of bf16 K and V for 
 
 
 def paged(model: tuple[str, int, int, int], batch: int, skv: int, *, sq: int = 1, page_size: int = 16,
-          lengths: str = "uniform", dtype: str = "bf16") -> Case:
+          lengths: str = "uniform", dtype: str = "bf16", **variants) -> Case:
+    """A decode step; ``variants``: the model's window and softcap."""
     name, hq, hkv, d = model
     return Case(batch, hq, hkv, sq, skv, d, dtype, True, op="paged", page_size=page_size, lengths=lengths,
-                model=name)
+                model=name, **variants)
 
 
 def varlen(model: tuple[str, int, int, int], batch: int, total: int, *, lengths: str = "random",
-           causal: bool = True, dtype: str = "bf16") -> Case:
+           causal: bool = True, dtype: str = "bf16", **variants) -> Case:
+    """A packed prefill; ``variants``: the model's window and softcap."""
     name, hq, hkv, d = model
-    return Case(batch, hq, hkv, total, total, d, dtype, causal, op="varlen", lengths=lengths, model=name)
+    return Case(batch, hq, hkv, total, total, d, dtype, causal, op="varlen", lengths=lengths, model=name,
+                **variants)
 
 
 # Packed batches that the varlen cases do not make, as (query lengths, key lengths, causal): more keys than
@@ -302,6 +305,26 @@ def _models(shapes: Iterable[tuple[int, int]], shrink: int = 1, window_to: int |
             for name, hq, hkv, d, window, cap, dv in MODELS for b, n in shapes]
 
 
+# The models whose serving steps differ from Llama-3's (the `serving` preset): a window, softcap, head dims 256,
+# 96 and 64, a GQA ratio of 7, plain multi-head attention. MLA decodes in its absorbed form, another operation.
+SERVED_MODELS = ("mistral-7b", "qwen2.5-7b", "gemma2-9b-local", "gemma2-9b-global", "phi3-mini", "gpt2")
+
+
+def _models_serving(decode: Iterable[tuple[int, int]], prefill: Iterable[tuple[int, int]], shrink: int = 1,
+                    window_to: int | None = None) -> list[Case]:
+    """Each served model's decode steps (batch, cache length; one new token, pages of 16) and packed prefills
+    (sequences, tokens in all; random lengths, causal), with its window and softcap. ``shrink`` and
+    ``window_to`` as in ``_models``."""
+    cases = []
+    for name, hq, hkv, d, window, cap, _ in (m for m in MODELS if m[0] in SERVED_MODELS):
+        model = (name, max(hq // shrink, hq // hkv), max(hkv // shrink, 1), d)
+        window = (window_to, window[1]) if window_to and window[0] > 0 else window
+        variants = {"window": window, "softcap": cap}
+        cases += [paged(model, b, n, **variants) for b, n in decode]
+        cases += [varlen(model, b, t, **variants) for b, t in prefill]
+    return cases
+
+
 def _varlen() -> list[Case]:
     """Packed prefill of random lengths, 16K and 64K tokens; and the equal-length batch beside the dense case
     of the same shape (the varlen path should cost nothing over the dense kernel)."""
@@ -350,6 +373,9 @@ PRESETS: dict[str, list[Case]] = {
     # Prefill as serving runs it, per model: 4 x 4K and 1 x 32K.
     "models": _models([(4, 4096), (1, 32768)]),
     "models-cpu": _models([(1, 96)], shrink=64, window_to=32),
+    # Serving steps of the models beside Llama-3: decode over pages and packed prefill, with their variants.
+    "models-serving": _models_serving(decode=[(64, 8192), (16, 32768)], prefill=[(16, 65536)]),
+    "models-serving-cpu": _models_serving(decode=[(2, 100)], prefill=[(3, 200)], shrink=16, window_to=40),
     "serving": _serving(),
     "varlen": _varlen(),
     # The serving twins on CPU (and as cheap GPU edge cases): ragged lengths over page boundaries, GQA and MQA,

@@ -85,13 +85,14 @@ class Oracle:
         return cls([ref], [naive], lambda out: [out[bi, hi][:, None]], expected, len(heads))
 
     @classmethod
-    def serving(cls, inputs, *, scale: float | None = None) -> Oracle:
-        """Sampled sequences of a paged-decode or varlen batch, every head and query row of each."""
+    def serving(cls, inputs, *, scale: float | None = None, **variants) -> Oracle:
+        """Sampled sequences of a paged-decode or varlen batch, every head and query row of each; ``variants``:
+        window, softcap."""
         batch = inputs.q.shape[0] if inputs.op == "paged" else inputs.batch
         rows = [1] * batch if inputs.op == "paged" else inputs.seqlens_q()
         seqs = [b for b in sampled_sequences(batch) if rows[b]]  # a varlen sequence may have no rows to check
-        refs = serving_attention_ref(inputs, scale=scale, upcast=True, indices=seqs)
-        naives = serving_attention_ref(inputs, scale=scale, upcast=False, indices=seqs)
+        refs = serving_attention_ref(inputs, scale=scale, upcast=True, indices=seqs, **variants)
+        naives = serving_attention_ref(inputs, scale=scale, upcast=False, indices=seqs, **variants)
 
         def extract(out: torch.Tensor) -> list[torch.Tensor]:
             if inputs.op == "paged":

@@ -43,18 +43,21 @@ def windowed_pairs(sq: int, skv: int, causal: bool, window: tuple[int, int]) -> 
     return total
 
 
+def pairs(sq: int, skv: int, causal: bool, window: tuple[int, int] = NO_WINDOW) -> int:
+    """Visible query-key pairs of one sequence: causal and a window, both bottom-right."""
+    return windowed_pairs(sq, skv, causal, window) if window != NO_WINDOW else visible_pairs(sq, skv, causal)
+
+
 def flops(case: Case) -> int:
     """Two matmuls (QK^T and PV), 2 FLOPs per multiply-add, over query heads (GQA shares K/V, not work);
     serving cases sum over their sequences (decode: Sq_new new tokens against each cache, bottom-right)."""
-    if case.op == "dense" and case.window != NO_WINDOW:
-        pairs = case.batch * windowed_pairs(case.sq, case.skv, case.causal, case.window)
-    elif case.op == "dense":
-        pairs = case.batch * visible_pairs(case.sq, case.skv, case.causal)
+    if case.op == "dense":
+        total = case.batch * pairs(case.sq, case.skv, case.causal, case.window)
     elif case.op == "paged":
-        pairs = sum(visible_pairs(case.sq, n, True) for n in case.seqlens())
+        total = sum(pairs(case.sq, n, True, case.window) for n in case.seqlens())
     else:
-        pairs = sum(visible_pairs(n, n, case.causal) for n in case.seqlens())
-    return 2 * case.hq * (case.d + case.value_dim) * pairs  # Q K^T over d, P V over the value head dim
+        total = sum(pairs(n, n, case.causal, case.window) for n in case.seqlens())
+    return 2 * case.hq * (case.d + case.value_dim) * total  # Q K^T over d, P V over the value head dim
 
 
 def itemsize(case: Case) -> int:
@@ -62,8 +65,14 @@ def itemsize(case: Case) -> int:
 
 
 def kv_bytes(case: Case) -> int:
-    """K and V bytes a kernel must read: each sequence's cache once (decode), each kv head once (GQA)."""
-    tokens = sum(case.seqlens()) if case.op != "dense" else case.batch * case.skv
+    """K and V bytes a kernel must read: each sequence's cache once (decode: with a sliding window, only the
+    positions some new token sees), each kv head once (GQA)."""
+    if case.op == "dense":
+        tokens = case.batch * case.skv
+    elif case.op == "paged" and case.window[0] >= 0:
+        tokens = sum(min(n, case.window[0] + case.sq) for n in case.seqlens())
+    else:
+        tokens = sum(case.seqlens())
     return tokens * case.hkv * (case.d + case.value_dim) * itemsize(case)
 
 

@@ -32,8 +32,8 @@ from suite.cases import Case
 from suite.checks import CheckResult, Oracle
 
 DEFAULT_GRIDS = {  # phase -> (without a GPU, with one)
-    "correctness": (("cpu", "serving-cpu", "varlen-cpu", "models-cpu"),
-                    ("gpu", "serving-cpu", "varlen-cpu", "models-cpu")),
+    "correctness": (("cpu", "serving-cpu", "varlen-cpu", "models-cpu", "models-serving-cpu"),
+                    ("gpu", "serving-cpu", "varlen-cpu", "models-cpu", "models-serving-cpu")),
     "benchmark": (("cpu-bench",), ("blog",)),
 }
 # Timing modes by default (suite/timing.py): on a GPU the CUDA-graph number leads (the kernels' own time,
@@ -197,14 +197,14 @@ class Problem:
     def oracle(self) -> Oracle:
         if self.case.op == "dense":
             return Oracle.dense(*self.inputs, causal=self.case.causal, **self.case.variants)
-        return Oracle.serving(self.inputs)
+        return Oracle.serving(self.inputs, **self.case.variants)
 
     def prepare(self, impl: Impl, inputs: Any = None) -> Prepared:
         """``impl`` prepared on this case's inputs (or on a copy of them, ``inputs``)."""
         inputs = self.inputs if inputs is None else inputs
         if self.case.op == "dense":
             return impl.prepare(*inputs, causal=self.case.causal, **self.case.variants)
-        return impl.prepare(inputs)
+        return impl.prepare(inputs, **self.case.variants)
 
     def input_copies(self, n: int) -> list[Any]:
         """``n`` copies of the inputs in fresh memory, the first being the inputs themselves."""

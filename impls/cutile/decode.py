@@ -25,7 +25,12 @@ enough blocks to keep HBM busy:
    The last tile of a sequence is masked after loading, so that whatever the slots past its end hold (NaN
    included) never reaches the output; table entries past its last page are never followed.
 
-Causal within each sequence, bottom-right: new token ``t`` of ``SQ`` sees positions ``<= L - SQ + t``.
+4. Model variants: a sliding window of ``window_left`` keys (HAS_WINDOW) moves each sequence's first key tile
+   to the one that holds the first position the first new token sees, so the chunks cut only the window and
+   nothing before it is read; tiles across the window's edge are masked. SOFTCAP caps the scores (a tanh).
+
+Causal within each sequence, bottom-right: new token ``t`` of ``SQ`` sees positions ``<= L - SQ + t`` (and,
+windowed, ``>= L - SQ + t - window_left``).
 Query row ``r`` of a tile is query head ``kv_head * GROUP + r // SQ``, new token ``r % SQ``.
 """
 
@@ -35,7 +40,16 @@ import math
 
 import cuda.tile as ct
 
-from impls.cutile.kernel import INV_LOG_2, ConstBool, ConstInt, finite, softmax_step, with_int64_indexing
+from impls.cutile.kernel import (
+    ConstBool,
+    ConstFloat,
+    ConstInt,
+    capped,
+    finite,
+    score_scale,
+    softmax_step,
+    with_int64_indexing,
+)
 
 ROWS, PAGES, INDEXED, WORD_PAGES = 0, 1, 2, 3  # GATHER: how a key tile is read from the pages (module docstring)
 
@@ -43,9 +57,10 @@ ROWS, PAGES, INDEXED, WORD_PAGES = 0, 1, 2, 3  # GATHER: how a key tile is read 
 @ct.kernel
 def paged_decode_split(
     Q, KCache, VCache, BlockTable, CacheSeqlens, OutPart, LsePart, Out,
-    qk_scale: float, num_kv_heads: int, split_len: int,
+    qk_scale: float, num_kv_heads: int, split_len: int, window_left: int,
     GROUP: ConstInt, SQ: ConstInt, TILE_M: ConstInt, TILE_N: ConstInt, TILE_D: ConstInt, PAGE_SIZE: ConstInt,
-    GATHER: ConstInt, SPLIT: ConstBool, K_LATENCY: ConstInt, V_LATENCY: ConstInt,
+    GATHER: ConstInt, SPLIT: ConstBool, K_LATENCY: ConstInt, V_LATENCY: ConstInt, HAS_WINDOW: ConstBool,
+    SOFTCAP: ConstFloat,
 ):
     """Block (chunk, batch * kv head): the GROUP x SQ query rows over one chunk of the cache. SPLIT: write
     the chunk's normalised output (B * Hkv, chunks, TILE_M, TILE_D) and log-sum-exp (B * Hkv, chunks,
@@ -67,23 +82,30 @@ def paged_decode_split(
     m_i = ct.full((TILE_M, 1), -math.inf, dtype=ct.float32)
     l_i = ct.full((TILE_M, 1), 0.0, dtype=ct.float32)
     acc = ct.full((TILE_M, TILE_D), 0.0, dtype=ct.float32)
-    score_scale_log2 = qk_scale * INV_LOG_2
-    first = chunk * (split_len // TILE_N)  # split_len is whole tiles
+    score_scale_log2 = score_scale(qk_scale, SOFTCAP)
+    # split_len is whole tiles; the chunks start at the tile that holds the first position read (first_tile)
+    first = first_tile(seq_len, window_left, SQ, TILE_N) + chunk * (split_len // TILE_N)
     end = min(first + split_len // TILE_N, ct.cdiv(seq_len, TILE_N))
+    # A window's near edge: tiles before the last new token's window (from L - 1 - window_left) are hidden from
+    # some rows, so masked.
+    free = first
+    if HAS_WINDOW:
+        free = max(first, min(end, ct.cdiv(max(seq_len - 1 - window_left, 0), TILE_N)))
+        for j in range(first, free):
+            acc, l_i, m_i = masked_fold(q, acc, l_i, m_i, KCache, VCache, BlockTable, batch, kv_head, j, seq_len,
+                                        last_visible, window_left, dims, qk_scale, score_scale_log2, TILE_M, TILE_N,
+                                        TILE_D, PAGE_SIZE, GATHER, K_LATENCY, V_LATENCY, HAS_WINDOW, SOFTCAP)
     # Tiles every new token sees whole (their last position <= L - SQ) need no mask; the rest are masked.
-    whole = max(first, min(end, (seq_len - SQ + 1) // TILE_N))
-    for j in range(first, whole):
+    whole = max(free, min(end, (seq_len - SQ + 1) // TILE_N))
+    for j in range(free, whole):
         k, v = key_tile(KCache, VCache, BlockTable, batch, kv_head, j, seq_len, dims, TILE_N, TILE_D,
                         PAGE_SIZE, GATHER, False, K_LATENCY, V_LATENCY, q.dtype)
-        acc, l_i, m_i = fold(acc, l_i, m_i, ct.mma(q, k, ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32)), v,
-                             score_scale_log2, False)
+        qk = capped(ct.mma(q, k, ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32)), qk_scale, SOFTCAP, True)
+        acc, l_i, m_i = fold(acc, l_i, m_i, qk, v, score_scale_log2, False)
     for j in range(whole, end):
-        k, v = key_tile(KCache, VCache, BlockTable, batch, kv_head, j, seq_len, dims, TILE_N, TILE_D,
-                        PAGE_SIZE, GATHER, True, K_LATENCY, V_LATENCY, q.dtype)
-        qk = ct.mma(q, k, ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32))
-        positions = j * TILE_N + ct.arange(TILE_N, dtype=ct.int32)[None, :]
-        qk = ct.where(positions <= last_visible, qk, -math.inf)  # also hides positions past the sequence
-        acc, l_i, m_i = fold(acc, l_i, m_i, qk, v, score_scale_log2, True)
+        acc, l_i, m_i = masked_fold(q, acc, l_i, m_i, KCache, VCache, BlockTable, batch, kv_head, j, seq_len,
+                                    last_visible, window_left, dims, qk_scale, score_scale_log2, TILE_M, TILE_N,
+                                    TILE_D, PAGE_SIZE, GATHER, K_LATENCY, V_LATENCY, HAS_WINDOW, SOFTCAP)
 
     l_safe = ct.where(l_i == 0.0, 1.0, l_i)  # a row that saw no key in this chunk: output 0, weight 0
     acc = ct.truediv(acc, l_safe)
@@ -93,6 +115,27 @@ def paged_decode_split(
         ct.store(LsePart, index=(batch_kv, chunk, 0), tile=lse.reshape((1, 1, TILE_M)))
     else:
         ct.scatter(Out, (batch, token, head, dims[None, :]), acc.astype(Out.dtype), mask=real_row)
+
+
+def first_tile(seq_len, window_left, SQ, TILE_N):
+    """The key tile that holds the first position a sequence's new tokens see: 0, or with a window of
+    ``window_left`` keys (UNBOUNDED: none) the tile of position L - SQ - window_left."""
+    return max(seq_len - SQ - window_left, 0) // TILE_N
+
+
+def masked_fold(q, acc, l_i, m_i, KCache, VCache, BlockTable, batch, kv_head, j, seq_len, last_visible, window_left,
+                dims, qk_scale, score_scale_log2, TILE_M, TILE_N, TILE_D, PAGE_SIZE, GATHER, K_LATENCY, V_LATENCY,
+                HAS_WINDOW, SOFTCAP):
+    """Key tile j into the online softmax, each row's positions past its ``last_visible`` (past the sequence
+    too) and, HAS_WINDOW, more than ``window_left`` before it, hidden."""
+    k, v = key_tile(KCache, VCache, BlockTable, batch, kv_head, j, seq_len, dims, TILE_N, TILE_D,
+                    PAGE_SIZE, GATHER, True, K_LATENCY, V_LATENCY, q.dtype)
+    qk = capped(ct.mma(q, k, ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32)), qk_scale, SOFTCAP, True)
+    positions = j * TILE_N + ct.arange(TILE_N, dtype=ct.int32)[None, :]
+    visible = positions <= last_visible
+    if HAS_WINDOW:
+        visible = visible & (positions >= last_visible - window_left)
+    return fold(acc, l_i, m_i, ct.where(visible, qk, -math.inf), v, score_scale_log2, True)
 
 
 def key_tile(KCache, VCache, BlockTable, batch, kv_head, j, seq_len, dims, TILE_N, TILE_D, PAGE_SIZE, GATHER,
@@ -191,8 +234,8 @@ def fold(acc, l_i, m_i, qk, v, score_scale_log2, MAY_BE_EMPTY):
 @ct.kernel
 def paged_decode_combine(
     OutPart, LsePart, CacheSeqlens, Out,
-    num_kv_heads: int, split_len: int,
-    GROUP: ConstInt, SQ: ConstInt, TILE_D: ConstInt, CHUNKS: ConstInt,
+    num_kv_heads: int, split_len: int, window_left: int,
+    GROUP: ConstInt, SQ: ConstInt, TILE_D: ConstInt, CHUNKS: ConstInt, TILE_N: ConstInt,
 ):
     """Block (batch * kv head, row, head-dim slice): merge the row's chunks by log-sum-exp over TILE_D of its
     columns, CHUNKS chunks per step, and write them to ``Out``. Only the chunks that hold keys of this sequence
@@ -205,7 +248,8 @@ def paged_decode_combine(
     batch = batch_kv // num_kv_heads
     kv_head = batch_kv % num_kv_heads
     seq_len = ct.gather(CacheSeqlens, batch).item()
-    used = min(ct.cdiv(seq_len, split_len), OutPart.shape[1])
+    read = seq_len - first_tile(seq_len, window_left, SQ, TILE_N) * TILE_N  # from the split kernel's first tile
+    used = min(ct.cdiv(read, split_len), OutPart.shape[1])
 
     m = ct.full((1, 1), -math.inf, dtype=ct.float32)
     total = ct.full((1, 1), 0.0, dtype=ct.float32)

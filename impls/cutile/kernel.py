@@ -265,10 +265,7 @@ def attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_
     head = batch_head % num_heads
     kv_head = head // group  # GQA by index: K/V are never repeated in memory
 
-    if SOFTCAP > 0:  # scores are SOFTCAP * tanh(s * qk_scale / SOFTCAP): the tanh per score, SOFTCAP scales after
-        score_scale_log2 = SOFTCAP * INV_LOG_2
-    else:
-        score_scale_log2 = qk_scale * INV_LOG_2
+    score_scale_log2 = score_scale(qk_scale, SOFTCAP)  # softcap: the tanh per score, SOFTCAP scales after
     offs_m = (tile_m * TILE_M + ct.arange(TILE_M, dtype=ct.int32))[:, None]
     if PHASE == OFF_DIAGONAL:  # carry on from where launch 1 left this tile
         m_i, l_i, acc, acc_tail = load_state(MaxState, SumState, AccState, batch, head, tile_m, TILE_M, TILE_DV,
@@ -489,14 +486,27 @@ def scores(q, q_tail, K, batch, kv_head, j, qk_scale, TILE_M, TILE_N, TILE_D, TI
     if TILE_D_TAIL > 0:
         qk = ct.mma(q_tail, load_keys(K, batch, kv_head, j, TILE_N, TILE_D_TAIL, TILE_D, K_LATENCY, kv_row0,
                                       ROW_OFFSETS), qk)
+    return capped(qk, qk_scale, SOFTCAP, FAST_MATH)
+
+
+def capped(qk, qk_scale, SOFTCAP, FAST_MATH):
+    """Unscaled scores as the online softmax takes them: with SOFTCAP, tanh(qk * qk_scale / SOFTCAP), whose
+    scale (SOFTCAP) the softmax multiplies in (``score_scale``); without, unchanged."""
     if SOFTCAP > 0:
         # FAST_MATH: the hardware's tanh (one MUFU op; relative error about 2**-11, so a score capped at 50 moves
         # by at most ~0.025, and a typical one, far below the cap, by much less), as FlashInfer's softcap does.
         # Session 6 chose the precise one without measuring it; session 10 (H200) found Gemma-2's cases at
         # 0.74-0.79 of FlashInfer's.
         mode = ct.RoundingMode.APPROX if FAST_MATH else ct.RoundingMode.FULL
-        qk = ct.tanh(qk * (qk_scale / SOFTCAP), rounding_mode=mode)
+        return ct.tanh(qk * (qk_scale / SOFTCAP), rounding_mode=mode)
     return qk
+
+
+def score_scale(qk_scale, SOFTCAP):
+    """What the online softmax multiplies ``capped`` scores by to have them in log2 units."""
+    if SOFTCAP > 0:
+        return SOFTCAP * INV_LOG_2
+    return qk_scale * INV_LOG_2
 
 
 def load_keys(K, batch, kv_head, j, TILE_N, WIDTH, FIRST_COLUMN, K_LATENCY, row0=0, ROW_OFFSETS=False):

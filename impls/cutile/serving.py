@@ -32,6 +32,7 @@ from impls._serving import (
     varlen_work_plan,
 )
 from impls._tuning import dense_tuner, fastest
+from impls._validate import NO_WINDOW, UNBOUNDED
 from impls.cutile import (
     COMPILE_TIMEOUT_S,
     HEAD_DIMS,
@@ -50,7 +51,9 @@ from impls.cutile import (
     tuned,
 )
 
-DECODE_HEAD_DIMS = (16, 32, 64, 128, 256)  # the Q tile, the accumulator and the partial outputs are TILE_D wide
+# The Q tile, the accumulator and the partial outputs are TILE_D wide: a head dim below it (Phi-3's 96) reads zeros
+# past its end (page loads pad, gathers are bounds-checked) and its output stores stop there.
+DECODE_HEAD_DIMS = HEAD_DIMS
 MAX_PACKED_ROWS = 128  # query heads per kv head x new tokens in one tile
 
 
@@ -109,10 +112,12 @@ ROWS_FALLBACK = DecodeVariant(64, "rows", 2, 2)
 COMBINE_OCCUPANCY = 16
 
 
-def chunks_of(variant: DecodeVariant, inputs: PagedKV, sm_count: int) -> tuple[int, int]:
-    """(num_splits, split_len): how ``variant``'s split plan cuts these caches (``impls._serving.split_plan``)."""
-    return split_plan(inputs.seqlens, inputs.k_cache.shape[2], variant.tile_n, sm_count,
-                      programs_per_sm=variant.plan_programs)
+def chunks_of(variant: DecodeVariant, inputs: PagedKV, sm_count: int,
+              window_left: int = UNBOUNDED) -> tuple[int, int]:
+    """(num_splits, split_len): how ``variant``'s split plan cuts what it reads of these caches
+    (``impls._serving.split_plan``; a window's from the tile that holds its first position)."""
+    return split_plan(inputs.read_lengths(window_left, variant.tile_n), inputs.k_cache.shape[2], variant.tile_n,
+                      sm_count, programs_per_sm=variant.plan_programs)
 
 
 def word_view_fits(k_cache: torch.Tensor, v_cache: torch.Tensor, width: int) -> bool:
@@ -134,14 +139,15 @@ class DecodeCall(Launches):
     """One decode step with ``variant``: the split launch, and the combine where a sequence has more than one
     chunk."""
 
-    def __init__(self, variant: DecodeVariant, inputs: PagedKV, *, scale: float, sm_count: int) -> None:
+    def __init__(self, variant: DecodeVariant, inputs: PagedKV, *, scale: float, sm_count: int,
+                 window_left: int = UNBOUNDED, softcap: float = 0.0) -> None:
         self.variant, self.out = variant, inputs.output_like()
         q, k_cache, v_cache = inputs.q, inputs.k_cache, inputs.v_cache
         batch, sq, hq, head_dim = q.shape
         hkv = k_cache.shape[2]
         group, width = hq // hkv, tile_d(head_dim)
         tile_m = max(16, 1 << (group * sq - 1).bit_length())
-        self.num_splits, self.split_len = chunks_of(variant, inputs, sm_count)
+        self.num_splits, self.split_len = chunks_of(variant, inputs, sm_count, window_left)
         split = self.num_splits > 1
         parts = (batch * hkv, self.num_splits, tile_m) if split else (1, 1, 1)  # unused without a split
         self.part = torch.empty((*parts, width if split else 1), dtype=torch.float32, device=q.device)
@@ -158,14 +164,14 @@ class DecodeCall(Launches):
         tiles = (group, sq, tile_m)
         self.launches = [((self.num_splits, batch * hkv, 1), kernel, (
             q, k_cache, v_cache, inputs.block_table, inputs.cache_seqlens, self.part, self.lse, self.out, scale, hkv,
-            self.split_len, *tiles, variant.tile_n, width, inputs.page_size, gather, split,
-            variant.k_latency, variant.v_latency))]
+            self.split_len, window_left, *tiles, variant.tile_n, width, inputs.page_size, gather, split,
+            variant.k_latency, variant.v_latency, window_left < UNBOUNDED, softcap))]
         if split:
             slice_d, chunks = combine_plan(self.num_splits, width)
             combine = _kernel_with_hints("paged_decode_combine", (("occupancy", COMBINE_OCCUPANCY),), module="decode")
             self.launches.append(((batch * hkv, group * sq, width // slice_d), combine, (
-                self.part, self.lse, inputs.cache_seqlens, self.out, hkv, self.split_len, group, sq, slice_d,
-                chunks)))
+                self.part, self.lse, inputs.cache_seqlens, self.out, hkv, self.split_len, window_left, group, sq,
+                slice_d, chunks, variant.tile_n)))
 
     def prepared(self, **config) -> Prepared:
         return super().prepared(num_splits=self.num_splits, split_len=self.split_len,
@@ -190,8 +196,8 @@ def decode_space_for(inputs: PagedKV) -> list[DecodeVariant]:
     return decode_space(inputs.page_size, huge=huge, words=words)
 
 
-def plan_candidates(forms: list[DecodeVariant], inputs: PagedKV, *, scale: float,
-                    sm_count: int) -> list[DecodeCall]:
+def plan_candidates(forms: list[DecodeVariant], inputs: PagedKV, *, scale: float, sm_count: int,
+                    window_left: int = UNBOUNDED, softcap: float = 0.0) -> list[DecodeCall]:
     """The decode tuner's candidates: each kernel form with each aimed split plan (``AIMED_PLANS``), one call
     per form and chunk length (plans that cut the batch alike are timed once). Session 26 (H200): with the
     one plan the 70B slice at 256 x 8K split in 3 chunks, 83% of HBM, where the Triton kernel's tuner took
@@ -200,16 +206,20 @@ def plan_candidates(forms: list[DecodeVariant], inputs: PagedKV, *, scale: float
     for form in forms:
         for programs in AIMED_PLANS:
             variant = replace(form, plan_programs=programs)
-            distinct.setdefault((form, chunks_of(variant, inputs, sm_count)), variant)
-    return [DecodeCall(variant, inputs, scale=scale, sm_count=sm_count) for variant in distinct.values()]
+            distinct.setdefault((form, chunks_of(variant, inputs, sm_count, window_left)), variant)
+    return [DecodeCall(variant, inputs, scale=scale, sm_count=sm_count, window_left=window_left, softcap=softcap)
+            for variant in distinct.values()]
 
 
 @register("cutile", op="paged", family="cutile", dtypes=HALF, devices=("cuda",), head_dims=DECODE_HEAD_DIMS,
-          requires=requires,
+          requires=requires, variants=("window", "softcap"),
           description="our cuTile split-KV decode: all query heads of a kv head in one tile (K/V read once), "
-                      "pages gathered by row or loaded a page at a time, chunks merged by log-sum-exp; autotuned")
-def prepare_paged(inputs: PagedKV, *, scale: float) -> Prepared:
+                      "pages gathered by row or loaded a page at a time, chunks merged by log-sum-exp (a sliding "
+                      "window bounds what is read); autotuned")
+def prepare_paged(inputs: PagedKV, *, scale: float, window: tuple[int, int] = NO_WINDOW,
+                  softcap: float = 0.0) -> Prepared:
     _, sq, hq, _ = inputs.q.shape
+    window_left = inputs.window_left(window)
     rows = hq // inputs.k_cache.shape[2] * sq
     if rows > MAX_PACKED_ROWS:
         raise Unsupported(f"{hq // inputs.k_cache.shape[2]} query heads per kv head x {sq} new tokens = {rows} "
@@ -220,12 +230,14 @@ def prepare_paged(inputs: PagedKV, *, scale: float) -> Prepared:
         import cuda.tile as ct
 
         with ct.compiler_timeout(COMPILE_TIMEOUT_S):
-            calls = precompile(plan_candidates(decode_space_for(inputs), inputs, scale=scale, sm_count=sm_count))
+            calls = precompile(plan_candidates(decode_space_for(inputs), inputs, scale=scale, sm_count=sm_count,
+                                               window_left=window_left, softcap=softcap))
         return fastest((call.variant, call) for call in calls).describe()
 
-    variant, cached = remembered(TUNING.key(inputs.q.device, decode_shape_class(inputs)), search, DecodeVariant)
-    return DecodeCall(variant, inputs, scale=scale, sm_count=sm_count).prepared(
-        chosen="tuning cache" if cached else "autotuned")
+    key = TUNING.key(inputs.q.device, decode_shape_class(inputs, window_left, softcap))
+    variant, cached = remembered(key, search, DecodeVariant)
+    return DecodeCall(variant, inputs, scale=scale, sm_count=sm_count, window_left=window_left,
+                      softcap=softcap).prepared(chosen="tuning cache" if cached else "autotuned")
 
 
 VARLEN_STORES = ("plain", "tma")

@@ -18,7 +18,7 @@ import torch
 from impls._registry import FLOATS, Prepared, Unsupported, length_class, module_available, register
 from impls._serving import AIMED_PLANS, PROGRAMS_PER_SM, combine_plan, decode_shape_class, split_plan
 from impls._tuning import TuningCache, family_sources, fastest, settle_gpu
-from impls._validate import NO_WINDOW, binding_window, window_bounds
+from impls._validate import NO_WINDOW, UNBOUNDED, binding_window, window_bounds
 
 # Any multiple of 8 from 16 (the smallest dot) to 256: a head dim that is not a power of two is padded to the
 # next one in registers (masked loads read zeros there). The descriptor (TMA) path needs the exact power of two.
@@ -138,7 +138,7 @@ def kernel_arguments(q, k, v, out, scale: float, window: tuple[int, int] = NO_WI
     )
 
 
-def varlen_arguments(inputs, out, scale: float) -> tuple:
+def varlen_arguments(inputs, out, scale: float, window: tuple[int, int] = NO_WINDOW) -> tuple:
     """``attention_fwd``'s runtime arguments for a packed batch: the (B, H, S, D) views of its strides with a
     batch stride of 0 (the kernel starts each sequence at its cu_seqlens offset) and the longest lengths."""
     from impls.triton_fa.kernel import LOG2_E
@@ -150,7 +150,7 @@ def varlen_arguments(inputs, out, scale: float) -> tuple:
     return (
         inputs.q, inputs.k, inputs.v, out, scale * LOG2_E, *(x for st in strides for x in st),
         heads, q_len, kv_len, length_class(q_len), length_class(kv_len), heads // k.shape[1],
-        inputs.cu_seqlens_q, inputs.cu_seqlens_k, *window_bounds(NO_WINDOW, inputs.causal),
+        inputs.cu_seqlens_q, inputs.cu_seqlens_k, *window_bounds(window, inputs.causal),
     )
 
 
@@ -243,22 +243,26 @@ _make("triton-tma", "tma", "the same kernel, tiles moved through tensor descript
 
 
 @register("triton", op="varlen", family="triton", dtypes=FLOATS, head_dims=HEAD_DIMS, requires=requires,
+          variants=("window", "softcap"),
           description="the same kernel over a packed batch: each program finds its sequence in cu_seqlens "
                       "(pointer loads; autotuned like the dense entry)")
-def prepare_varlen(inputs, *, scale: float) -> Prepared:
+def prepare_varlen(inputs, *, scale: float, window: tuple[int, int] = NO_WINDOW, softcap: float = 0.0) -> Prepared:
     import triton
 
     out = inputs.output_like()
     heads, head_dim = inputs.q.shape[1], inputs.head_dim
+    # Bottom-right in each sequence: a side that hides no key of the longest sequences hides none of the others.
+    window = binding_window(window, inputs.causal, inputs.max_seqlen_q, inputs.max_seqlen_k)
     meta = {**head_dims(head_dim), "CAUSAL": inputs.causal, "VARLEN": True,
-            "DOT_FP32": interpreting() or inputs.q.dtype == torch.float32}
+            "DOT_FP32": interpreting() or inputs.q.dtype == torch.float32, "HAS_WINDOW": window != NO_WINDOW,
+            "SOFTCAP": softcap}
 
     def grid(cfg):
         return (triton.cdiv(inputs.max_seqlen_q, cfg["BLOCK_M"]), inputs.batch * heads)
 
     shape = ("varlen", head_dim, inputs.causal, heads // inputs.k.shape[1], length_class(inputs.max_seqlen_q),
-             length_class(inputs.max_seqlen_k))
-    return prepared_launch(varlen_arguments(inputs, out, scale), meta, grid, out, pointer=True, tma=False,
+             length_class(inputs.max_seqlen_k), meta["HAS_WINDOW"], softcap)
+    return prepared_launch(varlen_arguments(inputs, out, scale, window), meta, grid, out, pointer=True, tma=False,
                            shape_class=shape)
 
 
@@ -335,9 +339,9 @@ def resident_blocks(kernel, args: tuple, meta: dict) -> int:
     return max(blocks.value, 1)
 
 
-def paged_launch(inputs, scale: float, config: dict):
+def paged_launch(inputs, scale: float, config: dict, window_left: int = UNBOUNDED, softcap: float = 0.0):
     """The launches of one decode step with ``config`` (split, then combine where a sequence has more than one
-    chunk), and the split plan."""
+    chunk), and the split plan. ``window_left``: a sliding window as ``PagedKV.window_left`` gives it."""
     import triton
 
     from impls.triton_fa.decode import paged_decode_combine, paged_decode_split
@@ -349,40 +353,42 @@ def paged_launch(inputs, scale: float, config: dict):
     rows = hq // hkv * sq
     interp = interpreting()
     sm_count = INTERPRETER_SM_COUNT if interp else torch.cuda.get_device_properties(q.device).multi_processor_count
-    block_m = max(16, triton.next_power_of_2(rows))
+    block_m, width = max(16, triton.next_power_of_2(rows)), block_d(head_dim)
     out = inputs.output_like()
     tile_rows = {"GROUP": hq // hkv, "SQ": sq, "BLOCK_M": block_m}
-    split_meta = {"PAGE_SIZE": inputs.page_size, "HEAD_DIM": head_dim, "DOT_FP32": interp or q.dtype == torch.float32,
+    split_meta = {"PAGE_SIZE": inputs.page_size, "HEAD_DIM": head_dim, "BLOCK_D": width,
+                  "DOT_FP32": interp or q.dtype == torch.float32,
+                  "HAS_WINDOW": window_left < UNBOUNDED, "SOFTCAP": softcap,
                   **tile_rows, **{name: value for name, value in config.items() if name not in DECODE_PLANS[0]}}
 
     def partials(num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Each chunk's normalised output and log-sum-exp, for the combine (unused without a split)."""
         parts = (batch * hkv, num_splits, block_m) if num_splits > 1 else (1, 1, 1)
-        o_part = torch.empty(*parts, head_dim if num_splits > 1 else 1, dtype=torch.float32, device=q.device)
+        o_part = torch.empty(*parts, width if num_splits > 1 else 1, dtype=torch.float32, device=q.device)
         return o_part, torch.empty(parts, dtype=torch.float32, device=q.device)
 
     def split_args(o_part: torch.Tensor, lse_part: torch.Tensor, split_len: int) -> tuple:
         return (q, k_cache, v_cache, inputs.block_table, inputs.cache_seqlens, o_part, lse_part, out,
                 scale * LOG2_E, *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
-                inputs.block_table.stride(0), *o_part.stride()[:3], *out.stride()[:3], hkv, split_len)
+                inputs.block_table.stride(0), *o_part.stride()[:3], *out.stride()[:3], hkv, split_len, window_left)
 
     programs_per_sm, fit = config.get("PLAN_PROGRAMS", PROGRAMS_PER_SM), config.get("PLAN_FIT", False)
     if fit and not interp:  # whole waves of the split kernel's resident blocks
         programs_per_sm *= resident_blocks(paged_decode_split, split_args(*partials(2), config["BLOCK_N"]),
                                            {**split_meta, "SPLIT": True})
-    num_splits, split_len = split_plan(list(inputs.seqlens), hkv, config["BLOCK_N"], sm_count,
+    num_splits, split_len = split_plan(inputs.read_lengths(window_left), hkv, config["BLOCK_N"], sm_count,
                                        min_tiles=1 if interp else None, programs_per_sm=programs_per_sm, fit=fit)
     split = num_splits > 1
     o_part, lse_part = partials(num_splits)
     launches = [(paged_decode_split, (num_splits, batch * hkv), split_args(o_part, lse_part, split_len),
                  {**split_meta, "SPLIT": split})]
     if split:
-        tile_d, chunks = combine_plan(num_splits, head_dim)
+        tile_d, chunks = combine_plan(num_splits, width)
         combine_args = (o_part, lse_part, inputs.cache_seqlens, out, *o_part.stride()[:3], *out.stride()[:3], hkv,
-                        num_splits, split_len)
+                        num_splits, split_len, window_left)
         combine_meta = {**tile_rows, "MAX_SPLITS": triton.next_power_of_2(num_splits), "SPLIT_CHUNK": chunks,
-                        "BLOCK_D": tile_d}
-        launches.append((paged_decode_combine, (batch * hkv, rows, head_dim // tile_d), combine_args, combine_meta))
+                        "BLOCK_D": tile_d, "HEAD_DIM": head_dim}
+        launches.append((paged_decode_combine, (batch * hkv, rows, width // tile_d), combine_args, combine_meta))
 
     def run() -> torch.Tensor:
         for kernel, grid, args, meta in launches:
@@ -393,11 +399,14 @@ def paged_launch(inputs, scale: float, config: dict):
                  **({"programs_per_sm": programs_per_sm} if fit else {})}
 
 
-@register("triton", op="paged", family="triton", dtypes=FLOATS, head_dims=POW2_HEAD_DIMS, requires=requires,
+@register("triton", op="paged", family="triton", dtypes=FLOATS, head_dims=HEAD_DIMS, requires=requires,
+          variants=("window", "softcap"),
           description="our split-KV decode kernel: all query heads of a kv head in one tile (K/V read once), "
-                      "pages gathered through the block table, chunks merged by log-sum-exp; autotuned")
-def prepare_paged(inputs, *, scale: float) -> Prepared:
+                      "pages gathered through the block table, chunks merged by log-sum-exp (a sliding window "
+                      "bounds what is read); autotuned")
+def prepare_paged(inputs, *, scale: float, window: tuple[int, int] = NO_WINDOW, softcap: float = 0.0) -> Prepared:
     _, sq, hq, _ = inputs.q.shape
+    window_left = inputs.window_left(window)
     rows = hq // inputs.k_cache.shape[2] * sq
     if rows > 128:
         raise Unsupported(f"{hq // inputs.k_cache.shape[2]} query heads per kv head x {sq} new tokens = {rows} "
@@ -408,13 +417,14 @@ def prepare_paged(inputs, *, scale: float) -> Prepared:
         def tune() -> dict:
             distinct = {}  # several plans often cut alike: time each kernel and chunk length once
             for candidate in DECODE_SPACE:
-                run, plan = paged_launch(inputs, scale, candidate)
+                run, plan = paged_launch(inputs, scale, candidate, window_left, softcap)
                 form = (*(v for k, v in candidate.items() if k not in DECODE_PLANS[0]), plan["split_len"])
                 distinct.setdefault(form, (candidate, run))
             return fastest(distinct.values())
 
-        config, cached = TUNING.lookup(TUNING.key(inputs.q.device, decode_shape_class(inputs)), tune)
+        config, cached = TUNING.lookup(TUNING.key(inputs.q.device, decode_shape_class(inputs, window_left, softcap)),
+                                       tune)
         source = "tuning cache" if cached else "autotuned"
-    run, plan = paged_launch(inputs, scale, config)
+    run, plan = paged_launch(inputs, scale, config, window_left, softcap)
     run()  # compile outside any timed region
     return Prepared(run, config={**config, **plan, "chosen": source})

@@ -20,7 +20,12 @@ So the kernel is built around reading the cache once, from enough programs to ke
    only the chunk's last tile (ragged, or holding the newest Sq_new - 1 positions) is masked, as in the dense
    kernel's split loop; otherwise every tile is masked. Which compiles faster depends on the config.
 
-Causal within each sequence, bottom-right: new token ``t`` (of ``Sq_new``) sees positions ``<= L - Sq_new + t``.
+5. Model variants: a sliding window of ``window_left`` keys (HAS_WINDOW) moves each sequence's start to the
+   first position the first new token sees, so the chunks cut only the window and nothing before it is read;
+   the tiles across the window's edge (seen by some new tokens only) are masked. SOFTCAP caps the scores.
+
+Causal within each sequence, bottom-right: new token ``t`` (of ``Sq_new``) sees positions ``<= L - Sq_new + t``
+(and, windowed, ``>= L - Sq_new + t - window_left``).
 """
 
 from __future__ import annotations
@@ -28,42 +33,61 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from impls.triton_fa.kernel import scaled_scores
+
+
+@triton.jit
+def _load(ptrs, in_seq, in_dims, MASKED: tl.constexpr, PADDED: tl.constexpr):
+    """A K or V tile: positions outside ``in_seq`` (MASKED) and columns outside ``in_dims`` (PADDED) read
+    zeros; each mask only where it can hide something."""
+    if MASKED and PADDED:
+        return tl.load(ptrs, mask=in_seq & in_dims, other=0.0)
+    if MASKED:
+        return tl.load(ptrs, mask=in_seq, other=0.0)
+    if PADDED:
+        return tl.load(ptrs, mask=in_dims, other=0.0)
+    return tl.load(ptrs)
+
 
 @triton.jit
 def _decode_tiles(
-    q, acc, l_i, m_i, K_cache, V_cache, table_row, kv_head, lo, hi, end, last_visible, qk_scale,
+    q, acc, l_i, m_i, K_cache, V_cache, table_row, kv_head, lo, hi, end, last_visible, window_left, qk_scale,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-    PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
-    MASKED: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_FP32: tl.constexpr, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """Online softmax of the tile's rows over cache positions [lo, hi), BLOCK_N at a time. MASKED: positions
-    at or past ``end`` read zeros and are left out, and so are those past a row's ``last_visible``; otherwise
-    every row sees every position (no mask at all)."""
+    at or past ``end`` read zeros and are left out, and so are those past a row's ``last_visible`` (or, with a
+    window, more than ``window_left`` before it); otherwise every row sees every position (no mask at all)."""
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
+    in_dims = offs_d < HEAD_DIM  # a head dim below the tile's reads zeros past its end
     for tile_start in range(lo, hi, BLOCK_N):
         pos = tile_start + offs_n
+        in_seq = pos < end
         if MASKED:
-            in_seq = pos < end
             page = tl.load(table_row + pos // PAGE_SIZE, mask=in_seq, other=0).to(tl.int64)
         else:
             page = tl.load(table_row + pos // PAGE_SIZE).to(tl.int64)
         slot = pos % PAGE_SIZE
         k_ptrs = K_cache + page[None, :] * stride_kp + slot[None, :] * stride_ks + kv_head * stride_kh + offs_d[:, None]
         v_ptrs = V_cache + page[:, None] * stride_vp + slot[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :]
-        k = tl.load(k_ptrs, mask=in_seq[None, :], other=0.0) if MASKED else tl.load(k_ptrs)
+        k = _load(k_ptrs, in_seq[None, :], in_dims[:, None], MASKED, BLOCK_D != HEAD_DIM)
         if DOT_FP32:  # Triton's interpreter computes half-precision dots wrongly
             k = k.to(tl.float32)
-        qk = tl.dot(q, k, input_precision="ieee" if DOT_FP32 else None) * qk_scale
+        qk = scaled_scores(tl.dot(q, k, input_precision="ieee" if DOT_FP32 else None), qk_scale, SOFTCAP)
         if MASKED:
-            qk = tl.where(in_seq[None, :] & (pos[None, :] <= last_visible[:, None]), qk, float("-inf"))
+            visible = in_seq[None, :] & (pos[None, :] <= last_visible[:, None])
+            if HAS_WINDOW:
+                visible = visible & (pos[None, :] >= last_visible[:, None] - window_left)
+            qk = tl.where(visible, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         # MASKED: a row that has seen no key yet has m == -inf: subtract 0 instead of NaN-ing
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new) if MASKED else m_new
         p = tl.math.exp2(qk - m_ref[:, None])
         alpha = tl.math.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptrs, mask=in_seq[:, None], other=0.0) if MASKED else tl.load(v_ptrs)
+        v = _load(v_ptrs, in_seq[:, None], in_dims[None, :], MASKED, BLOCK_D != HEAD_DIM)
         if DOT_FP32:
             acc = tl.dot(p, v.to(tl.float32), acc * alpha[:, None], input_precision="ieee")
         else:
@@ -81,10 +105,10 @@ def paged_decode_split(
     stride_bt,
     stride_ob, stride_os, stride_or,  # O_part (B*Hkv, splits, rows, D)
     stride_b, stride_t, stride_h,  # Out (B, Sq_new, Hq, D)
-    num_kv_heads, split_len,
-    GROUP: tl.constexpr, SQ: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    num_kv_heads, split_len, window_left,
+    GROUP: tl.constexpr, SQ: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, SPLIT: tl.constexpr,
-    MASK_FREE: tl.constexpr = True,
+    MASK_FREE: tl.constexpr = True, HAS_WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = 0.0,
 ):
     """Program (split, batch * kv head): attention of the GROUP x SQ query rows over one chunk of the cache.
     SPLIT: its normalised output and log-sum-exp go to O_part and LSE_part for the combine; otherwise (one
@@ -95,6 +119,8 @@ def paged_decode_split(
     kv_head = (bk % num_kv_heads).to(tl.int64)
     seq_len = tl.load(cache_seqlens + batch)
     start = split * split_len
+    if HAS_WINDOW:  # the chunks cut what the first new token's window sees, not the cache before it
+        start += tl.maximum(seq_len - SQ - window_left, 0)
     if start >= seq_len:  # this sequence is shorter than the longest: nothing here (the combine skips it)
         return
     end = tl.minimum(start + split_len, seq_len)
@@ -104,28 +130,41 @@ def paged_decode_split(
     head = kv_head * GROUP + rows // SQ
     token = rows % SQ
     row_valid = rows < GROUP * SQ
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)  # BLOCK_D: the head dim, or the power of two above it (padded with zeros)
+    in_dims = offs_d < HEAD_DIM
     q_ptrs = Q + batch * stride_qb + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=row_valid[:, None], other=0.0)
+    q = tl.load(q_ptrs, mask=row_valid[:, None] & in_dims[None, :], other=0.0)
     if DOT_FP32:  # Triton's interpreter computes half-precision dots wrongly
         q = q.to(tl.float32)
     last_visible = seq_len - SQ + token  # causal, bottom-right within the sequence
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     table_row = block_table + batch * stride_bt
+    # A window's near edge: positions before the last new token's window (seq_len - 1 - window_left) are hidden
+    # from some rows, so the chunk's tiles up to there are masked.
+    free_from = start
+    if HAS_WINDOW:
+        hidden = tl.maximum(seq_len - 1 - window_left - start, 0)
+        free_from = tl.minimum(start + tl.cdiv(hidden, BLOCK_N) * BLOCK_N, end)
+        acc, l_i, m_i = _decode_tiles(
+            q, acc, l_i, m_i, K_cache, V_cache, table_row, kv_head, start, free_from, end, last_visible, window_left,
+            qk_scale, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+            PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_FP32, True, HAS_WINDOW, SOFTCAP)
     # Whole tiles of positions that every new token sees (up to seq_len - SQ) run without a mask; only the
     # chunk's last tile (ragged, or holding the newest SQ - 1 positions) is masked.
-    mask_from = start
+    mask_from = free_from
     if MASK_FREE:
-        mask_from = start + tl.maximum(tl.minimum(end, seq_len - SQ + 1) - start, 0) // BLOCK_N * BLOCK_N
-        acc, l_i, m_i = _decode_tiles(q, acc, l_i, m_i, K_cache, V_cache, table_row, kv_head, start, mask_from,
-                                      end, last_visible, qk_scale, stride_kp, stride_ks, stride_kh, stride_vp,
-                                      stride_vs, stride_vh, PAGE_SIZE, HEAD_DIM, BLOCK_N, DOT_FP32, False)
-    acc, l_i, m_i = _decode_tiles(q, acc, l_i, m_i, K_cache, V_cache, table_row, kv_head, mask_from, end,
-                                  end, last_visible, qk_scale, stride_kp, stride_ks, stride_kh, stride_vp,
-                                  stride_vs, stride_vh, PAGE_SIZE, HEAD_DIM, BLOCK_N, DOT_FP32, True)
+        mask_from = free_from + tl.maximum(tl.minimum(end, seq_len - SQ + 1) - free_from, 0) // BLOCK_N * BLOCK_N
+        acc, l_i, m_i = _decode_tiles(
+            q, acc, l_i, m_i, K_cache, V_cache, table_row, kv_head, free_from, mask_from, end, last_visible,
+            window_left, qk_scale, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+            PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_FP32, False, HAS_WINDOW, SOFTCAP)
+    acc, l_i, m_i = _decode_tiles(
+        q, acc, l_i, m_i, K_cache, V_cache, table_row, kv_head, mask_from, end, end, last_visible, window_left,
+        qk_scale, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+        PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_FP32, True, HAS_WINDOW, SOFTCAP)
 
     # The chunk's normalised output and its log-sum-exp in log2 units (-inf where a row saw no key here).
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -137,7 +176,7 @@ def paged_decode_split(
         tl.store(LSE_part + (bk * tl.num_programs(0) + split) * BLOCK_M + rows, lse, mask=row_valid)
     else:
         out_ptrs = Out + batch * stride_b + token[:, None] * stride_t + head[:, None] * stride_h + offs_d[None, :]
-        tl.store(out_ptrs, (acc / l_safe[:, None]).to(Out.dtype.element_ty), mask=row_valid[:, None])
+        tl.store(out_ptrs, (acc / l_safe[:, None]).to(Out.dtype.element_ty), mask=row_valid[:, None] & in_dims[None, :])
 
 
 @triton.jit
@@ -145,9 +184,9 @@ def paged_decode_combine(
     O_part, LSE_part, cache_seqlens, Out,
     stride_ob, stride_os, stride_or,
     stride_b, stride_t, stride_h,
-    num_kv_heads, num_splits, split_len,
+    num_kv_heads, num_splits, split_len, window_left,
     GROUP: tl.constexpr, SQ: tl.constexpr, BLOCK_M: tl.constexpr,
-    MAX_SPLITS: tl.constexpr, SPLIT_CHUNK: tl.constexpr, BLOCK_D: tl.constexpr,
+    MAX_SPLITS: tl.constexpr, SPLIT_CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
     """Program (batch * kv head, row, head-dim slice): merge the row's chunks by log-sum-exp over BLOCK_D of
     its columns and write them to ``Out``.
@@ -161,7 +200,8 @@ def paged_decode_combine(
     batch = bk // num_kv_heads
     kv_head = bk % num_kv_heads
     seq_len = tl.load(cache_seqlens + batch)
-    used = tl.minimum(tl.cdiv(seq_len, split_len), num_splits)  # chunks that hold keys
+    first = tl.maximum(seq_len - SQ - window_left, 0)  # where the split kernel's chunks start (UNBOUNDED: 0)
+    used = tl.minimum(tl.cdiv(seq_len - first, split_len), num_splits)  # chunks that hold keys
     splits = tl.arange(0, MAX_SPLITS)
     lse = tl.load(LSE_part + (bk * num_splits + splits) * BLOCK_M + row, mask=splits < used, other=float("-inf"))
     lse_max = tl.max(lse, 0)  # the row saw a key somewhere: finite
@@ -180,4 +220,4 @@ def paged_decode_combine(
     head = kv_head * GROUP + row // SQ
     token = row % SQ
     out = (acc / total).to(Out.dtype.element_ty)
-    tl.store(Out + batch * stride_b + token * stride_t + head * stride_h + offs_d, out)
+    tl.store(Out + batch * stride_b + token * stride_t + head * stride_h + offs_d, out, mask=offs_d < HEAD_DIM)

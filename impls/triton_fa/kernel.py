@@ -26,6 +26,15 @@ _LOG2_E: tl.constexpr = tl.constexpr(LOG2_E)
 
 
 @triton.jit
+def scaled_scores(qk, qk_scale, SOFTCAP: tl.constexpr):
+    """Raw ``q @ k^T`` scores in log2 units (``qk_scale`` is the softmax scale times log2(e)); with SOFTCAP
+    > 0, ``cap * tanh(scaled / cap)`` first, through tanh(x) = 2 sigmoid(2x) - 1."""
+    if SOFTCAP > 0:
+        return (2 * tl.sigmoid(qk * (2 * qk_scale / (_LOG2_E * SOFTCAP))) - 1) * (SOFTCAP * _LOG2_E)
+    return qk * qk_scale
+
+
+@triton.jit
 def _scores(q, k_ptrs, k_desc, kv_row, kv_len, start_n, offs_n, offs_d, MASK_N: tl.constexpr, DOT_FP32: tl.constexpr,
             USE_TMA: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     """``q @ k^T`` for one key tile, in float32. ``k_ptrs`` address the tile transposed (BLOCK_D x BLOCK_N).
@@ -76,10 +85,7 @@ def _attend_tiles(
     for start_n in range(lo, hi, BLOCK_N):
         qk = _scores(q, k_ptrs, k_desc, kv_row, kv_len, start_n, offs_n, offs_d, MASKED, DOT_FP32, USE_TMA,
                      BLOCK_N, HEAD_DIM, BLOCK_D)
-        if SOFTCAP > 0:  # cap * tanh(scaled / cap), in log2 units; tanh(x) = 2 sigmoid(2x) - 1
-            qk = (2 * tl.sigmoid(qk * (2 * qk_scale / (_LOG2_E * SOFTCAP))) - 1) * (SOFTCAP * _LOG2_E)
-        else:
-            qk = qk * qk_scale
+        qk = scaled_scores(qk, qk_scale, SOFTCAP)
         if MASKED:
             keys = (start_n + offs_n)[None, :]
             visible = keys < kv_len
