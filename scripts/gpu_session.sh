@@ -112,7 +112,16 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 export FMHA_TUNING_CACHE=${FMHA_TUNING_CACHE:-/tmp/fmha/tuning} CUDA_TILE_CACHE_DIR=${CUDA_TILE_CACHE_DIR:-/tmp/fmha/cutile} \
   TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/fmha/triton} TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/fmha/inductor}
-serving=(--grid serving-cpu --grid varlen-cpu --grid serving --grid varlen)
+# The serve-* parts run SERVE_GRIDS (default the serving and varlen presets) after their CPU twins SERVE_TWINS, and
+# serve-all writes $out/SERVE_NAME.json (default serving-all): SERVE_GRIDS=models-serving
+# SERVE_TWINS=models-serving-cpu SERVE_NAME=models-serving runs the models' serving steps the same way.
+read -ra serve_grids <<< "${SERVE_GRIDS:-serving varlen}"
+read -ra serve_twins <<< "${SERVE_TWINS:-serving-cpu varlen-cpu}"
+full=()
+for g in "${serve_grids[@]}"; do full+=(--grid "$g"); done
+serving=()
+for g in "${serve_twins[@]}"; do serving+=(--grid "$g"); done
+serving+=("${full[@]}")
 bench=(--benchmark-only -p no:cacheprovider -q --rounds 7 --round-ms 10 --warmup-rounds 2)
 step() {  # step NAME SECONDS COMMAND...: run with a limit, log to $out/NAME.log, print its tail
   local name=$1 limit=$2; shift 2
@@ -171,16 +180,16 @@ for part in "$@"; do
         --impl flex --impl sdpa --impl naive "${serving[@]}" -n "${PRIME_WORKERS:-$(( ${mib:-0} > 100000 ? 16 : 8 ))}" \
         --dist load --no-tuning-cache
       step tune 260 python3 -m pytest suite -k correctness -q -p no:cacheprovider -rf --impl cutile --impl triton \
-        --grid serving --grid varlen --durations=8
+        "${full[@]}" --durations=8
       ;;
     serve-flashinfer)
       step fi-correct 330 python3 -m pytest suite -k correctness -q -p no:cacheprovider -rf --impl flashinfer \
-        --grid serving --grid varlen --durations=8
+        "${full[@]}" --durations=8
       ;;
     serve-all)
-      step serve-all 540 python3 -m pytest suite "${bench[@]}" --grid serving --grid varlen --timing graph \
+      step serve-all 540 python3 -m pytest suite "${bench[@]}" "${full[@]}" --timing graph \
         --impl cutile --impl triton --impl flash-attn4 --impl flashinfer --impl sdpa --impl flex --impl naive \
-        --benchmark-json="$out/serving-all.json"
+        --benchmark-json="$out/${SERVE_NAME:-serving-all}.json"
       ;;
     sanitize)
       step memcheck 200 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest suite -k correctness \
