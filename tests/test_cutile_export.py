@@ -359,6 +359,23 @@ def test_decode_launches_compile(read, short_chunks):
         assert export_launch(kernel, arguments, arch="sm_90")[:4] == b"\x7fELF"
 
 
+@pytest.mark.parametrize("read", ["pages", "indexed"])
+def test_decode_with_a_window_softcap_and_a_padded_head_dim_compiles(read, short_chunks):
+    """Gemma-2's local layers (a window, softcap) and Phi-3's head dim 96 (padded to a tile of 128): the chunks
+    cut only what the window shows, from the tile that holds its first position, and both launches compile."""
+    from impls.cutile.export import export_launch
+    from impls.cutile.serving import DecodeCall, DecodeVariant
+    from suite.cases import paged
+
+    inputs = paged(("", 4, 1, 96), 1, 300).make_inputs("cpu")
+    call = DecodeCall(DecodeVariant(64, read), inputs, scale=0.125, sm_count=1, window_left=150, softcap=30.0)
+    assert call.part.shape[-1] == 128  # the partial outputs are a tile wide
+    # 151 positions read, from tile 2 (positions 128 on): 3 tiles, so 3 one-tile chunks on one SM
+    assert (call.num_splits, call.split_len) == (3, 64)
+    for _, kernel, arguments in call.launches:
+        assert export_launch(kernel, arguments, arch="sm_90")[:4] == b"\x7fELF"
+
+
 def test_a_cache_of_2_31_elements_is_read_through_word_views_with_tma(monkeypatch):
     """cuTile reads an array indexed in 64 bits without TMA (sm_90: no UTMALDG, about twice the integer work).
     A cache of 2**31 elements or more (faked: the twin's) goes through 32-bit word views instead: its page

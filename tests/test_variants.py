@@ -1,5 +1,6 @@
 """What real models ask of attention: sliding windows, softcap, head dims that are not powers of two."""
 
+import dataclasses
 import itertools
 
 import pytest
@@ -7,7 +8,7 @@ import torch
 
 import impls
 from impls._reference import attention_ref, visible
-from impls._validate import NO_WINDOW, binding_window
+from impls._validate import NO_WINDOW, UNBOUNDED, binding_window
 from suite import metrics
 from suite.cases import PRESETS, Case
 from suite.checks import Oracle
@@ -116,3 +117,71 @@ def test_a_value_head_dim_outside_the_declared_head_dims_is_refused_by_the_regis
 def test_the_models_preset_has_mla_and_its_cpu_twin_too():
     mla = [c for c in PRESETS["models"] + PRESETS["models-cpu"] if c.model == "deepseek-v3-mla-tp8"]
     assert len(mla) == 3 and all((c.d, c.dv) == (192, 128) for c in mla)
+
+
+# The serving operations take the same variants: a window bounds what decode reads, softcap caps its scores.
+SERVING_VARIANTS = [{"window": (20, 0)}, {"softcap": 2.0}, {"window": (50, 0), "softcap": 3.0}]
+
+
+def serving_cases() -> list[Case]:
+    """Paged decode (long-tailed lengths, one and four new tokens, a head dim that is not a power of two) and
+    a packed prefill: every window above ends inside some sequence."""
+    from suite.cases import paged, varlen
+
+    return [paged(("", 4, 2, 64), 3, 100, lengths="longtail"), paged(("", 8, 1, 96), 2, 77, sq=4, dtype="fp16"),
+            paged(("", 4, 1, 64), 1, 300), varlen(("", 4, 2, 64), 3, 300)]
+
+
+@pytest.mark.parametrize("variants", SERVING_VARIANTS, ids=str)
+@pytest.mark.parametrize("case", serving_cases(), ids=lambda c: c.id)
+@pytest.mark.parametrize("name", ["naive", "triton"])
+def test_serving_operations_apply_the_variants_and_the_oracle_sees_it(name, case, variants):
+    """Our Triton decode (split into chunks of the window under the interpreter) and varlen kernels, and naive,
+    pass with each variant; the same output fails the oracle of the plain problem, so the variant mattered."""
+    inputs = case.make_inputs("cpu")
+    out = impls.get(name, case.op).prepare(inputs, **variants)()
+    check = Oracle.serving(inputs, **variants).check(out)
+    assert check.passed, check.message
+    assert not Oracle.serving(inputs).check(out).passed
+
+
+def test_a_windowed_decode_reads_only_the_window():
+    from suite.cases import paged
+
+    case = paged(("", 4, 2, 64), 3, 100, lengths="longtail", window=(20, 0))
+    inputs = case.make_inputs("cpu")
+    assert inputs.read_lengths(inputs.window_left(case.window)) == [min(n, 21) for n in inputs.seqlens]
+    assert inputs.read_lengths(inputs.window_left(case.window), align=16) == [
+        n - (n - 21) // 16 * 16 if n > 21 else n for n in inputs.seqlens]
+    plain = dataclasses.replace(case, window=NO_WINDOW)
+    assert metrics.kv_bytes(case) == sum(min(n, 21) for n in case.seqlens()) * 2 * 64 * 2 * 2
+    assert metrics.kv_bytes(plain) == sum(plain.seqlens()) * 2 * 64 * 2 * 2  # its own lengths: the id seeds them
+    assert metrics.flops(case) == 2 * 4 * 128 * sum(min(n, 21) for n in case.seqlens())
+    # a window that reaches the first position of every sequence hides nothing: the kernels run without it
+    assert inputs.window_left((200, 0)) == UNBOUNDED and inputs.window_left((20, 0)) == 20
+
+
+def test_serving_implementations_without_a_variant_refuse_with_the_reason():
+    from suite.cases import paged, varlen
+
+    decode = paged(("", 4, 2, 64), 2, 64).make_inputs("cpu")
+    with pytest.raises(impls.Unsupported, match="sdpa: softcap not supported in paged attention"):
+        impls.get("sdpa", "paged").prepare(decode, softcap=30.0)
+    packed = varlen(("", 4, 2, 64), 2, 128).make_inputs("cpu")
+    with pytest.raises(impls.Unsupported, match="sdpa: sliding window not supported in varlen attention"):
+        impls.get("sdpa", "varlen").prepare(packed, window=(16, 0))
+    with pytest.raises(ValueError, match="window must be"):
+        impls.get("naive", "paged").prepare(decode, window=(16,))
+
+
+def test_the_models_serving_presets_carry_each_models_variants():
+    cases = PRESETS["models-serving"]
+    assert {c.op for c in cases} == {"paged", "varlen"}
+    local = [c for c in cases if c.model == "gemma2-9b-local"]
+    assert local and all(c.window == (4096, 0) and c.softcap == 50.0 and c.d == 256 for c in local)
+    assert any(c.skv > 4096 + 1 for c in local if c.op == "paged")  # the window binds: less is read
+    twins = PRESETS["models-serving-cpu"]
+    assert {c.model for c in twins} == {c.model for c in cases}
+    assert all(c.window[0] < min(c.seqlens()) for c in twins if c.window != NO_WINDOW and c.op == "paged")
+    with pytest.raises(ValueError, match="value head dim"):
+        Case(2, 4, 2, 1, 64, 64, "bf16", True, op="paged", page_size=16, lengths="uniform", dv=32)
