@@ -157,7 +157,8 @@ def load_run(path: Path) -> Run:
     env = (data.get("machine_info") or {}).get("fmha") or {}
     label = f"{env.get('gpu') or env.get('cpu') or env.get('device', 'run')} ({path.name.split('.')[0]})"
     return Run(label=label, path=str(path), env=env, measurements=measurements, outcomes=fmha["outcomes"],
-               unavailable=fmha["unavailable"], presets=fmha["presets"], cases=fmha["cases"],
+               unavailable=fmha["unavailable"], presets=by_figure_of_merit(fmha["presets"], fmha["cases"]),
+               cases=fmha["cases"],
                baseline=str(fmha.get("baseline") or "sdpa"))
 
 
@@ -185,6 +186,21 @@ def figure_of_merit(cases: Iterable[dict[str, Any]]) -> str:
     """Decode is memory-bound: its cases rank by GB/s; everything else by TFLOPS."""
     ops = {c.get("op") or "dense" for c in cases}
     return "gbps" if ops == {"paged"} else "tflops"
+
+
+def by_figure_of_merit(presets: dict[str, list[str]], cases: dict[str, dict]) -> dict[str, list[str]]:
+    """A preset whose cases rank by different figures of merit (decode by GB/s, prefill by TFLOPS: the
+    ``models-serving`` preset has both) becomes two sections, "PRESET: decode" and "PRESET: prefill", so that
+    no leaderboard averages GB/s with TFLOPS."""
+    split: dict[str, list[str]] = {}
+    for preset, ids in presets.items():
+        kinds = {cid: figure_of_merit([cases.get(cid, {})]) for cid in ids}
+        if len(set(kinds.values())) < 2:
+            split[preset] = ids
+            continue
+        for metric, part in (("gbps", "decode"), ("tflops", "prefill")):
+            split[f"{preset}: {part}"] = [cid for cid in ids if kinds[cid] == metric]
+    return split
 
 
 def leaderboard(run: Run, preset: str) -> list[dict[str, Any]]:

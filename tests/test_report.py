@@ -326,3 +326,12 @@ def test_the_ladder_section_needs_a_step_of_the_ladder(results):
     assert ladder(blog_run("cutile")) is None  # the autotuned kernel alone (a prefill run): no ladder
     steps = ladder(blog_run("cutile", "cutile-1-baseline"))
     assert steps and steps["here"]["cutile-1-baseline"][BLOG_SEQLENS[0]] == 100.0
+
+
+def test_a_preset_of_decode_and_prefill_cases_becomes_two_sections():
+    from reports.build import by_figure_of_merit
+
+    cases = {"d1": {"op": "paged"}, "d2": {"op": "paged"}, "p1": {"op": "varlen"}, "x": {"op": "dense"}}
+    split = by_figure_of_merit({"models-serving": ["d1", "p1", "d2"], "blog": ["x"], "serving": ["d1", "d2"]}, cases)
+    assert split == {"models-serving: decode": ["d1", "d2"], "models-serving: prefill": ["p1"], "blog": ["x"],
+                     "serving": ["d1", "d2"]}
