@@ -98,6 +98,14 @@ class _ServingInputs:
         return torch.empty_like(self.q)
 
 
+def decode_read_length(length: int, new_tokens: int, window_left: int = UNBOUNDED, align: int = 1) -> int:
+    """Cache positions of one sequence that its new tokens see together, so a decode kernel reads: the whole
+    cache, or with a sliding window of ``window_left`` keys the last ``window_left + new_tokens`` positions,
+    from the first of them rounded down to a multiple of ``align`` (a kernel that reads whole tiles from the
+    tile that holds it)."""
+    return length - max(length - new_tokens - window_left, 0) // align * align
+
+
 @dataclass
 class PagedKV(_ServingInputs):
     """Decode over a paged KV cache (module doc). Construction validates and reads the lengths once."""
@@ -148,12 +156,8 @@ class PagedKV(_ServingInputs):
         return max(self.seqlens)
 
     def read_lengths(self, window_left: int = UNBOUNDED, align: int = 1) -> list[int]:
-        """Cache positions that each sequence's new tokens see together, so a kernel reads: the whole cache, or
-        with a sliding window of ``window_left`` keys the last ``window_left + Sq_new`` positions, from the first
-        of them rounded down to a multiple of ``align`` (a kernel that reads whole tiles from the tile that
-        holds it)."""
-        sq = self.q.shape[1]
-        return [n - max(n - sq - window_left, 0) // align * align for n in self.seqlens]
+        """``decode_read_length`` of each sequence."""
+        return [decode_read_length(n, self.q.shape[1], window_left, align) for n in self.seqlens]
 
     def window_left(self, window: tuple[int, int]) -> int:
         """A window's left side as the decode kernels take it: UNBOUNDED where it hides no key of these

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from impls._validate import NO_WINDOW
+from impls._serving import decode_read_length
+from impls._validate import NO_WINDOW, UNBOUNDED
 from suite.cases import Case
 
 # Dense fp16/bf16 tensor-core peak (TFLOP/s, no sparsity) of each architecture's flagship datacenter part,
@@ -69,8 +70,9 @@ def kv_bytes(case: Case) -> int:
     positions some new token sees), each kv head once (GQA)."""
     if case.op == "dense":
         tokens = case.batch * case.skv
-    elif case.op == "paged" and case.window[0] >= 0:
-        tokens = sum(min(n, case.window[0] + case.sq) for n in case.seqlens())
+    elif case.op == "paged":
+        window_left = case.window[0] if case.window[0] >= 0 else UNBOUNDED
+        tokens = sum(decode_read_length(n, case.sq, window_left) for n in case.seqlens())
     else:
         tokens = sum(case.seqlens())
     return tokens * case.hkv * (case.d + case.value_dim) * itemsize(case)
