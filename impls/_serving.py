@@ -364,27 +364,34 @@ class WorkPlan:
         return sequence, tile, head
 
 
-def query_tile_cost(tile: int, len_q: int, len_k: int, tile_m: int, tile_n: int, causal: bool) -> int:
-    """Key tiles query tile ``tile`` of a (len_q, len_k) sequence visits (causal: bottom-right), plus the
-    per-item overhead."""
-    keys = min(len_k, (tile + 1) * tile_m + len_k - len_q) if causal else len_k
-    return -(-max(keys, 0) // tile_n) + PLAN_ITEM_OVERHEAD_TILES
+def query_tile_cost(tile: int, len_q: int, len_k: int, tile_m: int, tile_n: int, causal: bool,
+                    window: tuple[int, int] = (UNBOUNDED, UNBOUNDED)) -> int:
+    """Key tiles query tile ``tile`` of a (len_q, len_k) sequence visits, plus the per-item overhead: the tiles
+    from the one holding the first key some row sees to the one holding the last (bottom-right: row i sits at key
+    position i + len_k - len_q; causal, it sees no key after it; ``window``: the kernels' (left, right) bounds,
+    ``window_bounds``), as the kernel's ``key_tiles`` counts them."""
+    first_row = tile * tile_m + len_k - len_q
+    left, right = window
+    end = min(len_k, first_row + tile_m + (0 if causal else right))
+    start = max(first_row - left, 0)
+    return max(-(-end // tile_n) - start // tile_n, 0) + PLAN_ITEM_OVERHEAD_TILES
 
 
 def varlen_work_plan(seqlens_q: list[int], seqlens_k: list[int], heads: int, tile_m: int, tile_n: int,
-                     causal: bool, slots: int) -> WorkPlan:
+                     causal: bool, slots: int, window: tuple[int, int] = (UNBOUNDED, UNBOUNDED)) -> WorkPlan:
     """Share a packed batch's query tiles among at most ``slots`` persistent blocks, longest processing time
     first: units of work, heaviest first, each to the block with the least work so far.
 
     A unit is one query tile, or, causal, a mirror pair of one (sequence, head)'s tiles (its heaviest remaining
     and its lightest: every pair of a sequence costs the same, the dense kernel's ``paired`` share), heavy tile
     first. Units of equal cost keep the order sequence, head, pair, so that the blocks running at once share few
-    heads' K/V, as in the dense kernel. Sequences without query rows give no work."""
+    heads' K/V, as in the dense kernel. Sequences without query rows give no work. ``window``: the kernels'
+    (left, right) bounds, which make the tiles past a sequence's first window all cost the same."""
     max_tiles = max(-(-n // tile_m) for n in seqlens_q)
     units = []  # (cost, items)
     for sequence, (len_q, len_k) in enumerate(zip(seqlens_q, seqlens_k, strict=True)):
         tiles = -(-len_q // tile_m)
-        cost = [query_tile_cost(t, len_q, len_k, tile_m, tile_n, causal) for t in range(tiles)]
+        cost = [query_tile_cost(t, len_q, len_k, tile_m, tile_n, causal, window) for t in range(tiles)]
         if causal:  # mirror pairs, heavy tile first; an odd count's middle tile alone
             groups = [sorted({tiles - 1 - i, i}, reverse=True) for i in range((tiles + 1) // 2)]
         else:

@@ -3,6 +3,7 @@
 No GPU is needed: ``cuda.tile.compilation.export_kernel`` runs the whole compiler (tileiras) ahead of time.
 """
 
+import inspect
 import itertools
 import os
 from dataclasses import replace
@@ -488,6 +489,36 @@ def test_varlen_launches_compile():
         (grid, kernel, arguments), = call.launches
         assert grid[1:] == ((1, 1) if variant.persistent else (inputs.batch * inputs.q.shape[1], 1))
         assert export_launch(kernel, arguments, arch="sm_90")[:4] == b"\x7fELF"
+
+
+@pytest.mark.parametrize(("causal", "window"), [(True, (4096, 0)), (False, (300, 200))])
+def test_varlen_with_a_window_and_softcap_compiles(causal, window):
+    """Gemma-2's local layers over a packed batch: each candidate of the windowed space makes its launch with the
+    window's bounds and the softcap, and the first two-warpgroup one and the persistent one compile for sm_90
+    without a stack."""
+    from impls._serving import Varlen
+    from impls.cutile import kernel
+    from impls.cutile.export import export_launch
+    from impls.cutile.serving import VarlenCall, varlen_space
+
+    cu = torch.tensor([0, 5000, 5100, 9200], dtype=torch.int32)
+    q = torch.empty((9200, 8, 256), dtype=torch.bfloat16)
+    k = torch.empty((9200, 4, 256), dtype=torch.bfloat16)
+    inputs = Varlen(q, k, k, cu, cu, causal=causal)
+    space = varlen_space((9, 0), 256, causal, window=True)
+    calls = [VarlenCall(v, inputs, scale=0.0625, sm_count=132, window=window, softcap=50.0) for v in space]
+    names = list(inspect.signature(kernel.fmha_varlen._pyfunc).parameters)
+    bounds = (window[0], 0) if causal else window
+    for call in calls:
+        (_, _, arguments), = call.launches
+        bound = dict(zip(names, arguments, strict=True))
+        assert (bound["window_left"], bound["window_right"]) == bounds, call.variant.label()
+        assert bound["HAS_WINDOW"] and bound["SOFTCAP"] == 50.0, call.variant.label()
+    # The two-warpgroup forms, as Gemma-2's dense picks (the 64x64 one spills 536-552 B at D=256 with a window)
+    wide = [c for c in calls if c.variant.tile_m == 128]
+    for call in (wide[0], next(c for c in wide if c.variant.persistent)):
+        usage = sass(export_launch(*call.launches[0][1:], arch="sm_90"))
+        assert usage["hgmma"] > 0 and usage["stack"] == 0, (call.variant.label(), usage)
 
 
 @pytest.mark.parametrize("causal", [True, False])

@@ -10,6 +10,7 @@ import torch
 import impls
 from impls import Prepared, register, unregister
 from impls._serving import PagedKV, Varlen
+from impls._validate import UNBOUNDED
 from suite import metrics
 from suite.cases import PRESETS, UNEVEN_VARLEN, Case, case_by_id, paged, uneven_varlen, varlen
 from suite.checks import Oracle
@@ -189,6 +190,23 @@ def test_varlen_work_plan_runs_every_query_tile_once_and_balances_the_blocks(len
     loads = [sum(map(cost, plan.items[a:b])) for a, b in itertools.pairwise(plan.starts)]
     heaviest_unit = 2 * max(map(cost, plan.items), default=0)  # a causal unit is a pair of tiles
     assert max(loads) - min(loads) <= heaviest_unit  # longest processing time first: within one unit
+
+
+@pytest.mark.parametrize(("len_q", "len_k", "causal", "window"), [
+    (1000, 1000, True, (UNBOUNDED, 0)), (1000, 1000, True, (300, 0)), (700, 1000, True, (128, 0)),
+    (1000, 1000, False, (300, 200)), (300, 1000, False, (UNBOUNDED, 50)), (1000, 1000, False, (UNBOUNDED,) * 2)])
+def test_query_tile_cost_counts_the_key_tiles_the_tiles_rows_see(len_q, len_k, causal, window):
+    # Against a row-by-row count: the key tiles from the first one some row of the query tile sees to the last
+    # (its rows past the sequence's end included, as the kernel's key_tiles counts them), plus the overhead.
+    from impls._serving import PLAN_ITEM_OVERHEAD_TILES, query_tile_cost
+
+    tile_m, tile_n = 128, 64
+    left, right = window
+    for tile in range(-(-len_q // tile_m)):
+        seen = [key for row in range(tile * tile_m, (tile + 1) * tile_m) for key in range(len_k)
+                if row + len_k - len_q - left <= key <= row + len_k - len_q + (0 if causal else right)]
+        tiles = seen[-1] // tile_n - seen[0] // tile_n + 1 if seen else 0
+        assert query_tile_cost(tile, len_q, len_k, tile_m, tile_n, causal, window) == tiles + PLAN_ITEM_OVERHEAD_TILES
 
 
 def test_varlen_work_plan_pairs_mirror_tiles_as_the_dense_kernel_does():

@@ -138,13 +138,14 @@ def fmha_fwd(
 def fmha_varlen(
     Q, K, V, Out, CuSeqlensQ, CuSeqlensK, WorkStarts, WorkItems,
     qk_scale: float,
+    window_left: int, window_right: int,
     num_heads: int,
     group: int,
     max_tiles: int,
     TILE_D: ConstInt, TILE_D_TAIL: ConstInt, TILE_DV: ConstInt, TILE_DV_TAIL: ConstInt,
     TILE_M: ConstInt, TILE_N: ConstInt,
-    CAUSAL: ConstBool, FAST_MATH: ConstBool, REVERSE_ORDER: ConstBool, K_LATENCY: ConstInt, V_LATENCY: ConstInt,
-    HEAD_GROUP: ConstInt, PERSISTENT: ConstBool, OUT_TMA: ConstBool,
+    CAUSAL: ConstBool, HAS_WINDOW: ConstBool, SOFTCAP: ConstFloat, FAST_MATH: ConstBool, REVERSE_ORDER: ConstBool,
+    K_LATENCY: ConstInt, V_LATENCY: ConstInt, HEAD_GROUP: ConstInt, PERSISTENT: ConstBool, OUT_TMA: ConstBool,
 ):
     """Packed variable-length prefill: the same query-tile work as ``fmha_fwd``, on one sequence of the batch.
 
@@ -164,6 +165,10 @@ def fmha_varlen(
     are as fast or faster for every variant (up to 8%; the best variant of each form: 0-2%). OUT_TMA: the
     sliced output is stored through TMA, with the one tensor map each block still makes at run time, or, False,
     with bounds-checked plain stores and none (``impls.cutile.serving.varlen_output_store``).
+
+    A sliding window (HAS_WINDOW, bounds ``window_left`` / ``window_right`` in keys) and SOFTCAP apply within each
+    sequence, bottom-right like the causal mask, as in ``fmha_fwd``; the host's plan costs a query tile by the key
+    tiles its window shows.
     """
     if PERSISTENT:
         first = ct.gather(WorkStarts, ct.bid(0)).item()
@@ -171,20 +176,22 @@ def fmha_varlen(
             item = ct.gather(WorkItems, i).item()
             rest = item // num_heads
             attend_sequence_tile(Q, K, V, Out, CuSeqlensQ, CuSeqlensK, rest // max_tiles, rest % max_tiles,
-                                 item % num_heads, qk_scale, num_heads, group, TILE_D, TILE_D_TAIL, TILE_DV,
-                                 TILE_DV_TAIL, TILE_M, TILE_N, CAUSAL, FAST_MATH, K_LATENCY, V_LATENCY, True, OUT_TMA)
+                                 item % num_heads, qk_scale, window_left, window_right, num_heads, group, TILE_D,
+                                 TILE_D_TAIL, TILE_DV, TILE_DV_TAIL, TILE_M, TILE_N, CAUSAL, HAS_WINDOW, SOFTCAP,
+                                 FAST_MATH, K_LATENCY, V_LATENCY, True, OUT_TMA)
     else:
         num_m = ct.num_blocks(0)
         tile_m, batch_head = work_item(ct.bid(1) * num_m + ct.bid(0), num_m, ct.num_blocks(1),
                                        CAUSAL and REVERSE_ORDER, HEAD_GROUP)
         attend_sequence_tile(Q, K, V, Out, CuSeqlensQ, CuSeqlensK, batch_head // num_heads, tile_m,
-                             batch_head % num_heads, qk_scale, num_heads, group, TILE_D, TILE_D_TAIL, TILE_DV,
-                             TILE_DV_TAIL, TILE_M, TILE_N, CAUSAL, FAST_MATH, K_LATENCY, V_LATENCY, False, OUT_TMA)
+                             batch_head % num_heads, qk_scale, window_left, window_right, num_heads, group, TILE_D,
+                             TILE_D_TAIL, TILE_DV, TILE_DV_TAIL, TILE_M, TILE_N, CAUSAL, HAS_WINDOW, SOFTCAP,
+                             FAST_MATH, K_LATENCY, V_LATENCY, False, OUT_TMA)
 
 
-def attend_sequence_tile(Q, K, V, Out, CuSeqlensQ, CuSeqlensK, batch, tile_m, head, qk_scale, num_heads, group,
-                         TILE_D, TILE_D_TAIL, TILE_DV, TILE_DV_TAIL, TILE_M, TILE_N, CAUSAL, FAST_MATH, K_LATENCY,
-                         V_LATENCY, PLANNED, OUT_TMA):
+def attend_sequence_tile(Q, K, V, Out, CuSeqlensQ, CuSeqlensK, batch, tile_m, head, qk_scale, window_left,
+                         window_right, num_heads, group, TILE_D, TILE_D_TAIL, TILE_DV, TILE_DV_TAIL, TILE_M, TILE_N,
+                         CAUSAL, HAS_WINDOW, SOFTCAP, FAST_MATH, K_LATENCY, V_LATENCY, PLANNED, OUT_TMA):
     """Query tile ``tile_m`` of sequence ``batch``, one head, of a packed batch (``fmha_varlen``). PLANNED: the
     host's plan holds only tiles with query rows, so there is no run-time check (inside a persistent loop it
     made the compiler lay the tile's work out twice, sm_90: 96 HGMMA instead of 48, and spill)."""
@@ -193,14 +200,14 @@ def attend_sequence_tile(Q, K, V, Out, CuSeqlensQ, CuSeqlensK, batch, tile_m, he
     k_start = ct.gather(CuSeqlensK, batch).item()
     k_end = ct.gather(CuSeqlensK, batch + 1).item()
     if PLANNED or tile_m * TILE_M < q_end - q_start:
-        # batch 0 of the views; no workspace (one launch), no window, no softcap. EVEN_N (no bound on the key
-        # index) where causal: a sequence's query rows see only keys before its end anyway, and the rows past
-        # its end are not stored. Without causal the ragged end is masked.
+        # batch 0 of the views; no workspace (one launch). EVEN_N (no bound on the key index) where causal: a
+        # sequence's query rows see only keys before its end anyway, and the rows past its end are not stored.
+        # Without causal the ragged end is masked.
         attend_query_tile(Q, K, V, Out.slice(axis=2, start=q_start, stop=q_end), Q, Q, Q, tile_m, head, qk_scale,
-                          (k_end - k_start) - (q_end - q_start), 0, 0, num_heads, group, TILE_D, TILE_D_TAIL,
-                          TILE_DV, TILE_DV_TAIL, TILE_M, TILE_N, CAUSAL, CAUSAL, False, 0.0, FAST_MATH, True, False,
-                          K_LATENCY, V_LATENCY, WHOLE, q_row0=q_start, kv_row0=k_start, kv_len=k_end - k_start,
-                          ROW_OFFSETS=True, OUT_TMA=OUT_TMA)
+                          (k_end - k_start) - (q_end - q_start), window_left, window_right, num_heads, group, TILE_D,
+                          TILE_D_TAIL, TILE_DV, TILE_DV_TAIL, TILE_M, TILE_N, CAUSAL, CAUSAL, HAS_WINDOW, SOFTCAP,
+                          FAST_MATH, True, False, K_LATENCY, V_LATENCY, WHOLE, q_row0=q_start, kv_row0=k_start,
+                          kv_len=k_end - k_start, ROW_OFFSETS=True, OUT_TMA=OUT_TMA)
 
 
 def work_item(linear, num_m, num_bh, HEAVIEST_FIRST, HEAD_GROUP):

@@ -6,7 +6,9 @@
   tile width, the batch's lengths and the programs per SM it aims at, ``AIMED_PLANS``);
 - ``varlen``: the dense kernel's query-tile work on each packed sequence (``kernel.fmha_varlen``), with the
   dense kernel's Hopper candidates, tuned per shape class: one block per query tile, or a persistent block per
-  SM slot that runs the query tiles a host plan gave it (``impls._serving.varlen_work_plan``).
+  SM slot that runs the query tiles a host plan gave it (``impls._serving.varlen_work_plan``). A sliding window
+  and softcap apply per sequence as in the dense kernel: key tiles outside the window are never visited, and the
+  plan costs each query tile by the tiles its window shows.
 
 Both are prepared the way the dense entry is: inputs validated and every launch's arguments made once, so
 that the timed call only launches. Construction touches no GPU (the SM count is passed in), so the CPU tests
@@ -32,7 +34,7 @@ from impls._serving import (
     varlen_work_plan,
 )
 from impls._tuning import dense_tuner, fastest
-from impls._validate import NO_WINDOW, UNBOUNDED
+from impls._validate import NO_WINDOW, UNBOUNDED, binding_window, window_bounds
 from impls.cutile import (
     COMPILE_TIMEOUT_S,
     HEAD_DIMS,
@@ -42,6 +44,7 @@ from impls.cutile import (
     _kernel_with_hints,
     _sm_count,
     bind,
+    kernel_window,
     needs_int64,
     precompile,
     remembered,
@@ -264,19 +267,22 @@ class VarlenCall(Launches):
     that a timed call only launches). Construction touches no GPU where ``sm_count`` is given."""
 
     def __init__(self, variant: Variant, inputs: Varlen, *, scale: float, out: torch.Tensor | None = None,
-                 sm_count: int | None = None, store: str | None = None) -> None:
+                 sm_count: int | None = None, store: str | None = None, window: tuple[int, int] = NO_WINDOW,
+                 softcap: float = 0.0) -> None:
         self.variant = variant
         self.out = inputs.output_like() if out is None else out
         q, k, v, o = (t.transpose(0, 1)[None] for t in (inputs.q, inputs.k, inputs.v, self.out))
         heads = inputs.q.shape[1]
+        bounds = window_bounds(window, inputs.causal)  # per sequence, bottom-right, as the dense kernel's
         constants = variant.constants(head_dim=inputs.head_dim, causal=inputs.causal, kv_len=inputs.max_seqlen_k,
-                                      itemsize=inputs.q.element_size(), value_dim=inputs.v.shape[-1])
+                                      itemsize=inputs.q.element_size(), value_dim=inputs.v.shape[-1],
+                                      window=kernel_window(window, inputs.causal), softcap=softcap)
         self.store = store or varlen_output_store()
         self.plan = None
         if variant.persistent:
             slots = (sm_count or _sm_count(inputs.q.device.index)) * (variant.occupancy or 1)
             self.plan = varlen_work_plan(inputs.seqlens_q(), inputs.seqlens_k(), heads, variant.tile_m,
-                                         variant.tile_n, inputs.causal, slots)
+                                         variant.tile_n, inputs.causal, slots, bounds)
             grid = (self.plan.blocks, 1, 1)
             work = [torch.tensor(part, dtype=torch.int32, device=inputs.q.device)
                     for part in (self.plan.starts, self.plan.items or (0,))]  # no rows at all: nothing read
@@ -286,7 +292,8 @@ class VarlenCall(Launches):
         kernel = variant.kernel(int64=needs_int64(inputs.q, inputs.k, inputs.v), base="fmha_varlen")
         self.launches = [(grid, kernel, bind(
             "fmha_varlen", Q=q, K=k, V=v, Out=o, CuSeqlensQ=inputs.cu_seqlens_q, CuSeqlensK=inputs.cu_seqlens_k,
-            WorkStarts=work[0], WorkItems=work[1], qk_scale=scale, num_heads=heads, group=heads // inputs.k.shape[1],
+            WorkStarts=work[0], WorkItems=work[1], qk_scale=scale, window_left=bounds[0], window_right=bounds[1],
+            num_heads=heads, group=heads // inputs.k.shape[1],
             max_tiles=self.plan.max_tiles if self.plan else 0, OUT_TMA=self.store == "tma", **constants))]
 
     def schedule(self) -> dict:
@@ -296,14 +303,14 @@ class VarlenCall(Launches):
         return {"schedule": share, "output_store": self.store}
 
 
-def varlen_space(capability: tuple[int, int], head_dim: int, causal: bool) -> list[Variant]:
+def varlen_space(capability: tuple[int, int], head_dim: int, causal: bool, window: bool = False) -> list[Variant]:
     """The dense search space's forms with one block per query tile, and its persistent forms with a fixed
     share, which here run the host's plan (``varlen_work_plan``: its own order and balance, so the dense share's
     ``paired`` and ``dynamic`` flags mean nothing here and are dropped). Not the two-launch forms, and the causal
     diagonal in the masked loop: a peeled diagonal (``Variant.peel_refusal``) needs one query length for every
     query tile, and the packed sequences each have their own."""
     space = []
-    for variant in search_space(capability, head_dim, causal=causal):
+    for variant in search_space(capability, head_dim, causal=causal, window=window):
         if variant.two_launch or variant.dynamic:
             continue
         planned = replace(variant, paired=False, peel_diagonal=False)
@@ -313,18 +320,24 @@ def varlen_space(capability: tuple[int, int], head_dim: int, causal: bool) -> li
 
 
 @register("cutile", op="varlen", family="cutile", dtypes=HALF, devices=("cuda",), head_dims=HEAD_DIMS,
-          requires=requires,
+          requires=requires, variants=("window", "softcap"),
           description="our cuTile kernel on each packed sequence (read at its row offset in the packed tensors), "
                       "one block per query tile or persistent blocks on a host plan (heaviest work first, mirror "
-                      "pairs of causal tiles), autotuned")
-def prepare_varlen(inputs: Varlen, *, scale: float) -> Prepared:
+                      "pairs of causal tiles; a sliding window's unseen key tiles are never visited), autotuned")
+def prepare_varlen(inputs: Varlen, *, scale: float, window: tuple[int, int] = NO_WINDOW,
+                   softcap: float = 0.0) -> Prepared:
     heads, head_dim, store = inputs.q.shape[1], inputs.head_dim, varlen_output_store()
+    # Bottom-right in each sequence: a side that hides no key of the longest sequences hides none of the others.
+    window = binding_window(window, inputs.causal, inputs.max_seqlen_q, inputs.max_seqlen_k)
+    variants = {"window": window, "softcap": softcap}
     shape = ("varlen", inputs.q.dtype, head_dim, inputs.causal, heads // inputs.k.shape[1],
              length_class(inputs.max_seqlen_q), length_class(inputs.max_seqlen_k), parallel_class(inputs.batch * heads),
-             store)  # picks made with one output store are not reused with the other
+             store,  # picks made with one output store are not reused with the other
+             *("window",) * (window != NO_WINDOW), *("softcap",) * (softcap > 0))
     out = inputs.output_like()
-    space = varlen_space(torch.cuda.get_device_capability(inputs.q.device), head_dim, inputs.causal)
-    variant, cached = tuned(shape, inputs.q.device, space,
-                            lambda candidate: VarlenCall(candidate, inputs, scale=scale, out=out, store=store))
-    call = VarlenCall(variant, inputs, scale=scale, store=store)
+    space = varlen_space(torch.cuda.get_device_capability(inputs.q.device), head_dim, inputs.causal,
+                         window=window != NO_WINDOW)
+    variant, cached = tuned(shape, inputs.q.device, space, lambda candidate: VarlenCall(
+        candidate, inputs, scale=scale, out=out, store=store, **variants))
+    call = VarlenCall(variant, inputs, scale=scale, store=store, **variants)
     return call.prepared(chosen="tuning cache" if cached else "autotuned", tuner=dense_tuner(), **call.schedule())
