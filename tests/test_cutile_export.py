@@ -329,13 +329,17 @@ def serving_inputs(preset_name: str, index: int):
 
 
 def test_decode_space_reads_whole_pages_and_falls_back_to_rows():
-    from impls.cutile.serving import ROWS_FALLBACK, decode_space
+    from impls.cutile.serving import ROWS_FALLBACK, DecodeVariant, decode_space
 
     assert {v.read for v in decode_space(16)} == {"pages", "indexed"}
     assert all(v.tile_n % 64 == 0 for v in decode_space(64))
     huge = decode_space(16, huge=True)
     assert huge and {(v.read, v.tile_n) for v in huge} == {("pages", 64)}  # 64-bit offsets: compiles in seconds
     assert decode_space(24) == [ROWS_FALLBACK]  # no power-of-two tile holds whole pages of 24
+    # narrow heads add the 128-key page load with two blocks per SM (GPT-2's D=64), not wider ones
+    narrow = DecodeVariant(128, "pages", occupancy=2)
+    assert narrow in decode_space(16, head_dim=64) and narrow in decode_space(16, head_dim=48)
+    assert narrow not in decode_space(16, head_dim=96) and narrow not in decode_space(16)
 
 
 @pytest.fixture
@@ -388,7 +392,7 @@ def test_a_cache_of_2_31_elements_is_read_through_word_views_with_tma(monkeypatc
     from impls.cutile.serving import DecodeCall, DecodeVariant, decode_space, decode_space_for
 
     inputs = serving_inputs("serving-cpu", 4)  # MQA at batch 1, 300 tokens in pages of 16, head dim 64
-    assert decode_space_for(inputs) == decode_space(16)
+    assert decode_space_for(inputs) == decode_space(16, head_dim=64)
     small = DecodeCall(DecodeVariant(64), inputs, scale=0.125, sm_count=132)
     monkeypatch.setattr(impls.cutile.serving, "needs_int64", lambda *tensors: True)
     huge = DecodeCall(DecodeVariant(64), inputs, scale=0.125, sm_count=132)
@@ -398,7 +402,7 @@ def test_a_cache_of_2_31_elements_is_read_through_word_views_with_tma(monkeypatc
     assert (small.cache_indexing, huge.cache_indexing) == ("32-bit", "32-bit word views")
     assert {v.read for v in decode_space(16, huge=True, words=True)} == {"pages"}
     assert len(decode_space(16, huge=True, words=True)) > len(decode_space(16, huge=True))
-    assert decode_space_for(inputs) == decode_space(16, huge=True, words=True)  # what the tuner tries here
+    assert decode_space_for(inputs) == decode_space(16, huge=True, words=True, head_dim=64)  # what the tuner tries
     monkeypatch.setattr(impls.cutile.serving, "word_view_fits", lambda *args: False)
     wide = DecodeCall(DecodeVariant(64), inputs, scale=0.125, sm_count=132)
     (_, wide_kernel, wide_arguments), = wide.launches

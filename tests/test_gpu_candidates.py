@@ -124,14 +124,16 @@ def cutile_serving_candidates(inputs) -> list[tuple[str, Callable[[], torch.Tens
 
     scale = inputs.head_dim ** -0.5
     if inputs.op == "paged":  # one SM: the short twins split into several chunks
-        named = [(str(var), DecodeCall(var, inputs, scale=scale, sm_count=1)) for var in decode_space(inputs.page_size)]
+        named = [(str(var), DecodeCall(var, inputs, scale=scale, sm_count=1))
+                 for var in decode_space(inputs.page_size, head_dim=inputs.head_dim)]
         # A cache of 2**31 elements or more is read through 32-bit word views (decode.py's WORD_PAGES): its
         # page-load forms, as such a cache runs them, on the twins.
         if word_view_fits(inputs.k_cache, inputs.v_cache, tile_d(inputs.head_dim)):
             with pytest.MonkeyPatch.context() as patch:
                 patch.setattr(impls.cutile.serving, "needs_int64", lambda *tensors: True)
                 named += [(f"word views, {var}", DecodeCall(var, inputs, scale=scale, sm_count=1))
-                          for var in decode_space(inputs.page_size, huge=True, words=True)]
+                          for var in decode_space(inputs.page_size, huge=True, words=True,
+                                                  head_dim=inputs.head_dim)]
     else:
         space = varlen_space(torch.cuda.get_device_capability(), inputs.head_dim, inputs.causal)
         named = [(var.label(), VarlenCall(var, inputs, scale=scale)) for var in space]

@@ -108,6 +108,11 @@ class DecodeVariant:
 # asked of the compiler halved most forms; latencies 4 / 4 changed little.
 DECODE_SPACE = [DecodeVariant(64, "pages", occupancy=2), DecodeVariant(64, "pages"), DecodeVariant(128, "pages"),
                 DecodeVariant(128, "pages", k_latency=2, v_latency=2), DecodeVariant(128, "indexed")]
+# Session 32 (H200, probe, GPT-2: head dim 64, one query head per kv head): the 128-key page load with two blocks
+# per SM read 64 x 8K at 3.94 TB/s and 16 x 32K at 3.25, where the space's best was 2.83 and 2.47. A 128-key tile of
+# a head dim of 64 holds the bytes of a 64-key tile of 128, whose pipeline fits twice on an SM (session 8).
+NARROW_HEAD_SPACE = [DecodeVariant(128, "pages", occupancy=2)]
+NARROW_HEAD_DIM = 64  # head dims up to this (as tiles) add NARROW_HEAD_SPACE
 ROWS_FALLBACK = DecodeVariant(64, "rows", 2, 2)
 # The combine is a small reduction per row; left to itself the compiler gave it 255 registers, 17 KB of shared
 # memory and TMA loads (sm_90), so about two blocks ran per SM: 54 us for the 2048 rows of a 70B slice at batch
@@ -181,22 +186,24 @@ class DecodeCall(Launches):
                                 cache_indexing=self.cache_indexing, **config)
 
 
-def decode_space(page_size: int, huge: bool = False, words: bool = False) -> list[DecodeVariant]:
-    """The candidates for this page size. ``huge``: a cache of 2**31 elements or more. Read through 32-bit
+def decode_space(page_size: int, huge: bool = False, words: bool = False,
+                 head_dim: int = 128) -> list[DecodeVariant]:
+    """The candidates for this page size and head dim. ``huge``: a cache of 2**31 elements or more. Read through 32-bit
     word views (``words``: ``word_view_fits``), page loads keep 32-bit indexing and TMA, so the page-load forms
     are tried. Otherwise such a cache needs 64-bit offsets, where the first version's tiles of eight joined
     pages compiled for minutes (H200, session 7), so only the smallest page-load tile is tried."""
-    space = [variant for variant in DECODE_SPACE if variant.fits(page_size)]
+    narrow = NARROW_HEAD_SPACE if tile_d(head_dim) <= NARROW_HEAD_DIM else []
+    space = [variant for variant in DECODE_SPACE + narrow if variant.fits(page_size)]
     if huge:
         space = [variant for variant in space if variant.read == "pages" and (words or variant.tile_n == 64)]
     return space or [ROWS_FALLBACK]
 
 
 def decode_space_for(inputs: PagedKV) -> list[DecodeVariant]:
-    """``decode_space`` for these caches: their page size, and whether they need 64-bit indexing or fit word
-    views (as ``DecodeCall`` will read them)."""
+    """``decode_space`` for these caches: their page size and head dim, and whether they need 64-bit indexing or
+    fit word views (as ``DecodeCall`` will read them)."""
     huge, words = cache_reading(inputs.k_cache, inputs.v_cache, tile_d(inputs.head_dim))
-    return decode_space(inputs.page_size, huge=huge, words=words)
+    return decode_space(inputs.page_size, huge=huge, words=words, head_dim=inputs.head_dim)
 
 
 def plan_candidates(forms: list[DecodeVariant], inputs: PagedKV, *, scale: float, sm_count: int,
