@@ -271,7 +271,8 @@ class VarlenCall(Launches):
     """One packed prefill with a dense ``variant``: the kernel reads the packed tensors through (1, H, total, D)
     views. One block per query tile of the longest sequence and (sequence, head), or, persistent, one block per
     SM slot running the query tiles the host planned for it (``impls._serving.varlen_work_plan``, made here, so
-    that a timed call only launches). Construction touches no GPU where ``sm_count`` is given."""
+    that a timed call only launches). ``window`` and ``softcap`` as the dense entry takes them, applied in each
+    sequence. Construction touches no GPU where ``sm_count`` is given."""
 
     def __init__(self, variant: Variant, inputs: Varlen, *, scale: float, out: torch.Tensor | None = None,
                  sm_count: int | None = None, store: str | None = None, window: tuple[int, int] = NO_WINDOW,
