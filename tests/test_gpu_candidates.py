@@ -18,6 +18,7 @@ from fnmatch import fnmatchcase
 import pytest
 import torch
 
+from impls._validate import NO_WINDOW
 from suite.cases import UNEVEN_VARLEN, Case, uneven_varlen
 from suite.checks import Oracle
 
@@ -109,14 +110,17 @@ def test_every_candidate(family, case: Case, amplitude: float):
 
 # The serving operations: every decode form (key tile width, rows / pages / indexed reads) and every varlen
 # candidate of our cuTile kernels, on the serving twins (NaN in every unused cache slot, ragged lengths over
-# page boundaries, several new tokens, splits merged by the combine).
+# page boundaries, several new tokens, splits merged by the combine), and on the models' twins with a sliding
+# window or softcap.
 def serving_cases() -> list[Case]:
     from suite.cases import preset
 
-    return preset("serving-cpu") + preset("varlen-cpu")
+    variants = [c for c in preset("models-serving-cpu") if c.window != NO_WINDOW or c.softcap]
+    return preset("serving-cpu") + preset("varlen-cpu") + variants
 
 
-def cutile_serving_candidates(inputs) -> list[tuple[str, Callable[[], torch.Tensor]]]:
+def cutile_serving_candidates(inputs, window: tuple[int, int] = NO_WINDOW,
+                              softcap: float = 0.0) -> list[tuple[str, Callable[[], torch.Tensor]]]:
     pytest.importorskip("cuda.tile")
     import impls.cutile.serving
     from impls.cutile import precompile, tile_d
@@ -124,28 +128,30 @@ def cutile_serving_candidates(inputs) -> list[tuple[str, Callable[[], torch.Tens
 
     scale = inputs.head_dim ** -0.5
     if inputs.op == "paged":  # one SM: the short twins split into several chunks
-        named = [(str(var), DecodeCall(var, inputs, scale=scale, sm_count=1))
+        variants = {"window_left": inputs.window_left(window), "softcap": softcap}
+        named = [(str(var), DecodeCall(var, inputs, scale=scale, sm_count=1, **variants))
                  for var in decode_space(inputs.page_size, head_dim=inputs.head_dim)]
         # A cache of 2**31 elements or more is read through 32-bit word views (decode.py's WORD_PAGES): its
         # page-load forms, as such a cache runs them, on the twins.
         if word_view_fits(inputs.k_cache, inputs.v_cache, tile_d(inputs.head_dim)):
             with pytest.MonkeyPatch.context() as patch:
                 patch.setattr(impls.cutile.serving, "needs_int64", lambda *tensors: True)
-                named += [(f"word views, {var}", DecodeCall(var, inputs, scale=scale, sm_count=1))
+                named += [(f"word views, {var}", DecodeCall(var, inputs, scale=scale, sm_count=1, **variants))
                           for var in decode_space(inputs.page_size, huge=True, words=True,
                                                   head_dim=inputs.head_dim)]
     else:
-        space = varlen_space(torch.cuda.get_device_capability(), inputs.head_dim, inputs.causal)
-        named = [(var.label(), VarlenCall(var, inputs, scale=scale)) for var in space]
+        space = varlen_space(torch.cuda.get_device_capability(), inputs.head_dim, inputs.causal,
+                             window=window != NO_WINDOW)
+        named = [(var.label(), VarlenCall(var, inputs, scale=scale, window=window, softcap=softcap)) for var in space]
     named = [(name, call) for name, call in named if kept(name)]
     precompile([call for _, call in named])
     return named
 
 
-def check_serving_candidates(inputs) -> None:
-    oracle = Oracle.serving(inputs)
+def check_serving_candidates(inputs, window: tuple[int, int] = NO_WINDOW, softcap: float = 0.0) -> None:
+    oracle = Oracle.serving(inputs, window=window, softcap=softcap)
     failures = []
-    for name, call in cutile_serving_candidates(inputs):
+    for name, call in cutile_serving_candidates(inputs, window, softcap):
         call.out.fill_(float("nan"))
         result = oracle.check(call())
         if not result.passed:
@@ -158,7 +164,7 @@ def test_every_serving_candidate(case: Case, monkeypatch):
     import impls._serving
 
     monkeypatch.setattr(impls._serving, "SPLIT_MIN_TILES", 1)  # the short twins split, the combine runs
-    check_serving_candidates(case.make_inputs("cuda"))
+    check_serving_candidates(case.make_inputs("cuda"), case.window, case.softcap)
 
 
 @pytest.mark.parametrize("lengths_q, lengths_k, causal", UNEVEN_VARLEN)
