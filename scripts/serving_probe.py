@@ -10,8 +10,9 @@ times every tuner config once, then the fastest with an aimed plan, the fastest 
 each peer in alternation (``plans-wide``: over TRITON_WIDE's tiles with each plan); ``--peer NAME``
 times a registered implementation of the operation the same way, in the same process (``--no-cutile`` leaves
 cuTile out, for a machine without its toolchain). Varlen (``--varlen-only``: nothing else): each varlen
-candidate on every ``varlen`` case, and on the equal-length batch beside the dense kernel with the same variant
-on the same shape (the varlen path should cost nothing over dense); ``--varlen-persistent`` adds the persistent
+candidate on every ``varlen`` case (``--varlen-grid NAME``: another preset's, with their window and softcap), and
+on the equal-length batch beside the dense kernel with the same variant on the same shape (the varlen path should
+cost nothing over dense); ``--varlen-persistent`` adds the persistent
 twin (on the host plan) of every one-block-per-tile candidate, ``--varlen-stores`` times each with both output
 stores. Prints JSON lines.
 
@@ -29,6 +30,7 @@ import torch
 
 import impls
 from impls._tuning import graph_ms
+from impls._validate import NO_WINDOW
 from impls.cutile import Call, _sm_count, precompile
 from impls.cutile.serving import VARLEN_STORES, DecodeCall, VarlenCall, decode_space_for, varlen_space
 from impls.triton_fa import DECODE_PLANS, paged_launch
@@ -159,27 +161,32 @@ def mask_free_ab(inputs, scale: float, case, oracle, rounds: int = 5) -> None:
                           "passed": [oracle.check(run()).passed for run in calls.values()]}), flush=True)
 
 
-def probe_varlen(rounds: int = 3, persistent_twins: bool = False, stores: tuple[str, ...] = ()) -> None:
-    """Each varlen candidate on every ``varlen`` case, and on the equal-length batch beside the dense kernel of
-    the same variant, in ``rounds`` interleaved rounds (median); ``persistent_twins``: each one-block-per-tile
-    candidate's persistent twin too; ``stores``: the varlen call once per output store (else FMHA_VARLEN_STORE's)."""
-    dense_case, = [c for c in preset("varlen") if c.op == "dense"]
-    q, k, v = dense_case.make_inputs("cuda")
-    for varlen_case in [c for c in preset("varlen") if c.op == "varlen"]:
+def probe_varlen(rounds: int = 3, persistent_twins: bool = False, stores: tuple[str, ...] = (),
+                 grid: str = "varlen") -> None:
+    """Each varlen candidate on every varlen case of ``grid`` (with its window and softcap), and on an equal-length
+    batch beside the dense kernel of the same variant where the grid has the dense twin (``varlen`` does), in
+    ``rounds`` interleaved rounds (median); ``persistent_twins``: each one-block-per-tile candidate's persistent
+    twin too; ``stores``: the varlen call once per output store (else FMHA_VARLEN_STORE's)."""
+    dense = [c.make_inputs("cuda") for c in preset(grid) if c.op == "dense"][:1]
+    for varlen_case in [c for c in preset(grid) if c.op == "varlen"]:
         inputs = varlen_case.make_inputs("cuda")
         scale = inputs.head_dim ** -0.5
-        oracle = Oracle.serving(inputs)
-        space = varlen_space(torch.cuda.get_device_capability(), inputs.head_dim, True)
+        variants = {"window": varlen_case.window, "softcap": varlen_case.softcap}
+        oracle = Oracle.serving(inputs, **variants)
+        space = varlen_space(torch.cuda.get_device_capability(), inputs.head_dim, True,
+                             window=varlen_case.window != NO_WINDOW)
         twins = [replace(v, persistent=True) for v in space if persistent_twins and not v.persistent]
         for variant in space + [twin for twin in twins if twin not in space]:
-            calls = {f"varlen_{store}" if store else "varlen": VarlenCall(variant, inputs, scale=scale, store=store)
+            calls = {f"varlen_{store}" if store else "varlen": VarlenCall(variant, inputs, scale=scale, store=store,
+                                                                          **variants)
                      for store in stores or (None,)}
-            if varlen_case.lengths == "equal":
-                calls["dense"] = Call(variant, q, k, v, causal=True, scale=scale)
+            if varlen_case.lengths == "equal" and dense:
+                calls["dense"] = Call(variant, *dense[0], causal=True, scale=scale)
             precompile(list(calls.values()))
             median = interleaved(calls, rounds)
             print(json.dumps({"case": varlen_case.id, "variant": variant.label(),
                               **{f"{name}_ms": ms for name, ms in median.items()},
+                              "tflops": metrics.flops(varlen_case) / median[next(iter(calls))] / 1e9,
                               "passed": [oracle.check(call()).passed for name, call in calls.items()
                                          if name.startswith("varlen")]}), flush=True)
 
@@ -191,6 +198,8 @@ def main() -> None:
     parser.add_argument("--varlen-only", action="store_true", help="no decode case, only the varlen probe")
     parser.add_argument("--varlen-persistent", action="store_true",
                         help="varlen: the persistent twin of every one-block-per-tile candidate too")
+    parser.add_argument("--varlen-grid", default="varlen",
+                        help="the preset whose varlen cases the varlen probe runs (with their window and softcap)")
     parser.add_argument("--varlen-stores", action="store_true",
                         help=f"varlen: each candidate with each output store ({', '.join(VARLEN_STORES)}), interleaved")
     parser.add_argument("--occupancy", action="append", type=int, default=[], help="cuTile blocks per SM to try")
@@ -211,7 +220,7 @@ def main() -> None:
                      plans=tuple(args.plans))
     if not args.skip_varlen:
         probe_varlen(persistent_twins=args.varlen_persistent,
-                     stores=VARLEN_STORES if args.varlen_stores else ())
+                     stores=VARLEN_STORES if args.varlen_stores else (), grid=args.varlen_grid)
 
 
 if __name__ == "__main__":
