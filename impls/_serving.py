@@ -219,6 +219,11 @@ class Varlen(_ServingInputs):
     def max_seqlen_k(self) -> int:
         return max(self.seqlens_k())
 
+    def binding_window(self, window: tuple[int, int]) -> tuple[int, int]:
+        """``window`` with each side that hides no key of any sequence unbounded (``binding_window``): bottom-right
+        in each sequence, a side that hides no key of the longest sequences hides none of the others."""
+        return binding_window(window, self.causal, self.max_seqlen_q, self.max_seqlen_k)
+
 
 def gather_sequence(inputs: PagedKV, b: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Sequence ``b``'s keys and values, ``(Hkv, L, D)`` each, gathered from its pages."""
@@ -332,8 +337,13 @@ def decode_shape_class(inputs: PagedKV, window_left: int = UNBOUNDED, softcap: f
     hkv, lengths = inputs.k_cache.shape[2], inputs.read_lengths(window_left)
     spread = round(math.log2(max(lengths) * len(lengths) / sum(lengths)))
     pow2 = [1 << (n - 1).bit_length() for n in (batch, max(lengths))]
-    variants = ("window",) * (window_left < UNBOUNDED) + ("softcap",) * (softcap > 0)
-    return ("paged", inputs.q.dtype, head_dim, hkv, hq // hkv, sq, inputs.page_size, *pow2, spread, *variants)
+    return ("paged", inputs.q.dtype, head_dim, hkv, hq // hkv, sq, inputs.page_size, *pow2, spread,
+            *variant_tags(window_left < UNBOUNDED, softcap))
+
+
+def variant_tags(window: bool, softcap: float) -> tuple[str, ...]:
+    """The model variants a call compiles in, as a serving tuner's shape class names them."""
+    return ("window",) * window + ("softcap",) * (softcap > 0)
 
 
 # Persistent varlen prefill: the host plans which block runs which query tiles, once, when the call is prepared

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from impls._serving import decode_read_length
-from impls._validate import NO_WINDOW, UNBOUNDED
+from impls._validate import NO_WINDOW, window_bounds
 from suite.cases import Case
 
 # Dense fp16/bf16 tensor-core peak (TFLOP/s, no sparsity) of each architecture's flagship datacenter part,
@@ -71,7 +71,7 @@ def kv_bytes(case: Case) -> int:
     if case.op == "dense":
         tokens = case.batch * case.skv
     elif case.op == "paged":
-        window_left = case.window[0] if case.window[0] >= 0 else UNBOUNDED
+        window_left, _ = window_bounds(case.window, causal=True)
         tokens = sum(decode_read_length(n, case.sq, window_left) for n in case.seqlens())
     else:
         tokens = sum(case.seqlens())

@@ -31,10 +31,11 @@ from impls._serving import (
     combine_plan,
     decode_shape_class,
     split_plan,
+    variant_tags,
     varlen_work_plan,
 )
 from impls._tuning import dense_tuner, fastest
-from impls._validate import NO_WINDOW, UNBOUNDED, binding_window, window_bounds
+from impls._validate import NO_WINDOW, UNBOUNDED, window_bounds
 from impls.cutile import (
     COMPILE_TIMEOUT_S,
     HEAD_DIMS,
@@ -335,13 +336,12 @@ def varlen_space(capability: tuple[int, int], head_dim: int, causal: bool, windo
 def prepare_varlen(inputs: Varlen, *, scale: float, window: tuple[int, int] = NO_WINDOW,
                    softcap: float = 0.0) -> Prepared:
     heads, head_dim, store = inputs.q.shape[1], inputs.head_dim, varlen_output_store()
-    # Bottom-right in each sequence: a side that hides no key of the longest sequences hides none of the others.
-    window = binding_window(window, inputs.causal, inputs.max_seqlen_q, inputs.max_seqlen_k)
+    window = inputs.binding_window(window)
     variants = {"window": window, "softcap": softcap}
     shape = ("varlen", inputs.q.dtype, head_dim, inputs.causal, heads // inputs.k.shape[1],
              length_class(inputs.max_seqlen_q), length_class(inputs.max_seqlen_k), parallel_class(inputs.batch * heads),
              store,  # picks made with one output store are not reused with the other
-             *("window",) * (window != NO_WINDOW), *("softcap",) * (softcap > 0))
+             *variant_tags(window != NO_WINDOW, softcap))
     out = inputs.output_like()
     space = varlen_space(torch.cuda.get_device_capability(inputs.q.device), head_dim, inputs.causal,
                          window=window != NO_WINDOW)

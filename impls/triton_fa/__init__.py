@@ -251,8 +251,7 @@ def prepare_varlen(inputs, *, scale: float, window: tuple[int, int] = NO_WINDOW,
 
     out = inputs.output_like()
     heads, head_dim = inputs.q.shape[1], inputs.head_dim
-    # Bottom-right in each sequence: a side that hides no key of the longest sequences hides none of the others.
-    window = binding_window(window, inputs.causal, inputs.max_seqlen_q, inputs.max_seqlen_k)
+    window = inputs.binding_window(window)
     meta = {**head_dims(head_dim), "CAUSAL": inputs.causal, "VARLEN": True,
             "DOT_FP32": interpreting() or inputs.q.dtype == torch.float32, "HAS_WINDOW": window != NO_WINDOW,
             "SOFTCAP": softcap}
