@@ -7,8 +7,7 @@ latencies, ``--plans N`` (repeatable) runs each with split plans aimed at N prog
 ``--triton wide`` sweeps a wider Triton decode space (TRITON_WIDE) than the tuner's, ``--triton ab``
 times each of the tuner's configs with and without the mask-free loop (MASK_FREE), alternating, ``--triton plans``
 times every tuner config once, then the fastest with an aimed plan, the fastest with a fitted one (PLAN_FIT) and
-each peer in alternation (``plans-wide``: over TRITON_WIDE's tiles with each plan), ``--triton evict`` the three
-fastest tuner configs with their K/V loads' default L2 policy and with evict_first, alternating; ``--peer NAME``
+each peer in alternation (``plans-wide``: over TRITON_WIDE's tiles with each plan); ``--peer NAME``
 times a registered implementation of the operation the same way, in the same process (``--no-cutile`` leaves
 cuTile out, for a machine without its toolchain). Varlen (``--varlen-only``: nothing else): each varlen
 candidate on every ``varlen`` case (``--varlen-grid NAME``: another preset's, with their window and softcap), and
@@ -100,9 +99,6 @@ def probe_decode(case_id: str, occupancies: list[int], triton: str, latencies: l
     if triton.startswith("plans"):
         plans_ab(inputs, scale, case, oracle, peer_calls, TRITON_WIDE_PLANS if triton == "plans-wide" else TRITON_SPACE)
         return
-    if triton == "evict":
-        evict_ab(inputs, scale, case, oracle, peer_calls)
-        return
     for config in {"tuner": TRITON_SPACE, "wide": TRITON_WIDE, "none": []}[triton]:
         try:
             run, plan = paged_launch(inputs, scale, config)
@@ -121,10 +117,10 @@ def interleaved(calls: dict, rounds: int) -> dict:
     return {name: sorted(times)[rounds // 2] for name, times in ms.items()}
 
 
-def timed_space(inputs, scale: float, space: list[dict]) -> list[tuple[float, dict, object, dict]]:
-    """Each Triton decode config of ``space`` once (graph time, compiled first), fastest first: (ms, config,
-    run, plan)."""
-    timed = []
+def plans_ab(inputs, scale: float, case, oracle, peers: dict, space: list[dict], rounds: int = 7) -> None:
+    """Every Triton decode config of ``space`` once; then the fastest with an aimed plan, the fastest with a
+    fitted plan (PLAN_FIT) and each peer, in alternation (median of ``rounds``)."""
+    best = {}
     for config in space:
         try:
             run, plan = paged_launch(inputs, scale, config)
@@ -132,42 +128,18 @@ def timed_space(inputs, scale: float, space: list[dict]) -> list[tuple[float, di
         except Exception as exc:  # a config beyond the GPU's resources: say so, go on
             print(json.dumps({"variant": f"triton {config}", "error": str(exc)[:200]}), flush=True)
             continue
-        timed.append((graph_ms(run, repeats=20), config, run, plan))
-    return sorted(timed, key=lambda entry: entry[0])
-
-
-def alternated(case, oracle, calls: dict, details: dict, rounds: int) -> None:
-    """``calls`` (name -> call) timed in turn ``rounds`` times: a JSON line each with its median, GB/s, what
-    ``details`` says of it and whether its output passed."""
+        ms = graph_ms(run, repeats=20)
+        kind = "fitted" if config["PLAN_FIT"] else "aimed"
+        if kind not in best or ms < best[kind][0]:
+            best[kind] = (ms, config, run, plan)
+    calls = {f"triton {kind}": run for kind, (_, _, run, _) in best.items()} | peers
     median = interleaved(calls, rounds)
     for name, call in calls.items():
+        kind = name.split()[-1]
+        detail = {"config": best[kind][1], "plan": best[kind][3]} if kind in best else {}
         print(json.dumps({"case": case.id, "variant": name, "ms": median[name],
-                          "gbps": metrics.kv_bytes(case) / median[name] / 1e6, **details.get(name, {}),
+                          "gbps": metrics.kv_bytes(case) / median[name] / 1e6, **detail,
                           "passed": oracle.check(call()).passed}), flush=True)
-
-
-def plans_ab(inputs, scale: float, case, oracle, peers: dict, space: list[dict], rounds: int = 7) -> None:
-    """Every Triton decode config of ``space`` once; then the fastest with an aimed plan, the fastest with a
-    fitted plan (PLAN_FIT) and each peer, in alternation (median of ``rounds``)."""
-    best = {}
-    for _, config, run, plan in timed_space(inputs, scale, space):
-        best.setdefault("fitted" if config["PLAN_FIT"] else "aimed", (config, run, plan))
-    alternated(case, oracle, {f"triton {kind}": run for kind, (_, run, _) in best.items()} | peers,
-               {f"triton {kind}": {"config": config, "plan": plan} for kind, (config, _, plan) in best.items()},
-               rounds)
-
-
-def evict_ab(inputs, scale: float, case, oracle, peers: dict, top: int = 3, rounds: int = 7) -> None:
-    """The ``top`` fastest Triton decode configs of the tuner's space (one pass), each with the default L2
-    policy for its K/V loads and with ``evict_first`` (EVICT), and each peer, in alternation."""
-    calls, details = {}, {}
-    for rank, (_, config, _, plan) in enumerate(timed_space(inputs, scale, TRITON_SPACE)[:top]):
-        for evict in ("", "evict_first"):
-            name = f"triton #{rank} {evict or 'default'}"
-            calls[name] = paged_launch(inputs, scale, {**config, "EVICT": evict})[0]
-            calls[name]()  # compile outside the timing
-            details[name] = {"config": config, "plan": plan}
-    alternated(case, oracle, calls | peers, details, rounds)
 
 
 def mask_free_ab(inputs, scale: float, case, oracle, rounds: int = 5) -> None:
@@ -234,9 +206,9 @@ def main() -> None:
     parser.add_argument("--plans", action="append", type=int, default=[],
                         help="programs per SM the cuTile candidates' split plans aim at (repeatable; default: "
                              "the usual one, PROGRAMS_PER_SM)")
-    parser.add_argument("--triton", choices=("tuner", "wide", "ab", "plans", "plans-wide", "evict", "none"),
-                        default="tuner", help="the Triton configs beside cuTile's: the tuner's space, TRITON_WIDE, "
-                                              "or none; ab, plans and evict: the A/B comparisons above")
+    parser.add_argument("--triton", choices=("tuner", "wide", "ab", "plans", "plans-wide", "none"), default="tuner",
+                        help="the Triton configs beside cuTile's: the tuner's space, TRITON_WIDE, or none; ab and "
+                             "plans: the A/B comparisons above")
     parser.add_argument("--peer", action="append", default=[], help="a registered implementation to time too")
     parser.add_argument("--no-cutile", action="store_true", help="leave cuTile's candidates out")
     parser.add_argument("--latency", action="append", default=[], metavar="K,V",

@@ -312,6 +312,10 @@ def _describe(cfg) -> dict:
 # (4 or 12 chunks; level with FlashInfer), elsewhere level or up to 3% behind the aimed plan, which the tuner then
 # keeps. The wave tail is not what holds the 70B slice at 16 x 32K at 3.7 TB/s: a kernel that only reads its pages
 # (scripts/bandwidth_probe.py) reads 4.29 on the same grid, so the gap is the split kernel's own.
+# Session 33 (H200, scripts/serving_probe.py --triton evict, commit 2857406 has it): the K/V loads (cp.async.cg
+# already, so L1 is not in the way) with L2's evict_first policy, the three fastest tuner configs of 11 cases each
+# with and without, alternating: every pair within 0.4% (8B 1 x 128K 4145 / 4145 GB/s, 8B 64 x 8K 4409 / 4412,
+# FlashInfer 4477). The cache's lines are read once either way; L2's policy does not change what HBM delivers.
 DECODE_TILES = ((128, 4, 3), (128, 4, 2), (64, 4, 3), (64, 4, 2), (64, 8, 2), (32, 4, 2))
 DECODE_PLANS = [{"PLAN_PROGRAMS": programs, "PLAN_FIT": False} for programs in AIMED_PLANS] + [
     {"PLAN_PROGRAMS": waves, "PLAN_FIT": True} for waves in (1, 2)]

@@ -37,17 +37,16 @@ from impls.triton_fa.kernel import scaled_scores
 
 
 @triton.jit
-def _load(ptrs, in_seq, in_dims, MASKED: tl.constexpr, PADDED: tl.constexpr, EVICT: tl.constexpr):
+def _load(ptrs, in_seq, in_dims, MASKED: tl.constexpr, PADDED: tl.constexpr):
     """A K or V tile: positions outside ``in_seq`` (MASKED) and columns outside ``in_dims`` (PADDED) read
-    zeros; each mask only where it can hide something. EVICT: the load's L2 eviction policy ("" for the
-    default; the cache is read once, nothing of it is used again)."""
+    zeros; each mask only where it can hide something."""
     if MASKED and PADDED:
-        return tl.load(ptrs, mask=in_seq & in_dims, other=0.0, eviction_policy=EVICT)
+        return tl.load(ptrs, mask=in_seq & in_dims, other=0.0)
     if MASKED:
-        return tl.load(ptrs, mask=in_seq, other=0.0, eviction_policy=EVICT)
+        return tl.load(ptrs, mask=in_seq, other=0.0)
     if PADDED:
-        return tl.load(ptrs, mask=in_dims, other=0.0, eviction_policy=EVICT)
-    return tl.load(ptrs, eviction_policy=EVICT)
+        return tl.load(ptrs, mask=in_dims, other=0.0)
+    return tl.load(ptrs)
 
 
 @triton.jit
@@ -56,7 +55,6 @@ def _decode_tiles(
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-    EVICT: tl.constexpr,
 ):
     """Online softmax of the tile's rows over cache positions [lo, hi), BLOCK_N at a time. MASKED: positions
     at or past ``end`` read zeros and are left out, and so are those past a row's ``last_visible`` (or, with a
@@ -74,7 +72,7 @@ def _decode_tiles(
         slot = pos % PAGE_SIZE
         k_ptrs = K_cache + page[None, :] * stride_kp + slot[None, :] * stride_ks + kv_head * stride_kh + offs_d[:, None]
         v_ptrs = V_cache + page[:, None] * stride_vp + slot[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :]
-        k = _load(k_ptrs, in_seq[None, :], in_dims[:, None], MASKED, BLOCK_D != HEAD_DIM, EVICT)
+        k = _load(k_ptrs, in_seq[None, :], in_dims[:, None], MASKED, BLOCK_D != HEAD_DIM)
         if DOT_FP32:  # Triton's interpreter computes half-precision dots wrongly
             k = k.to(tl.float32)
         qk = scaled_scores(tl.dot(q, k, input_precision="ieee" if DOT_FP32 else None), qk_scale, SOFTCAP)
@@ -89,7 +87,7 @@ def _decode_tiles(
         p = tl.math.exp2(qk - m_ref[:, None])
         alpha = tl.math.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load(v_ptrs, in_seq[:, None], in_dims[None, :], MASKED, BLOCK_D != HEAD_DIM, EVICT)
+        v = _load(v_ptrs, in_seq[:, None], in_dims[None, :], MASKED, BLOCK_D != HEAD_DIM)
         if DOT_FP32:
             acc = tl.dot(p, v.to(tl.float32), acc * alpha[:, None], input_precision="ieee")
         else:
@@ -111,7 +109,6 @@ def paged_decode_split(
     GROUP: tl.constexpr, SQ: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, SPLIT: tl.constexpr,
     MASK_FREE: tl.constexpr = True, HAS_WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = 0.0,
-    EVICT: tl.constexpr = "",
 ):
     """Program (split, batch * kv head): attention of the GROUP x SQ query rows over one chunk of the cache.
     SPLIT: its normalised output and log-sum-exp go to O_part and LSE_part for the combine; otherwise (one
@@ -154,7 +151,7 @@ def paged_decode_split(
         acc, l_i, m_i = _decode_tiles(
             q, acc, l_i, m_i, K_cache, V_cache, table_row, kv_head, start, free_from, end, last_visible, window_left,
             qk_scale, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-            PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_FP32, True, HAS_WINDOW, SOFTCAP, EVICT)
+            PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_FP32, True, HAS_WINDOW, SOFTCAP)
     # Whole tiles of positions that every new token sees (up to seq_len - SQ) run without a mask; only the
     # chunk's last tile (ragged, or holding the newest SQ - 1 positions) is masked.
     mask_from = free_from
@@ -163,11 +160,11 @@ def paged_decode_split(
         acc, l_i, m_i = _decode_tiles(
             q, acc, l_i, m_i, K_cache, V_cache, table_row, kv_head, free_from, mask_from, end, last_visible,
             window_left, qk_scale, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-            PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_FP32, False, HAS_WINDOW, SOFTCAP, EVICT)
+            PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_FP32, False, HAS_WINDOW, SOFTCAP)
     acc, l_i, m_i = _decode_tiles(
         q, acc, l_i, m_i, K_cache, V_cache, table_row, kv_head, mask_from, end, end, last_visible, window_left,
         qk_scale, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-        PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_FP32, True, HAS_WINDOW, SOFTCAP, EVICT)
+        PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_FP32, True, HAS_WINDOW, SOFTCAP)
 
     # The chunk's normalised output and its log-sum-exp in log2 units (-inf where a row saw no key here).
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
