@@ -79,7 +79,8 @@
 #             (carry .gpu-fi; no cuTile)
 #   plans:    scripts/serving_probe.py --triton plans on the serving cases where ours trailed or missed 85% of HBM
 #             (PLANS_CASES: case ids): the fastest aimed and fitted split plans beside FlashInfer and the tuner's
-#             pick, alternating (PLANS_MODE=plans-wide: over more tiles; carry .gpu-fi; no cuTile)
+#             pick, alternating (PLANS_MODE=plans-wide: over more tiles; PLANS_MODE=deep: the fastest of the
+#             tuner's space beside the fastest K/V double-buffered config; carry .gpu-fi; no cuTile)
 #   clocks:   scripts/clock_probe.py: per-round times and SM clocks over 2 s of sustained work after a rest
 #   settle:   the equal-length varlen batch and its dense twin, cutile / sdpa-cudnn / triton, graph timing, twice
 #             with --settle-ms 0 and twice with the default (benchmarks timed at sustained clocks)

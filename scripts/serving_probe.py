@@ -7,7 +7,8 @@ latencies, ``--plans N`` (repeatable) runs each with split plans aimed at N prog
 ``--triton wide`` sweeps a wider Triton decode space (TRITON_WIDE) than the tuner's, ``--triton ab``
 times each of the tuner's configs with and without the mask-free loop (MASK_FREE), alternating, ``--triton plans``
 times every tuner config once, then the fastest with an aimed plan, the fastest with a fitted one (PLAN_FIT) and
-each peer in alternation (``plans-wide``: over TRITON_WIDE's tiles with each plan); ``--peer NAME``
+each peer in alternation (``plans-wide``: over TRITON_WIDE's tiles with each plan), ``--triton deep`` the fastest
+of the tuner's space and of TRITON_DEEP (K/V double-buffered) the same way; ``--peer NAME``
 times a registered implementation of the operation the same way, in the same process (``--no-cutile`` leaves
 cuTile out, for a machine without its toolchain). Varlen (``--varlen-only``: nothing else): each varlen
 candidate on every ``varlen`` case (``--varlen-grid NAME``: another preset's, with their window and softcap), and
@@ -51,6 +52,12 @@ def seconds(fn) -> float:
 # Tile width, warps and pipeline stages beyond the Triton decode tuner's space.
 TRITON_WIDE = [{"BLOCK_N": n, "num_warps": w, "num_stages": st}
                for n in (32, 64, 128, 256) for w in (4, 8) for st in (2, 3, 4)]
+# Deep pipelines: Triton double-buffers a decode tile's K and V only from 5 stages on (3 buffers from 7). Its
+# pipeliner spends two stages on the block-table load the K/V addresses depend on, so at 2-4 stages a program
+# waits for each tile's K/V right after issuing them (sm_90 TTGIR: one buffer each, async_wait num=0).
+DEEP_TILES = ((128, 4, 5), (64, 4, 5), (64, 4, 7), (64, 8, 5), (32, 4, 5), (32, 4, 7))
+TRITON_DEEP = [{"BLOCK_N": n, "num_warps": w, "num_stages": st, "MASK_FREE": mask_free, **plan}
+               for n, w, st in DEEP_TILES for mask_free in (True, False) for plan in DECODE_PLANS]
 # Tiles from 16 keys on (2 or 3 stages), each with and without the mask-free loop and with every split plan.
 TRITON_WIDE_PLANS = [{"BLOCK_N": n, "num_warps": w, "num_stages": st, "MASK_FREE": mask_free, **plan}
                      for n in (16, 32, 64, 128) for w in (4, 8) for st in (2, 3) for mask_free in (True, False)
@@ -99,6 +106,9 @@ def probe_decode(case_id: str, occupancies: list[int], triton: str, latencies: l
     if triton.startswith("plans"):
         plans_ab(inputs, scale, case, oracle, peer_calls, TRITON_WIDE_PLANS if triton == "plans-wide" else TRITON_SPACE)
         return
+    if triton == "deep":
+        fastest_of_each(inputs, scale, case, oracle, peer_calls, {"space": TRITON_SPACE, "deep": TRITON_DEEP})
+        return
     for config in {"tuner": TRITON_SPACE, "wide": TRITON_WIDE, "none": []}[triton]:
         try:
             run, plan = paged_launch(inputs, scale, config)
@@ -117,10 +127,10 @@ def interleaved(calls: dict, rounds: int) -> dict:
     return {name: sorted(times)[rounds // 2] for name, times in ms.items()}
 
 
-def plans_ab(inputs, scale: float, case, oracle, peers: dict, space: list[dict], rounds: int = 7) -> None:
-    """Every Triton decode config of ``space`` once; then the fastest with an aimed plan, the fastest with a
-    fitted plan (PLAN_FIT) and each peer, in alternation (median of ``rounds``)."""
-    best = {}
+def timed_space(inputs, scale: float, space: list[dict]) -> list[tuple[float, dict, object, dict]]:
+    """Each Triton decode config of ``space`` once (graph time, compiled first), fastest first: (ms, config,
+    run, plan)."""
+    timed = []
     for config in space:
         try:
             run, plan = paged_launch(inputs, scale, config)
@@ -128,18 +138,34 @@ def plans_ab(inputs, scale: float, case, oracle, peers: dict, space: list[dict],
         except Exception as exc:  # a config beyond the GPU's resources: say so, go on
             print(json.dumps({"variant": f"triton {config}", "error": str(exc)[:200]}), flush=True)
             continue
-        ms = graph_ms(run, repeats=20)
-        kind = "fitted" if config["PLAN_FIT"] else "aimed"
-        if kind not in best or ms < best[kind][0]:
-            best[kind] = (ms, config, run, plan)
-    calls = {f"triton {kind}": run for kind, (_, _, run, _) in best.items()} | peers
+        timed.append((graph_ms(run, repeats=20), config, run, plan))
+    return sorted(timed, key=lambda entry: entry[0])
+
+
+def fastest_of_each(inputs, scale: float, case, oracle, peers: dict, spaces: dict[str, list[dict]],
+                    rounds: int = 7) -> None:
+    """Every Triton decode config of each named space once; then the fastest of each space and each peer, in
+    alternation (median of ``rounds``), a JSON line each."""
+    calls, details = {}, {}
+    for kind, space in spaces.items():
+        timed = timed_space(inputs, scale, space)
+        if timed:
+            _, config, calls[f"triton {kind}"], plan = timed[0]
+            details[f"triton {kind}"] = {"config": config, "plan": plan}
+    calls |= peers
     median = interleaved(calls, rounds)
     for name, call in calls.items():
-        kind = name.split()[-1]
-        detail = {"config": best[kind][1], "plan": best[kind][3]} if kind in best else {}
         print(json.dumps({"case": case.id, "variant": name, "ms": median[name],
-                          "gbps": metrics.kv_bytes(case) / median[name] / 1e6, **detail,
+                          "gbps": metrics.kv_bytes(case) / median[name] / 1e6, **details.get(name, {}),
                           "passed": oracle.check(call()).passed}), flush=True)
+
+
+def plans_ab(inputs, scale: float, case, oracle, peers: dict, space: list[dict]) -> None:
+    """The fastest config of ``space`` with an aimed plan, the fastest with a fitted plan (PLAN_FIT) and each
+    peer, in alternation."""
+    fastest_of_each(inputs, scale, case, oracle, peers, {
+        "aimed": [config for config in space if not config["PLAN_FIT"]],
+        "fitted": [config for config in space if config["PLAN_FIT"]]})
 
 
 def mask_free_ab(inputs, scale: float, case, oracle, rounds: int = 5) -> None:
@@ -206,9 +232,9 @@ def main() -> None:
     parser.add_argument("--plans", action="append", type=int, default=[],
                         help="programs per SM the cuTile candidates' split plans aim at (repeatable; default: "
                              "the usual one, PROGRAMS_PER_SM)")
-    parser.add_argument("--triton", choices=("tuner", "wide", "ab", "plans", "plans-wide", "none"), default="tuner",
-                        help="the Triton configs beside cuTile's: the tuner's space, TRITON_WIDE, or none; ab and "
-                             "plans: the A/B comparisons above")
+    parser.add_argument("--triton", choices=("tuner", "wide", "ab", "plans", "plans-wide", "deep", "none"),
+                        default="tuner", help="the Triton configs beside cuTile's: the tuner's space, TRITON_WIDE, "
+                                              "or none; ab, plans and deep: the A/B comparisons above")
     parser.add_argument("--peer", action="append", default=[], help="a registered implementation to time too")
     parser.add_argument("--no-cutile", action="store_true", help="leave cuTile's candidates out")
     parser.add_argument("--latency", action="append", default=[], metavar="K,V",
