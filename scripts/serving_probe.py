@@ -55,7 +55,7 @@ TRITON_WIDE = [{"BLOCK_N": n, "num_warps": w, "num_stages": st}
 # Deep pipelines: Triton double-buffers a decode tile's K and V only from 5 stages on (3 buffers from 7). Its
 # pipeliner spends two stages on the block-table load the K/V addresses depend on, so at 2-4 stages a program
 # waits for each tile's K/V right after issuing them (sm_90 TTGIR: one buffer each, async_wait num=0).
-DEEP_TILES = ((128, 4, 5), (64, 4, 5), (64, 4, 7), (64, 8, 5), (32, 4, 5), (32, 4, 7))
+DEEP_TILES = ((128, 8, 5), (128, 8, 7), (64, 8, 5), (64, 4, 5), (64, 4, 7), (32, 4, 7))
 TRITON_DEEP = [{"BLOCK_N": n, "num_warps": w, "num_stages": st, "MASK_FREE": mask_free, **plan}
                for n, w, st in DEEP_TILES for mask_free in (True, False) for plan in DECODE_PLANS]
 # Tiles from 16 keys on (2 or 3 stages), each with and without the mask-free loop and with every split plan.

@@ -316,7 +316,16 @@ def _describe(cfg) -> dict:
 # already, so L1 is not in the way) with L2's evict_first policy, the three fastest tuner configs of 11 cases each
 # with and without, alternating: every pair within 0.4% (8B 1 x 128K 4145 / 4145 GB/s, 8B 64 x 8K 4409 / 4412,
 # FlashInfer 4477). The cache's lines are read once either way; L2's policy does not change what HBM delivers.
-DECODE_TILES = ((128, 4, 3), (128, 4, 2), (64, 4, 3), (64, 4, 2), (64, 8, 2), (32, 4, 2))
+# Session 33: Triton's pipeliner spends two stages on the block-table load that a tile's K/V addresses depend on, so
+# up to 4 stages a program holds one K and one V buffer and waits for them right after issuing them (the TTGIR of
+# sm_90: ``async_wait num=0`` at the loop's top); from 5 stages on they are double-buffered (140 KB of shared memory
+# at 128 keys: one block per SM). H200, scripts/serving_probe.py --triton deep, the fastest of this space against
+# the fastest of six double-buffered tiles, alternating, GB/s: 70B slice 1 x 128K 2573 -> 2681, 16 x 32K 3719 ->
+# 3761, 64 x 32K 4163 -> 4242 (FlashInfer 4182), 64 x 8K with pages of 64 3717 -> 3803 (FlashInfer 3752), 64 x 512
+# 1547 -> 1598; 8B 1 x 32K 3305 -> 3336; level at 8B 1 x 128K and 64 x 8K; at 8B 64 x 32K, 256 x 2K and 256 x 8K
+# the deep tiles lost 4-5% (there many blocks per SM hide the wait already). The winner in 6 of 7 cases where they
+# won: 128 keys, 4 warps, 5 stages, on a plan fitted to one wave; it joins the space.
+DECODE_TILES = ((128, 4, 3), (128, 4, 2), (64, 4, 3), (64, 4, 2), (64, 8, 2), (32, 4, 2), (128, 4, 5))
 DECODE_PLANS = [{"PLAN_PROGRAMS": programs, "PLAN_FIT": False} for programs in AIMED_PLANS] + [
     {"PLAN_PROGRAMS": waves, "PLAN_FIT": True} for waves in (1, 2)]
 DECODE_SPACE = [{"BLOCK_N": n, "num_warps": w, "num_stages": st, "MASK_FREE": mask_free, **plan}

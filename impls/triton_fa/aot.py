@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import sys
 
@@ -23,36 +24,65 @@ from impls.triton_fa import head_dims
 def compile_cubin(arch: int, *, dtype: str = "fp16", head_dim: int = 128, causal: bool = True,
                   block_m: int = 128, block_n: int = 64, num_warps: int = 8, num_stages: int = 3,
                   use_tma: bool = False, window: bool = False, softcap: float = 0.0) -> bytes:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from impls.triton_fa.kernel import attention_fwd
 
-    from impls.triton_fa.kernel import attention_fwd as fn
-
-    if not isinstance(fn, triton.runtime.jit.JITFunction):
-        raise RuntimeError("the kernel was imported under TRITON_INTERPRET=1: run python -m impls.triton_fa.aot")
     constants = {**head_dims(head_dim), "CAUSAL": causal, "BLOCK_M": block_m, "BLOCK_N": block_n,
                  "DOT_FP32": dtype == "fp32", "USE_TMA": use_tma, "VARLEN": False,  # head dims padded to powers of 2
                  "HAS_WINDOW": window, "SOFTCAP": softcap,
                  "cu_seqlens_q": None, "cu_seqlens_k": None}  # dense: no sequence offsets
+    kernel = compile_for(attention_fwd, arch, constants, dict.fromkeys(("Q", "K", "V", "Out"), dtype),
+                         num_warps, num_stages)
+    return kernel.asm["cubin"]
+
+
+def compile_decode(arch: int, *, block_n: int, num_warps: int, num_stages: int, dtype: str = "bf16",
+                   head_dim: int = 128, group: int = 4, page_size: int = 16):
+    """The paged decode's split kernel (decode.py) as the decode tuner launches it for a split step (one new
+    token per sequence, GROUP query heads per kv head)."""
+    from impls.triton_fa.decode import paged_decode_split
+
+    constants = {"GROUP": group, "SQ": 1, "PAGE_SIZE": page_size, "HEAD_DIM": head_dim, "BLOCK_D": head_dim,
+                 "BLOCK_M": max(16, group), "BLOCK_N": block_n, "DOT_FP32": False, "SPLIT": True}
+    pointers = {**dict.fromkeys(("Q", "K_cache", "V_cache", "Out"), dtype), "block_table": "i32",
+                "cache_seqlens": "i32", "O_part": "fp32", "LSE_part": "fp32"}
+    return compile_for(paged_decode_split, arch, constants, pointers, num_warps, num_stages)
+
+
+def compile_for(fn, arch: int, constants: dict, pointers: dict[str, str], num_warps: int, num_stages: int):
+    """``fn`` compiled for sm_``arch`` with these constexprs; ``pointers``: its pointer parameters and their
+    element types; ``qk_scale`` is a float, every other parameter an int32."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if not isinstance(fn, triton.runtime.jit.JITFunction):
+        raise RuntimeError("the kernel was imported under TRITON_INTERPRET=1: run python -m impls.triton_fa.aot")
     signature = {}
     for name in fn.arg_names:
         if name in constants:
             signature[name] = "constexpr"
-        elif name in ("Q", "K", "V", "Out"):
-            signature[name] = f"*{dtype}"
+        elif name in pointers:
+            signature[name] = f"*{pointers[name]}"
         else:
             signature[name] = "fp32" if name == "qk_scale" else "i32"
     # What the JIT specialises at run time for the usual contiguous tensors: pointers and strides (not
     # lengths, not the unit stride) divisible by 16. Without it loads cannot be vectorised and the cubin
     # would not be the one that runs.
     aligned = [i for i, name in enumerate(fn.arg_names)
-               if name in ("Q", "K", "V", "Out") or (name.startswith("stride_") and not name.endswith("_d"))]
+               if name in pointers or (name.startswith("stride_") and not name.endswith("_d"))]
     attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
     source = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs)
-    kernel = triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                            options={"num_warps": num_warps, "num_stages": num_stages})
-    return kernel.asm["cubin"]
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def kv_buffers(ttgir: str) -> int:
+    """How many K tiles the decode kernel's loops keep in shared memory at once (the leading dimension of the
+    buffer its pipeliner allocates for the ``k`` load: 1 means no load of the next tile overlaps this one's)."""
+    found = re.findall(r"%k\w* = ttg\.local_alloc : \(\) -> !ttg\.memdesc<(\d+)x", ttgir)
+    if not found:
+        raise ValueError("no pipelined K buffer in this TTGIR")
+    return min(int(n) for n in found)
 
 
 def describe(cubin: bytes) -> dict[str, int]:
@@ -70,6 +100,9 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--full", action="store_true", help="non-causal (default causal)")
     parser.add_argument("--window", action="store_true", help="with the sliding-window masks")
     parser.add_argument("--softcap", type=float, default=0.0, help="with this softcap (0: none)")
+    parser.add_argument("--decode", type=int, nargs=3, metavar=("BLOCK_N", "WARPS", "STAGES"),
+                        help="the paged decode's split kernel with this tile instead (bf16, D=128, group 4, pages of "
+                             "16): its resources, shared memory and K/V buffers")
     parser.add_argument("--each", action="store_true",
                         help="read one line of these options per configuration from stdin; print a JSON line each "
                              "(one process for many compiles)")
@@ -77,6 +110,11 @@ def parser() -> argparse.ArgumentParser:
 
 
 def resources(args: argparse.Namespace) -> dict[str, int]:
+    if args.decode:
+        block_n, num_warps, num_stages = args.decode
+        kernel = compile_decode(args.arch, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+        return {**describe(kernel.asm["cubin"]), "shared": kernel.metadata.shared,
+                "kv_buffers": kv_buffers(kernel.asm["ttgir"])}
     cubin = compile_cubin(args.arch, head_dim=args.d, causal=not args.full, block_m=args.block[0],
                           block_n=args.block[1], num_warps=args.warps, num_stages=args.stages, use_tma=args.tma,
                           window=args.window, softcap=args.softcap)
