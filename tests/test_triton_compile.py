@@ -47,3 +47,16 @@ def test_ampere_padded_head_dims_window_and_softcap_compile_without_spills():
     assert ampere["reg"] > 0 and ampere["hgmma"] == 0
     for result in hopper:
         assert result["hgmma"] > 0 and result["stack"] == 0, result
+
+
+def test_decode_tiles_double_buffer_k_and_v_from_five_stages_and_none_spills():
+    """Triton's pipeliner spends two stages on the block-table load that a decode tile's K/V addresses depend on:
+    up to 4 stages the split kernel holds one K and one V buffer (a program waits for each tile right after
+    issuing its loads), from 5 on two. The decode tuner's tiles are what their comment says they are, and fit."""
+    from impls.triton_fa import DECODE_TILES
+
+    results = compiled(*(f"--arch 90 --decode {n} {w} {st}" for n, w, st in DECODE_TILES))
+    assert any(st >= 5 for _, _, st in DECODE_TILES)
+    for (n, w, st), result in zip(DECODE_TILES, results, strict=True):
+        assert result["kv_buffers"] == (2 if st >= 5 else 1), (n, w, st, result)
+        assert result["stack"] == 0 and result["shared"] <= 227 * 1024, (n, w, st, result)

@@ -324,7 +324,9 @@ def _describe(cfg) -> dict:
 # 3761, 64 x 32K 4163 -> 4242 (FlashInfer 4182), 64 x 8K with pages of 64 3717 -> 3803 (FlashInfer 3752), 64 x 512
 # 1547 -> 1598; 8B 1 x 32K 3305 -> 3336; level at 8B 1 x 128K and 64 x 8K; at 8B 64 x 32K, 256 x 2K and 256 x 8K
 # the deep tiles lost 4-5% (there many blocks per SM hide the wait already). The winner in 6 of 7 cases where they
-# won: 128 keys, 4 warps, 5 stages, on a plan fitted to one wave; it joins the space.
+# won: 128 keys, 4 warps, 5 stages, on a plan fitted to one wave; it joins the space. With it in the space, a second
+# pass against six more double-buffered tiles (128 keys with 8 warps at 5 and 7 stages, 64 keys with 4 or 8 warps,
+# 32 keys at 7 stages) found none faster on any of the 12 cases.
 DECODE_TILES = ((128, 4, 3), (128, 4, 2), (64, 4, 3), (64, 4, 2), (64, 8, 2), (32, 4, 2), (128, 4, 5))
 DECODE_PLANS = [{"PLAN_PROGRAMS": programs, "PLAN_FIT": False} for programs in AIMED_PLANS] + [
     {"PLAN_PROGRAMS": waves, "PLAN_FIT": True} for waves in (1, 2)]
