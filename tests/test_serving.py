@@ -312,6 +312,33 @@ def test_triton_decode_with_and_without_the_mask_free_loop(case, mask_free):
         assert result.passed, f"{config}: {result.message}"
 
 
+def test_triton_decode_tuner_leaves_out_configs_beyond_shared_memory():
+    """A decode config whose buffers do not fit (Triton raises OutOfResources when it compiles or launches it: the
+    double-buffered 128-key tile at D=256) is left out of the tuning; the others are timed, each kernel and chunk
+    length once; with none left the call is refused with the reason."""
+    pytest.importorskip("triton")
+    from triton.runtime.errors import OutOfResources
+
+    from impls.triton_fa import DECODE_SPACE, decode_candidates
+
+    calls = []
+
+    def launch(config):
+        def run():
+            calls.append(config)
+            if config["num_stages"] >= 5:
+                raise OutOfResources(262144, 232448, "shared memory")
+        return run, {"split_len": 1024 if config["PLAN_FIT"] else 2048}
+
+    kept = decode_candidates(DECODE_SPACE, launch)
+    assert kept and all(config["num_stages"] < 5 for config, _ in kept)
+    assert {config["num_stages"] for config in calls} >= {5}  # tried, then left out
+    forms = [(c["BLOCK_N"], c["num_warps"], c["num_stages"], c["MASK_FREE"], c["PLAN_FIT"]) for c, _ in kept]
+    assert len(forms) == len(set(forms))  # each kernel and chunk length once
+    with pytest.raises(impls.Unsupported, match="shared memory"):
+        decode_candidates([c for c in DECODE_SPACE if c["num_stages"] >= 5], launch)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's run of the unsplit decode: CPU")
 def test_triton_decode_without_a_split_writes_the_output_directly(monkeypatch):
     """One chunk per sequence: the split kernel writes the output rows, and no combine is launched."""

@@ -337,6 +337,28 @@ INTERPRETER_DECODE_CONFIG = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "MA
 INTERPRETER_SM_COUNT = 8  # the interpreter has no SMs: with these and one-tile chunks the CPU cases split
 
 
+def decode_candidates(space: list[dict], launch) -> list[tuple[dict, object]]:
+    """(config, run) for the configs of ``space`` that this call can run, each kernel and chunk length once (several
+    plans often cut alike). ``launch(config)`` gives ``(run, plan)``. Each run is called once here (it compiles); a
+    config whose buffers do not fit in shared memory at this head dim and dtype (the double-buffered 128-key tile at
+    D=256, 2 x 128 KB) is left out, as Triton's own autotuner prunes it."""
+    from triton.runtime.errors import OutOfResources
+
+    distinct, refused = {}, []
+    for config in space:
+        try:
+            run, plan = launch(config)
+            form = (*(v for k, v in config.items() if k not in DECODE_PLANS[0]), plan["split_len"])
+            if form not in distinct:
+                run()
+                distinct[form] = (config, run)
+        except OutOfResources as exc:
+            refused.append(f"{config}: {exc}")
+    if not distinct:
+        raise Unsupported("no decode config fits this GPU's shared memory: " + "; ".join(refused[:3]))
+    return list(distinct.values())
+
+
 def resident_blocks(kernel, args: tuple, meta: dict) -> int:
     """How many blocks of ``kernel`` compiled for ``args`` and ``meta`` one SM holds at once: the driver's
     occupancy for its registers, shared memory and warps (cuOccupancyMaxActiveBlocksPerMultiprocessor)."""
@@ -429,12 +451,8 @@ def prepare_paged(inputs, *, scale: float, window: tuple[int, int] = NO_WINDOW, 
         config, source = INTERPRETER_DECODE_CONFIG, "fixed (interpreter)"
     else:
         def tune() -> dict:
-            distinct = {}  # several plans often cut alike: time each kernel and chunk length once
-            for candidate in DECODE_SPACE:
-                run, plan = paged_launch(inputs, scale, candidate, window_left, softcap)
-                form = (*(v for k, v in candidate.items() if k not in DECODE_PLANS[0]), plan["split_len"])
-                distinct.setdefault(form, (candidate, run))
-            return fastest(distinct.values())
+            return fastest(decode_candidates(
+                DECODE_SPACE, lambda candidate: paged_launch(inputs, scale, candidate, window_left, softcap)))
 
         config, cached = TUNING.lookup(TUNING.key(inputs.q.device, decode_shape_class(inputs, window_left, softcap)),
                                        tune)
