@@ -52,9 +52,8 @@ def seconds(fn) -> float:
 # Tile width, warps and pipeline stages beyond the Triton decode tuner's space.
 TRITON_WIDE = [{"BLOCK_N": n, "num_warps": w, "num_stages": st}
                for n in (32, 64, 128, 256) for w in (4, 8) for st in (2, 3, 4)]
-# Deep pipelines: Triton double-buffers a decode tile's K and V only from 5 stages on (3 buffers from 7). Its
-# pipeliner spends two stages on the block-table load the K/V addresses depend on, so at 2-4 stages a program
-# waits for each tile's K/V right after issuing them (sm_90 TTGIR: one buffer each, async_wait num=0).
+# Deep pipelines beside the tuner's one (128, 4, 5): K and V double-buffered from 5 stages, three buffers from 7
+# (why: the comment above impls.triton_fa.DECODE_TILES; ``python -m impls.triton_fa.aot --decode`` counts them).
 DEEP_TILES = ((128, 8, 5), (128, 8, 7), (64, 8, 5), (64, 4, 5), (64, 4, 7), (32, 4, 7))
 TRITON_DEEP = [{"BLOCK_N": n, "num_warps": w, "num_stages": st, "MASK_FREE": mask_free, **plan}
                for n, w, st in DEEP_TILES for mask_free in (True, False) for plan in DECODE_PLANS]

@@ -39,10 +39,13 @@ def compile_decode(arch: int, *, block_n: int, num_warps: int, num_stages: int, 
                    head_dim: int = 128, group: int = 4, page_size: int = 16, mask_free: bool = True):
     """The paged decode's split kernel (decode.py) as the decode tuner launches it for a split step (one new
     token per sequence, GROUP query heads per kv head)."""
+    import triton
+
     from impls.triton_fa.decode import paged_decode_split
 
     constants = {"GROUP": group, "SQ": 1, "PAGE_SIZE": page_size, "HEAD_DIM": head_dim, "BLOCK_D": head_dim,
-                 "BLOCK_M": max(16, group), "BLOCK_N": block_n, "DOT_FP32": False, "SPLIT": True,
+                 "BLOCK_M": max(16, triton.next_power_of_2(group)),  # the rows as paged_launch tiles them
+                 "BLOCK_N": block_n, "DOT_FP32": False, "SPLIT": True,
                  "MASK_FREE": mask_free, "HAS_WINDOW": False, "SOFTCAP": 0.0}  # every constexpr, defaults too
     pointers = {**dict.fromkeys(("Q", "K_cache", "V_cache", "Out"), dtype), "block_table": "i32",
                 "cache_seqlens": "i32", "O_part": "fp32", "LSE_part": "fp32"}
