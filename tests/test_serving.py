@@ -291,13 +291,17 @@ def test_triton_fitted_decode_plans_fill_whole_waves_of_resident_blocks(waves):
 
 
 @pytest.mark.parametrize("mask_free", [True, False])
-@pytest.mark.parametrize("case", [c for c in PRESETS["serving-cpu"] if c.op == "paged"], ids=lambda c: c.id)
+@pytest.mark.parametrize("case", [c for preset in ("serving-cpu", "models-serving-cpu") for c in PRESETS[preset]
+                                  if c.op == "paged"], ids=lambda c: c.id)
 def test_triton_decode_with_and_without_the_mask_free_loop(case, mask_free):
     """Both forms of the decode tuner's MASK_FREE axis are correct on every paged CPU twin (several new tokens,
-    ragged last pages, NaN in the unused slots): the mask-free loop stops before any position that some new
-    token must not see or that is past the sequence. Under the interpreter on CPU; on a GPU compiled, with each
-    tile shape of the tuner's space."""
+    ragged last pages, NaN in the unused slots; the models' windows, softcap and head dims 96 and 256): the
+    mask-free loop stops before any position that some new token must not see or that is past the sequence.
+    Under the interpreter on CPU; on a GPU compiled, with each tile shape of the tuner's space that fits in
+    shared memory (only D=256 leaves one out: the double-buffered 128-key tile, as the tuner does)."""
     pytest.importorskip("triton")
+    from triton.runtime.errors import OutOfResources
+
     from impls.triton_fa import DECODE_SPACE, DECODE_TILES, INTERPRETER_DECODE_CONFIG, paged_launch
 
     assert {config["MASK_FREE"] for config in DECODE_SPACE} == {True, False}
@@ -308,7 +312,12 @@ def test_triton_decode_with_and_without_the_mask_free_loop(case, mask_free):
     oracle = Oracle.serving(inputs)
     for config in configs:
         run, _ = paged_launch(inputs, inputs.head_dim ** -0.5, {**config, "MASK_FREE": mask_free})
-        result = oracle.check(run())
+        try:
+            out = run()
+        except OutOfResources:
+            assert inputs.head_dim > 128 and config["num_stages"] >= 5, f"{config} refused at D={inputs.head_dim}"
+            continue
+        result = oracle.check(out)
         assert result.passed, f"{config}: {result.message}"
 
 
