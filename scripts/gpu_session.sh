@@ -80,7 +80,8 @@
 #   plans:    scripts/serving_probe.py --triton plans on the serving cases where ours trailed or missed 85% of HBM
 #             (PLANS_CASES: case ids): the fastest aimed and fitted split plans beside FlashInfer and the tuner's
 #             pick, alternating (PLANS_MODE=plans-wide: over more tiles; PLANS_MODE=deep: the fastest of the
-#             tuner's space beside the fastest K/V double-buffered config; carry .gpu-fi; no cuTile)
+#             tuner's space beside the fastest K/V double-buffered config; PLANS_ARGS: more probe options, such as
+#             "--deep-tile 128,4,7"; carry .gpu-fi; no cuTile)
 #   clocks:   scripts/clock_probe.py: per-round times and SM clocks over 2 s of sustained work after a rest
 #   settle:   the equal-length varlen batch and its dense twin, cutile / sdpa-cudnn / triton, graph timing, twice
 #             with --settle-ms 0 and twice with the default (benchmarks timed at sustained clocks)
@@ -445,8 +446,9 @@ for part in "$@"; do
           kv32768-uniform-p16-d128-b16 kv8192-uniform-p16-d128-b256 kv8192-uniform-p64-d128-b64 \
           kv512-uniform-p16-d128-b64; printf 'llama3-8b-paged-bf16-h32:8-q1-%s ' kv8192-uniform-p16-d128-b64 \
           kv8192-uniform-p16-d128-b256 kv32768-uniform-p16-d128)}
+      read -ra plans_args <<< "${PLANS_ARGS:-}"  # more probe options, e.g. "--deep-tile 128,4,7"
       probe_cases plans "$local_cases" '"case".*"variant"' python3 scripts/serving_probe.py --skip-varlen --no-cutile \
-        --triton "${PLANS_MODE:-plans}" --peer flashinfer --peer triton
+        --triton "${PLANS_MODE:-plans}" --peer flashinfer --peer triton "${plans_args[@]}"
       ;;
     mla)
       step mla-sweep 240 python3 scripts/sweep.py --d 192 --dv 128 --seqlens 4096 16384 --causal causal \

@@ -55,12 +55,16 @@ TRITON_WIDE = [{"BLOCK_N": n, "num_warps": w, "num_stages": st}
 # Deep pipelines beside the tuner's one (128, 4, 5): K and V double-buffered from 5 stages, three buffers from 7
 # (why: the comment above impls.triton_fa.DECODE_TILES; ``python -m impls.triton_fa.aot --decode`` counts them).
 DEEP_TILES = ((128, 8, 5), (128, 8, 7), (64, 8, 5), (64, 4, 5), (64, 4, 7), (32, 4, 7))
-TRITON_DEEP = [{"BLOCK_N": n, "num_warps": w, "num_stages": st, "MASK_FREE": mask_free, **plan}
-               for n, w, st in DEEP_TILES for mask_free in (True, False) for plan in DECODE_PLANS]
+
+
+def tile_space(tiles: tuple[tuple[int, int, int], ...]) -> list[dict]:
+    """The (BLOCK_N, warps, stages) tiles, each with and without the mask-free loop and with every split plan."""
+    return [{"BLOCK_N": n, "num_warps": w, "num_stages": st, "MASK_FREE": mask_free, **plan}
+            for n, w, st in tiles for mask_free in (True, False) for plan in DECODE_PLANS]
+
+
 # Tiles from 16 keys on (2 or 3 stages), each with and without the mask-free loop and with every split plan.
-TRITON_WIDE_PLANS = [{"BLOCK_N": n, "num_warps": w, "num_stages": st, "MASK_FREE": mask_free, **plan}
-                     for n in (16, 32, 64, 128) for w in (4, 8) for st in (2, 3) for mask_free in (True, False)
-                     for plan in DECODE_PLANS]
+TRITON_WIDE_PLANS = tile_space(tuple((n, w, st) for n in (16, 32, 64, 128) for w in (4, 8) for st in (2, 3)))
 
 
 def report(name: str, call, case, oracle, **extra) -> None:
@@ -71,7 +75,8 @@ def report(name: str, call, case, oracle, **extra) -> None:
 
 
 def probe_decode(case_id: str, occupancies: list[int], triton: str, latencies: list[str], peers: list[str],
-                 cutile: bool = True, plans: tuple[int, ...] = ()) -> None:
+                 cutile: bool = True, plans: tuple[int, ...] = (),
+                 deep_tiles: tuple[tuple[int, int, int], ...] = DEEP_TILES) -> None:
     case = case_by_id(case_id)
     t = time.perf_counter()
     inputs = case.make_inputs("cuda")
@@ -106,7 +111,8 @@ def probe_decode(case_id: str, occupancies: list[int], triton: str, latencies: l
         plans_ab(inputs, scale, case, oracle, peer_calls, TRITON_WIDE_PLANS if triton == "plans-wide" else TRITON_SPACE)
         return
     if triton == "deep":
-        fastest_of_each(inputs, scale, case, oracle, peer_calls, {"space": TRITON_SPACE, "deep": TRITON_DEEP})
+        spaces = {"space": TRITON_SPACE, "deep": tile_space(deep_tiles)}
+        fastest_of_each(inputs, scale, case, oracle, peer_calls, spaces)
         return
     for config in {"tuner": TRITON_SPACE, "wide": TRITON_WIDE, "none": []}[triton]:
         try:
@@ -236,13 +242,16 @@ def main() -> None:
                                               "or none; ab, plans and deep: the A/B comparisons above")
     parser.add_argument("--peer", action="append", default=[], help="a registered implementation to time too")
     parser.add_argument("--no-cutile", action="store_true", help="leave cuTile's candidates out")
+    parser.add_argument("--deep-tile", action="append", default=[], metavar="N,W,S",
+                        help="--triton deep: a tile (keys, warps, stages) in place of DEEP_TILES (repeatable)")
     parser.add_argument("--latency", action="append", default=[], metavar="K,V",
                         help="cuTile K and V load latencies to try on every candidate (repeatable)")
     args = parser.parse_args()
     default = [] if args.varlen_only else ["llama3-8b-paged-bf16-h32:8-q1-kv8192-uniform-p16-d128-b64"]
     for case_id in args.case or default:
         probe_decode(case_id, args.occupancy, args.triton, args.latency, args.peer, cutile=not args.no_cutile,
-                     plans=tuple(args.plans))
+                     plans=tuple(args.plans),
+                     deep_tiles=tuple(tuple(int(x) for x in tile.split(",")) for tile in args.deep_tile) or DEEP_TILES)
     if not args.skip_varlen:
         probe_varlen(persistent_twins=args.varlen_persistent,
                      stores=VARLEN_STORES if args.varlen_stores else (), grid=args.varlen_grid)

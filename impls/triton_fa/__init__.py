@@ -326,7 +326,11 @@ def _describe(cfg) -> dict:
 # the deep tiles lost 4-5% (there many blocks per SM hide the wait already). The winner in 6 of 7 cases where they
 # won: 128 keys, 4 warps, 5 stages, on a plan fitted to one wave; it joins the space. With it in the space, a second
 # pass against six more double-buffered tiles (128 keys with 8 warps at 5 and 7 stages, 64 keys with 4 or 8 warps,
-# 32 keys at 7 stages) found none faster on any of the 12 cases.
+# 32 keys at 7 stages) found none faster on any of the 12 cases. Session 34 (same probe, ``--deep-tile``): three K/V
+# buffers at 128 keys (4 warps, 7 stages: 206 KB, no spill) and the 6-stage twins of 128 and 64 keys, on the six cases
+# still short of a target (70B 16 x 32K with 1 and 4 new tokens, 8B 1 x 128K, 8B 64 x 8K and 256 x 8K, 70B 256 x 8K):
+# the three-buffer tile was never the fastest of them; the best of them came within 0.5% of the space's fastest on four
+# cases (at most +0.5%: 70B 16 x 32K with 4 new tokens) and 4-5% behind it at 8B 64 x 8K and 256 x 8K. None joins.
 DECODE_TILES = ((128, 4, 3), (128, 4, 2), (64, 4, 3), (64, 4, 2), (64, 8, 2), (32, 4, 2), (128, 4, 5))
 DECODE_PLANS = [{"PLAN_PROGRAMS": programs, "PLAN_FIT": False} for programs in AIMED_PLANS] + [
     {"PLAN_PROGRAMS": waves, "PLAN_FIT": True} for waves in (1, 2)]
