@@ -331,6 +331,8 @@ def _describe(cfg) -> dict:
 # still short of a target (70B 16 x 32K with 1 and 4 new tokens, 8B 1 x 128K, 8B 64 x 8K and 256 x 8K, 70B 256 x 8K):
 # the three-buffer tile was never the fastest of them; the best of them came within 0.5% of the space's fastest on four
 # cases (at most +0.5%: 70B 16 x 32K with 4 new tokens) and 4-5% behind it at 8B 64 x 8K and 256 x 8K. None joins.
+# Session 34: a persistent stream-K form (scripts/streamk_probe.py: contiguous tile ranges in one flattened loop)
+# ran 8-12% slower than this space's fastest on six cases; its per-tile bookkeeping costs more than the tail it removes.
 DECODE_TILES = ((128, 4, 3), (128, 4, 2), (64, 4, 3), (64, 4, 2), (64, 8, 2), (32, 4, 2), (128, 4, 5))
 DECODE_PLANS = [{"PLAN_PROGRAMS": programs, "PLAN_FIT": False} for programs in AIMED_PLANS] + [
     {"PLAN_PROGRAMS": waves, "PLAN_FIT": True} for waves in (1, 2)]
