@@ -8,7 +8,7 @@ latencies, ``--plans N`` (repeatable) runs each with split plans aimed at N prog
 times each of the tuner's configs with and without the mask-free loop (MASK_FREE), alternating, ``--triton plans``
 times every tuner config once, then the fastest with an aimed plan, the fastest with a fitted one (PLAN_FIT) and
 each peer in alternation (``plans-wide``: over TRITON_WIDE's tiles with each plan), ``--triton deep`` the fastest
-of the tuner's space and of TRITON_DEEP (K/V double-buffered) the same way; ``--peer NAME``
+of the tuner's space and of DEEP_TILES (K/V double-buffered; ``--deep-tile N,W,S`` others) the same way; ``--peer NAME``
 times a registered implementation of the operation the same way, in the same process (``--no-cutile`` leaves
 cuTile out, for a machine without its toolchain). Varlen (``--varlen-only``: nothing else): each varlen
 candidate on every ``varlen`` case (``--varlen-grid NAME``: another preset's, with their window and softcap), and
@@ -34,8 +34,8 @@ from impls._tuning import graph_ms
 from impls._validate import NO_WINDOW
 from impls.cutile import Call, _sm_count, precompile
 from impls.cutile.serving import VARLEN_STORES, DecodeCall, VarlenCall, decode_space_for, varlen_space
-from impls.triton_fa import DECODE_PLANS, paged_launch
 from impls.triton_fa import DECODE_SPACE as TRITON_SPACE
+from impls.triton_fa import decode_space, paged_launch
 from suite import metrics
 from suite.cases import case_by_id, preset
 from suite.checks import Oracle
@@ -55,16 +55,14 @@ TRITON_WIDE = [{"BLOCK_N": n, "num_warps": w, "num_stages": st}
 # Deep pipelines beside the tuner's one (128, 4, 5): K and V double-buffered from 5 stages, three buffers from 7
 # (why: the comment above impls.triton_fa.DECODE_TILES; ``python -m impls.triton_fa.aot --decode`` counts them).
 DEEP_TILES = ((128, 8, 5), (128, 8, 7), (64, 8, 5), (64, 4, 5), (64, 4, 7), (32, 4, 7))
-
-
-def tile_space(tiles: tuple[tuple[int, int, int], ...]) -> list[dict]:
-    """The (BLOCK_N, warps, stages) tiles, each with and without the mask-free loop and with every split plan."""
-    return [{"BLOCK_N": n, "num_warps": w, "num_stages": st, "MASK_FREE": mask_free, **plan}
-            for n, w, st in tiles for mask_free in (True, False) for plan in DECODE_PLANS]
-
-
 # Tiles from 16 keys on (2 or 3 stages), each with and without the mask-free loop and with every split plan.
-TRITON_WIDE_PLANS = tile_space(tuple((n, w, st) for n in (16, 32, 64, 128) for w in (4, 8) for st in (2, 3)))
+TRITON_WIDE_PLANS = decode_space(tuple((n, w, st) for n in (16, 32, 64, 128) for w in (4, 8) for st in (2, 3)))
+
+
+def tile_arg(text: str) -> tuple[int, int, int]:
+    """A decode tile given on the command line as ``N,W,S``: keys, warps, stages."""
+    n, w, st = (int(x) for x in text.split(","))
+    return n, w, st
 
 
 def report(name: str, call, case, oracle, **extra) -> None:
@@ -111,7 +109,7 @@ def probe_decode(case_id: str, occupancies: list[int], triton: str, latencies: l
         plans_ab(inputs, scale, case, oracle, peer_calls, TRITON_WIDE_PLANS if triton == "plans-wide" else TRITON_SPACE)
         return
     if triton == "deep":
-        spaces = {"space": TRITON_SPACE, "deep": tile_space(deep_tiles)}
+        spaces = {"space": TRITON_SPACE, "deep": decode_space(deep_tiles)}
         fastest_of_each(inputs, scale, case, oracle, peer_calls, spaces)
         return
     for config in {"tuner": TRITON_SPACE, "wide": TRITON_WIDE, "none": []}[triton]:
@@ -242,7 +240,7 @@ def main() -> None:
                                               "or none; ab, plans and deep: the A/B comparisons above")
     parser.add_argument("--peer", action="append", default=[], help="a registered implementation to time too")
     parser.add_argument("--no-cutile", action="store_true", help="leave cuTile's candidates out")
-    parser.add_argument("--deep-tile", action="append", default=[], metavar="N,W,S",
+    parser.add_argument("--deep-tile", action="append", default=[], type=tile_arg, metavar="N,W,S",
                         help="--triton deep: a tile (keys, warps, stages) in place of DEEP_TILES (repeatable)")
     parser.add_argument("--latency", action="append", default=[], metavar="K,V",
                         help="cuTile K and V load latencies to try on every candidate (repeatable)")
@@ -251,7 +249,7 @@ def main() -> None:
     for case_id in args.case or default:
         probe_decode(case_id, args.occupancy, args.triton, args.latency, args.peer, cutile=not args.no_cutile,
                      plans=tuple(args.plans),
-                     deep_tiles=tuple(tuple(int(x) for x in tile.split(",")) for tile in args.deep_tile) or DEEP_TILES)
+                     deep_tiles=tuple(args.deep_tile) or DEEP_TILES)
     if not args.skip_varlen:
         probe_varlen(persistent_twins=args.varlen_persistent,
                      stores=VARLEN_STORES if args.varlen_stores else (), grid=args.varlen_grid)

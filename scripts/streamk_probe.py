@@ -27,8 +27,9 @@ import triton.language as tl
 import impls
 from impls._tuning import graph_ms
 from impls.triton_fa import DECODE_SPACE, block_d, interpreting
-from impls.triton_fa.kernel import LOG2_E
-from scripts.serving_probe import fastest_of_each
+from impls.triton_fa.decode import _load, online_softmax_step
+from impls.triton_fa.kernel import LOG2_E, scaled_scores
+from scripts.serving_probe import fastest_of_each, tile_arg
 from suite.cases import case_by_id
 from suite.checks import Oracle
 
@@ -85,23 +86,14 @@ def streamk_decode(
         slot = pos % PAGE_SIZE
         k_ptrs = K + page[None, :] * stride_kp + slot[None, :] * stride_ks + kv_head * stride_kh + offs_d[:, None]
         v_ptrs = V + page[:, None] * stride_vp + slot[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :]
-        k = tl.load(k_ptrs, mask=in_seq[None, :] & in_dims[:, None], other=0.0)
+        k = _load(k_ptrs, in_seq[None, :], in_dims[:, None], RAGGED, BLOCK_D != HEAD_DIM)
         if DOT_FP32:  # Triton's interpreter computes half-precision dots wrongly
-            qk = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee") * qk_scale
-        else:
-            qk = tl.dot(q, k) * qk_scale
+            q, k = q.to(tl.float32), k.to(tl.float32)
+        qk = scaled_scores(tl.dot(q, k, input_precision="ieee" if DOT_FP32 else None), qk_scale, 0.0)
         if RAGGED:
             qk = tl.where(in_seq[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.math.exp2(qk - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptrs, mask=in_seq[:, None] & in_dims[None, :], other=0.0)
-        if DOT_FP32:
-            acc = tl.dot(p, v.to(tl.float32), acc * alpha[:, None], input_precision="ieee")
-        else:
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_new
+        acc, l_i, m_i = online_softmax_step(qk, acc, l_i, m_i, v_ptrs, in_seq, in_dims, RAGGED, BLOCK_D != HEAD_DIM,
+                                            DOT_FP32)
         if (tile == tiles_per_item - 1) | (x == hi - 1):  # this program's part of the item ends here
             first = _program_of(item * tiles_per_item, total_tiles, num_programs)
             last = _program_of(item * tiles_per_item + tiles_per_item - 1, total_tiles, num_programs)
@@ -207,10 +199,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--case", action="append", required=True, help="a uniform serving case id (repeatable)")
     parser.add_argument("--peer", action="append", default=[], help="a registered implementation to time too")
-    parser.add_argument("--tile", action="append", default=[], metavar="N,W,S",
+    parser.add_argument("--tile", action="append", default=[], type=tile_arg, metavar="N,W,S",
                         help="a stream-K tile (keys, warps, stages) in place of TILES (repeatable)")
     args = parser.parse_args()
-    tiles = tuple(tuple(int(x) for x in tile.split(",")) for tile in args.tile) or TILES
+    tiles = tuple(args.tile) or TILES
     for case_id in args.case:
         case = case_by_id(case_id)
         inputs = case.make_inputs("cuda")

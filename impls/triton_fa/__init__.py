@@ -332,12 +332,20 @@ def _describe(cfg) -> dict:
 # the three-buffer tile was never the fastest of them; the best of them came within 0.5% of the space's fastest on four
 # cases (at most +0.5%: 70B 16 x 32K with 4 new tokens) and 4-5% behind it at 8B 64 x 8K and 256 x 8K. None joins.
 # Session 34: a persistent stream-K form (scripts/streamk_probe.py: contiguous tile ranges in one flattened loop)
-# ran 8-12% slower than this space's fastest on six cases; its per-tile bookkeeping costs more than the tail it removes.
+# ran 5-8% slower than this space's fastest on four cases; its per-tile bookkeeping costs more than the tail it removes.
 DECODE_TILES = ((128, 4, 3), (128, 4, 2), (64, 4, 3), (64, 4, 2), (64, 8, 2), (32, 4, 2), (128, 4, 5))
 DECODE_PLANS = [{"PLAN_PROGRAMS": programs, "PLAN_FIT": False} for programs in AIMED_PLANS] + [
     {"PLAN_PROGRAMS": waves, "PLAN_FIT": True} for waves in (1, 2)]
-DECODE_SPACE = [{"BLOCK_N": n, "num_warps": w, "num_stages": st, "MASK_FREE": mask_free, **plan}
-                for n, w, st in DECODE_TILES for mask_free in (True, False) for plan in DECODE_PLANS]
+
+
+def decode_space(tiles: tuple[tuple[int, int, int], ...]) -> list[dict]:
+    """Decode configs: each (BLOCK_N, warps, stages) tile with and without the mask-free loop and with every split
+    plan (the tuner's space over DECODE_TILES; scripts/serving_probe.py's over others)."""
+    return [{"BLOCK_N": n, "num_warps": w, "num_stages": st, "MASK_FREE": mask_free, **plan}
+            for n, w, st in tiles for mask_free in (True, False) for plan in DECODE_PLANS]
+
+
+DECODE_SPACE = decode_space(DECODE_TILES)
 INTERPRETER_DECODE_CONFIG = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "MASK_FREE": True,
                              "PLAN_PROGRAMS": PROGRAMS_PER_SM}
 INTERPRETER_SM_COUNT = 8  # the interpreter has no SMs: with these and one-tile chunks the CPU cases split

@@ -81,19 +81,28 @@ def _decode_tiles(
             if HAS_WINDOW:
                 visible = visible & (pos[None, :] >= last_visible[:, None] - window_left)
             qk = tl.where(visible, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        # MASKED: a row that has seen no key yet has m == -inf: subtract 0 instead of NaN-ing
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new) if MASKED else m_new
-        p = tl.math.exp2(qk - m_ref[:, None])
-        alpha = tl.math.exp2(m_i - m_ref)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load(v_ptrs, in_seq[:, None], in_dims[None, :], MASKED, BLOCK_D != HEAD_DIM)
-        if DOT_FP32:
-            acc = tl.dot(p, v.to(tl.float32), acc * alpha[:, None], input_precision="ieee")
-        else:
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_new
+        acc, l_i, m_i = online_softmax_step(qk, acc, l_i, m_i, v_ptrs, in_seq, in_dims, MASKED, BLOCK_D != HEAD_DIM,
+                                            DOT_FP32)
     return acc, l_i, m_i
+
+
+@triton.jit
+def online_softmax_step(qk, acc, l_i, m_i, v_ptrs, in_seq, in_dims, MASKED: tl.constexpr, PADDED: tl.constexpr,
+                        DOT_FP32: tl.constexpr):
+    """One key tile of the online softmax: the running max, sum and output rescaled to the tile's scores ``qk``
+    (log2 units, hidden keys -inf) and its values (``_load``'s masks) added in."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    # MASKED: a row that has seen no key yet has m == -inf: subtract 0 instead of NaN-ing
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new) if MASKED else m_new
+    p = tl.math.exp2(qk - m_ref[:, None])
+    alpha = tl.math.exp2(m_i - m_ref)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = _load(v_ptrs, in_seq[:, None], in_dims[None, :], MASKED, PADDED)
+    if DOT_FP32:
+        acc = tl.dot(p, v.to(tl.float32), acc * alpha[:, None], input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return acc, l_i, m_new
 
 
 @triton.jit
