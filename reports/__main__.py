@@ -1,4 +1,4 @@
-"""``python -m reports RESULTS.json [MORE.json ...] -o report.html``"""
+"""``python -m reports RESULTS.json [MORE.json ...] -o report.html``, or ``--markdown`` for tables on stdout."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from reports.build import ReportError, write_report
+from reports.build import ReportError, load_run, write_report
+from reports.markdown import table
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -14,8 +15,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("results", nargs="+", type=Path, help="pytest-benchmark JSON files of the suite")
     parser.add_argument("-o", "--output", type=Path, default=Path("results/report.html"))
     parser.add_argument("--baseline", default=None, help="speedups relative to this implementation")
+    parser.add_argument("--markdown", action="store_true",
+                        help="print a markdown table per preset of each run instead (reports/markdown.py)")
+    parser.add_argument("--ours", action="append", default=[],
+                        help="with --markdown: implementations (globs) whose best is set against the rest's")
     args = parser.parse_args(argv)
     try:
+        if args.markdown:
+            for run in map(load_run, args.results):
+                for preset in run.presets:
+                    if any(run.by_case.get(cid) for cid in run.presets[preset]):
+                        print(table(run, preset, ours=args.ours))
+            return 0
         out = write_report(args.results, args.output, baseline=args.baseline)
     except ReportError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -335,3 +335,67 @@ def test_a_preset_of_decode_and_prefill_cases_becomes_two_sections():
     split = by_figure_of_merit({"models-serving": ["d1", "p1", "d2"], "blog": ["x"], "serving": ["d1", "d2"]}, cases)
     assert split == {"models-serving: decode": ["d1", "d2"], "models-serving: prefill": ["p1"], "blog": ["x"],
                      "serving": ["d1", "d2"]}
+
+
+def test_a_markdown_table_bolds_each_cases_best_and_sets_ours_against_the_rest(serving_results):
+    from reports.markdown import _cell, table
+
+    run = load_run(serving_results)
+    text = table(run, "serving-cpu-bench", ours=["sdpa"])
+    rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| case")]
+    case_ids = [cid for cid in run.presets["serving-cpu-bench"] if run.by_case.get(cid)]
+    assert len(rows) == len(case_ids) > 1 and "GB/s (eager timing" in text
+    header = text.splitlines()[2].strip("| ").split(" | ")
+    assert header[-1] == "ours / best peer" and set(header[1:-1]) == {"naive", "sdpa"}
+    for row, cid in zip(rows, case_ids, strict=True):
+        cells = row.strip("| ").split(" | ")
+        gbps = {impl: run.by_case[cid][impl].gbps for impl in header[1:-1]}
+        assert [c for c in cells if c.startswith("**")] == [f"**{_cell(max(gbps.values()))}**"]
+        assert cells[-1] == f"{gbps['sdpa'] / gbps['naive']:.3f}"
+    one = table(run, "serving-cpu-bench", impls=["naive"], cases=[case_ids[0]])
+    assert "sdpa" not in one and one.count("\n| ") == 2  # the header and one row
+    with pytest.raises(ReportError, match="no preset 'blog'"):
+        table(run, "blog")
+    with pytest.raises(ReportError, match=r"no measured case matching nothing-\*"):
+        table(run, "serving-cpu-bench", cases=["nothing-*"])
+
+
+def test_case_labels_leave_to_the_caption_what_every_case_shares():
+    from reports.markdown import case_labels
+
+    base = {"op": "paged", "batch": 64, "hq": 32, "hkv": 8, "sq": 1, "skv": 8192, "d": 128, "dtype": "bf16",
+            "page_size": 16, "lengths": "uniform", "model": "llama3-8b", "window": [-1, -1], "softcap": 0.0}
+    labels, shared = case_labels({"a": base, "b": {**base, "skv": 32768, "page_size": 64, "sq": 4}})
+    assert labels == {"a": "64 x 8K, pages of 16, 1 new token", "b": "64 x 32K, pages of 64, 4 new tokens"}
+    assert shared == ["llama3-8b", "paged", "uniform lengths", "h32:8", "D 128", "bf16"]
+    alone, nothing = case_labels({"a": base})
+    assert nothing == [] and alone["a"].startswith("llama3-8b, paged, 64 x 8K")
+
+
+def test_a_documents_results_tables_are_rewritten_from_their_files_and_checked(serving_results, tmp_path):
+    from reports.markdown import main, stale_blocks
+
+    shutil.copy(serving_results, tmp_path / "run.json")
+    doc = tmp_path / "doc.md"
+    doc.write_text("Intro.\n\n<!-- results: run.json --preset models-cpu --impl sdpa -->\nold numbers\n"
+                   "<!-- /results -->\n\nOutro.\n")
+    assert stale_blocks(doc) == ["run.json --preset models-cpu --impl sdpa"]
+    assert main([str(doc), "--check"]) == 1 and "old numbers" in doc.read_text()
+    assert main([str(doc)]) == 0
+    text = doc.read_text()
+    assert "old numbers" not in text and "`models-cpu`, TFLOPS" in text and "naive" not in text
+    assert text.startswith("Intro.") and text.endswith("<!-- /results -->\n\nOutro.\n")
+    assert stale_blocks(doc) == [] and main([str(doc), "--check"]) == 0
+    doc.write_text(text.replace("--impl sdpa", "--impl sdpa --bogus"))
+    assert main([str(doc), "--check"]) == 2
+
+
+@pytest.mark.parametrize("document", ["README.md", "docs/results.md"])
+def test_published_tables_are_the_numbers_of_the_published_results(document):
+    """Every results table of the README and of docs/results.md is what its file in docs/results/ gives now:
+    `python -m reports.markdown README.md docs/results.md` rewrites them."""
+    from reports.markdown import BLOCK, stale_blocks
+
+    path = ROOT / document
+    assert BLOCK.search(path.read_text()), f"{document} has no results table"
+    assert stale_blocks(path) == []

@@ -1,0 +1,159 @@
+"""Markdown tables of a run, for READMEs and pull requests, and documents whose tables are made from results files.
+
+A table is one preset of one run: a case a row, an implementation a column (in the order of the preset's
+leaderboard), the figure of merit in the run's lead timing mode (GB/s for decode, TFLOPS otherwise) and the row's
+best in bold. With ``ours`` it ends in one more column: the best of those implementations over the best of the
+other columns. Only measured implementations appear, and the suite measures an implementation on a case
+only after it passed the correctness check there.
+
+A document keeps its tables current with blocks like::
+
+    <!-- results: docs/results/serving-varlen-h200.json.gz --preset serving --ours cutile --ours triton -->
+    (the table, written by `python -m reports.markdown README.md`)
+    <!-- /results -->
+
+``python -m reports.markdown DOC.md ...`` rewrites every block from its file; ``--check`` only says which are stale
+(exit 1), and a test runs that on the README.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import re
+import shlex
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from reports.build import ReportError, Run, figure_of_merit, leaderboard, load_run
+
+UNITS = {"gbps": "GB/s", "tflops": "TFLOPS"}
+BLOCK = re.compile(r"(<!-- results: (?P<args>.*?) -->\n)(?P<body>.*?)(<!-- /results -->)", re.DOTALL)
+
+
+def length(n: int) -> str:
+    """A token count the way people say it: 32768 -> 32K, 3000 -> 3000."""
+    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def case_parts(case: dict) -> list[str]:
+    """What tells a case apart, in reading order: model, shape, mask, heads, head dim, dtype, variants."""
+    op, sq, skv, batch = case.get("op") or "dense", case.get("sq", 0), case.get("skv", 0), case.get("batch", 1)
+    mask = "causal" if case.get("causal") else "non-causal"
+    if op == "paged":
+        shape = [f"{batch} x {length(skv)}", f"{case.get('lengths')} lengths", f"pages of {case.get('page_size')}",
+                 f"{sq} new token" + ("s" if sq > 1 else "")]
+    elif op == "varlen":
+        shape = [f"{length(sq)} tokens in {batch}", f"{case.get('lengths')} lengths", mask]
+    else:
+        shape = [f"{batch} x {length(sq)}" + (f" x {length(skv)}" if sq != skv else ""), mask]
+    window, softcap, dv = tuple(case.get("window") or (-1, -1)), case.get("softcap"), case.get("dv")
+    return [case.get("model") or "", op, *shape, f"h{case.get('hq')}:{case.get('hkv')}",
+            f"D {case.get('d')}" + (f"/{dv}" if dv else ""), str(case.get("dtype")),
+            f"window {window[0]}:{window[1]}" if window != (-1, -1) else "", f"softcap {softcap:g}" if softcap else ""]
+
+
+def case_labels(cases: dict[str, dict]) -> tuple[dict[str, str], list[str]]:
+    """A short label per case, its parts less those every case of the table shares; and those shared parts
+    (the caption says them). A table of one case shares nothing."""
+    parts = {cid: case_parts(c) for cid, c in cases.items()}
+    first = next(iter(parts.values()))
+    shared = [x for x in first if x and all(x in p for p in parts.values())] if len(parts) > 1 else []
+    return {cid: ", ".join(x for x in p if x and x not in shared) or cid for cid, p in parts.items()}, shared
+
+
+def _matches(name: str, globs: Sequence[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, g) for g in globs)
+
+
+def _cell(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.0f}" if value >= 100 else f"{value:.3g}"
+
+
+def table(run: Run, preset: str, *, impls: Sequence[str] = ("*",), cases: Sequence[str] = ("*",),
+          ours: Sequence[str] = ()) -> str:
+    """One preset of a run as a markdown table (module docstring); implementations and cases by glob."""
+    if preset not in run.presets:
+        raise ReportError(f"{run.path}: no preset {preset!r} (it has {', '.join(run.presets)})")
+    case_ids = [cid for cid in run.presets[preset] if run.by_case.get(cid) and _matches(cid, cases)]
+    if not case_ids:
+        raise ReportError(f"{run.path}: preset {preset!r} has no measured case matching {', '.join(cases)}")
+    metric = figure_of_merit(run.cases.get(cid, {}) for cid in case_ids)
+    columns = [r["impl"] for r in leaderboard(run, preset) if _matches(r["impl"], impls)]
+    mine, peers = [c for c in columns if _matches(c, ours)], [c for c in columns if not _matches(c, ours)]
+    labels, shared = case_labels({cid: run.cases.get(cid, {}) for cid in case_ids})
+    header = ["case", *columns] + (["ours / best peer"] if mine and peers else [])
+    lines = [f"`{preset}`, {UNITS[metric]} ({run.lead} timing, {run.env.get('gpu') or run.env.get('device', '?')}"
+             + (f"; every case {', '.join(shared)}" if shared else "") + "):", "",
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for cid in case_ids:
+        measured = run.by_case[cid]
+        value = {c: getattr(measured[c], metric) if c in measured else None for c in columns}
+        best = max((v for v in value.values() if v), default=None)
+        row = [labels[cid]] + [f"**{_cell(v)}**" if v and v == best else _cell(v) for v in value.values()]
+        if mine and peers:
+            top = max((value[c] for c in mine if value[c]), default=None)
+            rival = max((value[c] for c in peers if value[c]), default=None)
+            row.append(f"{top / rival:.3f}" if top and rival else "-")
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def block_parser() -> argparse.ArgumentParser:
+    """The arguments of one ``<!-- results: ... -->`` block (and of ``python -m reports --markdown``)."""
+    parser = argparse.ArgumentParser(prog="<!-- results: FILE ... -->", add_help=False, exit_on_error=False)
+    parser.add_argument("file", type=Path)
+    parser.add_argument("--preset", required=True)
+    parser.add_argument("--impl", action="append", default=None, help="columns, by glob (repeatable)")
+    parser.add_argument("--case", action="append", default=None, help="rows, by glob on the case id (repeatable)")
+    parser.add_argument("--ours", action="append", default=[], help="add the best of these over the best of the rest")
+    return parser
+
+
+def render_block(args: str, root: Path) -> str:
+    """The table a block's arguments name (paths relative to the document's folder)."""
+    try:
+        ns = block_parser().parse_args(shlex.split(args))
+    except (argparse.ArgumentError, SystemExit) as exc:
+        raise ReportError(f"bad results block arguments {args!r}: {exc}") from exc
+    return table(load_run(root / ns.file), ns.preset, impls=ns.impl or ["*"], cases=ns.case or ["*"], ours=ns.ours)
+
+
+def sync(text: str, root: Path) -> str:
+    """The document with every results block made anew from its file."""
+    return BLOCK.sub(lambda m: m.group(1) + render_block(m.group("args"), root) + m.group(4), text)
+
+
+def stale_blocks(path: Path) -> list[str]:
+    """The arguments of each block of the document whose table differs from what its file gives now."""
+    text = path.read_text()
+    return [m.group("args") for m in BLOCK.finditer(text)
+            if m.group("body") != render_block(m.group("args"), path.parent)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m reports.markdown",
+                                     description="Rewrite (or --check) the results tables of markdown documents.")
+    parser.add_argument("documents", nargs="+", type=Path)
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a table is stale")
+    args = parser.parse_args(argv)
+    stale = 0
+    try:
+        for doc in args.documents:
+            if args.check:
+                for block in stale_blocks(doc):
+                    print(f"{doc}: stale table <!-- results: {block} -->", file=sys.stderr)
+                    stale += 1
+            else:
+                doc.write_text(sync(doc.read_text(), doc.parent))
+    except (ReportError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 1 if stale else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
