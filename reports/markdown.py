@@ -114,12 +114,14 @@ def block_parser() -> argparse.ArgumentParser:
 
 
 def render_block(args: str, root: Path) -> str:
-    """The table a block's arguments name (paths relative to the document's folder)."""
+    """The body of a block: the table its arguments name (paths relative to the document's folder), between blank
+    lines so that markdown does not run it into the comments around it."""
     try:
         ns = block_parser().parse_args(shlex.split(args))
     except (argparse.ArgumentError, SystemExit) as exc:
         raise ReportError(f"bad results block arguments {args!r}: {exc}") from exc
-    return table(load_run(root / ns.file), ns.preset, impls=ns.impl or ["*"], cases=ns.case or ["*"], ours=ns.ours)
+    run = load_run(root / ns.file)
+    return "\n" + table(run, ns.preset, impls=ns.impl or ["*"], cases=ns.case or ["*"], ours=ns.ours) + "\n"
 
 
 def sync(text: str, root: Path) -> str:
