@@ -103,7 +103,7 @@ def table(run: Run, preset: str, *, impls: Sequence[str] = ("*",), cases: Sequen
 
 
 def block_parser() -> argparse.ArgumentParser:
-    """The arguments of one ``<!-- results: ... -->`` block (and of ``python -m reports --markdown``)."""
+    """The arguments of one ``<!-- results: ... -->`` block."""
     parser = argparse.ArgumentParser(prog="<!-- results: FILE ... -->", add_help=False, exit_on_error=False)
     parser.add_argument("file", type=Path)
     parser.add_argument("--preset", required=True)

@@ -399,3 +399,19 @@ def test_published_tables_are_the_numbers_of_the_published_results(document):
     path = ROOT / document
     assert BLOCK.search(path.read_text()), f"{document} has no results table"
     assert stale_blocks(path) == []
+
+
+def test_cli_prints_markdown_tables_and_refuses_options_it_would_ignore(results, tmp_path):
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "reports", str(results), *args], cwd=ROOT, capture_output=True,
+                              text=True)
+
+    printed = cli("--markdown", "--ours", "naive")
+    assert printed.returncode == 0 and "`cpu-bench`, TFLOPS" in printed.stdout
+    assert "| ours / best peer |" in printed.stdout and not (tmp_path / "r.html").exists()
+    written = cli("--markdown", "-o", str(tmp_path / "t.md"))
+    assert written.returncode == 0 and (tmp_path / "t.md").read_text().startswith("`cpu-bench`")
+    for args, words in ((("--ours", "naive"), "--ours applies to --markdown"),
+                        (("--markdown", "--baseline", "naive"), "--baseline applies to the HTML report")):
+        refused = cli(*args)
+        assert refused.returncode == 2 and words in refused.stderr
