@@ -83,6 +83,8 @@ def table(run: Run, preset: str, *, impls: Sequence[str] = ("*",), cases: Sequen
         raise ReportError(f"{run.path}: preset {preset!r} has no measured case matching {', '.join(cases)}")
     metric = figure_of_merit(run.cases.get(cid, {}) for cid in case_ids)
     columns = [r["impl"] for r in leaderboard(run, preset) if _matches(r["impl"], impls)]
+    if not columns:
+        raise ReportError(f"{run.path}: preset {preset!r} has no implementation matching {', '.join(impls)}")
     mine, peers = [c for c in columns if _matches(c, ours)], [c for c in columns if not _matches(c, ours)]
     labels, shared = case_labels({cid: run.cases.get(cid, {}) for cid in case_ids})
     header = ["case", *columns] + (["ours / best peer"] if mine and peers else [])

@@ -358,6 +358,8 @@ def test_a_markdown_table_bolds_each_cases_best_and_sets_ours_against_the_rest(s
         table(run, "blog")
     with pytest.raises(ReportError, match=r"no measured case matching nothing-\*"):
         table(run, "serving-cpu-bench", cases=["nothing-*"])
+    with pytest.raises(ReportError, match="no implementation matching flash-attn4"):
+        table(run, "serving-cpu-bench", impls=["flash-attn4"])
 
 
 def test_case_labels_leave_to_the_caption_what_every_case_shares():
