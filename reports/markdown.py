@@ -115,27 +115,31 @@ def block_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def render_block(args: str, root: Path) -> str:
+def render_block(args: str, root: Path, runs: dict[Path, Run]) -> str:
     """The body of a block: the table its arguments name (paths relative to the document's folder), between blank
-    lines so that markdown does not run it into the comments around it."""
+    lines so that markdown does not run it into the comments around it. ``runs``: the files already read, by path
+    (a document's blocks often share one)."""
     try:
         ns = block_parser().parse_args(shlex.split(args))
     except (argparse.ArgumentError, SystemExit) as exc:
         raise ReportError(f"bad results block arguments {args!r}: {exc}") from exc
-    run = load_run(root / ns.file)
-    return "\n" + table(run, ns.preset, impls=ns.impl or ["*"], cases=ns.case or ["*"], ours=ns.ours) + "\n"
+    path = root / ns.file
+    if path not in runs:
+        runs[path] = load_run(path)
+    return "\n" + table(runs[path], ns.preset, impls=ns.impl or ["*"], cases=ns.case or ["*"], ours=ns.ours) + "\n"
 
 
 def sync(text: str, root: Path) -> str:
     """The document with every results block made anew from its file."""
-    return BLOCK.sub(lambda m: m.group(1) + render_block(m.group("args"), root) + m.group(4), text)
+    runs: dict[Path, Run] = {}
+    return BLOCK.sub(lambda m: m.group(1) + render_block(m.group("args"), root, runs) + m.group(4), text)
 
 
 def stale_blocks(path: Path) -> list[str]:
     """The arguments of each block of the document whose table differs from what its file gives now."""
-    text = path.read_text()
-    return [m.group("args") for m in BLOCK.finditer(text)
-            if m.group("body") != render_block(m.group("args"), path.parent)]
+    runs: dict[Path, Run] = {}
+    return [m.group("args") for m in BLOCK.finditer(path.read_text())
+            if m.group("body") != render_block(m.group("args"), path.parent, runs)]
 
 
 def main(argv: list[str] | None = None) -> int:
