@@ -275,20 +275,38 @@ def correctness_matrix(run: Run) -> dict[str, Any]:
     return {"impls": sorted({i for i, _ in cells}), "cases": list(rows), "cells": cells}
 
 
+def length(n: int) -> str:
+    """A token count the way people say it: 32768 -> 32K, 3000 -> 3000."""
+    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def case_parts(case: dict[str, Any], *, with_length: bool = True, with_batch: bool = True) -> list[str]:
+    """What tells a case apart, in reading order: model, operation, shape, mask, heads, head dim, dtype, variants;
+    empty strings where a case has no such part. Without ``with_length`` the shape loses its sequence (cache,
+    token) length and keeps the batch as ``B=4`` (unless ``with_batch`` is off too): what the cases of one line
+    chart share. Markdown tables label their rows with these parts; charts are grouped and titled by them."""
+    op, sq, skv, batch = case.get("op") or "dense", case.get("sq", 0), case.get("skv", 0), case.get("batch", 1)
+    mask = "causal" if case.get("causal") else "non-causal"
+    spread = f"{case.get('lengths')} lengths"
+    if op == "paged":
+        sized = f"{batch} x {length(skv)}"
+        shape = [spread, f"pages of {case.get('page_size')}", f"{sq} new token" + ("s" if sq > 1 else "")]
+    elif op == "varlen":
+        sized, shape = f"{length(sq)} tokens in {batch}", [spread, mask]
+    else:  # a chart's x is the key length: a query length of its own stays in the chart's key
+        sized = f"{batch} x {length(sq)}" + (f" x {length(skv)}" if sq != skv else "")
+        shape = [mask] if with_length or sq == skv else [f"Sq {sq}", mask]
+    if not with_length:
+        sized = f"B={batch}" if with_batch else ""
+    window, softcap, dv = tuple(case.get("window") or (-1, -1)), case.get("softcap"), case.get("dv")
+    return [case.get("model") or "", op, sized, *shape, f"h{case.get('hq')}:{case.get('hkv')}",
+            f"D {case.get('d')}" + (f"/{dv}" if dv else ""), str(case.get("dtype")),
+            f"window {window[0]}:{window[1]}" if window != (-1, -1) else "", f"softcap {softcap:g}" if softcap else ""]
+
+
 def chart_key(case: dict[str, Any], with_batch: bool = True) -> str:
     """What a case is, less its sequence (or cache) length: the cases of one line chart differ only there."""
-    if case.get("op") == "paged":
-        parts = [case.get("model") or "decode", f"h{case.get('hq')}:{case.get('hkv')}", f"d{case.get('d')}",
-                 f"Sq_new={case.get('sq')}", f"{case.get('lengths')} lengths", f"page {case.get('page_size')}"]
-    else:
-        window, softcap, dv = tuple(case.get("window") or (-1, -1)), case.get("softcap"), case.get("dv")
-        parts = [case.get("model") or "", case.get("op") or "dense", "causal" if case.get("causal") else "non-causal",
-                 f"window {window}" if window != (-1, -1) else "", f"softcap {softcap:g}" if softcap else "",
-                 f"h{case.get('hq')}:{case.get('hkv')}", f"d{case.get('d')}" + (f"/{dv}" if dv else ""),
-                 f"{case.get('lengths')} lengths" if case.get("op") == "varlen" else "",
-                 "Sq=Skv" if case.get("sq") == case.get("skv") else f"Sq={case.get('sq')}"]
-    parts += [str(case.get("dtype")), f"B={case.get('batch')}" if with_batch else ""]
-    return ", ".join(p for p in parts if p)
+    return ", ".join(p for p in case_parts(case, with_length=False, with_batch=with_batch) if p)
 
 
 def chart_groups(runs: list[Run], preset: str) -> dict[str, list[str]]:

@@ -26,32 +26,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from reports.build import ReportError, Run, figure_of_merit, leaderboard, load_run
+from reports.build import ReportError, Run, case_parts, figure_of_merit, leaderboard, load_run
 
 UNITS = {"gbps": "GB/s", "tflops": "TFLOPS"}
 BLOCK = re.compile(r"(<!-- results: (?P<args>.*?) -->\n)(?P<body>.*?)(<!-- /results -->)", re.DOTALL)
-
-
-def length(n: int) -> str:
-    """A token count the way people say it: 32768 -> 32K, 3000 -> 3000."""
-    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
-
-
-def case_parts(case: dict) -> list[str]:
-    """What tells a case apart, in reading order: model, shape, mask, heads, head dim, dtype, variants."""
-    op, sq, skv, batch = case.get("op") or "dense", case.get("sq", 0), case.get("skv", 0), case.get("batch", 1)
-    mask = "causal" if case.get("causal") else "non-causal"
-    if op == "paged":
-        shape = [f"{batch} x {length(skv)}", f"{case.get('lengths')} lengths", f"pages of {case.get('page_size')}",
-                 f"{sq} new token" + ("s" if sq > 1 else "")]
-    elif op == "varlen":
-        shape = [f"{length(sq)} tokens in {batch}", f"{case.get('lengths')} lengths", mask]
-    else:
-        shape = [f"{batch} x {length(sq)}" + (f" x {length(skv)}" if sq != skv else ""), mask]
-    window, softcap, dv = tuple(case.get("window") or (-1, -1)), case.get("softcap"), case.get("dv")
-    return [case.get("model") or "", op, *shape, f"h{case.get('hq')}:{case.get('hkv')}",
-            f"D {case.get('d')}" + (f"/{dv}" if dv else ""), str(case.get("dtype")),
-            f"window {window[0]}:{window[1]}" if window != (-1, -1) else "", f"softcap {softcap:g}" if softcap else ""]
 
 
 def case_labels(cases: dict[str, dict]) -> tuple[dict[str, str], list[str]]:

@@ -258,7 +258,7 @@ def _section(html: str, preset: str) -> str:
 
 
 def test_a_line_chart_holds_only_cases_that_differ_in_length(serving_results):
-    from reports.build import chart_groups, chart_key
+    from reports.build import case_parts, chart_groups, chart_key
 
     run = load_run(serving_results)
     models = chart_groups([run], "models-cpu")  # one length a model: nothing to draw a line through
@@ -277,7 +277,12 @@ def test_a_line_chart_holds_only_cases_that_differ_in_length(serving_results):
     groups = chart_groups([dataclasses.replace(run, presets={"p": list(cases)}, cases=cases)], "p")
     assert sorted(map(sorted, groups.values())) == [["a-4k", "a-8k"], ["b1-32k"], ["fa3-1k", "fa3-2k"],
                                                      ["w-4k", "w-8k"]]
-    assert "window (4096, 0)" in chart_key(cases["w-4k"]) and "B x Skv = 16384" in " ".join(groups)
+    assert "window 4096:0" in chart_key(cases["w-4k"]) and "B x Skv = 16384" in " ".join(groups)
+    # a chart is titled by the parts that label the case's row in a markdown table, less the length
+    paged = {**base, "op": "paged", "batch": 16, "sq": 4, "skv": 32768, "lengths": "uniform", "page_size": 64}
+    assert case_parts(paged)[2] == "16 x 32K" and "32K" not in chart_key(paged)
+    assert chart_key(paged) == "m, paged, B=16, uniform lengths, pages of 64, 4 new tokens, h32:8, D 128, bf16"
+    assert "Sq 1," in chart_key({**base, "sq": 1, "skv": 4096}) and "Sq" not in chart_key(cases["a-4k"])
 
 
 def test_cases_of_one_length_each_are_charted_by_case(serving_results, tmp_path):
