@@ -59,8 +59,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--settle-max-ms", type=float, default=0,
                     help=f"GPU: after --settle-ms, go on settling in timed windows of {STEADY_WINDOW_S * 1e3:.0f} "
                          f"ms until two in a row agree within {STEADY_TOLERANCE * 100:.0f}%%, at most this long in "
-                         "all (0, the default: --settle-ms alone). The report flags rounds that drifted more than 2%% "
-                         "while timed")
+                         "all (0, the default: --settle-ms alone; on an H100 it did not reduce drift, docs/usage.md). "
+                         "The report flags rounds that drifted more than 2%% while timed")
     group.addoption("--energy-ms", type=float, default=0,
                     help="GPU: after timing, run each benchmark's call back to back this long and record the "
                          "energy NVML's counter saw (joules per call, average watts). The counter moves in steps "
