@@ -6,6 +6,7 @@ import importlib
 import json
 import multiprocessing
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -131,6 +132,38 @@ def test_settling_until_steady_goes_on_while_the_windows_move_and_stops_at_its_b
 def test_cpu_benchmarks_do_not_settle_unless_asked(cpu_modes):
     _, data = cpu_modes
     assert {b["extra_info"]["settle_s"] for b in data["benchmarks"]} == {0.0}
+
+
+GATED = ("--benchmark-only", "--impl", "naive", "--grid", "cpu-bench", "-k", "full and s128x128")
+
+
+@pytest.fixture(scope="module")
+def saved_baseline(tmp_path_factory) -> Path:
+    """One benchmark saved by pytest-benchmark (--benchmark-save) into a storage folder of its own."""
+    tmp = tmp_path_factory.mktemp("gate")
+    run_suite(tmp, *GATED, f"--benchmark-storage={tmp / 'storage'}", "--benchmark-save=base")
+    return tmp / "storage"
+
+
+@pytest.mark.parametrize(("baseline_scale", "regressed"), [(0.01, True), (100.0, False)])
+def test_a_saved_run_gates_regressions_through_pytest_benchmark(saved_baseline, tmp_path, baseline_scale, regressed):
+    """The suite's medians feed pytest-benchmark's own --benchmark-compare-fail: a run slower than its saved baseline
+    by more than the threshold fails, one faster passes (the baseline is scaled, so that the outcome does not rest on
+    this machine's timing noise)."""
+    storage = tmp_path / "storage"
+    shutil.copytree(saved_baseline, storage)
+    (saved,) = storage.glob("*/0001_base.json")
+    data = json.loads(saved.read_text())
+    assert len(data["benchmarks"]) == 1
+    for bench in data["benchmarks"]:
+        for field in ("min", "max", "mean", "median", "q1", "q3"):
+            bench["stats"][field] *= baseline_scale
+    saved.write_text(json.dumps(data))
+    cmd = [sys.executable, "-m", "pytest", "suite", "-q", "-p", "no:cacheprovider", "--rounds", "2", "--round-ms", "1",
+           *GATED, f"--benchmark-storage={storage}", "--benchmark-compare=0001", "--benchmark-compare-fail=median:5%"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=child_env())
+    assert proc.returncode == (1 if regressed else 0), proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert ("Performance has regressed" in proc.stdout + proc.stderr) == regressed
 
 
 def test_graph_repeats_fill_about_a_millisecond():
