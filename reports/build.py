@@ -246,6 +246,7 @@ def case_table(run: Run, case_id: str, baseline: str) -> list[dict[str, Any]]:
             "mj_per_call": m.joules_per_call * 1e3 if m.joules_per_call is not None else None,
             "watts": _num(m.energy.get("avg_power_w")),
             "sm_mhz": _num(m.energy.get("sm_clock_mhz")),
+            "sm_mhz_timed": _num((m.gpu.get("state") or {}).get("sm_clock_mhz")),
             "config": ", ".join(f"{k}={v}" for k, v in m.config.items()),
             "kernels": kernel_summary(m.kernels),
         })

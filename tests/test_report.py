@@ -70,6 +70,20 @@ def test_report_shows_the_energy_of_a_call_where_nvml_measured_it(results, tmp_p
     assert "2.1 (700, 1605)" in html
 
 
+def test_case_tables_show_the_sm_clock_each_benchmark_was_timed_at(results, tmp_path):
+    data = json.loads(results.read_text())
+    assert "SM MHz" not in write_report([results], tmp_path / "cpu.html").read_text()  # no NVML: no column
+    for i, bench in enumerate(data["benchmarks"]):
+        state = {"sm_clock_mhz": 1395 + i, "power_w": 690.0} if i else {"unavailable": "NVML not installed"}
+        bench["extra_info"]["gpu"] = {"name": "NVIDIA H100 80GB HBM3", "uuid": "GPU-1", "state": state}
+    clocked = tmp_path / "clocked.json"
+    clocked.write_text(json.dumps(data))
+    html = write_report([clocked], tmp_path / "c.html").read_text()
+    assert "SM MHz</th>" in html
+    cells = re.findall(r"<td>(\d{4}|–)</td><td>(?:–|\S+ \()", html)  # the clock cell, before the energy cell
+    assert {"1396", "–"} <= set(cells)
+
+
 def test_rounds_that_drifted_while_timed_are_flagged(results, tmp_path):
     from reports.build import DRIFT_FLAG, round_drift
 
