@@ -31,6 +31,9 @@
 #   fi-aot:   FlashInfer's checks of FI_GRIDS (default "models serving varlen"; carry .gpu-fi) compile its modules, which
 #             come back as $OUT/flashinfer-aot.tar.xz: copied to .gpu-fi-aot/ here and carried beside .gpu-fi, later
 #             calls load them ahead of time (scripts/flashinfer_env.sh) instead of compiling them (minutes a chain)
+#   tune-out: this machine's tuning cache as $OUT/tuning-cache.tgz; unpacked here into .gpu-tune/ (git-ignored) and
+#             carried, it seeds a later machine's cache (skip a cold tune, e.g. `models-prime tune-out` once, then
+#             models chains with .gpu-tune carried in their first call)
 #   models-prime: cuTile's candidates on the softcap edge cases; the models preset's checks of ours, flex and
 #             sdpa-cudnn (compile and tuning caches filled for the models part)
 #   gqa:      blog causal 4K, fp16 and bf16, MHA and GQA 32:8: cuTile's candidates, sdpa-cudnn, flash-attn4 (sweep)
@@ -114,6 +117,14 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 export FMHA_TUNING_CACHE=${FMHA_TUNING_CACHE:-/tmp/fmha/tuning} CUDA_TILE_CACHE_DIR=${CUDA_TILE_CACHE_DIR:-/tmp/fmha/cutile} \
   TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/fmha/triton} TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/fmha/inductor}
+# A tuning cache carried in .gpu-tune/ (git-ignored; the tune-out part brings one back) seeds a fresh machine's, so
+# that a chain skips its cold tune (the models preset's: about 8 minutes on an H100). Its entries are keyed on the GPU
+# model, the library versions and the kernels' sources (impls/_tuning.py), so a stale one is never read. A machine's
+# own files win: the seed fills only what is missing.
+if compgen -G ".gpu-tune/*.json" >/dev/null; then
+  mkdir -p "$FMHA_TUNING_CACHE" && cp -n .gpu-tune/*.json "$FMHA_TUNING_CACHE"/
+  echo "tuning cache seeded from .gpu-tune: $(ls .gpu-tune/*.json | xargs -n1 basename | tr '\n' ' ')"
+fi
 # The serve-* parts run SERVE_GRIDS (default the serving and varlen presets) after their CPU twins SERVE_TWINS, and
 # serve-all writes $out/SERVE_NAME.json (default serving-all): SERVE_GRIDS=models-serving
 # SERVE_TWINS=models-serving-cpu SERVE_NAME=models-serving runs the models' serving steps the same way.
@@ -281,6 +292,9 @@ for part in "$@"; do
         --benchmark-json="$out/$name.json"
       # at most 8 files come back from a call: the children's JSONs and logs travel as one archive
       tar czf "$out/$name-isolate.tgz" -C "$out" isolate && rm -rf "$out/isolate"
+      ;;
+    tune-out)  # this machine's tuning cache as $OUT/tuning-cache.tgz: unpack it here into .gpu-tune/ and carry it
+      tar czf "$out/tuning-cache.tgz" -C "$FMHA_TUNING_CACHE" . && echo "tune-out: $(ls "$FMHA_TUNING_CACHE" | tr '\n' ' ')"
       ;;
     models-prime)
       # PRIME_CANDIDATES=0 leaves the candidates' softcap checks out, for a cold tune (about 470 s on an H200,
