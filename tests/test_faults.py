@@ -25,7 +25,8 @@ def run_suite(tmp_path: Path, *args: str, timeout: float = 300) -> tuple[subproc
     cmd = [sys.executable, "-m", "pytest", "suite", "-p", "tests.broken_impls", "-p", "no:cacheprovider",
            "--grid", os.environ.get("FMHA_FAULT_GRID", "cpu-bench"), "--rounds", "2", "--round-ms", "1",
            f"--benchmark-json={results}", *args]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=child_env())
+    env = {**child_env(), "FMHA_ISOLATE_DIR": str(tmp_path / "isolate")}  # --isolate's children's files stay here
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
     assert results.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc, json.loads(results.read_text())
 
