@@ -54,6 +54,7 @@ class Measurement:
     kernels: dict[str, dict] = field(default_factory=dict)
     gpu: dict[str, Any] = field(default_factory=dict)  # name, uuid, NVML state after the benchmark
     settle_s: float = 0.0  # seconds of back-to-back calls before the warm-up (--settle-ms)
+    rest_s: float = 0.0  # seconds the GPU was left idle before the settling (--rest-ms)
     energy: dict[str, Any] = field(default_factory=dict)  # NVML, with --energy-ms: joules per call, watts
     drift: float | None = None  # round_drift of the timed rounds
 
@@ -148,7 +149,8 @@ def load_run(path: Path) -> Run:
                 timing=str(info.get("timing", "eager")), measured_as=str(info.get("measured_as", "eager")),
                 fallback=info.get("fallback"), pct_of_hbm=_num(info.get("pct_of_hbm")),
                 kernels=dict(info.get("kernels") or {}), gpu=dict(info.get("gpu") or {}),
-                settle_s=float(info.get("settle_s") or 0.0), energy=dict(info.get("energy") or {}),
+                settle_s=float(info.get("settle_s") or 0.0), rest_s=float(info.get("rest_s") or 0.0),
+                energy=dict(info.get("energy") or {}),
                 drift=round_drift(stats.get("data") or []),
             ))
         except (KeyError, TypeError, ValueError) as exc:
@@ -443,6 +445,7 @@ def build_context(runs: list[Run], baseline: str) -> dict[str, Any]:
         "runs": runs, "baseline": baseline, "sections": sections,
         "settled_ms": sorted({round(1e3 * m.settle_s) for r in runs for m in r.measurements if m.settle_s}),
         "unsettled": any(m.gpu and not m.settle_s for r in runs for m in r.measurements),
+        "rested_ms": sorted({round(1e3 * m.rest_s) for r in runs for m in r.measurements if m.rest_s}),
         "matrices": [(r.label, correctness_matrix(r), r.unavailable) for r in runs],
         "ladders": [(r.label, lad) for r in runs if (lad := ladder(r))],
         "fleets": [(r.label, f) for r in runs if (f := fleet(r))],

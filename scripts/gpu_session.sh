@@ -88,6 +88,8 @@
 #   clocks:   scripts/clock_probe.py: per-round times and SM clocks over 2 s of sustained work after a rest
 #   settle:   the equal-length varlen batch and its dense twin, cutile / sdpa-cudnn / triton, graph timing, twice
 #             with --settle-ms 0 and twice with the default (benchmarks timed at sustained clocks)
+#   rest:     the models preset's 4 x 4K cases after its 1 x 32K ones and alone, without and with --rest-ms (an idle
+#             pause before each benchmark): is the order of a run what moved a case (session 36's Mistral caveat)?
 #   varlen-probe: every cuTile serving candidate on the twins and the uneven packed batches, then
 #             scripts/serving_probe.py --varlen-only (VARLEN_PROBE_ARGS: more, e.g. --varlen-persistent)
 #   varlen-memcheck: each cuTile varlen candidate on the uneven packed batches under compute-sanitizer memcheck,
@@ -543,6 +545,20 @@ for part in "$@"; do
         step "settle-$run" 150 python3 -m pytest suite "${bench[@]}" --grid varlen -k "equal or s4096x4096" \
           --timing graph --impl cutile --impl sdpa-cudnn --impl triton --settle-ms "${run%?}" \
           --benchmark-json="$out/settle-$run.json"
+      done
+      ;;
+    rest)
+      # does a case's time depend on the case before it? The models preset's 4 x 4K cases timed after the 1 x 32K
+      # ones (the whole preset) and alone (-k s4096), each without and with --rest-ms REST_MS (default 1000);
+      # REST_IMPLS (default "sdpa-cudnn sdpa-flash": nothing to tune). Session 36: cutile ran one kernel 12% apart
+      # on Llama-3-8B and Mistral-7B 4 x 4K (the window hides nothing there), right after a light and a heavy case
+      read -ra names <<< "${REST_IMPLS:-sdpa-cudnn sdpa-flash}"
+      impls=(); for name in "${names[@]}"; do impls+=(--impl "$name"); done
+      for run in all-0 short-0 all-rest short-rest; do
+        select=(); [ "${run%-*}" = short ] && select=(-k s4096)
+        ms=0; [ "${run#*-}" = rest ] && ms=${REST_MS:-1000}
+        FMHA_ISOLATE_DIR=/tmp/rest-isolate step "rest-$run" 200 python3 -m pytest suite "${bench[@]}" --grid models \
+          --timing graph "${impls[@]}" "${select[@]}" --rest-ms "$ms" --isolate --benchmark-json="$out/rest-$run.json"
       done
       ;;
     varlen-probe)

@@ -25,6 +25,7 @@ from suite.timing import (
     graph_repeats,
     iterations_for,
     profile_kernels,
+    rest,
     time_once,
 )
 
@@ -119,6 +120,7 @@ def measure(benchmark, impl: Impl, case: Case, problem: Problem, record: Recorde
     peak_bytes = peak_memory_bytes(prepared, device)
 
     benchmark.group = f"{case.id} [{timing}]"
+    info["rest_s"] = rest(pytestconfig.getoption("--rest-ms") / 1e3 if on_gpu else 0.0, device)
     settle_ms = pytestconfig.getoption("--settle-ms")
     info["settle_s"] = max(0.0, (SETTLE_S * 1e3 if on_gpu else 0) if settle_ms is None else settle_ms) / 1e3
     settle_max_s = pytestconfig.getoption("--settle-max-ms") / 1e3

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -238,3 +239,15 @@ def iterations_for(seconds_per_call: float, round_seconds: float, cap: int = 100
     if seconds_per_call <= 0:
         return cap
     return max(1, min(cap, math.ceil(round_seconds / seconds_per_call)))
+
+
+def rest(seconds: float, device: torch.device) -> float:
+    """Leave the GPU idle for ``seconds`` once its queue has drained: under a power cap the clocks a benchmark starts
+    at depend on what ran before it (one H100 run timed one kernel 12% apart on two cases, right after a light and
+    a heavy one), and a pause gives every benchmark the same start. Returns the seconds rested."""
+    if seconds <= 0:
+        return 0.0
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    time.sleep(seconds)
+    return seconds

@@ -54,6 +54,13 @@ def test_report_says_whether_calls_settled_before_timing(results, tmp_path):
     settled.write_text(json.dumps(data))
     html = " ".join(write_report([settled], tmp_path / "s.html").read_text().split())
     assert "back to back for 250 ms" in html and "without settling" not in html
+    assert "--rest-ms" not in html
+    for bench in data["benchmarks"]:
+        bench["extra_info"]["rest_s"] = 1.0
+    rested = tmp_path / "rested.json"
+    rested.write_text(json.dumps(data))
+    html = " ".join(write_report([rested], tmp_path / "r.html").read_text().split())
+    assert "began after 1000 ms with the GPU idle" in html
 
 
 def test_report_shows_the_energy_of_a_call_where_nvml_measured_it(results, tmp_path):

@@ -19,6 +19,7 @@ import torch
 from impls import _tuning
 from reports.build import load_run, render
 from suite.isolation import child_env
+from suite.timing import rest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -132,6 +133,15 @@ def test_settling_until_steady_goes_on_while_the_windows_move_and_stops_at_its_b
 def test_cpu_benchmarks_do_not_settle_unless_asked(cpu_modes):
     _, data = cpu_modes
     assert {b["extra_info"]["settle_s"] for b in data["benchmarks"]} == {0.0}
+    assert {b["extra_info"]["rest_s"] for b in data["benchmarks"]} == {0.0}
+
+
+def test_resting_leaves_the_device_idle_for_the_time_asked():
+    cpu = torch.device("cpu")
+    start = time.perf_counter()
+    assert rest(0.05, cpu) == 0.05
+    assert time.perf_counter() - start >= 0.05
+    assert rest(0, cpu) == rest(-1, cpu) == 0.0
 
 
 GATED = ("--benchmark-only", "--impl", "naive", "--grid", "cpu-bench", "-k", "full and s128x128")
