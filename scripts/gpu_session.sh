@@ -551,7 +551,7 @@ for part in "$@"; do
       # does a case's time depend on the case before it? The models preset's 4 x 4K cases timed after the 1 x 32K
       # ones (the whole preset) and alone (-k s4096), each without and with --rest-ms REST_MS (default 1000);
       # REST_IMPLS (default "sdpa-cudnn sdpa-flash": nothing to tune). Session 36: cutile ran one kernel 12% apart
-      # on Llama-3-8B and Mistral-7B 4 x 4K (the window hides nothing there), right after a light and a heavy case
+      # on Llama-3-8B and Mistral-7B 4 x 4K (the window hides nothing there): first in its process, and right after a heavy case
       read -ra names <<< "${REST_IMPLS:-sdpa-cudnn sdpa-flash}"
       impls=(); for name in "${names[@]}"; do impls+=(--impl "$name"); done
       for run in all-0 short-0 all-rest short-rest; do

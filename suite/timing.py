@@ -243,8 +243,8 @@ def iterations_for(seconds_per_call: float, round_seconds: float, cap: int = 100
 
 def rest(seconds: float, device: torch.device) -> float:
     """Leave the GPU idle for ``seconds`` once its queue has drained: under a power cap the clocks a benchmark starts
-    at depend on what ran before it (one H100 run timed one kernel 12% apart on two cases, right after a light and
-    a heavy one), and a pause gives every benchmark the same start. Returns the seconds rested."""
+    at depend on what ran before it (one H100 run timed one kernel 12% apart on two cases, the first of its process and
+    one right after a heavy case), and a pause gives every benchmark the same start. Returns the seconds rested."""
     if seconds <= 0:
         return 0.0
     if device.type == "cuda":
