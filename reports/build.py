@@ -63,6 +63,11 @@ class Measurement:
         return self.drift is not None and abs(self.drift) > DRIFT_FLAG
 
     @property
+    def gpu_state(self) -> dict[str, Any]:
+        """NVML's reading as the timing ended (clocks, power, throttling); empty where none was taken."""
+        return self.gpu.get("state") or {}
+
+    @property
     def joules_per_call(self) -> float | None:
         return _num(self.energy.get("joules_per_call"))
 
@@ -248,7 +253,7 @@ def case_table(run: Run, case_id: str, baseline: str) -> list[dict[str, Any]]:
             "mj_per_call": m.joules_per_call * 1e3 if m.joules_per_call is not None else None,
             "watts": _num(m.energy.get("avg_power_w")),
             "sm_mhz": _num(m.energy.get("sm_clock_mhz")),
-            "sm_mhz_timed": _num((m.gpu.get("state") or {}).get("sm_clock_mhz")),
+            "sm_mhz_timed": _num(m.gpu_state.get("sm_clock_mhz")),
             "config": ", ".join(f"{k}={v}" for k, v in m.config.items()),
             "kernels": kernel_summary(m.kernels),
         })
@@ -385,7 +390,7 @@ def fleet(run: Run) -> dict[str, Any] | None:
     for m in run.measurements:
         if m.gpu_label:
             groups[(m.impl, m.case, m.timing)][m.gpu_label] = m.median_s
-            states[m.gpu_label].append(m.gpu.get("state") or {})
+            states[m.gpu_label].append(m.gpu_state)
     shared = {key: per_gpu for key, per_gpu in groups.items() if len(per_gpu) >= 2}
     if not shared:
         return None

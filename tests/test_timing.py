@@ -24,11 +24,16 @@ from suite.timing import rest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def suite_process(*args: str, **env: str) -> subprocess.CompletedProcess:
+    """A short suite run (two rounds of about a millisecond) in a subprocess, its output captured."""
+    cmd = [sys.executable, "-m", "pytest", "suite", "-q", "-p", "no:cacheprovider", "--rounds", "2", "--round-ms", "1",
+           *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env={**child_env(), **env})
+
+
 def run_suite(tmp_path: Path, *args: str, **env: str) -> dict:
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, "-m", "pytest", "suite", "-q", "-p", "no:cacheprovider", "--rounds", "2",
-           "--round-ms", "1", f"--benchmark-json={out}", *args]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env={**child_env(), **env})
+    proc = suite_process(f"--benchmark-json={out}", *args, **env)
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -169,9 +174,8 @@ def test_a_saved_run_gates_regressions_through_pytest_benchmark(saved_baseline, 
         for field in ("min", "max", "mean", "median", "q1", "q3"):
             bench["stats"][field] *= baseline_scale
     saved.write_text(json.dumps(data))
-    cmd = [sys.executable, "-m", "pytest", "suite", "-q", "-p", "no:cacheprovider", "--rounds", "2", "--round-ms", "1",
-           *GATED, f"--benchmark-storage={storage}", "--benchmark-compare=0001", "--benchmark-compare-fail=median:5%"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=child_env())
+    proc = suite_process(*GATED, f"--benchmark-storage={storage}", "--benchmark-compare=0001",
+                         "--benchmark-compare-fail=median:5%")
     assert proc.returncode == (1 if regressed else 0), proc.stdout[-3000:] + proc.stderr[-3000:]
     assert ("Performance has regressed" in proc.stdout + proc.stderr) == regressed
 
