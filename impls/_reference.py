@@ -104,6 +104,10 @@ def serving_attention_ref(inputs, *, scale: float | None = None, upcast: bool = 
     def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
         if 0 in (q.shape[2], k.shape[2]):  # a varlen sequence with no rows, or rows that see no key: zeros
             return q.new_zeros((*q.shape[:3], v.shape[-1]))
-        return attention_ref(q, k, v, causal=causal, scale=scale, upcast=upcast, window=window, softcap=softcap)
+        # k and v of an fp8 cache come dequantized as float64 for the oracle: q joins them, the output is q's dtype
+        return attention_ref(q.to(k.dtype), k, v, causal=causal, scale=scale, upcast=upcast, window=window,
+                             softcap=softcap).to(q.dtype)
 
-    return {b: reference(q, k, v, causal) for b, q, k, v, causal in sequences(inputs, indices)}
+    # An fp8 cache is dequantized exactly in float64 for the oracle, and into q's dtype for the naive yardstick
+    kv_dtype = torch.float64 if upcast else None
+    return {b: reference(q, k, v, causal) for b, q, k, v, causal in sequences(inputs, indices, kv_dtype)}

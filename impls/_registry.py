@@ -20,7 +20,8 @@ take the validated inputs object and the scale::
     def my_decode(inputs: PagedKV, *, scale: float) -> Prepared: ...
 
 A window or softcap reaches a prepare function, as ``window=`` / ``softcap=``, of any operation only where it
-declares the variant (``variants=("window", "softcap")``).
+declares the variant (``variants=("window", "softcap")``); a paged batch with an fp8 cache reaches only those
+that declare ``"kv_fp8"``.
 
 One name may be registered once per operation (``naive`` is all three).
 """
@@ -40,9 +41,10 @@ import torch
 
 from impls._validate import NO_WINDOW, validate_attention_inputs, validate_variants
 
-# What a model may ask of dense attention beyond causal (impls._reference): a sliding window and softcap (options
-# of the call), and a value head dim other than the query/key one (a property of the inputs: MLA's Dv 128, Dqk 192).
-VARIANTS = ("window", "softcap", "value_dim")
+# What a model may ask of attention beyond causal (impls._reference): a sliding window and softcap (options of the
+# call), a value head dim other than the query/key one (a property of dense inputs: MLA's Dv 128, Dqk 192), and an
+# fp8 KV cache (a property of paged-decode inputs: impls._serving.PagedKV).
+VARIANTS = ("window", "softcap", "value_dim", "kv_fp8")
 
 Runner = Callable[[], torch.Tensor]
 
@@ -136,6 +138,8 @@ class Impl:
             q, scale = batch.q, batch.scale(scale)
             value_dim = None  # the serving operations have one head dim
             options = {"scale": scale}
+            if getattr(batch, "kv_fp8", False) and "kv_fp8" not in self.variants:
+                raise Unsupported(f"{self.name}: an fp8 (e4m3) KV cache not supported")
         for variant, used, value in (("window", window != NO_WINDOW, window), ("softcap", softcap > 0, softcap)):
             if used and variant not in self.variants:
                 raise Unsupported(f"{self.name}: {'sliding window' if variant == 'window' else 'softcap'} "

@@ -13,6 +13,11 @@ Paged decode (the layout of vLLM, FlashInfer and flash-attn):
 Attention is causal within each sequence, bottom-right: new token ``i`` sees positions ``<= L - Sq_new + i``.
 Output ``(B, Sq_new, Hq, D)``. Page slots past a sequence's length may hold anything, NaN included.
 
+An fp8 KV cache (vLLM's ``kv_cache_dtype="fp8"``, FlashInfer's ``kv_data_type``): the caches may be
+``float8_e4m3fn`` under fp16/bf16 queries, each with a per-tensor scale (``k_scale``, ``v_scale``, host floats):
+the key at a slot is ``k_scale * k_cache[slot]`` (dequantized), and so for values. The output stays q's dtype.
+Implementations declare it (``variants=("kv_fp8",)``); the others refuse such a batch with the reason.
+
 Varlen prefill (flash-attn's packed layout):
 - ``q (total_q, Hq, D)``, ``k, v (total_k, Hkv, D)``;
 - ``cu_seqlens_q, cu_seqlens_k (B+1,) int32``: sequence ``b`` is rows ``cu[b]:cu[b+1]``;
@@ -46,15 +51,26 @@ def _check_index(name: str, t: torch.Tensor, dims: int, layout: str, device: tor
         raise ValueError(f"{name} must be on {device} with q, got {t.device}")
 
 
-def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_name: str, v_name: str) -> None:
+FP8_KV = torch.float8_e4m3fn  # the fp8 KV cache's storage dtype (e4m3: vLLM's and FlashInfer's "fp8")
+FP8_QUERIES = (torch.float16, torch.bfloat16)  # the query (and output) dtypes over an fp8 cache
+
+
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_name: str, v_name: str,
+               fp8_kv: bool = False) -> None:
+    """``fp8_kv``: k and v may be FP8_KV under half-precision queries (paged decode)."""
     if k.shape != v.shape:
         raise ValueError(f"{k_name} and {v_name} must have the same shape, got {tuple(k.shape)} and "
                          f"{tuple(v.shape)}")
     for name, t in (("q", q), (k_name, k), (v_name, v)):
         if not t.is_floating_point():
             raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
-    if q.dtype != k.dtype or q.dtype != v.dtype:
-        raise TypeError(f"q, {k_name} and {v_name} must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    quantized = fp8_kv and k.dtype == FP8_KV and v.dtype == FP8_KV
+    if quantized and q.dtype not in FP8_QUERIES:
+        raise TypeError(f"an fp8 {k_name}/{v_name} needs fp16 or bf16 q, got {q.dtype}")
+    if not quantized and (q.dtype != k.dtype or q.dtype != v.dtype):
+        also = f" (or {k_name} and {v_name} both {FP8_KV})" if fp8_kv else ""
+        raise TypeError(f"q, {k_name} and {v_name} must share one dtype{also}, got {q.dtype}, {k.dtype}, "
+                        f"{v.dtype}")
     if q.device != k.device or q.device != v.device:
         raise ValueError(f"q, {k_name} and {v_name} must be on one device, got {q.device}, {k.device}, "
                          f"{v.device}")
@@ -68,7 +84,8 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_name: str, v
 
 
 def _check_layouts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_name: str, v_name: str,
-                   layouts: tuple[str, str], indices: dict[str, tuple[torch.Tensor, str]]) -> None:
+                   layouts: tuple[str, str], indices: dict[str, tuple[torch.Tensor, str]],
+                   fp8_kv: bool = False) -> None:
     """Shapes, dtypes and devices of an operation's tensors; ``layouts`` are q's and k/v's, ``indices`` the
     int32 index tensors with theirs. The rank of each is read off its layout."""
     def rank(layout: str) -> int:
@@ -77,7 +94,7 @@ def _check_layouts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_name: st
     q_layout, kv_layout = layouts
     for name, t, layout in (("q", q, q_layout), (k_name, k, kv_layout), (v_name, v, kv_layout)):
         _check_tensor(name, t, rank(layout), layout)
-    _check_qkv(q, k, v, k_name, v_name)
+    _check_qkv(q, k, v, k_name, v_name, fp8_kv)
     for name, (t, layout) in indices.items():
         _check_index(name, t, rank(layout), layout, q.device)
 
@@ -115,6 +132,8 @@ class PagedKV(_ServingInputs):
     v_cache: torch.Tensor
     block_table: torch.Tensor
     cache_seqlens: torch.Tensor
+    k_scale: float = 1.0  # an fp8 cache's dequantization scales (module doc); 1 for any other cache
+    v_scale: float = 1.0
     seqlens: tuple[int, ...] = field(init=False)  # host copy of cache_seqlens
 
     op = "paged"
@@ -123,7 +142,13 @@ class PagedKV(_ServingInputs):
         _check_layouts(self.q, self.k_cache, self.v_cache, "k_cache", "v_cache",
                        ("(B, Sq_new, Hq, D)", "(num_pages, page_size, Hkv, D)"),
                        {"block_table": (self.block_table, "(B, max_pages)"),
-                        "cache_seqlens": (self.cache_seqlens, "(B,)")})
+                        "cache_seqlens": (self.cache_seqlens, "(B,)")}, fp8_kv=True)
+        for name in ("k_scale", "v_scale"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name} must be a finite positive number, got {value!r}")
+            if value != 1.0 and not self.kv_fp8:
+                raise ValueError(f"{name} = {value} applies to an fp8 cache only; this one is {self.k_cache.dtype}")
         batch, sq = self.q.shape[:2]
         if sq == 0 or batch == 0:
             raise ValueError(f"empty q: {tuple(self.q.shape)}")
@@ -150,6 +175,17 @@ class PagedKV(_ServingInputs):
     @property
     def page_size(self) -> int:
         return self.k_cache.shape[1]
+
+    @property
+    def kv_fp8(self) -> bool:
+        """Whether the caches are fp8 (dequantized by ``k_scale`` and ``v_scale``)."""
+        return self.k_cache.dtype == FP8_KV
+
+    def dequantized(self, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values read from these caches, as ``dtype``: scaled where the caches are fp8."""
+        if not self.kv_fp8:
+            return k.to(dtype), v.to(dtype)
+        return k.to(dtype) * self.k_scale, v.to(dtype) * self.v_scale
 
     @property
     def max_seqlen(self) -> int:
@@ -233,12 +269,15 @@ def gather_sequence(inputs: PagedKV, b: int) -> tuple[torch.Tensor, torch.Tensor
     return k, v
 
 
-def sequences(inputs: PagedKV | Varlen, indices: list[int] | None = None):
-    """Per sequence: (index, q (1, Hq, Sq, D), k, v (1, Hkv, Skv, D), causal) in the dense contract's layout."""
+def sequences(inputs: PagedKV | Varlen, indices: list[int] | None = None, kv_dtype: torch.dtype | None = None):
+    """Per sequence: (index, q (1, Hq, Sq, D), k, v (1, Hkv, Skv, D), causal) in the dense contract's layout. An
+    fp8 cache's keys and values come dequantized, as ``kv_dtype`` (default q's)."""
     batch = inputs.q.shape[0] if isinstance(inputs, PagedKV) else inputs.batch
     for b in range(batch) if indices is None else indices:
         if isinstance(inputs, PagedKV):
             k, v = gather_sequence(inputs, b)
+            if inputs.kv_fp8:
+                k, v = inputs.dequantized(k, v, kv_dtype or inputs.q.dtype)
             yield b, inputs.q[b].transpose(0, 1)[None], k[None], v[None], True
         else:
             (q0, q1), (k0, k1) = inputs.offsets_q[b:b + 2], inputs.offsets_k[b:b + 2]
@@ -331,14 +370,14 @@ def combine_plan(num_splits: int, head_dim: int) -> tuple[int, int]:
 
 def decode_shape_class(inputs: PagedKV, window_left: int = UNBOUNDED, softcap: float = 0.0) -> tuple:
     """What a decode autotuner's choice depends on: dtype, head dim, heads, new tokens, page size, and the
-    batch, longest length read and spread of those lengths in powers of two; and whether a window or softcap
-    is compiled in."""
+    batch, longest length read and spread of those lengths in powers of two; whether a window or softcap is
+    compiled in, and an fp8 cache."""
     batch, sq, hq, head_dim = inputs.q.shape
     hkv, lengths = inputs.k_cache.shape[2], inputs.read_lengths(window_left)
     spread = round(math.log2(max(lengths) * len(lengths) / sum(lengths)))
     pow2 = [1 << (n - 1).bit_length() for n in (batch, max(lengths))]
     return ("paged", inputs.q.dtype, head_dim, hkv, hq // hkv, sq, inputs.page_size, *pow2, spread,
-            *variant_tags(window_left < UNBOUNDED, softcap))
+            *variant_tags(window_left < UNBOUNDED, softcap), *(("kv_fp8",) if inputs.kv_fp8 else ()))
 
 
 def variant_tags(window: bool, softcap: float) -> tuple[str, ...]:

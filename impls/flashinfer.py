@@ -6,7 +6,8 @@
   list (``indptr``, ``indices``, ``last_page_len``) in prepare, as a server keeps it.
 - ``varlen`` and dense: ``BatchPrefillWithRaggedKVCacheWrapper`` (dense is the equal-length batch).
 - Every operation takes the window (left side, ``window_left``; FlashInfer has no right bound) and softcap
-  (``logits_soft_cap``) where the call asks for them.
+  (``logits_soft_cap``) where the call asks for them; paged decode takes an fp8 cache (``kv_data_type`` at
+  planning, ``k_scale`` / ``v_scale`` at each run, as vLLM calls it).
 
 Planning (which also JIT-compiles the kernels on first use) happens in prepare; the timed call is ``run``.
 FlashInfer aligns a causal mask bottom-right when a sequence has more keys than queries, as the contract does.
@@ -98,7 +99,7 @@ def prepare_varlen(inputs, *, scale: float, window: tuple[int, int] = NO_WINDOW,
 
 
 @register("flashinfer", op="paged", family="flashinfer", dtypes=HALF, devices=("cuda",), head_dims=HEAD_DIMS,
-          requires=requires, variants=("window", "softcap"),
+          requires=requires, variants=("window", "softcap", "kv_fp8"),
           description="flashinfer.BatchDecodeWithPagedKVCacheWrapper (tensor cores) for one new token, "
                       "BatchPrefillWithPagedKVCacheWrapper (causal) for several")
 def prepare_paged(inputs, *, scale: float, window: tuple[int, int] = NO_WINDOW, softcap: float = 0.0) -> Prepared:
@@ -110,6 +111,7 @@ def prepare_paged(inputs, *, scale: float, window: tuple[int, int] = NO_WINDOW, 
     dtypes = {"q_data_type": inputs.q.dtype, "kv_data_type": inputs.k_cache.dtype}
     options = {"sm_scale": scale, "window_left": window[0], "logits_soft_cap": softcap or None, **dtypes}
     cache = (inputs.k_cache, inputs.v_cache)
+    scales = {"k_scale": inputs.k_scale, "v_scale": inputs.v_scale} if inputs.kv_fp8 else {}
     workspace = _workspace(inputs.q.device)
     with refusing(*REFUSALS):
         if new == 1:
@@ -126,6 +128,6 @@ def prepare_paged(inputs, *, scale: float, window: tuple[int, int] = NO_WINDOW, 
             config = {"wrapper": "BatchPrefillWithPagedKVCacheWrapper", "causal": True}
 
     def call() -> torch.Tensor:
-        return wrapper.run(q, cache).view(batch, new, heads, head_dim)
+        return wrapper.run(q, cache, **scales).view(batch, new, heads, head_dim)
 
     return Prepared(probe(call, *REFUSALS), config={"layout": LAYOUT, **config})

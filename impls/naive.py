@@ -31,8 +31,9 @@ def naive(q, k, v, *, causal: bool, scale: float, **variants):
     return lambda: attention_ref(q, k, v, causal=causal, scale=scale, upcast=False, chunk_bytes=None, **variants)
 
 
-@register("naive", op="paged", family="naive", variants=("window", "softcap"),
-          description="each sequence's pages gathered, then standard attention per sequence, eager PyTorch")
+@register("naive", op="paged", family="naive", variants=("window", "softcap", "kv_fp8"),
+          description="each sequence's pages gathered (an fp8 cache dequantized into q's dtype), then standard "
+                      "attention per sequence, eager PyTorch")
 @register("naive", op="varlen", family="naive", variants=("window", "softcap"),
           description="standard attention per packed sequence, eager PyTorch")
 def naive_serving(inputs, *, scale: float, **variants):

@@ -89,9 +89,9 @@ for _name, (_backend, _devices) in BACKENDS.items():
 
 # Serving with SDPA: what every PyTorch user has without a serving kernel.
 
-@register("sdpa", op="paged", family="sdpa", variants=("window",),
-          description="pages gathered into a padded contiguous cache inside the timed call, then torch SDPA "
-                      "with a length and causal mask (and a window's)")
+@register("sdpa", op="paged", family="sdpa", variants=("window", "kv_fp8"),
+          description="pages gathered into a padded contiguous cache inside the timed call (an fp8 cache "
+                      "dequantized there too), then torch SDPA with a length and causal mask (and a window's)")
 def sdpa_paged(inputs, *, scale: float, window: tuple[int, int] = NO_WINDOW):
     batch, sq, hq, _ = inputs.q.shape
     page, longest = inputs.page_size, inputs.max_seqlen
@@ -115,7 +115,8 @@ def sdpa_paged(inputs, *, scale: float, window: tuple[int, int] = NO_WINDOW):
 
     def call() -> torch.Tensor:
         # Unused slots may hold anything, NaN included: zero them, or 0 * NaN reaches the output.
-        k, v = (torch.where(keep, cache[slots], 0).transpose(1, 2) for cache in (flat_k, flat_v))
+        k, v = (torch.where(keep, gathered, 0).transpose(1, 2)
+                for gathered in inputs.dequantized(flat_k[slots], flat_v[slots], q.dtype))
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=hq != k.shape[1])
         return o.transpose(1, 2)
 

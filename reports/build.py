@@ -289,7 +289,8 @@ def length(n: int) -> str:
 
 
 def case_parts(case: dict[str, Any], *, with_length: bool = True, with_batch: bool = True) -> list[str]:
-    """What tells a case apart, in reading order: model, operation, shape, mask, heads, head dim, dtype, variants;
+    """What tells a case apart, in reading order: model, operation, shape, mask, heads, head dim, dtype, variants
+    (an fp8 KV cache's last);
     empty strings where a case has no such part. Without ``with_length`` the shape loses its sequence (cache,
     token) length and keeps the batch as ``B=4`` (unless ``with_batch`` is off too): what the cases of one line
     chart share. Markdown tables label their rows with these parts; charts are grouped and titled by them."""
@@ -309,7 +310,8 @@ def case_parts(case: dict[str, Any], *, with_length: bool = True, with_batch: bo
     window, softcap, dv = tuple(case.get("window") or (-1, -1)), case.get("softcap"), case.get("dv")
     return [case.get("model") or "", op, sized, *shape, f"h{case.get('hq')}:{case.get('hkv')}",
             f"D {case.get('d')}" + (f"/{dv}" if dv else ""), str(case.get("dtype")),
-            f"window {window[0]}:{window[1]}" if window != (-1, -1) else "", f"softcap {softcap:g}" if softcap else ""]
+            f"window {window[0]}:{window[1]}" if window != (-1, -1) else "", f"softcap {softcap:g}" if softcap else "",
+            f"{case['kv_dtype']} KV cache" if case.get("kv_dtype") else ""]
 
 
 def chart_key(case: dict[str, Any], with_batch: bool = True) -> str:

@@ -90,6 +90,9 @@
 #             with --settle-ms 0 and twice with the default (benchmarks timed at sustained clocks)
 #   rest:     the models preset's 4 x 4K cases after its 1 x 32K ones and alone, without and with --rest-ms (an idle
 #             pause before each benchmark): is the order of a run what moved a case (session 36's Mistral caveat)?
+#   fp8:      an fp8 KV cache: the serving twins' fp8 cases and the serving-fp8 preset checked (tuned) with our kernels
+#             and sdpa (FP8_IMPLS), then, where .gpu-fi is carried, FlashInfer's checks of the same (its JIT)
+#   fp8-bench: the serving-fp8 preset (bf16 and fp8 caches side by side), graph timing, FP8_IMPLS and flashinfer
 #   varlen-probe: every cuTile serving candidate on the twins and the uneven packed batches, then
 #             scripts/serving_probe.py --varlen-only (VARLEN_PROBE_ARGS: more, e.g. --varlen-persistent)
 #   varlen-memcheck: each cuTile varlen candidate on the uneven packed batches under compute-sanitizer memcheck,
@@ -560,6 +563,20 @@ for part in "$@"; do
         FMHA_ISOLATE_DIR=/tmp/rest-isolate step "rest-$run" 200 python3 -m pytest suite "${bench[@]}" --grid models \
           --timing graph "${impls[@]}" "${select[@]}" --rest-ms "$ms" --isolate --benchmark-json="$out/rest-$run.json"
       done
+      ;;
+    fp8|fp8-bench)
+      read -ra names <<< "${FP8_IMPLS:-cutile triton sdpa}"
+      impls=(); for name in "${names[@]}"; do impls+=(--impl "$name"); done
+      if python3 -c "import flashinfer" 2>/dev/null; then impls+=(--impl flashinfer); fi
+      if [ "$part" = fp8 ]; then
+        step fp8-twins 200 python3 -m pytest suite -k "correctness and kvfp8" -q -p no:cacheprovider -rf \
+          --grid serving-cpu "${impls[@]}" --impl naive
+        step fp8-checks "${FP8_LIMIT:-380}" python3 -m pytest suite -k correctness -q -p no:cacheprovider -rf \
+          --grid serving-fp8 "${impls[@]}" --durations=8
+      else
+        step fp8-bench "${FP8_LIMIT:-540}" python3 -m pytest suite "${bench[@]}" --grid serving-fp8 --timing graph \
+          "${impls[@]}" --benchmark-json="$out/serving-fp8.json"
+      fi
       ;;
     varlen-probe)
       step varlen-candidates 300 python3 -m pytest tests/test_gpu_candidates.py -k "serving or uneven" -q \

@@ -6,13 +6,15 @@ import itertools
 import math
 import zlib
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
 from impls._validate import NO_WINDOW
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+KV_DTYPES = {"fp8": torch.float8_e4m3fn}  # a paged case's KV cache in a dtype of its own ("": the case's dtype)
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn: a per-tensor scale maps the cache's largest magnitude to it
 
 
 OPS = ("dense", "paged", "varlen")
@@ -49,6 +51,7 @@ class Case:
     window: tuple[int, int] = NO_WINDOW  # sliding window (left, right), bottom-right; -1: unbounded
     softcap: float = 0.0  # scores become softcap * tanh(scores / softcap)
     dv: int = 0  # the value (and output) head dim where it differs from d, as in MLA prefill; 0: d (dense only)
+    kv_dtype: str = ""  # paged: "fp8", a KV cache quantized per tensor (impls._serving.PagedKV); "": dtype's
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -66,6 +69,9 @@ class Case:
             raise ValueError("paged decode is causal: the new tokens are the last positions of each sequence")
         if self.op != "dense" and self.dv:
             raise ValueError("a value head dim of its own is a dense-attention variant here")
+        if self.kv_dtype and (self.op != "paged" or self.kv_dtype not in KV_DTYPES or self.dtype == "fp32"):
+            raise ValueError(f"kv_dtype {self.kv_dtype!r}: a paged case's cache may be {', '.join(KV_DTYPES)} "
+                             f"under fp16/bf16 queries, got op {self.op}, dtype {self.dtype}")
         if self.op == "varlen" and (self.sq != self.skv or self.sq < self.batch):
             raise ValueError(f"varlen: {self.batch} sequences need sq == skv >= batch tokens in all")
 
@@ -79,7 +85,7 @@ class Case:
         heads = f"h{self.hq}:{self.hkv}"
         variants = (f"-dv{self.dv}" if self.dv else "") + (
             f"-w{self.window[0]}:{self.window[1]}" if self.window != NO_WINDOW else "") + (
-            f"-cap{self.softcap:g}" if self.softcap else "")
+            f"-cap{self.softcap:g}" if self.softcap else "") + (f"-kv{self.kv_dtype}" if self.kv_dtype else "")
         if self.op == "paged":
             body = (f"paged-{self.dtype}-{heads}-q{self.sq}-kv{self.skv}-{self.lengths}-p{self.page_size}"
                     f"-d{self.d}{variants}{tail}")
@@ -105,6 +111,17 @@ class Case:
         return DTYPES[self.dtype]
 
     @property
+    def seed(self) -> int:
+        """The case's random draw (lengths and data), from its id; an fp8 cache's case draws what its 16-bit twin
+        draws, so that the two compare on the same batch."""
+        return zlib.crc32((replace(self, kv_dtype="") if self.kv_dtype else self).id.encode())
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        """The dtype K and V are stored in."""
+        return KV_DTYPES[self.kv_dtype] if self.kv_dtype else self.torch_dtype
+
+    @property
     def gqa_ratio(self) -> int:
         return self.hq // self.hkv
 
@@ -113,7 +130,7 @@ class Case:
 
     def seqlens(self) -> list[int]:
         """Per-sequence lengths: the cache lengths (paged), the sequence lengths (varlen), Skv (dense)."""
-        gen = torch.Generator().manual_seed(zlib.crc32(self.id.encode()))
+        gen = torch.Generator().manual_seed(self.seed)
         if self.lengths == "longtail":
             u = torch.rand(self.batch, generator=gen, dtype=torch.float64)
             u[0] = 1.0
@@ -131,9 +148,11 @@ class Case:
 
         Dense: ``(q, k, v)``. Paged: a ``PagedKV`` whose pages are scattered at random over a cache with spare
         pages, every slot no sequence uses (past a length, spare pages, table entries past a sequence's
-        last page) holding NaN: a kernel that reads one fails the check. Varlen: a ``Varlen``.
+        last page) holding NaN: a kernel that reads one fails the check; an fp8 cache is the same draw
+        quantized per tensor (scale: its largest magnitude over ``FP8_MAX``), as a server's calibration makes it.
+        Varlen: a ``Varlen``.
         """
-        gen = torch.Generator(device=device).manual_seed(zlib.crc32(self.id.encode()))
+        gen = torch.Generator(device=device).manual_seed(self.seed)
 
         def randn(*shape: int) -> torch.Tensor:
             return torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(self.torch_dtype)
@@ -159,6 +178,10 @@ class Case:
         used, spare = sum(pages_per_seq), max(2, self.batch // 4)
         num_pages = used + spare
         k_cache, v_cache = (randn(num_pages, page, self.hkv, self.d) for _ in range(2))
+        scales = {}
+        if self.kv_dtype:
+            (k_cache, scales["k_scale"]), (v_cache, scales["v_scale"]) = (
+                quantized(c, self.kv_torch_dtype) for c in (k_cache, v_cache))
         order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(self.batch + page))
         nan_page = int(order[used])  # a spare page: table entries past a sequence's pages point at it
         table = torch.full((self.batch, max(pages_per_seq) + 1), nan_page, dtype=torch.int32)
@@ -173,7 +196,13 @@ class Case:
                     cache[int(table[b, pages_per_seq[b] - 1]), n % page:] = float("nan")
         q = randn(self.batch, self.sq, self.hq, self.d)
         return PagedKV(q, k_cache, v_cache, table.to(device),
-                       torch.tensor(lengths, dtype=torch.int32, device=device))
+                       torch.tensor(lengths, dtype=torch.int32, device=device), **scales)
+
+
+def quantized(cache: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, float]:
+    """``cache`` in fp8 with one scale for the tensor: (stored, scale), ``stored * scale`` close to ``cache``."""
+    scale = float(cache.abs().max()) / FP8_MAX
+    return (cache.float() / scale).to(dtype), scale
 
 
 def grid(
@@ -224,7 +253,7 @@ MAX_SERVING_TOKENS = 1 << 21  # batch x cache length: 8 GiB of bf16 K and V for 
 
 def paged(model: tuple[str, int, int, int], batch: int, skv: int, *, sq: int = 1, page_size: int = 16,
           lengths: str = "uniform", dtype: str = "bf16", **variants) -> Case:
-    """A decode step; ``variants``: the model's window and softcap."""
+    """A decode step; ``variants``: the model's window and softcap, the cache's ``kv_dtype``."""
     name, hq, hkv, d = model
     return Case(batch, hq, hkv, sq, skv, d, dtype, True, op="paged", page_size=page_size, lengths=lengths,
                 model=name, **variants)
@@ -276,6 +305,14 @@ def _serving() -> list[Case]:
             cases += [paged(model, b, n, lengths="longtail"), paged(model, b, n, page_size=64),
                       paged(model, b, n, sq=4)]
     return cases
+
+
+def _serving_fp8() -> list[Case]:
+    """Decode steps over an fp8 cache beside the same steps over a bf16 one (both models, pages of 16, one new
+    token): half the bytes to read, so what a step costs, not GB/s, is what to compare between the two."""
+    steps = [(1, 32768), (16, 32768), (64, 8192), (256, 2048)]
+    return [paged(model, b, n, kv_dtype=kv) for model in (LLAMA3_8B, LLAMA3_70B_TP8) for b, n in steps
+            for kv in ("", "fp8")]
 
 
 # The attention of real checkpoints: (name in the case id, Hq, Hkv, D, window, softcap). Gemma 2 alternates
@@ -377,6 +414,7 @@ PRESETS: dict[str, list[Case]] = {
     "models-serving": _models_serving(decode=[(64, 8192), (16, 32768)], prefill=[(16, 65536)]),
     "models-serving-cpu": _models_serving(decode=[(2, 100)], prefill=[(3, 200)], shrink=16, window_to=40),
     "serving": _serving(),
+    "serving-fp8": _serving_fp8(),
     "varlen": _varlen(),
     # The serving twins on CPU (and as cheap GPU edge cases): ragged lengths over page boundaries, GQA and MQA,
     # several new tokens, pages of 16 and 32, each half dtype.
@@ -386,6 +424,9 @@ PRESETS: dict[str, list[Case]] = {
         paged(("", 4, 4, 64), 2, 40, page_size=32),
         paged(("", 4, 2, 128), 1, 16, sq=3, dtype="fp16"),
         paged(("", 4, 1, 64), 1, 300),  # MQA at batch 1: many chunks, more than the combine reads at once
+        # An fp8 cache: ragged, several new tokens, MQA over many chunks
+        paged(("", 4, 2, 64), 3, 100, lengths="longtail", kv_dtype="fp8"),
+        paged(("", 8, 1, 64), 2, 77, sq=4, dtype="fp16", kv_dtype="fp8"),
     ],
     "varlen-cpu": [
         varlen(("", 4, 2, 64), 3, 300),

@@ -61,13 +61,14 @@ def flops(case: Case) -> int:
     return 2 * case.hq * (case.d + case.value_dim) * total  # Q K^T over d, P V over the value head dim
 
 
-def itemsize(case: Case) -> int:
-    return torch.empty((), dtype=case.torch_dtype).element_size()
+def itemsize(case: Case, kv: bool = False) -> int:
+    """Bytes of one element of q (or, ``kv``, of the K/V cache: 1 for an fp8 cache)."""
+    return torch.empty((), dtype=case.kv_torch_dtype if kv else case.torch_dtype).element_size()
 
 
 def kv_bytes(case: Case) -> int:
     """K and V bytes a kernel must read: each sequence's cache once (decode: with a sliding window, only the
-    positions some new token sees), each kv head once (GQA)."""
+    positions some new token sees), each kv head once (GQA), in the cache's dtype."""
     if case.op == "dense":
         tokens = case.batch * case.skv
     elif case.op == "paged":
@@ -75,7 +76,7 @@ def kv_bytes(case: Case) -> int:
         tokens = sum(decode_read_length(n, case.sq, window_left) for n in case.seqlens())
     else:
         tokens = sum(case.seqlens())
-    return tokens * case.hkv * (case.d + case.value_dim) * itemsize(case)
+    return tokens * case.hkv * (case.d + case.value_dim) * itemsize(case, kv=True)
 
 
 def min_bytes(case: Case) -> int:

@@ -381,6 +381,29 @@ def test_decode_with_a_window_softcap_and_a_padded_head_dim_compiles(read, short
         assert export_launch(kernel, arguments, arch="sm_90")[:4] == b"\x7fELF"
 
 
+@pytest.mark.parametrize("read", ["pages", "indexed", "rows"])
+def test_decode_over_an_fp8_cache_compiles(read, short_chunks):
+    """An fp8 cache's tiles are loaded as stored (page loads on TMA) and widened after each load; the split
+    launch takes the scales (k's folded into the score scale, v's as an argument) and both launches compile. The
+    64-key page load with two blocks per SM (in the space) keeps no stack on sm_90."""
+    from impls._sass import find_cuobjdump, sass_summary
+    from impls.cutile.export import export_launch
+    from impls.cutile.serving import DecodeCall, DecodeVariant
+    from suite.cases import paged
+
+    inputs = paged(("", 4, 1, 128), 1, 300, kv_dtype="fp8").make_inputs("cpu")
+    form = DecodeVariant(64, read, occupancy=2 if read == "pages" else None)
+    call = DecodeCall(form, inputs, scale=0.125, sm_count=1)
+    (_, _, arguments), _ = call.launches  # the split launch, then the combine
+    assert arguments[1].dtype == torch.float8_e4m3fn and arguments[8] == 0.125 * inputs.k_scale
+    assert arguments[12] == inputs.v_scale  # after num_kv_heads, split_len and window_left
+    cubins = [export_launch(k, a, arch="sm_90") for _, k, a in call.launches]
+    assert all(cubin[:4] == b"\x7fELF" for cubin in cubins)
+    if read == "pages" and find_cuobjdump() is not None:
+        usage = sass_summary(cubins[0])
+        assert usage["utmaldg"] > 0 and usage["stack"] == 0, usage
+
+
 def test_a_cache_of_2_31_elements_is_read_through_word_views_with_tma(monkeypatch):
     """cuTile reads an array indexed in 64 bits without TMA (sm_90: no UTMALDG, about twice the integer work).
     A cache of 2**31 elements or more (faked: the twin's) goes through 32-bit word views instead: its page

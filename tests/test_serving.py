@@ -37,6 +37,8 @@ def varlen_inputs(**changes) -> Varlen:
         -1, -1, 3, -1)}, "GQA ratio"),
     (lambda x: {"v_cache": x.v_cache[:, :8]}, "same shape"),
     (lambda x: {"v_cache": x.v_cache.float()}, "share one dtype"),
+    (lambda x: {"k_cache": x.k_cache.to(torch.float8_e4m3fn)}, "share one dtype"),  # K fp8, V not
+    (lambda x: {"k_scale": 0.5}, "applies to an fp8 cache only"),
 ])
 def test_paged_input_errors_name_the_problem(change, words):
     base = paged_inputs()
@@ -78,6 +80,61 @@ def test_uneven_varlen_batches_pass_or_are_refused_with_a_reason(name, lengths_q
 def test_an_implementation_of_one_operation_refuses_another():
     with pytest.raises(TypeError, match="runs the 'paged' operation, got Varlen"):
         impls.get("naive", "paged").prepare(varlen_inputs())
+
+
+def fp8_inputs(**changes) -> PagedKV:
+    inputs = paged(TINY, 3, 100, lengths="longtail", kv_dtype="fp8").make_inputs("cpu")
+    return dataclasses.replace(inputs, **changes) if changes else inputs
+
+
+@pytest.mark.parametrize(("change", "words"), [
+    (lambda x: {"q": x.q.float()}, "needs fp16 or bf16 q"),
+    (lambda x: {"v_scale": 0.0}, "finite positive"),
+    (lambda x: {"k_scale": float("nan")}, "finite positive"),
+])
+def test_fp8_cache_errors_name_the_problem(change, words):
+    base = fp8_inputs()
+    with pytest.raises((ValueError, TypeError), match=words):
+        dataclasses.replace(base, **change(base))
+
+
+def test_an_fp8_case_is_its_bf16_twin_quantized_per_tensor():
+    """The fp8 cache holds the bf16 twin's draw (lengths and values) over its own scale (largest magnitude at fp8's
+    448), and half the bytes to read."""
+    wide, narrow = (paged(TINY, 3, 100, lengths="longtail", kv_dtype=kv) for kv in ("", "fp8"))
+    assert narrow.id == wide.id.replace("-d64-", "-d64-kvfp8-")
+    inputs = fp8_inputs()
+    assert inputs.kv_fp8 and inputs.k_cache.dtype == torch.float8_e4m3fn and inputs.q.dtype == torch.bfloat16
+    stored = inputs.k_cache.float()
+    assert 224 < stored[torch.isfinite(stored)].abs().max() <= 448  # the top of fp8's range (its largest may be NaN'd)
+    assert inputs.k_scale != inputs.v_scale  # one scale per tensor
+    assert narrow.seqlens() == wide.seqlens() and metrics.kv_bytes(narrow) * 2 == metrics.kv_bytes(wide)
+    twin = wide.make_inputs("cpu")
+    used = torch.isfinite(twin.k_cache)
+    dequantized = inputs.k_cache.float()[used] * inputs.k_scale
+    assert torch.allclose(dequantized, twin.k_cache.float()[used], rtol=2**-3, atol=inputs.k_scale * 2**-6)
+    with pytest.raises(ValueError, match="kv_dtype"):
+        Case(1, 4, 2, 64, 64, 64, "bf16", True, kv_dtype="fp8")  # dense attention has no cache to quantize
+
+
+def test_an_fp8_cache_read_without_its_scales_fails_the_check():
+    """The oracle dequantizes: an implementation that takes the stored values for the keys and values fails,
+    one that scales them passes, and one that declares no fp8 cache refuses it with the reason."""
+    @register("unscaled", op="paged", family="toy", devices=("cpu",), variants=("kv_fp8",))
+    def unscaled(inputs, *, scale):
+        plain = dataclasses.replace(inputs, k_cache=inputs.k_cache.to(inputs.q.dtype),
+                                    v_cache=inputs.v_cache.to(inputs.q.dtype), k_scale=1.0, v_scale=1.0)
+        return impls.get("naive", "paged").prepare(plain, scale=scale).run
+
+    try:
+        inputs = fp8_inputs()
+        oracle = Oracle.serving(inputs)
+        assert not oracle.check(impls.get("unscaled", "paged").prepare(inputs)()).passed
+        assert oracle.check(impls.get("naive", "paged").prepare(inputs)()).passed
+        with pytest.raises(impls.Unsupported, match="fp8"):
+            impls.get("flash-attn4", "paged").prepare(inputs)
+    finally:
+        unregister("unscaled", "paged")
 
 
 def test_case_ids_and_lengths():

@@ -60,3 +60,16 @@ def test_decode_tiles_double_buffer_k_and_v_from_five_stages_and_none_spills():
     for (n, w, st), result in zip(DECODE_TILES, results, strict=True):
         assert result["kv_buffers"] == (2 if st >= 5 else 1), (n, w, st, result)
         assert result["stack"] == 0 and result["shared"] <= 227 * 1024, (n, w, st, result)
+
+
+def test_decode_tiles_compile_over_an_fp8_cache():
+    """Over an fp8 cache each tile is widened to q's dtype in registers: every tile of the decode tuner compiles,
+    and the 64-key tiles of 2 and 3 stages hold no stack (Triton 3.9: the 128-key tiles of 2 and 5 stages and the
+    64-key one of 5 spill 8-56 B there, which the tuner weighs by their time)."""
+    from impls.triton_fa import DECODE_TILES
+
+    results = compiled(*(f"--arch 90 --decode {n} {w} {st} --kv-fp8" for n, w, st in DECODE_TILES))
+    for (n, w, st), result in zip(DECODE_TILES, results, strict=True):
+        assert result["hmma"] > 0 and result["shared"] <= 227 * 1024, (n, w, st, result)
+        if n == 64 and st <= 3:
+            assert result["stack"] == 0, (n, w, st, result)

@@ -28,6 +28,9 @@ enough blocks to keep HBM busy:
 4. Model variants: a sliding window of ``window_left`` keys (HAS_WINDOW) moves each sequence's first key tile
    to the one that holds the first position the first new token sees, so the chunks cut only the window and
    nothing before it is read; tiles across the window's edge are masked. SOFTCAP caps the scores (a tanh).
+5. An fp8 cache is loaded as stored (half the bytes of a 16-bit one) and each tile widened to q's dtype after
+   its load. The per-tensor scales stay out of the loop: ``k_scale`` is folded into ``qk_scale`` on the host,
+   ``v_scale`` multiplies the chunk's output once (1 for any other cache).
 
 Causal within each sequence, bottom-right: new token ``t`` of ``SQ`` sees positions ``<= L - SQ + t`` (and,
 windowed, ``>= L - SQ + t - window_left``).
@@ -57,7 +60,7 @@ ROWS, PAGES, INDEXED, WORD_PAGES = 0, 1, 2, 3  # GATHER: how a key tile is read 
 @ct.kernel
 def paged_decode_split(
     Q, KCache, VCache, BlockTable, CacheSeqlens, OutPart, LsePart, Out,
-    qk_scale: float, num_kv_heads: int, split_len: int, window_left: int,
+    qk_scale: float, num_kv_heads: int, split_len: int, window_left: int, v_scale: float,
     GROUP: ConstInt, SQ: ConstInt, TILE_M: ConstInt, TILE_N: ConstInt, TILE_D: ConstInt, PAGE_SIZE: ConstInt,
     GATHER: ConstInt, SPLIT: ConstBool, K_LATENCY: ConstInt, V_LATENCY: ConstInt, HAS_WINDOW: ConstBool,
     SOFTCAP: ConstFloat,
@@ -108,7 +111,7 @@ def paged_decode_split(
                                     TILE_D, PAGE_SIZE, GATHER, K_LATENCY, V_LATENCY, HAS_WINDOW, SOFTCAP)
 
     l_safe = ct.where(l_i == 0.0, 1.0, l_i)  # a row that saw no key in this chunk: output 0, weight 0
-    acc = ct.truediv(acc, l_safe)
+    acc = ct.truediv(acc * v_scale, l_safe)  # an fp8 cache's value scale (the combine is linear in the parts)
     if SPLIT:
         lse = ct.where(l_i == 0.0, -math.inf, m_i + ct.log2(l_safe))
         ct.store(OutPart, index=(batch_kv, chunk, 0, 0), tile=acc.reshape((1, 1, TILE_M, TILE_D)))
@@ -140,9 +143,9 @@ def masked_fold(q, acc, l_i, m_i, KCache, VCache, BlockTable, batch, kv_head, j,
 
 def key_tile(KCache, VCache, BlockTable, batch, kv_head, j, seq_len, dims, TILE_N, TILE_D, PAGE_SIZE, GATHER,
              MASKED, K_LATENCY, V_LATENCY, dtype):
-    """Key tile j of a sequence: K as (TILE_D, TILE_N) for Q K^T, V as (TILE_N, TILE_D), of ``dtype``; where
-    MASKED, positions past the sequence are zeros in V, so that P V never multiplies what an unused slot
-    holds."""
+    """Key tile j of a sequence: K as (TILE_D, TILE_N) for Q K^T, V as (TILE_N, TILE_D), of ``dtype`` (an fp8
+    cache's tiles widened to it; a no-op for a cache of that dtype); where MASKED, positions past the sequence
+    are zeros in V, so that P V never multiplies what an unused slot holds."""
     if GATHER == ROWS:
         positions = j * TILE_N + ct.arange(TILE_N, dtype=ct.int32)
         in_seq = positions < seq_len
@@ -159,9 +162,10 @@ def key_tile(KCache, VCache, BlockTable, batch, kv_head, j, seq_len, dims, TILE_
         else:
             k, v = page_loads(KCache, VCache, BlockTable, batch, kv_head, j, seq_len, TILE_N, TILE_D, PAGE_SIZE,
                               K_LATENCY, V_LATENCY, dtype if GATHER == WORD_PAGES else None)
-        if MASKED:
-            positions = j * TILE_N + ct.arange(TILE_N, dtype=ct.int32)[:, None]
-            v = ct.where(positions < seq_len, v, 0.0)  # an unused slot may hold NaN, and 0 * NaN is NaN
+    k, v = k.astype(dtype), v.astype(dtype)
+    if MASKED and GATHER != ROWS:  # (a row gather reads zeros past the sequence)
+        positions = j * TILE_N + ct.arange(TILE_N, dtype=ct.int32)[:, None]
+        v = ct.where(positions < seq_len, v, 0.0)  # an unused slot may hold NaN, and 0 * NaN is NaN
     return k, v
 
 

@@ -14,7 +14,7 @@ from impls.cutile import Variant, bind, state_arrays
 # TILE_M, as a kernel with the diagonal peeled needs (``Variant.peel_refusal``); only its divisibility matters.
 WINDOW = (4096, 0)
 TORCH_TO_TILE = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
-                 torch.int32: "int32"}
+                 torch.int32: "int32", torch.float8_e4m3fn: "float8_e4m3fn"}
 
 
 def array_constraint(dtype: torch.dtype, shape: tuple[int, ...], *, strides: tuple[int, ...] | None = None,

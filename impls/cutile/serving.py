@@ -172,9 +172,9 @@ class DecodeCall(Launches):
         kernel = variant.split_kernel(int64)
         tiles = (group, sq, tile_m)
         self.launches = [((self.num_splits, batch * hkv, 1), kernel, (
-            q, k_cache, v_cache, inputs.block_table, inputs.cache_seqlens, self.part, self.lse, self.out, scale, hkv,
-            self.split_len, window_left, *tiles, variant.tile_n, width, inputs.page_size, gather, split,
-            variant.k_latency, variant.v_latency, window_left < UNBOUNDED, softcap))]
+            q, k_cache, v_cache, inputs.block_table, inputs.cache_seqlens, self.part, self.lse, self.out,
+            scale * inputs.k_scale, hkv, self.split_len, window_left, inputs.v_scale, *tiles, variant.tile_n, width,
+            inputs.page_size, gather, split, variant.k_latency, variant.v_latency, window_left < UNBOUNDED, softcap))]
         if split:
             slice_d, chunks = combine_plan(self.num_splits, width)
             combine = _kernel_with_hints("paged_decode_combine", (("occupancy", COMBINE_OCCUPANCY),), module="decode")
@@ -223,10 +223,11 @@ def plan_candidates(forms: list[DecodeVariant], inputs: PagedKV, *, scale: float
 
 
 @register("cutile", op="paged", family="cutile", dtypes=HALF, devices=("cuda",), head_dims=DECODE_HEAD_DIMS,
-          requires=requires, variants=("window", "softcap"),
+          requires=requires, variants=("window", "softcap", "kv_fp8"),
           description="our cuTile split-KV decode: all query heads of a kv head in one tile (K/V read once), "
                       "pages gathered by row or loaded a page at a time, chunks merged by log-sum-exp (a sliding "
-                      "window bounds what is read); autotuned")
+                      "window bounds what is read; an fp8 cache loaded as stored, widened after each load); "
+                      "autotuned")
 def prepare_paged(inputs: PagedKV, *, scale: float, window: tuple[int, int] = NO_WINDOW,
                   softcap: float = 0.0) -> Prepared:
     _, sq, hq, _ = inputs.q.shape

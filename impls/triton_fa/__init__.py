@@ -408,7 +408,7 @@ def paged_launch(inputs, scale: float, config: dict, window_left: int = UNBOUNDE
     tile_rows = {"GROUP": hq // hkv, "SQ": sq, "BLOCK_M": block_m}
     split_meta = {"PAGE_SIZE": inputs.page_size, "HEAD_DIM": head_dim, "BLOCK_D": width,
                   "DOT_FP32": interp or q.dtype == torch.float32,
-                  "HAS_WINDOW": window_left < UNBOUNDED, "SOFTCAP": softcap,
+                  "HAS_WINDOW": window_left < UNBOUNDED, "SOFTCAP": softcap, "KV_FP8": inputs.kv_fp8,
                   **tile_rows, **{name: value for name, value in config.items() if name not in DECODE_PLANS[0]}}
 
     def partials(num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -419,8 +419,9 @@ def paged_launch(inputs, scale: float, config: dict, window_left: int = UNBOUNDE
 
     def split_args(o_part: torch.Tensor, lse_part: torch.Tensor, split_len: int) -> tuple:
         return (q, k_cache, v_cache, inputs.block_table, inputs.cache_seqlens, o_part, lse_part, out,
-                scale * LOG2_E, *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
-                inputs.block_table.stride(0), *o_part.stride()[:3], *out.stride()[:3], hkv, split_len, window_left)
+                scale * inputs.k_scale * LOG2_E, *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
+                inputs.block_table.stride(0), *o_part.stride()[:3], *out.stride()[:3], hkv, split_len, window_left,
+                inputs.v_scale)
 
     programs_per_sm, fit = config.get("PLAN_PROGRAMS", PROGRAMS_PER_SM), config.get("PLAN_FIT", False)
     if fit and not interp:  # whole waves of the split kernel's resident blocks
@@ -450,10 +451,10 @@ def paged_launch(inputs, scale: float, config: dict, window_left: int = UNBOUNDE
 
 
 @register("triton", op="paged", family="triton", dtypes=FLOATS, head_dims=HEAD_DIMS, requires=requires,
-          variants=("window", "softcap"),
+          variants=("window", "softcap", "kv_fp8"),
           description="our split-KV decode kernel: all query heads of a kv head in one tile (K/V read once), "
                       "pages gathered through the block table, chunks merged by log-sum-exp (a sliding window "
-                      "bounds what is read); autotuned")
+                      "bounds what is read; an fp8 cache read as stored and widened in registers); autotuned")
 def prepare_paged(inputs, *, scale: float, window: tuple[int, int] = NO_WINDOW, softcap: float = 0.0) -> Prepared:
     _, sq, hq, _ = inputs.q.shape
     window_left = inputs.window_left(window)

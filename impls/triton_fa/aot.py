@@ -36,9 +36,10 @@ def compile_cubin(arch: int, *, dtype: str = "fp16", head_dim: int = 128, causal
 
 
 def compile_decode(arch: int, *, block_n: int, num_warps: int, num_stages: int, dtype: str = "bf16",
-                   head_dim: int = 128, group: int = 4, page_size: int = 16, mask_free: bool = True):
+                   head_dim: int = 128, group: int = 4, page_size: int = 16, mask_free: bool = True,
+                   kv_fp8: bool = False):
     """The paged decode's split kernel (decode.py) as the decode tuner launches it for a split step (one new
-    token per sequence, GROUP query heads per kv head)."""
+    token per sequence, GROUP query heads per kv head); ``kv_fp8``: over an fp8 (e4m3) cache."""
     import triton
 
     from impls.triton_fa.decode import paged_decode_split
@@ -46,15 +47,17 @@ def compile_decode(arch: int, *, block_n: int, num_warps: int, num_stages: int, 
     constants = {"GROUP": group, "SQ": 1, "PAGE_SIZE": page_size, "HEAD_DIM": head_dim, "BLOCK_D": head_dim,
                  "BLOCK_M": max(16, triton.next_power_of_2(group)),  # the rows as paged_launch tiles them
                  "BLOCK_N": block_n, "DOT_FP32": False, "SPLIT": True,
-                 "MASK_FREE": mask_free, "HAS_WINDOW": False, "SOFTCAP": 0.0}  # every constexpr, defaults too
-    pointers = {**dict.fromkeys(("Q", "K_cache", "V_cache", "Out"), dtype), "block_table": "i32",
+                 "MASK_FREE": mask_free, "HAS_WINDOW": False, "SOFTCAP": 0.0,  # every constexpr, defaults too
+                 "KV_FP8": kv_fp8}
+    pointers = {**dict.fromkeys(("Q", "Out"), dtype), **dict.fromkeys(("K_cache", "V_cache"), "fp8e4nv" if kv_fp8
+                                                                        else dtype), "block_table": "i32",
                 "cache_seqlens": "i32", "O_part": "fp32", "LSE_part": "fp32"}
     return compile_for(paged_decode_split, arch, constants, pointers, num_warps, num_stages)
 
 
 def compile_for(fn, arch: int, constants: dict, pointers: dict[str, str], num_warps: int, num_stages: int):
     """``fn`` compiled for sm_``arch`` with these constexprs; ``pointers``: its pointer parameters and their
-    element types; ``qk_scale`` is a float, every other parameter an int32."""
+    element types; ``qk_scale`` and ``v_scale`` are floats, every other parameter an int32."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -68,7 +71,7 @@ def compile_for(fn, arch: int, constants: dict, pointers: dict[str, str], num_wa
         elif name in pointers:
             signature[name] = f"*{pointers[name]}"
         else:
-            signature[name] = "fp32" if name == "qk_scale" else "i32"
+            signature[name] = "fp32" if name in ("qk_scale", "v_scale") else "i32"
     # What the JIT specialises at run time for the usual contiguous tensors: pointers and strides (not
     # lengths, not the unit stride) divisible by 16. Without it loads cannot be vectorised and the cubin
     # would not be the one that runs.
@@ -107,6 +110,7 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--decode", type=int, nargs=3, metavar=("BLOCK_N", "WARPS", "STAGES"),
                         help="the paged decode's split kernel with this tile instead (bf16, D=128, group 4, pages of "
                              "16): its resources, shared memory and K/V buffers")
+    parser.add_argument("--kv-fp8", action="store_true", help="--decode over an fp8 (e4m3) cache")
     parser.add_argument("--each", action="store_true",
                         help="read one line of these options per configuration from stdin; print a JSON line each "
                              "(one process for many compiles)")
@@ -116,7 +120,8 @@ def parser() -> argparse.ArgumentParser:
 def resources(args: argparse.Namespace) -> dict[str, int]:
     if args.decode:
         block_n, num_warps, num_stages = args.decode
-        kernel = compile_decode(args.arch, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+        kernel = compile_decode(args.arch, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+                                kv_fp8=args.kv_fp8)
         return {**describe(kernel.asm["cubin"]), "shared": kernel.metadata.shared,
                 "kv_buffers": kv_buffers(kernel.asm["ttgir"])}
     cubin = compile_cubin(args.arch, head_dim=args.d, causal=not args.full, block_m=args.block[0],

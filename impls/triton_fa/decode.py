@@ -23,6 +23,9 @@ So the kernel is built around reading the cache once, from enough programs to ke
 5. Model variants: a sliding window of ``window_left`` keys (HAS_WINDOW) moves each sequence's start to the
    first position the first new token sees, so the chunks cut only the window and nothing before it is read;
    the tiles across the window's edge (seen by some new tokens only) are masked. SOFTCAP caps the scores.
+6. An fp8 cache (KV_FP8) is read as it is stored, half the bytes of a 16-bit one, and each tile is widened to
+   q's dtype in registers before its dot. Its per-tensor scales cost nothing in the loop: ``k_scale`` is folded
+   into the score scale on the host and ``v_scale`` multiplies the chunk's output once, at the end.
 
 Causal within each sequence, bottom-right: new token ``t`` (of ``Sq_new``) sees positions ``<= L - Sq_new + t``
 (and, windowed, ``>= L - Sq_new + t - window_left``).
@@ -55,6 +58,7 @@ def _decode_tiles(
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Online softmax of the tile's rows over cache positions [lo, hi), BLOCK_N at a time. MASKED: positions
     at or past ``end`` read zeros and are left out, and so are those past a row's ``last_visible`` (or, with a
@@ -73,8 +77,8 @@ def _decode_tiles(
         k_ptrs = K_cache + page[None, :] * stride_kp + slot[None, :] * stride_ks + kv_head * stride_kh + offs_d[:, None]
         v_ptrs = V_cache + page[:, None] * stride_vp + slot[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :]
         k = _load(k_ptrs, in_seq[None, :], in_dims[:, None], MASKED, BLOCK_D != HEAD_DIM)
-        if DOT_FP32:  # Triton's interpreter computes half-precision dots wrongly
-            k = k.to(tl.float32)
+        if DOT_FP32 or KV_FP8:  # the interpreter computes half-precision dots wrongly; fp8 widens to q's dtype
+            k = k.to(q.dtype)
         qk = scaled_scores(tl.dot(q, k, input_precision="ieee" if DOT_FP32 else None), qk_scale, SOFTCAP)
         if MASKED:
             visible = in_seq[None, :] & (pos[None, :] <= last_visible[:, None])
@@ -82,15 +86,16 @@ def _decode_tiles(
                 visible = visible & (pos[None, :] >= last_visible[:, None] - window_left)
             qk = tl.where(visible, qk, float("-inf"))
         acc, l_i, m_i = online_softmax_step(qk, acc, l_i, m_i, v_ptrs, in_seq, in_dims, MASKED, BLOCK_D != HEAD_DIM,
-                                            DOT_FP32)
+                                            DOT_FP32, q.dtype if KV_FP8 else None)
     return acc, l_i, m_i
 
 
 @triton.jit
 def online_softmax_step(qk, acc, l_i, m_i, v_ptrs, in_seq, in_dims, MASKED: tl.constexpr, PADDED: tl.constexpr,
-                        DOT_FP32: tl.constexpr):
+                        DOT_FP32: tl.constexpr, WIDEN_TO: tl.constexpr = None):
     """One key tile of the online softmax: the running max, sum and output rescaled to the tile's scores ``qk``
-    (log2 units, hidden keys -inf) and its values (``_load``'s masks) added in."""
+    (log2 units, hidden keys -inf) and its values (``_load``'s masks) added in. ``WIDEN_TO``: the dtype an fp8
+    value tile is widened to before its dot."""
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     # MASKED: a row that has seen no key yet has m == -inf: subtract 0 instead of NaN-ing
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new) if MASKED else m_new
@@ -98,6 +103,8 @@ def online_softmax_step(qk, acc, l_i, m_i, v_ptrs, in_seq, in_dims, MASKED: tl.c
     alpha = tl.math.exp2(m_i - m_ref)
     l_i = l_i * alpha + tl.sum(p, 1)
     v = _load(v_ptrs, in_seq[:, None], in_dims[None, :], MASKED, PADDED)
+    if WIDEN_TO is not None:
+        v = v.to(WIDEN_TO)
     if DOT_FP32:
         acc = tl.dot(p, v.to(tl.float32), acc * alpha[:, None], input_precision="ieee")
     else:
@@ -114,14 +121,16 @@ def paged_decode_split(
     stride_bt,
     stride_ob, stride_os, stride_or,  # O_part (B*Hkv, splits, rows, D)
     stride_b, stride_t, stride_h,  # Out (B, Sq_new, Hq, D)
-    num_kv_heads, split_len, window_left,
+    num_kv_heads, split_len, window_left, v_scale,
     GROUP: tl.constexpr, SQ: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, SPLIT: tl.constexpr,
     MASK_FREE: tl.constexpr = True, HAS_WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = 0.0,
+    KV_FP8: tl.constexpr = False,
 ):
     """Program (split, batch * kv head): attention of the GROUP x SQ query rows over one chunk of the cache.
     SPLIT: its normalised output and log-sum-exp go to O_part and LSE_part for the combine; otherwise (one
-    chunk per sequence) the output rows go to Out."""
+    chunk per sequence) the output rows go to Out. KV_FP8: the caches are fp8, ``qk_scale`` holds k_scale and
+    the output is multiplied by ``v_scale``."""
     split = tl.program_id(0)
     bk = tl.program_id(1)
     batch = (bk // num_kv_heads).to(tl.int64)
@@ -160,7 +169,7 @@ def paged_decode_split(
         acc, l_i, m_i = _decode_tiles(
             q, acc, l_i, m_i, K_cache, V_cache, table_row, kv_head, start, free_from, end, last_visible, window_left,
             qk_scale, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-            PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_FP32, True, HAS_WINDOW, SOFTCAP)
+            PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_FP32, True, HAS_WINDOW, SOFTCAP, KV_FP8)
     # Whole tiles of positions that every new token sees (up to seq_len - SQ) run without a mask; only the
     # chunk's last tile (ragged, or holding the newest SQ - 1 positions) is masked.
     mask_from = free_from
@@ -169,13 +178,15 @@ def paged_decode_split(
         acc, l_i, m_i = _decode_tiles(
             q, acc, l_i, m_i, K_cache, V_cache, table_row, kv_head, free_from, mask_from, end, last_visible,
             window_left, qk_scale, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-            PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_FP32, False, HAS_WINDOW, SOFTCAP)
+            PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_FP32, False, HAS_WINDOW, SOFTCAP, KV_FP8)
     acc, l_i, m_i = _decode_tiles(
         q, acc, l_i, m_i, K_cache, V_cache, table_row, kv_head, mask_from, end, end, last_visible, window_left,
         qk_scale, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-        PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_FP32, True, HAS_WINDOW, SOFTCAP)
+        PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_FP32, True, HAS_WINDOW, SOFTCAP, KV_FP8)
 
     # The chunk's normalised output and its log-sum-exp in log2 units (-inf where a row saw no key here).
+    if KV_FP8:  # the values' scale, once per chunk (the combine is linear in the partial outputs)
+        acc = acc * v_scale
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     if SPLIT:
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
