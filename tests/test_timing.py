@@ -285,12 +285,14 @@ def test_xdist_workers_results_merge_into_one_file(sharded):
     twins = {case.id for case in serving_twins()}
     checks = [o for o in data["fmha"]["outcomes"] if o["phase"] == "correctness" and o["case"] in twins]
     statuses = [(o["impl"], o["case"], o["status"]) for o in checks]
-    assert len({c for _, c, _ in statuses}) == 8 and {i for i, _, _ in statuses} == {"naive", "sdpa"}
-    assert sorted(s for _, _, s in statuses) == ["passed"] * 14 + ["unsupported"] * 2  # nested SDPA: no causal
+    causal_varlen = sum(c.op == "varlen" and c.causal for c in serving_twins())  # nested SDPA: no causal
+    passed = 2 * len(twins) - causal_varlen
+    assert len({c for _, c, _ in statuses}) == len(twins) and {i for i, _, _ in statuses} == {"naive", "sdpa"}
+    assert sorted(s for _, _, s in statuses) == ["passed"] * passed + ["unsupported"] * causal_varlen
     assert not list(tmp_path.glob("bench.gw*.json"))  # the workers' files are merged away
     # Every check that ran keeps the wall time of its steps, which scripts/where_time_goes.py adds up.
     timed = [o["seconds"] for o in checks if o["status"] == "passed"]
-    assert len(timed) == 14 and all(set(t) == {"prepare", "oracle", "check"} for t in timed)
+    assert len(timed) == passed and all(set(t) == {"prepare", "oracle", "check"} for t in timed)
     assert all(v >= 0 for t in timed for v in t.values()) and sum(t["oracle"] for t in timed) > 0
     summary = subprocess.run([sys.executable, "scripts/where_time_goes.py", str(tmp_path / "bench.json")], cwd=ROOT,
                              capture_output=True, text=True, check=True).stdout
@@ -316,9 +318,13 @@ def test_each_xdist_worker_is_pinned_to_one_gpu(environ, expected):
 def test_sharded_benchmarks_merge_into_one_file(sharded):
     """Two workers time their groups of cases; every case's implementations stay on one worker."""
     _, data = sharded
+    from suite.cases import PRESETS
+
     benchmarks = [b["extra_info"] for b in data["benchmarks"]]
-    # 14 cases x 2 implementations, less nested SDPA on the causal varlen twins
-    assert len(benchmarks) == 26 and {b["worker"] for b in benchmarks} == {"gw0", "gw1"}
+    # every case x 2 implementations, less nested SDPA on the causal varlen twins
+    cases = serving_twins() + PRESETS["cpu-bench"] + PRESETS["serving-cpu-bench"]
+    expected = 2 * len(cases) - sum(c.op == "varlen" and c.causal for c in cases)
+    assert len(benchmarks) == expected and {b["worker"] for b in benchmarks} == {"gw0", "gw1"}
     for case in {b["case"] for b in benchmarks}:
         assert len({b["worker"] for b in benchmarks if b["case"] == case}) == 1
 
