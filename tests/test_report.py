@@ -303,6 +303,7 @@ def test_a_line_chart_holds_only_cases_that_differ_in_length(serving_results):
     paged = {**base, "op": "paged", "batch": 16, "sq": 4, "skv": 32768, "lengths": "uniform", "page_size": 64}
     assert case_parts(paged)[2] == "16 x 32K" and "32K" not in chart_key(paged)
     assert chart_key(paged) == "m, paged, B=16, uniform lengths, pages of 64, 4 new tokens, h32:8, D 128, bf16"
+    assert chart_key({**paged, "kv_dtype": "fp8"}) == chart_key(paged) + ", fp8 KV cache"  # its own line and row
     assert "Sq 1," in chart_key({**base, "sq": 1, "skv": 4096}) and "Sq" not in chart_key(cases["a-4k"])
 
 
