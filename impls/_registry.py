@@ -138,7 +138,7 @@ class Impl:
             q, scale = batch.q, batch.scale(scale)
             value_dim = None  # the serving operations have one head dim
             options = {"scale": scale}
-            if getattr(batch, "kv_fp8", False) and "kv_fp8" not in self.variants:
+            if batch.kv_fp8 and "kv_fp8" not in self.variants:
                 raise Unsupported(f"{self.name}: an fp8 (e4m3) KV cache not supported")
         for variant, used, value in (("window", window != NO_WINDOW, window), ("softcap", softcap > 0, softcap)):
             if used and variant not in self.variants:

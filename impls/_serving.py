@@ -103,6 +103,7 @@ class _ServingInputs:
     """What both operations' inputs share (each defines ``q``)."""
 
     q: torch.Tensor
+    kv_fp8 = False  # K and V stored in fp8 (PagedKV's caches can be; varlen's k and v never are)
 
     @property
     def head_dim(self) -> int:
