@@ -153,6 +153,11 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit, log to $out/NAME.log
   tail -4 "$out/$name.log"
   return $rc
 }
+impl_options() {  # impl_options "NAME ...": the array impls=(--impl NAME ...), names (globs unexpanded) split at spaces
+  local names name
+  read -ra names <<< "$1"
+  impls=(); for name in "${names[@]}"; do impls+=(--impl "$name"); done
+}
 probe_cases() {  # probe_cases NAME "CASE ..." PATTERN COMMAND...: COMMAND --case CASE on each case, a step each
   # (NAME-1, NAME-2, ...), then the lines of their logs that match PATTERN (grep -E)
   local name=$1 cases=$2 pattern=$3 n=0 c; shift 3
@@ -288,8 +293,7 @@ for part in "$@"; do
       # files under $out (FMHA_ISOLATE_DIR; not TMPDIR, where FlashInfer's JIT leaves nvcc's temporary files, too many
       # to come back) come back even if the step limit stops the parent before it merges them
       mkdir -p "$out/isolate"
-      read -ra names <<< "${MODELS_IMPLS:-cutile triton flex sdpa* flash-attn4 flashinfer}"
-      impls=(); for name in "${names[@]}"; do impls+=(--impl "$name"); done
+      impl_options "${MODELS_IMPLS:-cutile triton flex sdpa* flash-attn4 flashinfer}"
       read -ra extra <<< "${MODELS_ARGS:-}"  # e.g. "--settle-max-ms 1500"
       name=${MODELS_NAME:-models}  # a second run of the part in one call writes beside the first
       FMHA_ISOLATE_DIR=$out/isolate step "$name" "${MODELS_LIMIT:-570}" python3 -m pytest suite "${bench[@]}" --grid models \
@@ -555,8 +559,7 @@ for part in "$@"; do
       # ones (the whole preset) and alone (-k s4096), each without and with --rest-ms REST_MS (default 1000);
       # REST_IMPLS (default "sdpa-cudnn sdpa-flash": nothing to tune). Session 36: cutile ran one kernel 12% apart
       # on Llama-3-8B and Mistral-7B 4 x 4K (the window hides nothing there): first in its process, and right after a heavy case
-      read -ra names <<< "${REST_IMPLS:-sdpa-cudnn sdpa-flash}"
-      impls=(); for name in "${names[@]}"; do impls+=(--impl "$name"); done
+      impl_options "${REST_IMPLS:-sdpa-cudnn sdpa-flash}"
       for run in all-0 short-0 all-rest short-rest; do
         select=(); [ "${run%-*}" = short ] && select=(-k s4096)
         ms=0; [ "${run#*-}" = rest ] && ms=${REST_MS:-1000}
@@ -565,8 +568,7 @@ for part in "$@"; do
       done
       ;;
     fp8|fp8-bench)
-      read -ra names <<< "${FP8_IMPLS:-cutile triton sdpa}"
-      impls=(); for name in "${names[@]}"; do impls+=(--impl "$name"); done
+      impl_options "${FP8_IMPLS:-cutile triton sdpa}"
       if python3 -c "import flashinfer" 2>/dev/null; then impls+=(--impl flashinfer); fi
       if [ "$part" = fp8 ]; then
         step fp8-twins 200 python3 -m pytest suite -k "correctness and kvfp8" -q -p no:cacheprovider -rf \
