@@ -93,6 +93,9 @@
 #   fp8:      an fp8 KV cache: the serving twins' fp8 cases and the serving-fp8 preset checked (tuned) with our kernels
 #             and sdpa (FP8_IMPLS), then, where .gpu-fi is carried, FlashInfer's checks of the same (its JIT)
 #   fp8-bench: the serving-fp8 preset (bf16 and fp8 caches side by side), graph timing, FP8_IMPLS and flashinfer
+#   fp8-dots: bf16 queries over an fp8 cache with the dots in fp16 (F16_DOT): the query rows of any magnitude
+#             (Triton, every cuTile decode form) and the fp8 twins checked, then scripts/serving_probe.py --fp8-dots
+#             on the serving-fp8 preset's fp8 cases (FP8_DOTS_CASES: case ids instead): bf16 dots against fp16
 #   varlen-probe: every cuTile serving candidate on the twins and the uneven packed batches, then
 #             scripts/serving_probe.py --varlen-only (VARLEN_PROBE_ARGS: more, e.g. --varlen-persistent)
 #   varlen-memcheck: each cuTile varlen candidate on the uneven packed batches under compute-sanitizer memcheck,
@@ -579,6 +582,13 @@ for part in "$@"; do
         step fp8-bench "${FP8_LIMIT:-540}" python3 -m pytest suite "${bench[@]}" --grid serving-fp8 --timing graph \
           "${impls[@]}" --benchmark-json="$out/serving-fp8.json"
       fi
+      ;;
+    fp8-dots)
+      step fp8-dots-checks 240 python3 -m pytest tests/test_serving.py tests/test_gpu_candidates.py -q \
+        -p no:cacheprovider -rf -k "any_magnitude or (serving and kvfp8)"
+      cases=$(python3 -c "from suite.cases import preset
+print(' '.join(c.id for c in preset('serving-fp8') if c.kv_dtype))")
+      probe_cases fp8-dots "${FP8_DOTS_CASES:-$cases}" . python3 scripts/serving_probe.py --fp8-dots
       ;;
     varlen-probe)
       step varlen-candidates 300 python3 -m pytest tests/test_gpu_candidates.py -k "serving or uneven" -q \

@@ -8,7 +8,10 @@ latencies, ``--plans N`` (repeatable) runs each with split plans aimed at N prog
 times each of the tuner's configs with and without the mask-free loop (MASK_FREE), alternating, ``--triton plans``
 times every tuner config once, then the fastest with an aimed plan, the fastest with a fitted one (PLAN_FIT) and
 each peer in alternation (``plans-wide``: over TRITON_WIDE's tiles with each plan), ``--triton deep`` the fastest
-of the tuner's space and of DEEP_TILES (K/V double-buffered; ``--deep-tile N,W,S`` others) the same way; ``--peer NAME``
+of the tuner's space and of DEEP_TILES (K/V double-buffered; ``--deep-tile N,W,S`` others) the same way;
+``--fp8-dots`` (by default on the fp8 cases of ``serving-fp8``) times bf16 queries over an fp8 cache with the dots
+in bf16 and in fp16 (F16_DOT): each cuTile form both ways in alternation, then the fastest Triton config of each
+way and each peer in alternation; ``--peer NAME``
 times a registered implementation of the operation the same way, in the same process (``--no-cutile`` leaves
 cuTile out, for a machine without its toolchain). Varlen (``--varlen-only``: nothing else): each varlen
 candidate on every ``varlen`` case (``--varlen-grid NAME``: another preset's, with their window and softcap), and
@@ -118,6 +121,30 @@ def probe_decode(case_id: str, occupancies: list[int], triton: str, latencies: l
             report(f"triton {config}", run, case, oracle, splits=plan["num_splits"])
         except Exception as exc:  # a config beyond the GPU's resources: say so, go on
             print(json.dumps({"variant": f"triton {config}", "error": str(exc)[:200]}), flush=True)
+
+
+def fp8_dots_ab(case_id: str, peers: list[str], cutile: bool = True, rounds: int = 5) -> None:
+    """Bf16 queries over an fp8 cache with the dots in bf16 and in fp16: each cuTile decode form both ways,
+    timed in alternation (median of ``rounds``); then the fastest Triton config of the tuner's space each way and
+    each peer, the same way."""
+    case = case_by_id(case_id)
+    inputs = case.make_inputs("cuda")
+    oracle = Oracle.serving(inputs)
+    scale = inputs.head_dim ** -0.5
+    for variant in decode_space_for(inputs) if cutile else []:
+        calls = {dots: DecodeCall(variant, inputs, scale=scale, sm_count=_sm_count(None), f16_dot=dots == "fp16")
+                 for dots in ("bf16", "fp16")}
+        precompile(list(calls.values()))
+        median = interleaved(calls, rounds)
+        print(json.dumps({"case": case_id, "variant": f"cutile {variant}",
+                          **{f"{dots}_ms": ms for dots, ms in median.items()},
+                          "bf16_over_fp16": median["bf16"] / median["fp16"],
+                          "fp16_gbps": metrics.kv_bytes(case) / median["fp16"] / 1e6,
+                          "passed": [oracle.check(call()).passed for call in calls.values()]}), flush=True)
+    peer_calls = {name: impls.get(name, "paged").prepare(inputs, scale=scale) for name in peers}
+    spaces = {f"{dots} dots": [{**config, "F16_DOT": dots == "fp16"} for config in TRITON_SPACE]
+              for dots in ("bf16", "fp16")}
+    fastest_of_each(inputs, scale, case, oracle, peer_calls, spaces, rounds=rounds)
 
 
 def interleaved(calls: dict, rounds: int) -> dict:
@@ -240,11 +267,17 @@ def main() -> None:
                                               "or none; ab, plans and deep: the A/B comparisons above")
     parser.add_argument("--peer", action="append", default=[], help="a registered implementation to time too")
     parser.add_argument("--no-cutile", action="store_true", help="leave cuTile's candidates out")
+    parser.add_argument("--fp8-dots", action="store_true",
+                        help="bf16 queries over an fp8 cache, the dots in bf16 and in fp16 (only this)")
     parser.add_argument("--deep-tile", action="append", default=[], type=tile_arg, metavar="N,W,S",
                         help="--triton deep: a tile (keys, warps, stages) in place of DEEP_TILES (repeatable)")
     parser.add_argument("--latency", action="append", default=[], metavar="K,V",
                         help="cuTile K and V load latencies to try on every candidate (repeatable)")
     args = parser.parse_args()
+    if args.fp8_dots:
+        for case_id in args.case or [c.id for c in preset("serving-fp8") if c.kv_dtype == "fp8"]:
+            fp8_dots_ab(case_id, args.peer, cutile=not args.no_cutile)
+        return
     default = [] if args.varlen_only else ["llama3-8b-paged-bf16-h32:8-q1-kv8192-uniform-p16-d128-b64"]
     for case_id in args.case or default:
         probe_decode(case_id, args.occupancy, args.triton, args.latency, args.peer, cutile=not args.no_cutile,

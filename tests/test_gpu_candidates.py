@@ -119,14 +119,14 @@ def serving_cases() -> list[Case]:
     return preset("serving-cpu") + preset("varlen-cpu") + variants
 
 
-def cutile_serving_candidates(inputs, window: tuple[int, int] = NO_WINDOW,
-                              softcap: float = 0.0) -> list[tuple[str, Callable[[], torch.Tensor]]]:
+def cutile_serving_candidates(inputs, window: tuple[int, int] = NO_WINDOW, softcap: float = 0.0,
+                              scale: float | None = None) -> list[tuple[str, Callable[[], torch.Tensor]]]:
     pytest.importorskip("cuda.tile")
     import impls.cutile.serving
     from impls.cutile import precompile, tile_d
     from impls.cutile.serving import DecodeCall, VarlenCall, decode_space, varlen_space, word_view_fits
 
-    scale = inputs.head_dim ** -0.5
+    scale = inputs.head_dim ** -0.5 if scale is None else scale
     if inputs.op == "paged":  # one SM: the short twins split into several chunks
         variants = {"window_left": inputs.window_left(window), "softcap": softcap}
         named = [(str(var), DecodeCall(var, inputs, scale=scale, sm_count=1, **variants))
@@ -165,6 +165,21 @@ def test_every_serving_candidate(case: Case, monkeypatch):
 
     monkeypatch.setattr(impls._serving, "SPLIT_MIN_TILES", 1)  # the short twins split, the combine runs
     check_serving_candidates(case.make_inputs("cuda"), case.window, case.softcap)
+
+
+def test_every_decode_form_over_fp8_keeps_bf16_queries_of_any_magnitude(monkeypatch):
+    """cuTile's fp16 dots of bf16 queries over an fp8 cache (decode.py's F16_DOT) on query rows far outside fp16's
+    range, an all-zero one and a plain one (tests/test_serving.py's EXTREME_ROWS), with each score scale there."""
+    import impls._serving
+    from tests.test_serving import EXTREME_SCALES, extreme_fp8_inputs
+
+    monkeypatch.setattr(impls._serving, "SPLIT_MIN_TILES", 1)  # the combine runs too
+    inputs = extreme_fp8_inputs("cuda")
+    for scale in EXTREME_SCALES:
+        oracle = Oracle.serving(inputs, scale=scale)
+        failures = [f"{name}: {result.message}" for name, call in cutile_serving_candidates(inputs, scale=scale)
+                    if not (result := oracle.check(call())).passed]
+        assert not failures, f"scale {scale}: " + "\n".join(failures)
 
 
 @pytest.mark.parametrize("lengths_q, lengths_k, causal", UNEVEN_VARLEN)

@@ -30,7 +30,10 @@ enough blocks to keep HBM busy:
    nothing before it is read; tiles across the window's edge are masked. SOFTCAP caps the scores (a tanh).
 5. An fp8 cache is loaded as stored (half the bytes of a 16-bit one) and each tile widened to q's dtype after
    its load. The per-tensor scales stay out of the loop: ``k_scale`` is folded into ``qk_scale`` on the host,
-   ``v_scale`` multiplies the chunk's output once (1 for any other cache).
+   ``v_scale`` multiplies the chunk's output once (1 for any other cache). Under bf16 queries (F16_DOT) the
+   dots run in fp16: e4m3 widens to fp16 in one instruction per two elements, to bf16 only through a second
+   conversion. Each query row is first scaled by a power of two into fp16's range (``f16_rows``), so q is exact
+   in fp16 and the scores are those of the bf16 dot; the probabilities gain precision (11 bits instead of 8).
 
 Causal within each sequence, bottom-right: new token ``t`` of ``SQ`` sees positions ``<= L - SQ + t`` (and,
 windowed, ``>= L - SQ + t - window_left``).
@@ -55,6 +58,10 @@ from impls.cutile.kernel import (
 )
 
 ROWS, PAGES, INDEXED, WORD_PAGES = 0, 1, 2, 3  # GATHER: how a key tile is read from the pages (module docstring)
+# Where ``f16_rows`` puts each query row's largest |q|: [2**13, 2**14), below fp16's largest finite 65504 with
+# room to spare, and with 27 binary orders of magnitude under it before fp16 leaves its normal range.
+F16_ROW_EXP = 13
+F32_BIAS, F32_MANTISSA_BITS = 127, 23
 
 
 @ct.kernel
@@ -63,11 +70,12 @@ def paged_decode_split(
     qk_scale: float, num_kv_heads: int, split_len: int, window_left: int, v_scale: float,
     GROUP: ConstInt, SQ: ConstInt, TILE_M: ConstInt, TILE_N: ConstInt, TILE_D: ConstInt, PAGE_SIZE: ConstInt,
     GATHER: ConstInt, SPLIT: ConstBool, K_LATENCY: ConstInt, V_LATENCY: ConstInt, HAS_WINDOW: ConstBool,
-    SOFTCAP: ConstFloat,
+    SOFTCAP: ConstFloat, F16_DOT: ConstBool,
 ):
     """Block (chunk, batch * kv head): the GROUP x SQ query rows over one chunk of the cache. SPLIT: write
     the chunk's normalised output (B * Hkv, chunks, TILE_M, TILE_D) and log-sum-exp (B * Hkv, chunks,
-    TILE_M) float32; otherwise (one chunk per sequence) the output rows themselves."""
+    TILE_M) float32; otherwise (one chunk per sequence) the output rows themselves. F16_DOT (bf16 queries over
+    an fp8 cache): the dots run in fp16."""
     chunk = ct.bid(0)
     batch_kv = ct.bid(1)
     batch = batch_kv // num_kv_heads
@@ -80,6 +88,9 @@ def paged_decode_split(
     real_row = rows < GROUP * SQ
     dims = ct.arange(TILE_D, dtype=ct.int32)
     q = ct.gather(Q, (batch, token, head, dims[None, :]), mask=real_row)  # dims past D read zeros
+    if F16_DOT:  # each row's power-of-two factor comes back out of its scores through the score scale
+        q, row_down = f16_rows(q)
+        qk_scale = qk_scale * row_down
     last_visible = seq_len - SQ + token  # (TILE_M, 1): causal, bottom-right within the sequence
 
     m_i = ct.full((TILE_M, 1), -math.inf, dtype=ct.float32)
@@ -118,6 +129,22 @@ def paged_decode_split(
         ct.store(LsePart, index=(batch_kv, chunk, 0), tile=lse.reshape((1, 1, TILE_M)))
     else:
         ct.scatter(Out, (batch, token, head, dims[None, :]), acc.astype(Out.dtype), mask=real_row)
+
+
+def f16_rows(q):
+    """A bf16 query tile as fp16, each row multiplied by a power of two that brings its largest |q| to
+    [2**13, 2**14), and the inverse of each row's factor (TILE_M, 1) fp32, the scores' share. A power of two
+    changes no significand bit, so every element down to 2**-27 of its row's largest is exact in fp16 (bf16's 8
+    significant bits fit fp16's 11); the smaller ones move a score by less than 2**-27 of its largest term."""
+    wide = q.astype(ct.float32)
+    amax = ct.max(ct.abs(wide), axis=-1, keepdims=True)
+    # The biased fp32 exponent of each row's largest |q|, floored so that both factors stay normal (an all-zero
+    # row, which padding rows are, gets the floor).
+    exp = ct.bitwise_and(ct.bitwise_rshift(ct.bitcast(amax, ct.int32), F32_MANTISSA_BITS), 0xFF)
+    exp = ct.maximum(exp, F16_ROW_EXP + 1)
+    up = ct.bitcast(ct.bitwise_lshift(2 * F32_BIAS + F16_ROW_EXP - exp, F32_MANTISSA_BITS), ct.float32)
+    down = ct.bitcast(ct.bitwise_lshift(exp - F16_ROW_EXP, F32_MANTISSA_BITS), ct.float32)
+    return (wide * up).astype(ct.float16), down
 
 
 def first_tile(seq_len, window_left, SQ, TILE_N):

@@ -409,6 +409,7 @@ def paged_launch(inputs, scale: float, config: dict, window_left: int = UNBOUNDE
     split_meta = {"PAGE_SIZE": inputs.page_size, "HEAD_DIM": head_dim, "BLOCK_D": width,
                   "DOT_FP32": interp or q.dtype == torch.float32,
                   "HAS_WINDOW": window_left < UNBOUNDED, "SOFTCAP": softcap, "KV_FP8": inputs.kv_fp8,
+                  "F16_DOT": inputs.kv_fp8 and q.dtype == torch.bfloat16,  # fp16 dots: decode.py's docstring
                   **tile_rows, **{name: value for name, value in config.items() if name not in DECODE_PLANS[0]}}
 
     def partials(num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,6 +26,10 @@ So the kernel is built around reading the cache once, from enough programs to ke
 6. An fp8 cache (KV_FP8) is read as it is stored, half the bytes of a 16-bit one, and each tile is widened to
    q's dtype in registers before its dot. Its per-tensor scales cost nothing in the loop: ``k_scale`` is folded
    into the score scale on the host and ``v_scale`` multiplies the chunk's output once, at the end.
+   Under bf16 queries (F16_DOT) the dots run in fp16 instead: e4m3 widens to fp16 in one instruction per two
+   elements, where reaching bf16 takes a second conversion per element. Each query row is scaled by a power of
+   two into fp16's range first (``_f16_rows``), so q is exact in fp16 and the scores are those of the bf16 dot;
+   the probabilities gain precision (11 significant bits instead of 8).
 
 Causal within each sequence, bottom-right: new token ``t`` (of ``Sq_new``) sees positions ``<= L - Sq_new + t``
 (and, windowed, ``>= L - Sq_new + t - window_left``).
@@ -50,6 +54,27 @@ def _load(ptrs, in_seq, in_dims, MASKED: tl.constexpr, PADDED: tl.constexpr):
     if PADDED:
         return tl.load(ptrs, mask=in_dims, other=0.0)
     return tl.load(ptrs)
+
+
+# Where ``_f16_rows`` puts each query row's largest |q|: [2**13, 2**14), below fp16's largest finite 65504 with
+# room to spare, and with 27 binary orders of magnitude under it before fp16 leaves its normal range.
+_F16_ROW_EXP: tl.constexpr = tl.constexpr(13)
+_F32_BIAS: tl.constexpr = tl.constexpr(127)
+
+
+@triton.jit
+def _f16_rows(q):
+    """A bf16 query tile as fp16, each row multiplied by a power of two that brings its largest |q| to
+    [2**13, 2**14), and the inverse of each row's factor (fp32, the scores' share). A power of two changes no
+    significand bit, so every element down to 2**-27 of its row's largest is exact in fp16 (bf16's 8 significant
+    bits fit fp16's 11); the smaller ones move a score by less than 2**-27 of its largest term."""
+    amax = tl.max(tl.abs(q.to(tl.float32)), 1)
+    # The biased fp32 exponent of each row's largest |q|, floored so that both factors stay normal (an all-zero
+    # row, which padding rows are, gets the floor).
+    exp = tl.maximum((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF, _F16_ROW_EXP + 1)
+    up = ((-exp + (2 * _F32_BIAS + _F16_ROW_EXP)) << 23).to(tl.float32, bitcast=True)  # 2**(13 - e)
+    down = ((exp - _F16_ROW_EXP) << 23).to(tl.float32, bitcast=True)  # 2**(e - 13)
+    return (q.to(tl.float32) * up[:, None]).to(tl.float16), down
 
 
 @triton.jit
@@ -125,12 +150,12 @@ def paged_decode_split(
     GROUP: tl.constexpr, SQ: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, SPLIT: tl.constexpr,
     MASK_FREE: tl.constexpr = True, HAS_WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = 0.0,
-    KV_FP8: tl.constexpr = False,
+    KV_FP8: tl.constexpr = False, F16_DOT: tl.constexpr = False,
 ):
     """Program (split, batch * kv head): attention of the GROUP x SQ query rows over one chunk of the cache.
     SPLIT: its normalised output and log-sum-exp go to O_part and LSE_part for the combine; otherwise (one
     chunk per sequence) the output rows go to Out. KV_FP8: the caches are fp8, ``qk_scale`` holds k_scale and
-    the output is multiplied by ``v_scale``."""
+    the output is multiplied by ``v_scale``; F16_DOT (bf16 queries over fp8): the dots run in fp16."""
     split = tl.program_id(0)
     bk = tl.program_id(1)
     batch = (bk // num_kv_heads).to(tl.int64)
@@ -152,6 +177,9 @@ def paged_decode_split(
     in_dims = offs_d < HEAD_DIM
     q_ptrs = Q + batch * stride_qb + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=row_valid[:, None] & in_dims[None, :], other=0.0)
+    if F16_DOT:  # each row's power-of-two factor comes back out of its scores through the score scale
+        q, row_down = _f16_rows(q)
+        qk_scale = qk_scale * row_down[:, None]
     if DOT_FP32:  # Triton's interpreter computes half-precision dots wrongly
         q = q.to(tl.float32)
     last_visible = seq_len - SQ + token  # causal, bottom-right within the sequence
