@@ -168,18 +168,18 @@ def test_every_serving_candidate(case: Case, monkeypatch):
 
 
 def test_every_decode_form_over_fp8_keeps_bf16_queries_of_any_magnitude(monkeypatch):
-    """cuTile's fp16 dots of bf16 queries over an fp8 cache (decode.py's F16_DOT) on query rows far outside fp16's
-    range, an all-zero one and a plain one (tests/test_serving.py's EXTREME_ROWS), with each score scale there."""
+    """cuTile's fp16 dots of bf16 queries over an fp8 cache (decode.py's F16_DOT) on queries far outside fp16's
+    range, and an all-zero head (tests/test_serving.py's EXTREME_MAGNITUDES)."""
     import impls._serving
-    from tests.test_serving import EXTREME_SCALES, extreme_fp8_inputs
+    from tests.test_serving import EXTREME_MAGNITUDES, extreme_fp8_inputs
 
     monkeypatch.setattr(impls._serving, "SPLIT_MIN_TILES", 1)  # the combine runs too
-    inputs = extreme_fp8_inputs("cuda")
-    for scale in EXTREME_SCALES:
+    for magnitude in EXTREME_MAGNITUDES:
+        inputs, scale = extreme_fp8_inputs("cuda", magnitude)
         oracle = Oracle.serving(inputs, scale=scale)
         failures = [f"{name}: {result.message}" for name, call in cutile_serving_candidates(inputs, scale=scale)
                     if not (result := oracle.check(call())).passed]
-        assert not failures, f"scale {scale}: " + "\n".join(failures)
+        assert not failures, f"queries of {magnitude}: " + "\n".join(failures)
 
 
 @pytest.mark.parametrize("lengths_q, lengths_k, causal", UNEVEN_VARLEN)

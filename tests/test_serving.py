@@ -137,37 +137,35 @@ def test_an_fp8_cache_read_without_its_scales_fails_the_check():
         unregister("unscaled", "paged")
 
 
-# Query rows far outside fp16's range (2**40 would overflow it, 2**-60 flush to zero), an all-zero row and a plain
-# one: one factor per query head of the TINY shape. The fp16 dots of bf16 queries over an fp8 cache (F16_DOT) must
-# keep them all.
-EXTREME_ROWS = (2.0**40, 2.0**-60, 0.0, 1.0)
-# Score scales for them: one-hot rows at 2**40, then softer ones.
-EXTREME_SCALES = (TINY[3] ** -0.5, 2.0**-40)
+# Query magnitudes far outside fp16's range: 2**40 would overflow it, 2**-60 flush to zero. The fp16 dots of bf16
+# queries over an fp8 cache (F16_DOT) must keep both.
+EXTREME_MAGNITUDES = (2.0**40, 2.0**-60)
 
 
-def extreme_fp8_inputs(device: str) -> PagedKV:
-    """The fp8 twin (ragged pages, NaN in unused slots) with its query heads scaled by EXTREME_ROWS."""
+def extreme_fp8_inputs(device: str, magnitude: float) -> tuple[PagedKV, float]:
+    """The fp8 twin (ragged pages, NaN in unused slots) with its query heads multiplied by ``magnitude``, but for
+    one all-zero head, and the score scale that gives the twin's own scores back (its softmax is the same)."""
     inputs = paged(TINY, 3, 100, lengths="longtail", kv_dtype="fp8").make_inputs(device)
-    rows = torch.tensor(EXTREME_ROWS, device=device, dtype=inputs.q.dtype)
-    return dataclasses.replace(inputs, q=inputs.q * rows[None, None, :, None])
+    rows = torch.tensor([magnitude, magnitude, 0.0, magnitude], device=device, dtype=inputs.q.dtype)
+    return dataclasses.replace(inputs, q=inputs.q * rows[None, None, :, None]), inputs.head_dim ** -0.5 / magnitude
 
 
 def test_triton_decode_over_fp8_keeps_bf16_queries_of_any_magnitude():
     """Under bf16 queries the Triton decode over an fp8 cache runs its dots in fp16 (F16_DOT), each query row
-    scaled by a power of two first: EXTREME_ROWS still give the oracle's output. Compiled on a GPU; under the
-    interpreter on CPU (its fp32 dots still take the scaled rows). tests/test_gpu_candidates.py checks cuTile's
-    decode forms the same way."""
+    scaled by a power of two first: queries of EXTREME_MAGNITUDES still give the oracle's output. Compiled on a
+    GPU; under the interpreter on CPU (its fp32 dots still take the scaled rows). tests/test_gpu_candidates.py checks
+    cuTile's decode forms the same way."""
     pytest.importorskip("triton")
     from impls.triton_fa import DECODE_TILES, INTERPRETER_DECODE_CONFIG, paged_launch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    inputs = extreme_fp8_inputs(device)
     n, w, st = DECODE_TILES[0]
     config = INTERPRETER_DECODE_CONFIG if device == "cpu" else {"BLOCK_N": n, "num_warps": w, "num_stages": st}
-    for scale in EXTREME_SCALES:
+    for magnitude in EXTREME_MAGNITUDES:
+        inputs, scale = extreme_fp8_inputs(device, magnitude)
         run, _ = paged_launch(inputs, scale, config)
         result = Oracle.serving(inputs, scale=scale).check(run())
-        assert result.passed, f"scale {scale}: {result.message}"
+        assert result.passed, f"queries of {magnitude}: {result.message}"
 
 
 def test_case_ids_and_lengths():

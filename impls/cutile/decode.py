@@ -88,9 +88,9 @@ def paged_decode_split(
     real_row = rows < GROUP * SQ
     dims = ct.arange(TILE_D, dtype=ct.int32)
     q = ct.gather(Q, (batch, token, head, dims[None, :]), mask=real_row)  # dims past D read zeros
-    if F16_DOT:  # each row's power-of-two factor comes back out of its scores through the score scale
+    row_down = None  # F16_DOT: what each row's scores are multiplied by first (its factor's inverse)
+    if F16_DOT:
         q, row_down = f16_rows(q)
-        qk_scale = qk_scale * row_down
     last_visible = seq_len - SQ + token  # (TILE_M, 1): causal, bottom-right within the sequence
 
     m_i = ct.full((TILE_M, 1), -math.inf, dtype=ct.float32)
@@ -106,20 +106,20 @@ def paged_decode_split(
     if HAS_WINDOW:
         free = max(first, min(end, ct.cdiv(max(seq_len - 1 - window_left, 0), TILE_N)))
         for j in range(first, free):
-            acc, l_i, m_i = masked_fold(q, acc, l_i, m_i, KCache, VCache, BlockTable, batch, kv_head, j, seq_len,
-                                        last_visible, window_left, dims, qk_scale, score_scale_log2, TILE_M, TILE_N,
-                                        TILE_D, PAGE_SIZE, GATHER, K_LATENCY, V_LATENCY, HAS_WINDOW, SOFTCAP)
+            acc, l_i, m_i = masked_fold(q, row_down, acc, l_i, m_i, KCache, VCache, BlockTable, batch, kv_head, j,
+                                        seq_len, last_visible, window_left, dims, qk_scale, score_scale_log2, TILE_M,
+                                        TILE_N, TILE_D, PAGE_SIZE, GATHER, K_LATENCY, V_LATENCY, HAS_WINDOW, SOFTCAP)
     # Tiles every new token sees whole (their last position <= L - SQ) need no mask; the rest are masked.
     whole = max(free, min(end, (seq_len - SQ + 1) // TILE_N))
     for j in range(free, whole):
         k, v = key_tile(KCache, VCache, BlockTable, batch, kv_head, j, seq_len, dims, TILE_N, TILE_D,
                         PAGE_SIZE, GATHER, False, K_LATENCY, V_LATENCY, q.dtype)
-        qk = capped(ct.mma(q, k, ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32)), qk_scale, SOFTCAP, True)
+        qk = tile_scores(q, k, row_down, qk_scale, SOFTCAP, TILE_M, TILE_N)
         acc, l_i, m_i = fold(acc, l_i, m_i, qk, v, score_scale_log2, False)
     for j in range(whole, end):
-        acc, l_i, m_i = masked_fold(q, acc, l_i, m_i, KCache, VCache, BlockTable, batch, kv_head, j, seq_len,
-                                    last_visible, window_left, dims, qk_scale, score_scale_log2, TILE_M, TILE_N,
-                                    TILE_D, PAGE_SIZE, GATHER, K_LATENCY, V_LATENCY, HAS_WINDOW, SOFTCAP)
+        acc, l_i, m_i = masked_fold(q, row_down, acc, l_i, m_i, KCache, VCache, BlockTable, batch, kv_head, j,
+                                    seq_len, last_visible, window_left, dims, qk_scale, score_scale_log2, TILE_M,
+                                    TILE_N, TILE_D, PAGE_SIZE, GATHER, K_LATENCY, V_LATENCY, HAS_WINDOW, SOFTCAP)
 
     l_safe = ct.where(l_i == 0.0, 1.0, l_i)  # a row that saw no key in this chunk: output 0, weight 0
     acc = ct.truediv(acc * v_scale, l_safe)  # an fp8 cache's value scale (the combine is linear in the parts)
@@ -133,7 +133,7 @@ def paged_decode_split(
 
 def f16_rows(q):
     """A bf16 query tile as fp16, each row multiplied by a power of two that brings its largest |q| to
-    [2**13, 2**14), and the inverse of each row's factor (TILE_M, 1) fp32, the scores' share. A power of two
+    [2**13, 2**14), and the inverse of each row's factor (TILE_M, 1) fp32, for its scores. A power of two
     changes no significand bit, so every element down to 2**-27 of its row's largest is exact in fp16 (bf16's 8
     significant bits fit fp16's 11); the smaller ones move a score by less than 2**-27 of its largest term."""
     wide = q.astype(ct.float32)
@@ -153,19 +153,29 @@ def first_tile(seq_len, window_left, SQ, TILE_N):
     return max(seq_len - SQ - window_left, 0) // TILE_N
 
 
-def masked_fold(q, acc, l_i, m_i, KCache, VCache, BlockTable, batch, kv_head, j, seq_len, last_visible, window_left,
-                dims, qk_scale, score_scale_log2, TILE_M, TILE_N, TILE_D, PAGE_SIZE, GATHER, K_LATENCY, V_LATENCY,
-                HAS_WINDOW, SOFTCAP):
-    """Key tile j into the online softmax, each row's positions past its ``last_visible`` (past the sequence
-    too) and, HAS_WINDOW, more than ``window_left`` before it, hidden."""
+def masked_fold(q, row_down, acc, l_i, m_i, KCache, VCache, BlockTable, batch, kv_head, j, seq_len, last_visible,
+                window_left, dims, qk_scale, score_scale_log2, TILE_M, TILE_N, TILE_D, PAGE_SIZE, GATHER, K_LATENCY,
+                V_LATENCY, HAS_WINDOW, SOFTCAP):
+    """Key tile j into the online softmax (``tile_scores``' rows), each row's positions past its ``last_visible``
+    (past the sequence too) and, HAS_WINDOW, more than ``window_left`` before it, hidden."""
     k, v = key_tile(KCache, VCache, BlockTable, batch, kv_head, j, seq_len, dims, TILE_N, TILE_D,
                     PAGE_SIZE, GATHER, True, K_LATENCY, V_LATENCY, q.dtype)
-    qk = capped(ct.mma(q, k, ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32)), qk_scale, SOFTCAP, True)
+    qk = tile_scores(q, k, row_down, qk_scale, SOFTCAP, TILE_M, TILE_N)
     positions = j * TILE_N + ct.arange(TILE_N, dtype=ct.int32)[None, :]
     visible = positions <= last_visible
     if HAS_WINDOW:
         visible = visible & (positions >= last_visible - window_left)
     return fold(acc, l_i, m_i, ct.where(visible, qk, -math.inf), v, score_scale_log2, True)
+
+
+def tile_scores(q, k, row_down, qk_scale, SOFTCAP, TILE_M, TILE_N):
+    """Q K^T of a key tile in fp32, each row multiplied by ``row_down`` (``f16_rows``' inverse factors; None: q as
+    loaded), then capped where SOFTCAP. The factors go in here, before any mask, and not into the softmax's scale:
+    a factor that underflows to 0 (an all-zero row's) would meet a hidden key's -inf there, and -inf * 0 is NaN."""
+    qk = ct.mma(q, k, ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32))
+    if row_down is not None:
+        qk = qk * row_down
+    return capped(qk, qk_scale, SOFTCAP, True)
 
 
 def key_tile(KCache, VCache, BlockTable, batch, kv_head, j, seq_len, dims, TILE_N, TILE_D, PAGE_SIZE, GATHER,
