@@ -63,9 +63,10 @@ def test_decode_tiles_double_buffer_k_and_v_from_five_stages_and_none_spills():
 
 
 def test_decode_tiles_compile_over_an_fp8_cache():
-    """Over an fp8 cache each tile is widened to q's dtype in registers: every tile of the decode tuner compiles,
-    and the 64-key tiles of 2 and 3 stages hold no stack (Triton 3.9: the 128-key tiles of 2 and 5 stages and the
-    64-key one of 5 spill 8-56 B there, which the tuner weighs by their time)."""
+    """Over an fp8 cache each tile is widened in registers (to fp16 under bf16 queries, F16_DOT): every tile of the
+    decode tuner compiles, and the 64-key tiles of 2 and 3 stages hold no stack (Triton 3.9 with the fp16 dots: the
+    128-key tiles spill 56-64 B, which the tuner weighs by their time; its pick over fp8 on the H100 is the 128-key
+    tile of 5 stages)."""
     from impls.triton_fa import DECODE_TILES
 
     results = compiled(*(f"--arch 90 --decode {n} {w} {st} --kv-fp8" for n, w, st in DECODE_TILES))
