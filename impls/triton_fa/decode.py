@@ -60,20 +60,21 @@ def _load(ptrs, in_seq, in_dims, MASKED: tl.constexpr, PADDED: tl.constexpr):
 # room to spare, and with 27 binary orders of magnitude under it before fp16 leaves its normal range.
 _F16_ROW_EXP: tl.constexpr = tl.constexpr(13)
 _F32_BIAS: tl.constexpr = tl.constexpr(127)
+_F32_MANTISSA_BITS: tl.constexpr = tl.constexpr(23)
 
 
 @triton.jit
 def _f16_rows(q):
     """A bf16 query tile as fp16, each row multiplied by a power of two that brings its largest |q| to
-    [2**13, 2**14), and the inverse of each row's factor (fp32, the scores' share). A power of two changes no
+    [2**13, 2**14), and the inverse of each row's factor (fp32), for its score scale. A power of two changes no
     significand bit, so every element down to 2**-27 of its row's largest is exact in fp16 (bf16's 8 significant
     bits fit fp16's 11); the smaller ones move a score by less than 2**-27 of its largest term."""
     amax = tl.max(tl.abs(q.to(tl.float32)), 1)
     # The biased fp32 exponent of each row's largest |q|, floored so that both factors stay normal (an all-zero
     # row, which padding rows are, gets the floor).
-    exp = tl.maximum((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF, _F16_ROW_EXP + 1)
-    up = ((-exp + (2 * _F32_BIAS + _F16_ROW_EXP)) << 23).to(tl.float32, bitcast=True)  # 2**(13 - e)
-    down = ((exp - _F16_ROW_EXP) << 23).to(tl.float32, bitcast=True)  # 2**(e - 13)
+    exp = tl.maximum((amax.to(tl.int32, bitcast=True) >> _F32_MANTISSA_BITS) & 0xFF, _F16_ROW_EXP + 1)
+    up = ((-exp + (2 * _F32_BIAS + _F16_ROW_EXP)) << _F32_MANTISSA_BITS).to(tl.float32, bitcast=True)  # 2**(13 - e)
+    down = ((exp - _F16_ROW_EXP) << _F32_MANTISSA_BITS).to(tl.float32, bitcast=True)  # 2**(e - 13)
     return (q.to(tl.float32) * up[:, None]).to(tl.float16), down
 
 
