@@ -397,6 +397,9 @@ def test_decode_over_an_fp8_cache_compiles(read, short_chunks):
     (_, _, arguments), _ = call.launches  # the split launch, then the combine
     assert arguments[1].dtype == torch.float8_e4m3fn and arguments[8] == 0.125 * inputs.k_scale
     assert arguments[12] == inputs.v_scale  # after num_kv_heads, split_len and window_left
+    assert arguments[-1] is True  # F16_DOT: bf16 queries over fp8 run their dots in fp16 (decode.py)
+    fp16_queries = replace(inputs, q=inputs.q.half())  # fp16 widens in one step already
+    assert DecodeCall(form, fp16_queries, scale=0.125, sm_count=1).launches[0][2][-1] is False
     cubins = [export_launch(k, a, arch="sm_90") for _, k, a in call.launches]
     assert all(cubin[:4] == b"\x7fELF" for cubin in cubins)
     if read == "pages" and find_cuobjdump() is not None:
