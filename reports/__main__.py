@@ -6,16 +6,23 @@ import argparse
 import sys
 from pathlib import Path
 
-from reports.build import ReportError, load_run, write_report
-from reports.markdown import table
+from reports.build import ReportError, cache_twins, load_run, write_report
+from reports.markdown import table, twins_table
 
 DEFAULT_HTML = Path("results/report.html")
 
 
 def markdown(paths: list[Path], ours: list[str]) -> str:
-    """A table per preset with measurements, of each run in turn (reports/markdown.py)."""
-    return "\n".join(table(run, preset, ours=ours) for run in map(load_run, paths)
-                     for preset in run.presets if any(run.by_case.get(cid) for cid in run.presets[preset]))
+    """A table per preset with measurements, of each run in turn (reports/markdown.py); after a preset's table, its
+    quantized-cache cases against their 16-bit twins where it has them."""
+    tables = []
+    for run in map(load_run, paths):
+        for preset in run.presets:
+            if any(run.by_case.get(cid) for cid in run.presets[preset]):
+                tables.append(table(run, preset, ours=ours))
+                if cache_twins(run, preset):
+                    tables.append(twins_table(run, preset))
+    return "\n".join(tables)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -260,6 +260,32 @@ def case_table(run: Run, case_id: str, baseline: str) -> list[dict[str, Any]]:
     return rows
 
 
+def cache_twins(run: Run, preset: str) -> list[dict[str, Any]]:
+    """Each case of the preset whose KV cache has a dtype of its own (fp8) beside its twin over the case's dtype
+    (the same case otherwise: the same lengths and values), where the run measured both: per implementation timed
+    on both, the step's time over the twin's, in the lead mode. Halving the bytes alone would give 0.5; GB/s counts
+    the bytes a cache holds, so the two rows' GB/s do not compare. Rows: ``case``, ``twin``, ``kv_dtype``,
+    ``ratios`` {impl: ratio}."""
+    case_ids = run.presets.get(preset, [])
+    by_params = {json.dumps(run.cases[cid], sort_keys=True): cid for cid in case_ids if cid in run.cases}
+    rows = []
+    for cid in case_ids:
+        case = run.cases.get(cid, {})
+        if not case.get("kv_dtype"):
+            continue
+        twin = by_params.get(json.dumps({**case, "kv_dtype": ""}, sort_keys=True))
+        narrow, wide = run.by_case.get(cid, {}), run.by_case.get(twin or "", {})
+        ratios = {impl: m.median_s / wide[impl].median_s for impl, m in narrow.items() if impl in wide}
+        if ratios:
+            rows.append({"case": cid, "twin": twin, "kv_dtype": case["kv_dtype"], "ratios": ratios})
+    return rows
+
+
+def twin_columns(run: Run, preset: str, rows: list[dict[str, Any]]) -> list[str]:
+    """The implementations of ``cache_twins`` rows, in the preset's leaderboard order."""
+    return [b["impl"] for b in leaderboard(run, preset) if any(b["impl"] in row["ratios"] for row in rows)]
+
+
 def kernel_summary(kernels: dict[str, dict], top: int = 3) -> str:
     """The kernels one call ran, the longest first: ``name x launches (share of device time)``."""
     total = sum(float(k.get("seconds", 0)) for k in kernels.values()) or 1.0
@@ -440,6 +466,8 @@ def build_context(runs: list[Run], baseline: str) -> dict[str, Any]:
             "metric": unit,
             "roofline": "; ".join(label for _, label in ceilings) or None,
             "leaderboards": [(r.label, r.lead, board) for r in runs if (board := leaderboard(r, preset))],
+            "twins": [(r.label, r.lead, rows, twin_columns(r, preset, rows)) for r in runs
+                      if (rows := cache_twins(r, preset))],
             "charts": [svg for svg in charts_ if svg],
             "by_case": charts.dot_chart(single, values(runs, single, metric), xlabel=unit,
                                         title=f"{preset}: cases of one length each", vlines=ceilings),

@@ -26,7 +26,16 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from reports.build import ReportError, Run, case_parts, figure_of_merit, leaderboard, load_run
+from reports.build import (
+    ReportError,
+    Run,
+    cache_twins,
+    case_parts,
+    figure_of_merit,
+    leaderboard,
+    load_run,
+    twin_columns,
+)
 
 UNITS = {"gbps": "GB/s", "tflops": "TFLOPS"}
 BLOCK = re.compile(r"(<!-- results: (?P<args>.*?) -->\n)(?P<body>.*?)(<!-- /results -->)", re.DOTALL)
@@ -82,6 +91,29 @@ def table(run: Run, preset: str, *, impls: Sequence[str] = ("*",), cases: Sequen
     return "\n".join(lines) + "\n"
 
 
+def twins_table(run: Run, preset: str, *, impls: Sequence[str] = ("*",), cases: Sequence[str] = ("*",)) -> str:
+    """The preset's cases over a quantized KV cache (fp8) as a markdown table: per implementation, the step's time
+    over its time on the same step over the case's own dtype (``reports.build.cache_twins``; 0.5: the bytes alone)."""
+    rows = [row for row in cache_twins(run, preset) if _matches(row["case"], cases)]
+    if not rows:
+        raise ReportError(f"{run.path}: preset {preset!r} has no quantized-cache case matching {', '.join(cases)} "
+                          "measured beside its twin")
+    columns = [c for c in twin_columns(run, preset, rows) if _matches(c, impls)]
+    if not columns:
+        raise ReportError(f"{run.path}: preset {preset!r} has no implementation matching {', '.join(impls)}")
+    labels, shared = case_labels({row["case"]: run.cases.get(row["case"], {}) for row in rows})
+    narrow = "/".join(sorted({row["kv_dtype"] for row in rows}))
+    wide = "/".join(sorted({str(run.cases.get(row["case"], {}).get("dtype")) for row in rows}))
+    lines = [f"`{preset}`, time of a step over the {narrow} cache / the same step over a {wide} one ({run.lead} "
+             f"timing, {run.env.get('gpu') or run.env.get('device', '?')}"
+             + (f"; every case {', '.join(shared)}" if shared else "") + "):", "",
+             "| " + " | ".join(["case", *columns]) + " |", "|" + "---|" * (len(columns) + 1)]
+    for row in rows:
+        cells = [f"{row['ratios'][c]:.2f}" if c in row["ratios"] else "-" for c in columns]
+        lines.append("| " + " | ".join([labels[row["case"]], *cells]) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def block_parser() -> argparse.ArgumentParser:
     """The arguments of one ``<!-- results: ... -->`` block."""
     parser = argparse.ArgumentParser(prog="<!-- results: FILE ... -->", add_help=False, exit_on_error=False)
@@ -90,6 +122,8 @@ def block_parser() -> argparse.ArgumentParser:
     parser.add_argument("--impl", action="append", default=None, help="columns, by glob (repeatable)")
     parser.add_argument("--case", action="append", default=None, help="rows, by glob on the case id (repeatable)")
     parser.add_argument("--ours", action="append", default=[], help="add the best of these over the best of the rest")
+    parser.add_argument("--twins", action="store_true",
+                        help="the quantized-cache cases' step time over their 16-bit twins' instead (twins_table)")
     return parser
 
 
@@ -101,10 +135,15 @@ def render_block(args: str, root: Path, runs: dict[Path, Run]) -> str:
         ns = block_parser().parse_args(shlex.split(args))
     except (argparse.ArgumentError, SystemExit) as exc:
         raise ReportError(f"bad results block arguments {args!r}: {exc}") from exc
+    if ns.twins and ns.ours:
+        raise ReportError(f"bad results block arguments {args!r}: --ours does not apply to --twins")
     path = root / ns.file
     if path not in runs:
         runs[path] = load_run(path)
-    return "\n" + table(runs[path], ns.preset, impls=ns.impl or ["*"], cases=ns.case or ["*"], ours=ns.ours) + "\n"
+    selection = {"impls": ns.impl or ["*"], "cases": ns.case or ["*"]}
+    if ns.twins:
+        return "\n" + twins_table(runs[path], ns.preset, **selection) + "\n"
+    return "\n" + table(runs[path], ns.preset, ours=ns.ours, **selection) + "\n"
 
 
 def sync(text: str, root: Path) -> str:

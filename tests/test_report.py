@@ -389,6 +389,60 @@ def test_a_markdown_table_bolds_each_cases_best_and_sets_ours_against_the_rest(s
         table(run, "serving-cpu-bench", impls=["flash-attn4"])
 
 
+def with_fp8_twins(serving_results: Path, tmp_path: Path, ratio: float) -> tuple[Path, list[str]]:
+    """The serving run with an fp8-cache twin of each ``serving-cpu-bench`` case, every benchmark of the twin
+    ``ratio`` times its original's median, but naive's on the first twin left out (measured on one side only)."""
+    data = json.loads(serving_results.read_text())
+    fmha = data["fmha"]
+    originals = list(fmha["presets"]["serving-cpu-bench"])
+    twins = {cid: f"{cid}-kvfp8" for cid in originals}
+    for cid, twin in twins.items():
+        fmha["cases"][twin] = {**fmha["cases"][cid], "kv_dtype": "fp8"}
+    fmha["presets"]["serving-cpu-bench"] = originals + list(twins.values())
+    for bench in list(data["benchmarks"]):
+        cid, impl = bench["extra_info"]["case"], bench["extra_info"]["impl"]
+        if cid in twins and not (cid == originals[0] and impl == "naive"):
+            copy = json.loads(json.dumps(bench))
+            copy["extra_info"]["case"], copy["stats"]["median"] = twins[cid], bench["stats"]["median"] * ratio
+            data["benchmarks"].append(copy)
+    path = tmp_path / "twins.json"
+    path.write_text(json.dumps(data))
+    return path, list(twins.values())
+
+
+def test_a_quantized_cache_is_set_against_its_16_bit_twin(serving_results, tmp_path):
+    """Each fp8-cache case measured beside its twin (the same case over the case's dtype) gets, per implementation
+    timed on both, its step time over the twin's: in the report's preset section and as a markdown table
+    (``--twins``); a case whose twin was not measured, or an implementation timed on one side only, gets none."""
+    from reports.__main__ import markdown
+    from reports.build import cache_twins, leaderboard
+    from reports.markdown import render_block, twins_table
+
+    path, twins = with_fp8_twins(serving_results, tmp_path, 0.6)
+    run = load_run(path)
+    rows = cache_twins(run, "serving-cpu-bench")
+    assert [row["case"] for row in rows] == twins and all(row["kv_dtype"] == "fp8" for row in rows)
+    assert set(rows[0]["ratios"]) == {"sdpa"} and set(rows[1]["ratios"]) == {"naive", "sdpa"}
+    assert all(ratio == pytest.approx(0.6) for row in rows for ratio in row["ratios"].values())
+    assert cache_twins(dataclasses.replace(run, presets={"p": twins}), "p") == []  # no twin in the preset
+    html = _section(write_report([path], tmp_path / "r.html").read_text(), "serving-cpu-bench")
+    assert "A quantized KV cache against its 16-bit twin" in html and html.count("<td>0.60</td>") == 3
+    text = twins_table(run, "serving-cpu-bench")
+    assert "time of a step over the fp8 cache / the same step over a bf16 one" in text
+    columns = [b["impl"] for b in leaderboard(run, "serving-cpu-bench")]  # the leaderboard's order
+    assert text.splitlines()[2] == "| " + " | ".join(["case", *columns]) + " |" and set(columns) == {"naive", "sdpa"}
+    cells = [dict(zip(columns, line.strip(" |").split(" | ")[1:], strict=True)) for line in text.splitlines()
+             if "| 4 x " in line]
+    assert cells == [{"naive": "-", "sdpa": "0.60"}, {"naive": "0.60", "sdpa": "0.60"}]
+    assert "naive" not in twins_table(run, "serving-cpu-bench", impls=["sdpa"])
+    printed = markdown([path], [])  # `python -m reports --markdown`: right after the preset's own table
+    assert text in printed and printed.index(text) > printed.index("`serving-cpu-bench`, GB/s")
+    with pytest.raises(ReportError, match="no quantized-cache case"):
+        twins_table(load_run(serving_results), "serving-cpu-bench")
+    with pytest.raises(ReportError, match="--ours does not apply to --twins"):
+        render_block("twins.json --preset serving-cpu-bench --twins --ours sdpa", tmp_path, {})
+
+
 def test_case_labels_leave_to_the_caption_what_every_case_shares():
     from reports.markdown import case_labels
 
