@@ -107,6 +107,9 @@ class DecodeVariant:
 # Session 14 (H200, probe on four 70B-slice cases): 128-key page loads issued 2 tiles ahead instead of 3 read
 # 70B 64 x 32K at 3.81 TB/s (the space's best before: 3.47) and 256 x 512 at 2.26 (2.17); 4 blocks per SM
 # asked of the compiler halved most forms; latencies 4 / 4 changed little.
+# Session 39 (sm_90 SASS, tileiras 13.4, an fp8 cache under bf16 queries with the fp16 dots, group 4): the 128-key
+# page loads spill 376-472 B at latencies 3 / 3 and 2 / 2 (1 / 1: 408, 5 / 5: 416, two blocks per SM: 152-184) and
+# none at 4 / 4 (168 registers); over a bf16 cache 4 / 4 still spills 288 B. Not timed yet: a candidate for fp8.
 DECODE_SPACE = [DecodeVariant(64, "pages", occupancy=2), DecodeVariant(64, "pages"), DecodeVariant(128, "pages"),
                 DecodeVariant(128, "pages", k_latency=2, v_latency=2), DecodeVariant(128, "indexed")]
 # Session 32 (H200, probe, GPT-2: head dim 64, one query head per kv head): the 128-key page load with two blocks
