@@ -53,6 +53,11 @@ def _check_index(name: str, t: torch.Tensor, dims: int, layout: str, device: tor
 
 FP8_KV = torch.float8_e4m3fn  # the fp8 KV cache's storage dtype (e4m3: vLLM's and FlashInfer's "fp8")
 FP8_QUERIES = (torch.float16, torch.bfloat16)  # the query (and output) dtypes over an fp8 cache
+# Our decode kernels run the dots of bf16 queries over an fp8 cache in fp16 (``fp16_dots``; each kernel's module
+# docstring says how): each query row is first multiplied by a power of two that puts its largest |q| in
+# [2**F16_ROW_EXP, 2**(F16_ROW_EXP + 1)), below fp16's largest finite 65504 with room to spare, and 27 binary orders
+# of magnitude above where fp16 leaves its normal range.
+F16_ROW_EXP = 13
 
 
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_name: str, v_name: str,
@@ -268,6 +273,12 @@ def gather_sequence(inputs: PagedKV, b: int) -> tuple[torch.Tensor, torch.Tensor
     pages = inputs.block_table[b, : math.ceil(length / inputs.page_size)].long()
     k, v = (c[pages].flatten(0, 1)[:length].transpose(0, 1) for c in (inputs.k_cache, inputs.v_cache))
     return k, v
+
+
+def fp16_dots(inputs: PagedKV) -> bool:
+    """Whether our decode kernels run this batch's dots in fp16 (their F16_DOT): bf16 queries over an fp8 cache,
+    since e4m3 widens to fp16 in one instruction per two elements and to bf16 only through a second conversion."""
+    return inputs.kv_fp8 and inputs.q.dtype == torch.bfloat16
 
 
 def sequences(inputs: PagedKV | Varlen, indices: list[int] | None = None, kv_dtype: torch.dtype | None = None):

@@ -46,6 +46,7 @@ import math
 
 import cuda.tile as ct
 
+from impls._serving import F16_ROW_EXP
 from impls.cutile.kernel import (
     ConstBool,
     ConstFloat,
@@ -58,9 +59,6 @@ from impls.cutile.kernel import (
 )
 
 ROWS, PAGES, INDEXED, WORD_PAGES = 0, 1, 2, 3  # GATHER: how a key tile is read from the pages (module docstring)
-# Where ``f16_rows`` puts each query row's largest |q|: [2**13, 2**14), below fp16's largest finite 65504 with
-# room to spare, and with 27 binary orders of magnitude under it before fp16 leaves its normal range.
-F16_ROW_EXP = 13
 F32_BIAS, F32_MANTISSA_BITS = 127, 23
 
 

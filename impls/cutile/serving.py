@@ -30,6 +30,7 @@ from impls._serving import (
     Varlen,
     combine_plan,
     decode_shape_class,
+    fp16_dots,
     split_plan,
     variant_tags,
     varlen_work_plan,
@@ -154,7 +155,8 @@ class DecodeCall(Launches):
     def __init__(self, variant: DecodeVariant, inputs: PagedKV, *, scale: float, sm_count: int,
                  window_left: int = UNBOUNDED, softcap: float = 0.0, f16_dot: bool | None = None) -> None:
         """``f16_dot``: the dots of bf16 queries over an fp8 cache in fp16 (decode.py's F16_DOT); by default
-        wherever that applies (False is the bf16 form, kept for scripts/serving_probe.py's comparison)."""
+        wherever that applies (``impls._serving.fp16_dots``; False is the bf16 form, kept for
+        scripts/serving_probe.py's comparison)."""
         self.variant, self.out = variant, inputs.output_like()
         q, k_cache, v_cache = inputs.q, inputs.k_cache, inputs.v_cache
         batch, sq, hq, head_dim = q.shape
@@ -180,7 +182,7 @@ class DecodeCall(Launches):
             q, k_cache, v_cache, inputs.block_table, inputs.cache_seqlens, self.part, self.lse, self.out,
             scale * inputs.k_scale, hkv, self.split_len, window_left, inputs.v_scale, *tiles, variant.tile_n, width,
             inputs.page_size, gather, split, variant.k_latency, variant.v_latency, window_left < UNBOUNDED, softcap,
-            inputs.kv_fp8 and q.dtype == torch.bfloat16 if f16_dot is None else f16_dot))]
+            fp16_dots(inputs) if f16_dot is None else f16_dot))]
         if split:
             slice_d, chunks = combine_plan(self.num_splits, width)
             combine = _kernel_with_hints("paged_decode_combine", (("occupancy", COMBINE_OCCUPANCY),), module="decode")

@@ -16,7 +16,14 @@ import os
 import torch
 
 from impls._registry import FLOATS, Prepared, Unsupported, length_class, module_available, register
-from impls._serving import AIMED_PLANS, PROGRAMS_PER_SM, combine_plan, decode_shape_class, split_plan
+from impls._serving import (
+    AIMED_PLANS,
+    PROGRAMS_PER_SM,
+    combine_plan,
+    decode_shape_class,
+    fp16_dots,
+    split_plan,
+)
 from impls._tuning import TuningCache, family_sources, fastest, settle_gpu
 from impls._validate import NO_WINDOW, UNBOUNDED, binding_window, window_bounds
 
@@ -409,7 +416,7 @@ def paged_launch(inputs, scale: float, config: dict, window_left: int = UNBOUNDE
     split_meta = {"PAGE_SIZE": inputs.page_size, "HEAD_DIM": head_dim, "BLOCK_D": width,
                   "DOT_FP32": interp or q.dtype == torch.float32,
                   "HAS_WINDOW": window_left < UNBOUNDED, "SOFTCAP": softcap, "KV_FP8": inputs.kv_fp8,
-                  "F16_DOT": inputs.kv_fp8 and q.dtype == torch.bfloat16,  # fp16 dots: decode.py's docstring
+                  "F16_DOT": fp16_dots(inputs),
                   **tile_rows, **{name: value for name, value in config.items() if name not in DECODE_PLANS[0]}}
 
     def partials(num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:

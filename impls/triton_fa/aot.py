@@ -48,7 +48,7 @@ def compile_decode(arch: int, *, block_n: int, num_warps: int, num_stages: int, 
                  "BLOCK_M": max(16, triton.next_power_of_2(group)),  # the rows as paged_launch tiles them
                  "BLOCK_N": block_n, "DOT_FP32": False, "SPLIT": True,
                  "MASK_FREE": mask_free, "HAS_WINDOW": False, "SOFTCAP": 0.0,  # every constexpr, defaults too
-                 "KV_FP8": kv_fp8, "F16_DOT": kv_fp8 and dtype == "bf16"}  # as paged_launch decides it
+                 "KV_FP8": kv_fp8, "F16_DOT": kv_fp8 and dtype == "bf16"}  # impls._serving.fp16_dots
     pointers = {**dict.fromkeys(("Q", "Out"), dtype), **dict.fromkeys(("K_cache", "V_cache"), "fp8e4nv" if kv_fp8
                                                                         else dtype), "block_table": "i32",
                 "cache_seqlens": "i32", "O_part": "fp32", "LSE_part": "fp32"}

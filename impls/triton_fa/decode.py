@@ -40,6 +40,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from impls._serving import F16_ROW_EXP
 from impls.triton_fa.kernel import scaled_scores
 
 
@@ -56,9 +57,7 @@ def _load(ptrs, in_seq, in_dims, MASKED: tl.constexpr, PADDED: tl.constexpr):
     return tl.load(ptrs)
 
 
-# Where ``_f16_rows`` puts each query row's largest |q|: [2**13, 2**14), below fp16's largest finite 65504 with
-# room to spare, and with 27 binary orders of magnitude under it before fp16 leaves its normal range.
-_F16_ROW_EXP: tl.constexpr = tl.constexpr(13)
+_F16_ROW_EXP: tl.constexpr = tl.constexpr(F16_ROW_EXP)  # where ``_f16_rows`` puts each row's largest |q|
 _F32_BIAS: tl.constexpr = tl.constexpr(127)
 _F32_MANTISSA_BITS: tl.constexpr = tl.constexpr(23)
 
