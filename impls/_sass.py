@@ -14,7 +14,8 @@ from pathlib import Path
 
 COUNTED = {"hgmma": "HGMMA", "hmma": " HMMA", "utmaldg": "UTMALDG", "utmastg": "UTMASTG", "ldl": "LDL", "stl": "STL",
            "mufu_tanh": "MUFU.TANH", "mufu_ex2": "MUFU.EX2",
-           "atomg": "ATOMG"}  # a tensor map made at run time is written to global memory with ATOMG.E.EXCH
+           "atomg": "ATOMG",  # a tensor map made at run time is written to global memory with ATOMG.E.EXCH
+           "lds_u8": "LDS.U8", "ldsm_t": "LDSM.16.MT88"}  # byte loads from shared memory; transposing 16-bit ones
 
 
 def find_cuobjdump() -> str | None:

@@ -96,6 +96,8 @@
 #   fp8-dots: bf16 queries over an fp8 cache with the dots in fp16 (F16_DOT): the query rows of any magnitude
 #             (Triton, every cuTile decode form) and the fp8 twins checked, then scripts/serving_probe.py --fp8-dots
 #             on the serving-fp8 preset's fp8 cases (FP8_DOTS_CASES: case ids instead): bf16 dots against fp16
+#   fp8-words: the Triton decode over fp8 with its values read as words (V_WORDS) against bytes: the tests (memcheck
+#             too), the fp8 twins, then scripts/serving_probe.py --triton-switch V_WORDS on serving-fp8's fp8 cases
 #   varlen-probe: every cuTile serving candidate on the twins and the uneven packed batches, then
 #             scripts/serving_probe.py --varlen-only (VARLEN_PROBE_ARGS: more, e.g. --varlen-persistent)
 #   varlen-memcheck: each cuTile varlen candidate on the uneven packed batches under compute-sanitizer memcheck,
@@ -589,6 +591,22 @@ for part in "$@"; do
       cases=$(python3 -c "from suite.cases import preset
 print(' '.join(c.id for c in preset('serving-fp8') if c.kv_dtype))")
       probe_cases fp8-dots "${FP8_DOTS_CASES:-$cases}" . python3 scripts/serving_probe.py --fp8-dots
+      ;;
+    fp8-words)
+      # the Triton decode's fp8 values read as 32-bit words (V_WORDS) against bytes: its tests (also under memcheck,
+      # without PyTorch's caching allocator), the fp8 twins, then serving_probe.py --triton-switch V_WORDS on the
+      # serving-fp8 preset's fp8 cases (FP8_WORDS_CASES: case ids instead)
+      step fp8-words-checks 240 python3 -m pytest tests/test_serving.py -q -p no:cacheprovider -rf \
+        -k "words or any_magnitude"
+      PYTORCH_NO_CUDA_MEMORY_CACHING=1 step fp8-words-memcheck 240 compute-sanitizer --tool memcheck \
+        --error-exitcode 9 python3 -m pytest tests/test_serving.py -q -p no:cacheprovider -rf -k words
+      grep -E "ERROR SUMMARY|passed|failed" "$out/fp8-words-memcheck.log" | tail -2
+      step fp8-words-twins 200 python3 -m pytest suite -k "correctness and kvfp8" -q -p no:cacheprovider -rf \
+        --grid serving-cpu --impl triton
+      cases=$(python3 -c "from suite.cases import preset
+print(' '.join(c.id for c in preset('serving-fp8') if c.kv_dtype))")
+      probe_cases fp8-words "${FP8_WORDS_CASES:-$cases}" '"variant"' python3 scripts/serving_probe.py \
+        --triton-switch V_WORDS --no-cutile
       ;;
     varlen-probe)
       step varlen-candidates 300 python3 -m pytest tests/test_gpu_candidates.py -k "serving or uneven" -q \

@@ -11,7 +11,8 @@ each peer in alternation (``plans-wide``: over TRITON_WIDE's tiles with each pla
 of the tuner's space and of DEEP_TILES (K/V double-buffered; ``--deep-tile N,W,S`` others) the same way;
 ``--fp8-dots`` (by default on the fp8 cases of ``serving-fp8``) times bf16 queries over an fp8 cache with the dots
 in bf16 and in fp16 (F16_DOT): each cuTile form both ways in alternation, then the fastest Triton config of each
-way and each peer in alternation; ``--peer NAME``
+way and each peer in alternation; ``--triton-switch KEY`` (the same default cases) the fastest Triton config with a
+constexpr of the split kernel off and on (V_WORDS: fp8 values read as bytes or as words) and each peer; ``--peer NAME``
 times a registered implementation of the operation the same way, in the same process (``--no-cutile`` leaves
 cuTile out, for a machine without its toolchain). Varlen (``--varlen-only``: nothing else): each varlen
 candidate on every ``varlen`` case (``--varlen-grid NAME``: another preset's, with their window and softcap), and
@@ -142,9 +143,22 @@ def fp8_dots_ab(case_id: str, peers: list[str], cutile: bool = True, rounds: int
                           "fp16_gbps": metrics.kv_bytes(case) / median["fp16"] / 1e6,
                           "passed": [oracle.check(call()).passed for call in calls.values()]}), flush=True)
     peer_calls = {name: impls.get(name, "paged").prepare(inputs, scale=scale) for name in peers}
-    spaces = {f"{dots} dots": [{**config, "F16_DOT": dots == "fp16"} for config in TRITON_SPACE]
-              for dots in ("bf16", "fp16")}
-    fastest_of_each(inputs, scale, case, oracle, peer_calls, spaces, rounds=rounds)
+    fastest_of_each(inputs, scale, case, oracle, peer_calls, switch_spaces("F16_DOT"), rounds=rounds)
+
+
+def switch_spaces(key: str) -> dict[str, list[dict]]:
+    """The tuner's Triton decode space with the split kernel's constexpr ``key`` off, and on."""
+    return {f"{key} {state}": [{**config, key: state == "on"} for config in TRITON_SPACE] for state in ("off", "on")}
+
+
+def switch_ab(case_id: str, key: str, peers: list[str], rounds: int = 5) -> None:
+    """The fastest Triton config of the tuner's space with constexpr ``key`` off and with it on, and each peer,
+    timed in alternation (``fastest_of_each``)."""
+    case = case_by_id(case_id)
+    inputs = case.make_inputs("cuda")
+    scale = inputs.head_dim ** -0.5
+    peer_calls = {name: impls.get(name, "paged").prepare(inputs, scale=scale) for name in peers}
+    fastest_of_each(inputs, scale, case, Oracle.serving(inputs), peer_calls, switch_spaces(key), rounds=rounds)
 
 
 def interleaved(calls: dict, rounds: int) -> dict:
@@ -273,7 +287,14 @@ def main() -> None:
                         help="--triton deep: a tile (keys, warps, stages) in place of DEEP_TILES (repeatable)")
     parser.add_argument("--latency", action="append", default=[], metavar="K,V",
                         help="cuTile K and V load latencies to try on every candidate (repeatable)")
+    parser.add_argument("--triton-switch", metavar="KEY",
+                        help="the fastest Triton config with the split kernel's constexpr KEY off and on, beside "
+                             "each --peer (default cases: serving-fp8's fp8 ones; only this)")
     args = parser.parse_args()
+    if args.triton_switch:
+        for case_id in args.case or [c.id for c in preset("serving-fp8") if c.kv_dtype == "fp8"]:
+            switch_ab(case_id, args.triton_switch, args.peer)
+        return
     if args.fp8_dots:
         for case_id in args.case or [c.id for c in preset("serving-fp8") if c.kv_dtype == "fp8"]:
             fp8_dots_ab(case_id, args.peer, cutile=not args.no_cutile)

@@ -168,6 +168,43 @@ def test_triton_decode_over_fp8_keeps_bf16_queries_of_any_magnitude():
         assert result.passed, f"queries of {magnitude}: {result.message}"
 
 
+def off_word(cache: torch.Tensor) -> torch.Tensor:
+    """The same cache one byte past a 32-bit word boundary (its unused slots' NaN too)."""
+    shifted = torch.empty(cache.numel() + 1, dtype=cache.dtype, device=cache.device)[1:].view(cache.shape)
+    return shifted.copy_(cache)
+
+
+def test_triton_reads_fp8_values_as_words_only_where_it_can():
+    """V_WORDS (decode.py): the values come as 32-bit words under fp16 dots in compiled code, over a word-aligned
+    cache; bf16 dots, the interpreter or a cache off word alignment keep the byte path."""
+    from impls.triton_fa import word_values
+
+    inputs = fp8_inputs()
+    assert word_values(inputs, interp=False) and not word_values(inputs, interp=True)
+    assert word_values(dataclasses.replace(inputs, q=inputs.q.half()), interp=False)  # fp16 queries: fp16 dots
+    assert not word_values(dataclasses.replace(inputs, v_cache=off_word(inputs.v_cache)), interp=False)
+    assert not word_values(paged_inputs(), interp=False)  # a bf16 cache
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="V_WORDS runs inline PTX: compiled code on a GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_fp8_values_as_words_on_every_decode_tile(dtype):
+    """Every tile of the decode tuner over the fp8 twin (ragged pages, NaN in unused slots), its values read as
+    words (bf16 queries with the fp16 dots, and fp16 queries), then as bytes from a cache off word alignment: the
+    oracle's output each time."""
+    from impls.triton_fa import DECODE_TILES, paged_launch, word_values
+
+    inputs = paged(TINY, 3, 100, lengths="longtail", kv_dtype="fp8").make_inputs("cuda")
+    inputs = dataclasses.replace(inputs, q=inputs.q.to(dtype))
+    shifted = dataclasses.replace(inputs, v_cache=off_word(inputs.v_cache))
+    for case, words in ((inputs, True), (shifted, False)):
+        assert word_values(case, interp=False) is words
+        for n, w, st in DECODE_TILES:
+            run, _ = paged_launch(case, TINY[3] ** -0.5, {"BLOCK_N": n, "num_warps": w, "num_stages": st})
+            result = Oracle.serving(case).check(run())
+            assert result.passed, f"tile {n, w, st}, words {words}: {result.message}"
+
+
 def test_case_ids_and_lengths():
     case = paged(("llama3-8b", 32, 8, 128), 16, 32768, lengths="longtail")
     assert case.id == "llama3-8b-paged-bf16-h32:8-q1-kv32768-longtail-p16-d128-b16"

@@ -62,15 +62,16 @@ def test_decode_tiles_double_buffer_k_and_v_from_five_stages_and_none_spills():
         assert result["stack"] == 0 and result["shared"] <= 227 * 1024, (n, w, st, result)
 
 
-def test_decode_tiles_compile_over_an_fp8_cache():
-    """Over an fp8 cache each tile is widened in registers (to fp16 under bf16 queries, F16_DOT): every tile of the
-    decode tuner compiles, and the 64-key tiles of 2 and 3 stages hold no stack (Triton 3.9 with the fp16 dots: the
-    128-key tiles spill 56-64 B, which the tuner weighs by their time; its pick over fp8 on the H100 is the 128-key
-    tile of 5 stages)."""
+def test_decode_tiles_over_an_fp8_cache_read_values_as_words_and_hold_no_stack():
+    """Over an fp8 cache under bf16 queries (fp16 dots, F16_DOT) every tile of the decode tuner reads V as words
+    (V_WORDS) and widens it before the dot's layout: V reaches the dot through transposing 16-bit loads, no byte
+    loads, and no tile holds stack. Read as bytes (before session 40) each tile gathered V with LDS.U8 and the
+    128-key ones spilled 56-64 B (Triton 3.9)."""
     from impls.triton_fa import DECODE_TILES
 
-    results = compiled(*(f"--arch 90 --decode {n} {w} {st} --kv-fp8" for n, w, st in DECODE_TILES))
-    for (n, w, st), result in zip(DECODE_TILES, results, strict=True):
+    words = compiled(*(f"--arch 90 --decode {n} {w} {st} --kv-fp8" for n, w, st in DECODE_TILES))
+    byte_tile = compiled("--arch 90 --decode 128 4 5 --kv-fp8 --value-bytes")[0]
+    assert byte_tile["lds_u8"] > 0 and byte_tile["ldsm_t"] == 0
+    for (n, w, st), result in zip(DECODE_TILES, words, strict=True):
         assert result["hmma"] > 0 and result["shared"] <= 227 * 1024, (n, w, st, result)
-        if n == 64 and st <= 3:
-            assert result["stack"] == 0, (n, w, st, result)
+        assert result["lds_u8"] == 0 and result["ldsm_t"] > 0 and result["stack"] == 0, (n, w, st, result)

@@ -396,6 +396,15 @@ def resident_blocks(kernel, args: tuple, meta: dict) -> int:
     return max(blocks.value, 1)
 
 
+def word_values(inputs, interp: bool) -> bool:
+    """Whether the split kernel reads an fp8 value cache as 32-bit words and widens them before its dot (V_WORDS):
+    under fp16 dots (fp16 queries, or bf16 ones with ``fp16_dots``), compiled (the interpreter runs no inline PTX),
+    over a cache whose base and strides hold whole words."""
+    v_cache = inputs.v_cache
+    in_words = v_cache.data_ptr() % 4 == 0 and all(stride % 4 == 0 for stride in v_cache.stride()[:3])
+    return inputs.kv_fp8 and not interp and in_words and (inputs.q.dtype == torch.float16 or fp16_dots(inputs))
+
+
 def paged_launch(inputs, scale: float, config: dict, window_left: int = UNBOUNDED, softcap: float = 0.0):
     """The launches of one decode step with ``config`` (split, then combine where a sequence has more than one
     chunk), and the split plan. ``window_left``: a sliding window as ``PagedKV.window_left`` gives it."""
@@ -416,7 +425,7 @@ def paged_launch(inputs, scale: float, config: dict, window_left: int = UNBOUNDE
     split_meta = {"PAGE_SIZE": inputs.page_size, "HEAD_DIM": head_dim, "BLOCK_D": width,
                   "DOT_FP32": interp or q.dtype == torch.float32,
                   "HAS_WINDOW": window_left < UNBOUNDED, "SOFTCAP": softcap, "KV_FP8": inputs.kv_fp8,
-                  "F16_DOT": fp16_dots(inputs),
+                  "F16_DOT": fp16_dots(inputs), "V_WORDS": word_values(inputs, interp),
                   **tile_rows, **{name: value for name, value in config.items() if name not in DECODE_PLANS[0]}}
 
     def partials(num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,6 +30,10 @@ So the kernel is built around reading the cache once, from enough programs to ke
    elements, where reaching bf16 takes a second conversion per element. Each query row is scaled by a power of
    two into fp16's range first (``_f16_rows``), so q is exact in fp16 and the scores are those of the bf16 dot;
    the probabilities gain precision (11 significant bits instead of 8).
+   Over fp16 dots V is read as 32-bit words (V_WORDS) and widened before the dot's layout is made. PV wants
+   each thread's values in pairs of keys, which memory holds a head-dim row apart; sm_90 has no transposing
+   shared-memory load of bytes, so Triton gathered an fp8 V tile byte by byte (256 ``LDS.U8`` a thread for 128
+   keys, and spills). Widened first, the tile takes the transposing 16-bit load a bf16 cache does.
 
 Causal within each sequence, bottom-right: new token ``t`` (of ``Sq_new``) sees positions ``<= L - Sq_new + t``
 (and, windowed, ``>= L - Sq_new + t - window_left``).
@@ -78,12 +82,25 @@ def _f16_rows(q):
 
 
 @triton.jit
+def _e4m3_words_as_f16(words):
+    """A tile of 32-bit words, each four e4m3 values along the head dim (lowest byte first), as the fp16 tile of
+    those values: four times as wide. The widening is sm_90's two-element conversion, twice a word."""
+    v0, v1, v2, v3 = tl.inline_asm_elementwise(
+        asm="{ .reg .b16 lo, hi; .reg .b32 x, y; mov.b32 {lo, hi}, $4; "
+            "cvt.rn.f16x2.e4m3x2 x, lo; cvt.rn.f16x2.e4m3x2 y, hi; mov.b32 {$0, $1}, x; mov.b32 {$2, $3}, y; }",
+        constraints="=h,=h,=h,=h,r", args=[words], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+        is_pure=True, pack=1)
+    # join(join(v0, v1), join(v2, v3))[n, w, i, j] is byte 2i + j of word w: column 4w + 2i + j once flattened
+    return tl.reshape(tl.join(tl.join(v0, v1), tl.join(v2, v3)), (words.shape[0], words.shape[1] * 4))
+
+
+@triton.jit
 def _decode_tiles(
     q, acc, l_i, m_i, K_cache, V_cache, table_row, kv_head, lo, hi, end, last_visible, window_left, qk_scale,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, V_WORDS: tl.constexpr,
 ):
     """Online softmax of the tile's rows over cache positions [lo, hi), BLOCK_N at a time. MASKED: positions
     at or past ``end`` read zeros and are left out, and so are those past a row's ``last_visible`` (or, with a
@@ -91,6 +108,14 @@ def _decode_tiles(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     in_dims = offs_d < HEAD_DIM  # a head dim below the tile's reads zeros past its end
+    if V_WORDS:  # V's columns as 32-bit words of four (the launch checks that the strides hold whole words)
+        V_cache = V_cache.to(tl.pointer_type(tl.int32))
+        stride_vp, stride_vs, stride_vh = stride_vp // 4, stride_vs // 4, stride_vh // 4
+        offs_v = tl.arange(0, BLOCK_D // 4)
+        in_v_dims = offs_v * 4 < HEAD_DIM
+    else:
+        offs_v = offs_d
+        in_v_dims = in_dims
     for tile_start in range(lo, hi, BLOCK_N):
         pos = tile_start + offs_n
         in_seq = pos < end
@@ -100,7 +125,7 @@ def _decode_tiles(
             page = tl.load(table_row + pos // PAGE_SIZE).to(tl.int64)
         slot = pos % PAGE_SIZE
         k_ptrs = K_cache + page[None, :] * stride_kp + slot[None, :] * stride_ks + kv_head * stride_kh + offs_d[:, None]
-        v_ptrs = V_cache + page[:, None] * stride_vp + slot[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :]
+        v_ptrs = V_cache + page[:, None] * stride_vp + slot[:, None] * stride_vs + kv_head * stride_vh + offs_v[None, :]
         k = _load(k_ptrs, in_seq[None, :], in_dims[:, None], MASKED, BLOCK_D != HEAD_DIM)
         if DOT_FP32 or KV_FP8:  # the interpreter computes half-precision dots wrongly; fp8 widens to q's dtype
             k = k.to(q.dtype)
@@ -110,17 +135,18 @@ def _decode_tiles(
             if HAS_WINDOW:
                 visible = visible & (pos[None, :] >= last_visible[:, None] - window_left)
             qk = tl.where(visible, qk, float("-inf"))
-        acc, l_i, m_i = online_softmax_step(qk, acc, l_i, m_i, v_ptrs, in_seq, in_dims, MASKED, BLOCK_D != HEAD_DIM,
-                                            DOT_FP32, q.dtype if KV_FP8 else None)
+        acc, l_i, m_i = online_softmax_step(qk, acc, l_i, m_i, v_ptrs, in_seq, in_v_dims, MASKED,
+                                            BLOCK_D != HEAD_DIM, DOT_FP32, q.dtype if KV_FP8 else None, V_WORDS)
     return acc, l_i, m_i
 
 
 @triton.jit
 def online_softmax_step(qk, acc, l_i, m_i, v_ptrs, in_seq, in_dims, MASKED: tl.constexpr, PADDED: tl.constexpr,
-                        DOT_FP32: tl.constexpr, WIDEN_TO: tl.constexpr = None):
+                        DOT_FP32: tl.constexpr, WIDEN_TO: tl.constexpr = None, V_WORDS: tl.constexpr = False):
     """One key tile of the online softmax: the running max, sum and output rescaled to the tile's scores ``qk``
     (log2 units, hidden keys -inf) and its values (``_load``'s masks) added in. ``WIDEN_TO``: the dtype an fp8
-    value tile is widened to before its dot."""
+    value tile is widened to before its dot; ``V_WORDS``: the values come as words of four e4m3, widened to
+    fp16."""
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     # MASKED: a row that has seen no key yet has m == -inf: subtract 0 instead of NaN-ing
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new) if MASKED else m_new
@@ -128,7 +154,9 @@ def online_softmax_step(qk, acc, l_i, m_i, v_ptrs, in_seq, in_dims, MASKED: tl.c
     alpha = tl.math.exp2(m_i - m_ref)
     l_i = l_i * alpha + tl.sum(p, 1)
     v = _load(v_ptrs, in_seq[:, None], in_dims[None, :], MASKED, PADDED)
-    if WIDEN_TO is not None:
+    if V_WORDS:
+        v = _e4m3_words_as_f16(v)
+    elif WIDEN_TO is not None:
         v = v.to(WIDEN_TO)
     if DOT_FP32:
         acc = tl.dot(p, v.to(tl.float32), acc * alpha[:, None], input_precision="ieee")
@@ -150,12 +178,13 @@ def paged_decode_split(
     GROUP: tl.constexpr, SQ: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, SPLIT: tl.constexpr,
     MASK_FREE: tl.constexpr = True, HAS_WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = 0.0,
-    KV_FP8: tl.constexpr = False, F16_DOT: tl.constexpr = False,
+    KV_FP8: tl.constexpr = False, F16_DOT: tl.constexpr = False, V_WORDS: tl.constexpr = False,
 ):
     """Program (split, batch * kv head): attention of the GROUP x SQ query rows over one chunk of the cache.
     SPLIT: its normalised output and log-sum-exp go to O_part and LSE_part for the combine; otherwise (one
     chunk per sequence) the output rows go to Out. KV_FP8: the caches are fp8, ``qk_scale`` holds k_scale and
-    the output is multiplied by ``v_scale``; F16_DOT (bf16 queries over fp8): the dots run in fp16."""
+    the output is multiplied by ``v_scale``; F16_DOT (bf16 queries over fp8): the dots run in fp16; V_WORDS (fp8
+    under fp16 dots, compiled): V is read as 32-bit words and widened before its dot's layout."""
     split = tl.program_id(0)
     bk = tl.program_id(1)
     batch = (bk // num_kv_heads).to(tl.int64)
@@ -197,7 +226,7 @@ def paged_decode_split(
         acc, l_i, m_i = _decode_tiles(
             q, acc, l_i, m_i, K_cache, V_cache, table_row, kv_head, start, free_from, end, last_visible, window_left,
             qk_scale, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-            PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_FP32, True, HAS_WINDOW, SOFTCAP, KV_FP8)
+            PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_FP32, True, HAS_WINDOW, SOFTCAP, KV_FP8, V_WORDS)
     # Whole tiles of positions that every new token sees (up to seq_len - SQ) run without a mask; only the
     # chunk's last tile (ragged, or holding the newest SQ - 1 positions) is masked.
     mask_from = free_from
@@ -206,11 +235,11 @@ def paged_decode_split(
         acc, l_i, m_i = _decode_tiles(
             q, acc, l_i, m_i, K_cache, V_cache, table_row, kv_head, free_from, mask_from, end, last_visible,
             window_left, qk_scale, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-            PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_FP32, False, HAS_WINDOW, SOFTCAP, KV_FP8)
+            PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_FP32, False, HAS_WINDOW, SOFTCAP, KV_FP8, V_WORDS)
     acc, l_i, m_i = _decode_tiles(
         q, acc, l_i, m_i, K_cache, V_cache, table_row, kv_head, mask_from, end, end, last_visible, window_left,
         qk_scale, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-        PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_FP32, True, HAS_WINDOW, SOFTCAP, KV_FP8)
+        PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_FP32, True, HAS_WINDOW, SOFTCAP, KV_FP8, V_WORDS)
 
     # The chunk's normalised output and its log-sum-exp in log2 units (-inf where a row saw no key here).
     if KV_FP8:  # the values' scale, once per chunk (the combine is linear in the partial outputs)
