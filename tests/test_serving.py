@@ -186,6 +186,17 @@ def test_triton_reads_fp8_values_as_words_only_where_it_can():
     assert not word_values(paged_inputs(), interp=False)  # a bf16 cache
 
 
+def test_words_widen_into_their_columns_in_order():
+    """V_WORDS' four values of a word land in its four columns, lowest byte first (``interleave_columns``; the
+    widening itself is inline PTX, which only a GPU runs: the next test)."""
+    kernels = pytest.importorskip("tests._triton_kernels")
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    out = torch.empty(2, 16, dtype=torch.int32, device=device)
+    kernels.spread_words[(1,)](out, ROWS=2, WORDS=4)
+    assert out.flatten().tolist() == list(range(32))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="V_WORDS runs inline PTX: compiled code on a GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_triton_fp8_values_as_words_on_every_decode_tile(dtype):

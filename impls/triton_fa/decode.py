@@ -90,8 +90,14 @@ def _e4m3_words_as_f16(words):
             "cvt.rn.f16x2.e4m3x2 x, lo; cvt.rn.f16x2.e4m3x2 y, hi; mov.b32 {$0, $1}, x; mov.b32 {$2, $3}, y; }",
         constraints="=h,=h,=h,=h,r", args=[words], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
         is_pure=True, pack=1)
-    # join(join(v0, v1), join(v2, v3))[n, w, i, j] is byte 2i + j of word w: column 4w + 2i + j once flattened
-    return tl.reshape(tl.join(tl.join(v0, v1), tl.join(v2, v3)), (words.shape[0], words.shape[1] * 4))
+    return interleave_columns(v0, v1, v2, v3)
+
+
+@triton.jit
+def interleave_columns(c0, c1, c2, c3):
+    """Four (rows, w) tiles as one (rows, 4w): column 4j + i from ``ci[:, j]``. tl.join stacks along a new last
+    axis, so join(join(c0, c2), join(c1, c3))[n, j, a, b] is c(2a + b)[n, j], column 4j + 2a + b once flattened."""
+    return tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), (c0.shape[0], c0.shape[1] * 4))
 
 
 @triton.jit
