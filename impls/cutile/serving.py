@@ -110,7 +110,11 @@ class DecodeVariant:
 # asked of the compiler halved most forms; latencies 4 / 4 changed little.
 # Session 39 (sm_90 SASS, tileiras 13.4, an fp8 cache under bf16 queries with the fp16 dots, group 4): the 128-key
 # page loads spill 376-472 B at latencies 3 / 3 and 2 / 2 (1 / 1: 408, 5 / 5: 416, two blocks per SM: 152-184) and
-# none at 4 / 4 (168 registers); over a bf16 cache 4 / 4 still spills 288 B. Not timed yet: a candidate for fp8.
+# none at 4 / 4 (168 registers); over a bf16 cache 4 / 4 still spills 288 B. Session 40 timed it (H100,
+# serving_probe.py --latency 4,4, fp8 with the fp16 dots): 8B 16 x 32K 1758 GB/s and the 70B slice's 64 x 8K 1405,
+# against 2009 and 1795 for the 64-key page load with two blocks a SM, so it stays out. Like Triton's, this kernel
+# gathers an fp8 V tile from shared memory byte by byte (LDS.U8: 320-512 a thread on sm_90); read through a word view
+# and widened after, the compiler still does (tileiras 13.4), and cuTile has no other way to order the two.
 DECODE_SPACE = [DecodeVariant(64, "pages", occupancy=2), DecodeVariant(64, "pages"), DecodeVariant(128, "pages"),
                 DecodeVariant(128, "pages", k_latency=2, v_latency=2), DecodeVariant(128, "indexed")]
 # Session 32 (H200, probe, GPT-2: head dim 64, one query head per kv head): the 128-key page load with two blocks

@@ -396,6 +396,11 @@ def resident_blocks(kernel, args: tuple, meta: dict) -> int:
     return max(blocks.value, 1)
 
 
+# Session 40 (H100, serving_probe.py --triton-switch V_WORDS: the fastest config of the tuner's space each way, then
+# both in alternation, median of 5; GB/s, bytes before -> words): 8B 1 x 32K 1792 -> 1902, 16 x 32K 2697 -> 2799,
+# 64 x 8K 2656 -> 2818, 256 x 2K 2561 -> 2667; 70B slice 16 x 32K 2229 -> 2330, 64 x 8K 2230 -> 2332, 256 x 2K
+# 2359 -> 2410; at its 1 x 32K (a step of 10 us, 32-key tiles) 816 -> 796. With words no tile spills, and deeper or
+# wider ones (128 keys at 7 stages or 8 warps, 64 at 5 stages, 256 at 5) still lost 5-10% to the 128-key 5-stage one.
 def word_values(inputs, interp: bool) -> bool:
     """Whether the split kernel reads an fp8 value cache as 32-bit words and widens them before its dot (V_WORDS):
     under fp16 dots (fp16 queries, or bf16 ones with ``fp16_dots``), compiled (the interpreter runs no inline PTX),
