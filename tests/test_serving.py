@@ -182,6 +182,7 @@ def test_triton_reads_fp8_values_as_words_only_where_it_can():
     inputs = fp8_inputs()
     assert word_values(inputs, interp=False) and not word_values(inputs, interp=True)
     assert word_values(dataclasses.replace(inputs, q=inputs.q.half()), interp=False)  # fp16 queries: fp16 dots
+    assert not word_values(inputs, interp=False, f16_dot=False)  # bf16 queries with F16_DOT off: bf16 dots
     assert not word_values(dataclasses.replace(inputs, v_cache=off_word(inputs.v_cache)), interp=False)
     assert not word_values(paged_inputs(), interp=False)  # a bf16 cache
 
@@ -211,7 +212,8 @@ def test_triton_fp8_values_as_words_on_every_decode_tile(dtype):
     for case, words in ((inputs, True), (shifted, False)):
         assert word_values(case, interp=False) is words
         for n, w, st in DECODE_TILES:
-            run, _ = paged_launch(case, TINY[3] ** -0.5, {"BLOCK_N": n, "num_warps": w, "num_stages": st})
+            run, plan = paged_launch(case, TINY[3] ** -0.5, {"BLOCK_N": n, "num_warps": w, "num_stages": st})
+            assert plan["fp8_values"] == ("words" if words else "bytes")  # recorded with the benchmark's config
             result = Oracle.serving(case).check(run())
             assert result.passed, f"tile {n, w, st}, words {words}: {result.message}"
 

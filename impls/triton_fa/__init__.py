@@ -401,13 +401,14 @@ def resident_blocks(kernel, args: tuple, meta: dict) -> int:
 # 64 x 8K 2656 -> 2818, 256 x 2K 2561 -> 2667; 70B slice 16 x 32K 2229 -> 2330, 64 x 8K 2230 -> 2332, 256 x 2K
 # 2359 -> 2410; at its 1 x 32K (a step of 10 us, 32-key tiles) 816 -> 796. With words no tile spills, and deeper or
 # wider ones (128 keys at 7 stages or 8 warps, 64 at 5 stages, 256 at 5) still lost 5-10% to the 128-key 5-stage one.
-def word_values(inputs, interp: bool) -> bool:
+def word_values(inputs, interp: bool, f16_dot: bool | None = None) -> bool:
     """Whether the split kernel reads an fp8 value cache as 32-bit words and widens them before its dot (V_WORDS):
-    under fp16 dots (fp16 queries, or bf16 ones with ``fp16_dots``), compiled (the interpreter runs no inline PTX),
-    over a cache whose base and strides hold whole words."""
+    under fp16 dots (fp16 queries, or bf16 ones with F16_DOT: ``f16_dot``, by default ``fp16_dots``), compiled (the
+    interpreter runs no inline PTX), over a cache whose base and strides hold whole words."""
+    f16_dot = fp16_dots(inputs) if f16_dot is None else f16_dot
     v_cache = inputs.v_cache
     in_words = v_cache.data_ptr() % 4 == 0 and all(stride % 4 == 0 for stride in v_cache.stride()[:3])
-    return inputs.kv_fp8 and not interp and in_words and (inputs.q.dtype == torch.float16 or fp16_dots(inputs))
+    return inputs.kv_fp8 and not interp and in_words and (inputs.q.dtype == torch.float16 or f16_dot)
 
 
 def paged_launch(inputs, scale: float, config: dict, window_left: int = UNBOUNDED, softcap: float = 0.0):
@@ -430,8 +431,9 @@ def paged_launch(inputs, scale: float, config: dict, window_left: int = UNBOUNDE
     split_meta = {"PAGE_SIZE": inputs.page_size, "HEAD_DIM": head_dim, "BLOCK_D": width,
                   "DOT_FP32": interp or q.dtype == torch.float32,
                   "HAS_WINDOW": window_left < UNBOUNDED, "SOFTCAP": softcap, "KV_FP8": inputs.kv_fp8,
-                  "F16_DOT": fp16_dots(inputs), "V_WORDS": word_values(inputs, interp),
+                  "F16_DOT": fp16_dots(inputs),
                   **tile_rows, **{name: value for name, value in config.items() if name not in DECODE_PLANS[0]}}
+    split_meta.setdefault("V_WORDS", word_values(inputs, interp, split_meta["F16_DOT"]))  # after a config's F16_DOT
 
     def partials(num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Each chunk's normalised output and log-sum-exp, for the combine (unused without a split)."""
@@ -468,8 +470,9 @@ def paged_launch(inputs, scale: float, config: dict, window_left: int = UNBOUNDE
             kernel[grid](*args, **meta)
         return out
 
+    read_as = {"fp8_values": "words" if split_meta["V_WORDS"] else "bytes"} if inputs.kv_fp8 else {}
     return run, {"num_splits": num_splits, "split_len": split_len, "BLOCK_M": block_m,
-                 **({"programs_per_sm": programs_per_sm} if fit else {})}
+                 **({"programs_per_sm": programs_per_sm} if fit else {}), **read_as}
 
 
 @register("triton", op="paged", family="triton", dtypes=FLOATS, head_dims=HEAD_DIMS, requires=requires,

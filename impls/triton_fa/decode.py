@@ -111,6 +111,7 @@ def _decode_tiles(
     """Online softmax of the tile's rows over cache positions [lo, hi), BLOCK_N at a time. MASKED: positions
     at or past ``end`` read zeros and are left out, and so are those past a row's ``last_visible`` (or, with a
     window, more than ``window_left`` before it); otherwise every row sees every position (no mask at all)."""
+    tl.static_assert(not V_WORDS or q.dtype == tl.float16, "V_WORDS widens the values to fp16: fp16 dots only")
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     in_dims = offs_d < HEAD_DIM  # a head dim below the tile's reads zeros past its end
