@@ -199,20 +199,20 @@ def test_words_widen_into_their_columns_in_order():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="V_WORDS runs inline PTX: compiled code on a GPU")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_triton_fp8_values_as_words_on_every_decode_tile(dtype):
+@pytest.mark.parametrize(("dtype", "head_dim"), [(torch.bfloat16, 64), (torch.float16, 64), (torch.bfloat16, 96)])
+def test_triton_fp8_values_as_words_on_every_decode_tile(dtype, head_dim):
     """Every tile of the decode tuner over the fp8 twin (ragged pages, NaN in unused slots), its values read as
-    words (bf16 queries with the fp16 dots, and fp16 queries), then as bytes from a cache off word alignment: the
-    oracle's output each time."""
+    words (bf16 queries with the fp16 dots, and fp16 queries; a head dim of 96 pads the tile to 128, its last
+    words masked), then as bytes from a cache off word alignment: the oracle's output each time."""
     from impls.triton_fa import DECODE_TILES, paged_launch, word_values
 
-    inputs = paged(TINY, 3, 100, lengths="longtail", kv_dtype="fp8").make_inputs("cuda")
+    inputs = paged((*TINY[:3], head_dim), 3, 100, lengths="longtail", kv_dtype="fp8").make_inputs("cuda")
     inputs = dataclasses.replace(inputs, q=inputs.q.to(dtype))
     shifted = dataclasses.replace(inputs, v_cache=off_word(inputs.v_cache))
     for case, words in ((inputs, True), (shifted, False)):
         assert word_values(case, interp=False) is words
         for n, w, st in DECODE_TILES:
-            run, plan = paged_launch(case, TINY[3] ** -0.5, {"BLOCK_N": n, "num_warps": w, "num_stages": st})
+            run, plan = paged_launch(case, head_dim ** -0.5, {"BLOCK_N": n, "num_warps": w, "num_stages": st})
             assert plan["fp8_values"] == ("words" if words else "bytes")  # recorded with the benchmark's config
             result = Oracle.serving(case).check(run())
             assert result.passed, f"tile {n, w, st}, words {words}: {result.message}"
