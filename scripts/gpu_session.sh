@@ -172,6 +172,9 @@ probe_cases() {  # probe_cases NAME "CASE ..." PATTERN COMMAND...: COMMAND --cas
   done
   cat "$out/$name"-*.log | grep -E "$pattern"
 }
+fp8_cases() {  # the serving-fp8 preset's fp8-cache case ids, space-separated
+  python3 -c "from suite.cases import preset; print(' '.join(c.id for c in preset('serving-fp8') if c.kv_dtype))"
+}
 fi_aot() {  # FlashInfer's modules of this machine (compiled here, or carried) as ahead-of-time artifacts,
   # $out/flashinfer-aot.tar.xz: NAME/NAME.so each, for .gpu-fi-aot/ (scripts/flashinfer_env.sh)
   local aot=/tmp/fi-aot so name
@@ -588,9 +591,7 @@ for part in "$@"; do
     fp8-dots)
       step fp8-dots-checks 240 python3 -m pytest tests/test_serving.py tests/test_gpu_candidates.py -q \
         -p no:cacheprovider -rf -k "any_magnitude or (serving and kvfp8)"
-      cases=$(python3 -c "from suite.cases import preset
-print(' '.join(c.id for c in preset('serving-fp8') if c.kv_dtype))")
-      probe_cases fp8-dots "${FP8_DOTS_CASES:-$cases}" . python3 scripts/serving_probe.py --fp8-dots
+      probe_cases fp8-dots "${FP8_DOTS_CASES:-$(fp8_cases)}" . python3 scripts/serving_probe.py --fp8-dots
       ;;
     fp8-words)
       # the Triton decode's fp8 values read as 32-bit words (V_WORDS) against bytes: its tests (also under memcheck,
@@ -603,9 +604,7 @@ print(' '.join(c.id for c in preset('serving-fp8') if c.kv_dtype))")
       grep -E "ERROR SUMMARY|passed|failed" "$out/fp8-words-memcheck.log" | tail -2
       step fp8-words-twins 200 python3 -m pytest suite -k "correctness and kvfp8" -q -p no:cacheprovider -rf \
         --grid serving-cpu --impl triton
-      cases=$(python3 -c "from suite.cases import preset
-print(' '.join(c.id for c in preset('serving-fp8') if c.kv_dtype))")
-      probe_cases fp8-words "${FP8_WORDS_CASES:-$cases}" '"variant"' python3 scripts/serving_probe.py \
+      probe_cases fp8-words "${FP8_WORDS_CASES:-$(fp8_cases)}" '"variant"' python3 scripts/serving_probe.py \
         --triton-switch V_WORDS --no-cutile
       ;;
     varlen-probe)
