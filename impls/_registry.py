@@ -10,7 +10,9 @@ An implementation is a *prepare* function::
 ``q`` is ``(B, Hq, Sq, D)``, ``k`` and ``v`` are ``(B, Hkv, Skv, D)``; the returned callable computes
 ``o (B, Hq, Sq, D)`` in q's dtype and is the only thing a benchmark times. The registry validates the
 inputs (``impls._validate``) and the declared capabilities before calling the prepare function, so an
-adapter only raises :class:`Unsupported` for what is particular to it.
+adapter only raises :class:`Unsupported` for what is particular to it. Every tensor it gets has its head dim
+(the last) at unit stride: one whose head dim is strided arrives as a contiguous copy, made then, out of any
+timed region (``unit_head_stride``).
 
 Beside dense forward (``op="dense"``) there are the serving operations of ``impls._serving``: ``"paged"``
 (decode over a paged KV cache) and ``"varlen"`` (packed variable-length prefill). Their prepare functions
@@ -39,7 +41,7 @@ from typing import Any, Protocol
 
 import torch
 
-from impls._validate import NO_WINDOW, validate_attention_inputs, validate_variants
+from impls._validate import NO_WINDOW, unit_head_stride, validate_attention_inputs, validate_variants
 
 # What a model may ask of attention beyond causal (impls._reference): a sliding window and softcap (options of the
 # call), a value head dim other than the query/key one (a property of dense inputs: MLA's Dv 128, Dqk 192), and an
@@ -126,6 +128,7 @@ class Impl:
         if self.op == "dense":
             q, k, v = inputs
             scale = validate_attention_inputs(q, k, v, scale)
+            inputs = unit_head_stride(q, k, v)
             options: dict[str, Any] = {"causal": bool(causal), "scale": scale}
             value_dim = v.shape[-1]
             if value_dim != q.shape[-1] and "value_dim" not in self.variants:
@@ -136,6 +139,7 @@ class Impl:
             if getattr(batch, "op", None) != self.op:
                 raise TypeError(f"{self.name} runs the {self.op!r} operation, got {type(batch).__name__}")
             q, scale = batch.q, batch.scale(scale)
+            inputs = (batch.with_unit_head_stride(),)
             value_dim = None  # the serving operations have one head dim
             options = {"scale": scale}
             if batch.kv_fp8 and "kv_fp8" not in self.variants:

@@ -29,11 +29,11 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from impls._validate import UNBOUNDED, binding_window, default_scale, validate_scale
+from impls._validate import UNBOUNDED, binding_window, default_scale, unit_head_stride, validate_scale
 
 
 def _check_tensor(name: str, t: torch.Tensor, dims: int, layout: str) -> None:
@@ -109,6 +109,7 @@ class _ServingInputs:
 
     q: torch.Tensor
     kv_fp8 = False  # K and V stored in fp8 (PagedKV's caches can be; varlen's k and v never are)
+    head_dim_tensors: tuple[str, ...] = ("q",)  # the fields that hold a head dim: each operation names its own
 
     @property
     def head_dim(self) -> int:
@@ -119,6 +120,15 @@ class _ServingInputs:
 
     def output_like(self) -> torch.Tensor:
         return torch.empty_like(self.q)
+
+    def with_unit_head_stride(self):
+        """These inputs with the head dim (the last) of q, K and V at unit stride, as our kernels address it:
+        a copy of each tensor whose head dim is strided (made when a call is prepared, so out of its timed runs),
+        the others as they are."""
+        tensors = {name: getattr(self, name) for name in self.head_dim_tensors}
+        strided = {name: t for (name, old), t in zip(tensors.items(), unit_head_stride(*tensors.values()), strict=True)
+                   if t is not old}
+        return replace(self, **strided) if strided else self
 
 
 def decode_read_length(length: int, new_tokens: int, window_left: int = UNBOUNDED, align: int = 1) -> int:
@@ -143,6 +153,7 @@ class PagedKV(_ServingInputs):
     seqlens: tuple[int, ...] = field(init=False)  # host copy of cache_seqlens
 
     op = "paged"
+    head_dim_tensors = ("q", "k_cache", "v_cache")
 
     def __post_init__(self) -> None:
         _check_layouts(self.q, self.k_cache, self.v_cache, "k_cache", "v_cache",
@@ -222,6 +233,7 @@ class Varlen(_ServingInputs):
     offsets_k: tuple[int, ...] = field(init=False)
 
     op = "varlen"
+    head_dim_tensors = ("q", "k", "v")
 
     def __post_init__(self) -> None:
         _check_layouts(self.q, self.k, self.v, "k", "v", ("(total_q, Hq, D)", "(total_k, Hkv, D)"),

@@ -50,6 +50,12 @@ def validate_attention_inputs(
     return default_scale(d) if scale is None else validate_scale(scale)
 
 
+def unit_head_stride(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each tensor with its head dim (the last) at unit stride, as kernels address it: a copy where it is
+    strided, else the tensor itself."""
+    return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in tensors)
+
+
 def validate_scale(scale: float) -> float:
     if isinstance(scale, bool) or not isinstance(scale, int | float):
         raise TypeError(f"scale must be a real number, got {type(scale).__name__}")

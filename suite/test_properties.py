@@ -1,16 +1,18 @@
-"""Behaviour beyond accuracy: non-finite inputs, determinism.
+"""Behaviour beyond accuracy: non-finite inputs, determinism, inputs whose head dim is strided.
 
 Non-finite inputs: the reference (float64) propagates NaN to exactly the query rows that see the poisoned
 element. Every implementation's behaviour is recorded for the report's correctness matrix; our own kernels
 (families ``triton`` and ``cutile``) must match the reference, others are recorded as they are.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
 from impls import Impl
 from impls._reference import attention_ref
-from suite.cases import Case
+from suite.cases import Case, paged, varlen
 from suite.plugin import Problem, Recorder
 
 OURS = {"triton", "cutile"}
@@ -53,3 +55,33 @@ def test_deterministic(impl: Impl, case: Case, problem: Problem, record: Recorde
         first = prepared().clone()
         again = [prepared().clone() for _ in range(repeats)]
     assert all(torch.equal(first, other) for other in again), "outputs differ between runs on one input"
+
+
+def strided_head_dim(t: torch.Tensor) -> torch.Tensor:
+    """The same values with the head dim (the last) at a stride other than 1 (the dim before it is the inner one)."""
+    return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+SMALL = ("", 4, 2, 64)  # Hkv 2: a cache's head dim strided by its kv heads
+
+
+@pytest.mark.cases(Case(1, 4, 2, 64, 96, 64, "bf16", True), paged(SMALL, 3, 100, lengths="longtail"),
+                   varlen(SMALL, 3, 300))
+def test_strided_head_dim(impl: Impl, case: Case, problem: Problem, record: Recorder) -> None:
+    """q, K and V whose head dim is strided (a transposed view, say) give what the contiguous ones give: the
+    registry hands every implementation its tensors at unit head-dim stride (``impls._validate.unit_head_stride``,
+    copies made when the call is prepared). Our Triton decode and varlen kernels addressed the head dim as
+    contiguous and returned wrong numbers on such inputs before the registry did this (session 40)."""
+    if case.op == "dense":
+        inputs = tuple(strided_head_dim(t) for t in problem.inputs)
+        tensors = inputs
+    else:
+        names = problem.inputs.head_dim_tensors
+        inputs = dataclasses.replace(problem.inputs, **{n: strided_head_dim(getattr(problem.inputs, n)) for n in names})
+        tensors = tuple(getattr(inputs, n) for n in names)
+    assert all(t.stride(-1) != 1 for t in tensors)
+    with record.guard():
+        out = problem.prepare(impl, inputs)()
+    result = problem.oracle.check(out)
+    record("passed" if result.passed else "differs", f"strided head dim: {result.message}", property="strided-head-dim")
+    assert result.passed, result.message

@@ -228,8 +228,6 @@ def _make(name: str, paths: str, description: str) -> None:
             q, k, v = (t.contiguous() for t in (q, k, v))
             if q.is_cuda:
                 _install_descriptor_allocator()
-        else:
-            q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         batch, heads, q_len, head_dim = q.shape
         out = q.new_empty((batch, heads, q_len, value_dim))
         window = binding_window(window, causal, q_len, k.shape[2])  # one that hides no key: no window masks
