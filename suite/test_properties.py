@@ -57,31 +57,36 @@ def test_deterministic(impl: Impl, case: Case, problem: Problem, record: Recorde
     assert all(torch.equal(first, other) for other in again), "outputs differ between runs on one input"
 
 
-def strided_head_dim(t: torch.Tensor) -> torch.Tensor:
-    """The same values with the head dim (the last) at a stride other than 1 (the dim before it is the inner one)."""
-    return t.transpose(-1, -2).contiguous().transpose(-1, -2)
 
-
+LAYOUTS = {  # name -> the same values in another layout
+    # the head dim (the last) at a stride other than 1: the dim before it is the inner one
+    "strided-head-dim": lambda t: t.transpose(-1, -2).contiguous().transpose(-1, -2),
+    # unit-stride head dims in rows twice as long (q, k and v sliced from a fused projection's output)
+    "sliced-rows": lambda t: torch.cat([t, torch.full_like(t, float("nan"))], dim=-1)[..., :t.shape[-1]],
+}
 SMALL = ("", 4, 2, 64)  # Hkv 2: a cache's head dim strided by its kv heads
 
 
 @pytest.mark.cases(Case(1, 4, 2, 64, 96, 64, "bf16", True), paged(SMALL, 3, 100, lengths="longtail"),
                    varlen(SMALL, 3, 300))
-def test_strided_head_dim(impl: Impl, case: Case, problem: Problem, record: Recorder) -> None:
-    """q, K and V whose head dim is strided (a transposed view, say) give what the contiguous ones give: the
-    registry hands every implementation its tensors at unit head-dim stride (``impls._validate.unit_head_stride``,
-    copies made when the call is prepared). Our Triton decode and varlen kernels addressed the head dim as
-    contiguous and returned wrong numbers on such inputs before the registry did this (session 40)."""
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layouts(impl: Impl, case: Case, problem: Problem, record: Recorder, layout: str) -> None:
+    """q, K and V in another memory layout give what the contiguous ones give. A strided head dim (a transposed
+    view, say) reaches no implementation: the registry copies such a tensor when the call is prepared
+    (``impls._validate.unit_head_stride``; before session 40 our Triton decode and varlen kernels addressed the
+    head dim as contiguous and returned wrong numbers). Rows sliced from wider ones (NaN beside them) reach each
+    implementation as they are."""
+    change = LAYOUTS[layout]
     if case.op == "dense":
-        inputs = tuple(strided_head_dim(t) for t in problem.inputs)
+        inputs = tuple(change(t) for t in problem.inputs)
         tensors = inputs
     else:
         names = problem.inputs.head_dim_tensors
-        inputs = dataclasses.replace(problem.inputs, **{n: strided_head_dim(getattr(problem.inputs, n)) for n in names})
+        inputs = dataclasses.replace(problem.inputs, **{n: change(getattr(problem.inputs, n)) for n in names})
         tensors = tuple(getattr(inputs, n) for n in names)
-    assert all(t.stride(-1) != 1 for t in tensors)
+    assert not any(t.is_contiguous() for t in tensors)
     with record.guard():
         out = problem.prepare(impl, inputs)()
     result = problem.oracle.check(out)
-    record("passed" if result.passed else "differs", f"strided head dim: {result.message}", property="strided-head-dim")
+    record("passed" if result.passed else "differs", f"{layout}: {result.message}", property=layout)
     assert result.passed, result.message
