@@ -11,8 +11,8 @@ An implementation is a *prepare* function::
 ``o (B, Hq, Sq, D)`` in q's dtype and is the only thing a benchmark times. The registry validates the
 inputs (``impls._validate``) and the declared capabilities before calling the prepare function, so an
 adapter only raises :class:`Unsupported` for what is particular to it. Every tensor it gets has its head dim
-(the last) at unit stride: one whose head dim is strided arrives as a contiguous copy, made then, out of any
-timed region (``unit_head_stride``).
+(the last) at unit stride, and the serving operations' index tensors are contiguous: one that is not arrives as
+a contiguous copy, made then, out of any timed region (``unit_head_stride``, ``PagedKV.in_kernel_layout``).
 
 Beside dense forward (``op="dense"``) there are the serving operations of ``impls._serving``: ``"paged"``
 (decode over a paged KV cache) and ``"varlen"`` (packed variable-length prefill). Their prepare functions
@@ -139,7 +139,7 @@ class Impl:
             if getattr(batch, "op", None) != self.op:
                 raise TypeError(f"{self.name} runs the {self.op!r} operation, got {type(batch).__name__}")
             q, scale = batch.q, batch.scale(scale)
-            inputs = (batch.with_unit_head_stride(),)
+            inputs = (batch.in_kernel_layout(),)
             value_dim = None  # the serving operations have one head dim
             options = {"scale": scale}
             if batch.kv_fp8 and "kv_fp8" not in self.variants:

@@ -110,6 +110,7 @@ class _ServingInputs:
     q: torch.Tensor
     kv_fp8 = False  # K and V stored in fp8 (PagedKV's caches can be; varlen's k and v never are)
     head_dim_tensors: tuple[str, ...] = ("q",)  # the fields that hold a head dim: each operation names its own
+    index_tensors: tuple[str, ...] = ()  # its int32 index fields
 
     @property
     def head_dim(self) -> int:
@@ -121,14 +122,16 @@ class _ServingInputs:
     def output_like(self) -> torch.Tensor:
         return torch.empty_like(self.q)
 
-    def with_unit_head_stride(self):
-        """These inputs with the head dim (the last) of q, K and V at unit stride, as our kernels address it:
-        a copy of each tensor whose head dim is strided (made when a call is prepared, so out of its timed runs),
-        the others as they are."""
-        tensors = {name: getattr(self, name) for name in self.head_dim_tensors}
-        strided = {name: t for (name, old), t in zip(tensors.items(), unit_head_stride(*tensors.values()), strict=True)
-                   if t is not old}
-        return replace(self, **strided) if strided else self
+    def in_kernel_layout(self):
+        """These inputs as kernels address them: the head dim (the last) of q, K and V at unit stride
+        (``unit_head_stride``) and the index tensors contiguous (a kernel reads ``cache_seqlens + b``). A copy of
+        each tensor that is not (made when a call is prepared, so out of its timed runs), the others as they are."""
+        names = self.head_dim_tensors + self.index_tensors
+        tensors = [getattr(self, name) for name in names]
+        laid_out = [*unit_head_stride(*tensors[:len(self.head_dim_tensors)]),
+                    *(t.contiguous() for t in tensors[len(self.head_dim_tensors):])]
+        copies = {name: new for name, old, new in zip(names, tensors, laid_out, strict=True) if new is not old}
+        return replace(self, **copies) if copies else self
 
 
 def decode_read_length(length: int, new_tokens: int, window_left: int = UNBOUNDED, align: int = 1) -> int:
@@ -154,6 +157,7 @@ class PagedKV(_ServingInputs):
 
     op = "paged"
     head_dim_tensors = ("q", "k_cache", "v_cache")
+    index_tensors = ("block_table", "cache_seqlens")
 
     def __post_init__(self) -> None:
         _check_layouts(self.q, self.k_cache, self.v_cache, "k_cache", "v_cache",
@@ -234,6 +238,7 @@ class Varlen(_ServingInputs):
 
     op = "varlen"
     head_dim_tensors = ("q", "k", "v")
+    index_tensors = ("cu_seqlens_q", "cu_seqlens_k")
 
     def __post_init__(self) -> None:
         _check_layouts(self.q, self.k, self.v, "k", "v", ("(total_q, Hq, D)", "(total_k, Hkv, D)"),

@@ -58,32 +58,41 @@ def test_deterministic(impl: Impl, case: Case, problem: Problem, record: Recorde
 
 
 
+
 LAYOUTS = {  # name -> the same values in another layout
     # the head dim (the last) at a stride other than 1: the dim before it is the inner one
     "strided-head-dim": lambda t: t.transpose(-1, -2).contiguous().transpose(-1, -2),
     # unit-stride head dims in rows twice as long (q, k and v sliced from a fused projection's output)
     "sliced-rows": lambda t: torch.cat([t, torch.full_like(t, float("nan"))], dim=-1)[..., :t.shape[-1]],
 }
+FAR = 2**30  # what the index tensors' neighbours hold: a kernel that reads one as an index reads far out of bounds
 SMALL = ("", 4, 2, 64)  # Hkv 2: a cache's head dim strided by its kv heads
+
+
+def interleaved(t: torch.Tensor) -> torch.Tensor:
+    """An index tensor's values at stride 2 in every dim, ``FAR`` between them."""
+    return torch.stack([t, torch.full_like(t, FAR)], dim=-1)[..., 0]
 
 
 @pytest.mark.cases(Case(1, 4, 2, 64, 96, 64, "bf16", True), paged(SMALL, 3, 100, lengths="longtail"),
                    varlen(SMALL, 3, 300))
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layouts(impl: Impl, case: Case, problem: Problem, record: Recorder, layout: str) -> None:
-    """q, K and V in another memory layout give what the contiguous ones give. A strided head dim (a transposed
-    view, say) reaches no implementation: the registry copies such a tensor when the call is prepared
-    (``impls._validate.unit_head_stride``; before session 40 our Triton decode and varlen kernels addressed the
-    head dim as contiguous and returned wrong numbers). Rows sliced from wider ones (NaN beside them) reach each
-    implementation as they are."""
+    """Inputs in another memory layout give what the contiguous ones give. A strided head dim (a transposed view,
+    say) and a strided index tensor (block table, cache lengths, cu_seqlens; the serving cases take both layouts'
+    with them interleaved with far-out indices) reach no implementation: the registry copies such a tensor when the
+    call is prepared (``impls._validate.unit_head_stride``, ``PagedKV.in_kernel_layout``). Before session 40 our
+    Triton decode and varlen kernels addressed both as contiguous and returned wrong numbers. Rows sliced from
+    wider ones (NaN beside them) reach each implementation as they are."""
     change = LAYOUTS[layout]
     if case.op == "dense":
         inputs = tuple(change(t) for t in problem.inputs)
         tensors = inputs
     else:
-        names = problem.inputs.head_dim_tensors
-        inputs = dataclasses.replace(problem.inputs, **{n: change(getattr(problem.inputs, n)) for n in names})
-        tensors = tuple(getattr(inputs, n) for n in names)
+        batch = problem.inputs
+        inputs = dataclasses.replace(batch, **{n: change(getattr(batch, n)) for n in batch.head_dim_tensors},
+                                     **{n: interleaved(getattr(batch, n)) for n in batch.index_tensors})
+        tensors = tuple(getattr(inputs, n) for n in batch.head_dim_tensors + batch.index_tensors)
     assert not any(t.is_contiguous() for t in tensors)
     with record.guard():
         out = problem.prepare(impl, inputs)()
