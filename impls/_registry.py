@@ -59,6 +59,17 @@ class Unsupported(ValueError):
     """This implementation cannot run this case here; the message is the human reason."""
 
 
+GRID_AXIS_MAX = 65535  # CUDA's cap on a launch grid's second and third axes (the first takes 2**31 - 1)
+
+
+def check_grid_axis(programs: int, what: str) -> None:
+    """Refuse a launch whose grid puts ``programs`` (``what`` they count) on an axis CUDA caps at GRID_AXIS_MAX, with
+    the limit named, where CUDA would answer "invalid argument"."""
+    if programs > GRID_AXIS_MAX:
+        raise Unsupported(f"{what} = {programs}: this kernel's launch grid puts them on an axis CUDA caps at "
+                          f"{GRID_AXIS_MAX}")
+
+
 @dataclass
 class Prepared:
     """What a prepare function returns: the timed call, plus the configuration it chose."""

@@ -1,3 +1,5 @@
+import functools
+
 import pytest
 import torch
 
@@ -145,3 +147,32 @@ def test_benchmark_json_is_a_path_whichever_pytest_benchmark_keeps_it(tmp_path):
         assert benchmark_json(Config(handle)) == target
     assert benchmark_json(Config(str(target))) == target == benchmark_json(Config(target))
     assert benchmark_json(Config(None)) is None
+
+
+def test_a_grid_axis_past_cudas_cap_is_refused_with_the_limit_named():
+    """Our kernels put batch x heads (the decode: sequences x kv heads) on a launch grid's second axis, which CUDA
+    caps at 65535 ("invalid argument" past it). Each of our entries refuses such a case with the limit named, before
+    it compiles or launches anything (cuTile's prepare functions are called directly: on CPU the registry refuses
+    them for the device first)."""
+    from impls._registry import GRID_AXIS_MAX
+    from impls._serving import PagedKV, Varlen
+
+    batch, heads, d = GRID_AXIS_MAX // 16 + 1, 16, 16  # batch x heads = 65552
+    zeros = functools.partial(torch.zeros, dtype=torch.bfloat16, device="cuda" if torch.cuda.is_available() else "cpu")
+    dense = [zeros(batch, heads, 1, d) for _ in range(3)]
+    index = functools.partial(torch.arange, dtype=torch.int32, device=dense[0].device)
+    paged = PagedKV(zeros(batch, 1, heads, d), zeros(batch, 1, heads, d), zeros(batch, 1, heads, d),  # pages of 1
+                    index(batch)[:, None], index(batch) * 0 + 1)
+    rows = zeros(batch, heads, d)
+    cu = index(batch + 1)
+    packed = Varlen(rows, rows, rows, cu, cu, causal=True)
+    calls = [lambda: impls.get("triton").prepare(*dense),
+             lambda: impls.get("triton", "paged").prepare(paged),
+             lambda: impls.get("triton", "varlen").prepare(packed),
+             lambda: impls.get("cutile").prepare_fn(*dense, causal=False, scale=0.25),
+             lambda: impls.get("cutile-1-baseline").prepare_fn(*dense, causal=False, scale=0.25),
+             lambda: impls.get("cutile", "paged").prepare_fn(paged, scale=0.25),
+             lambda: impls.get("cutile", "varlen").prepare_fn(packed, scale=0.25)]
+    for call in calls:
+        with pytest.raises(Unsupported, match=f"= {batch * heads}: .* caps at {GRID_AXIS_MAX}"):
+            call()

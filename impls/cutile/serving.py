@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from impls._registry import HALF, Prepared, Unsupported, length_class, parallel_class, register
+from impls._registry import HALF, Prepared, Unsupported, check_grid_axis, length_class, parallel_class, register
 from impls._serving import (
     AIMED_PLANS,
     PROGRAMS_PER_SM,
@@ -242,7 +242,8 @@ def plan_candidates(forms: list[DecodeVariant], inputs: PagedKV, *, scale: float
                       "autotuned")
 def prepare_paged(inputs: PagedKV, *, scale: float, window: tuple[int, int] = NO_WINDOW,
                   softcap: float = 0.0) -> Prepared:
-    _, sq, hq, _ = inputs.q.shape
+    batch, sq, hq, _ = inputs.q.shape
+    check_grid_axis(batch * inputs.k_cache.shape[2], "sequences x kv heads")
     window_left = inputs.window_left(window)
     rows = hq // inputs.k_cache.shape[2] * sq
     if rows > MAX_PACKED_ROWS:
@@ -349,6 +350,7 @@ def varlen_space(capability: tuple[int, int], head_dim: int, causal: bool, windo
 def prepare_varlen(inputs: Varlen, *, scale: float, window: tuple[int, int] = NO_WINDOW,
                    softcap: float = 0.0) -> Prepared:
     heads, head_dim, store = inputs.q.shape[1], inputs.head_dim, varlen_output_store()
+    check_grid_axis(inputs.batch * heads, "sequences x heads")  # the one-block-per-tile candidates' second axis
     window = inputs.binding_window(window)
     variants = {"window": window, "softcap": softcap}
     shape = ("varlen", inputs.q.dtype, head_dim, inputs.causal, heads // inputs.k.shape[1],

@@ -15,7 +15,15 @@ import os
 
 import torch
 
-from impls._registry import FLOATS, Prepared, Unsupported, length_class, module_available, register
+from impls._registry import (
+    FLOATS,
+    Prepared,
+    Unsupported,
+    check_grid_axis,
+    length_class,
+    module_available,
+    register,
+)
 from impls._serving import (
     AIMED_PLANS,
     PROGRAMS_PER_SM,
@@ -220,6 +228,7 @@ def _make(name: str, paths: str, description: str) -> None:
                 softcap: float = 0.0) -> Prepared:
         import triton
 
+        check_grid_axis(q.shape[0] * q.shape[1], "batch x heads")
         pointer = "pointer" in paths
         value_dim = v.shape[-1]  # within the declared head dims (the registry checks it like the query's)
         tma = "tma" in paths and descriptors_fit(q.shape[-1], value_dim) and (
@@ -254,8 +263,9 @@ _make("triton-tma", "tma", "the same kernel, tiles moved through tensor descript
 def prepare_varlen(inputs, *, scale: float, window: tuple[int, int] = NO_WINDOW, softcap: float = 0.0) -> Prepared:
     import triton
 
-    out = inputs.output_like()
     heads, head_dim = inputs.q.shape[1], inputs.head_dim
+    check_grid_axis(inputs.batch * heads, "sequences x heads")
+    out = inputs.output_like()
     window = inputs.binding_window(window)
     meta = {**head_dims(head_dim), "CAUSAL": inputs.causal, "VARLEN": True,
             "DOT_FP32": interpreting() or inputs.q.dtype == torch.float32, "HAS_WINDOW": window != NO_WINDOW,
@@ -420,6 +430,7 @@ def paged_launch(inputs, scale: float, config: dict, window_left: int = UNBOUNDE
     q, k_cache, v_cache = inputs.q, inputs.k_cache, inputs.v_cache
     batch, sq, hq, head_dim = q.shape
     hkv = k_cache.shape[2]
+    check_grid_axis(batch * hkv, "sequences x kv heads")
     rows = hq // hkv * sq
     interp = interpreting()
     sm_count = INTERPRETER_SM_COUNT if interp else torch.cuda.get_device_properties(q.device).multi_processor_count
