@@ -126,11 +126,10 @@ class _ServingInputs:
         """These inputs as kernels address them: the head dim (the last) of q, K and V at unit stride
         (``unit_head_stride``) and the index tensors contiguous (a kernel reads ``cache_seqlens + b``). A copy of
         each tensor that is not (made when a call is prepared, so out of its timed runs), the others as they are."""
-        names = self.head_dim_tensors + self.index_tensors
-        tensors = [getattr(self, name) for name in names]
-        laid_out = [*unit_head_stride(*tensors[:len(self.head_dim_tensors)]),
-                    *(t.contiguous() for t in tensors[len(self.head_dim_tensors):])]
-        copies = {name: new for name, old, new in zip(names, tensors, laid_out, strict=True) if new is not old}
+        heads = [getattr(self, name) for name in self.head_dim_tensors]
+        laid_out = dict(zip(self.head_dim_tensors, unit_head_stride(*heads), strict=True))
+        laid_out |= {name: getattr(self, name).contiguous() for name in self.index_tensors}
+        copies = {name: t for name, t in laid_out.items() if t is not getattr(self, name)}
         return replace(self, **copies) if copies else self
 
 

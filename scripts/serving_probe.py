@@ -124,10 +124,14 @@ def probe_decode(case_id: str, occupancies: list[int], triton: str, latencies: l
             print(json.dumps({"variant": f"triton {config}", "error": str(exc)[:200]}), flush=True)
 
 
+def fp8_case_ids() -> list[str]:
+    """The ``serving-fp8`` preset's cases over an fp8 cache (the default cases of --fp8-dots and --triton-switch)."""
+    return [c.id for c in preset("serving-fp8") if c.kv_dtype == "fp8"]
+
+
 def fp8_dots_ab(case_id: str, peers: list[str], cutile: bool = True, rounds: int = 5) -> None:
     """Bf16 queries over an fp8 cache with the dots in bf16 and in fp16: each cuTile decode form both ways,
-    timed in alternation (median of ``rounds``); then the fastest Triton config of the tuner's space each way and
-    each peer, the same way."""
+    timed in alternation (median of ``rounds``); then ``triton_switch`` of F16_DOT."""
     case = case_by_id(case_id)
     inputs = case.make_inputs("cuda")
     oracle = Oracle.serving(inputs)
@@ -142,23 +146,22 @@ def fp8_dots_ab(case_id: str, peers: list[str], cutile: bool = True, rounds: int
                           "bf16_over_fp16": median["bf16"] / median["fp16"],
                           "fp16_gbps": metrics.kv_bytes(case) / median["fp16"] / 1e6,
                           "passed": [oracle.check(call()).passed for call in calls.values()]}), flush=True)
+    triton_switch(case, inputs, scale, oracle, "F16_DOT", peers, rounds)
+
+
+def triton_switch(case, inputs, scale: float, oracle, key: str, peers: list[str], rounds: int = 5) -> None:
+    """The fastest Triton config of the tuner's space with the split kernel's constexpr ``key`` off and with it on,
+    and each peer, timed in alternation (``fastest_of_each``)."""
+    spaces = {f"{key} {state}": [{**config, key: state == "on"} for config in TRITON_SPACE] for state in ("off", "on")}
     peer_calls = {name: impls.get(name, "paged").prepare(inputs, scale=scale) for name in peers}
-    fastest_of_each(inputs, scale, case, oracle, peer_calls, switch_spaces("F16_DOT"), rounds=rounds)
+    fastest_of_each(inputs, scale, case, oracle, peer_calls, spaces, rounds=rounds)
 
 
-def switch_spaces(key: str) -> dict[str, list[dict]]:
-    """The tuner's Triton decode space with the split kernel's constexpr ``key`` off, and on."""
-    return {f"{key} {state}": [{**config, key: state == "on"} for config in TRITON_SPACE] for state in ("off", "on")}
-
-
-def switch_ab(case_id: str, key: str, peers: list[str], rounds: int = 5) -> None:
-    """The fastest Triton config of the tuner's space with constexpr ``key`` off and with it on, and each peer,
-    timed in alternation (``fastest_of_each``)."""
+def switch_ab(case_id: str, key: str, peers: list[str]) -> None:
+    """``triton_switch`` of ``key`` on one case."""
     case = case_by_id(case_id)
     inputs = case.make_inputs("cuda")
-    scale = inputs.head_dim ** -0.5
-    peer_calls = {name: impls.get(name, "paged").prepare(inputs, scale=scale) for name in peers}
-    fastest_of_each(inputs, scale, case, Oracle.serving(inputs), peer_calls, switch_spaces(key), rounds=rounds)
+    triton_switch(case, inputs, inputs.head_dim ** -0.5, Oracle.serving(inputs), key, peers)
 
 
 def interleaved(calls: dict, rounds: int) -> dict:
@@ -292,11 +295,11 @@ def main() -> None:
                              "each --peer (default cases: serving-fp8's fp8 ones; only this)")
     args = parser.parse_args()
     if args.triton_switch:
-        for case_id in args.case or [c.id for c in preset("serving-fp8") if c.kv_dtype == "fp8"]:
+        for case_id in args.case or fp8_case_ids():
             switch_ab(case_id, args.triton_switch, args.peer)
         return
     if args.fp8_dots:
-        for case_id in args.case or [c.id for c in preset("serving-fp8") if c.kv_dtype == "fp8"]:
+        for case_id in args.case or fp8_case_ids():
             fp8_dots_ab(case_id, args.peer, cutile=not args.no_cutile)
         return
     default = [] if args.varlen_only else ["llama3-8b-paged-bf16-h32:8-q1-kv8192-uniform-p16-d128-b64"]

@@ -1,4 +1,4 @@
-"""Behaviour beyond accuracy: non-finite inputs, determinism, inputs whose head dim is strided.
+"""Behaviour beyond accuracy: non-finite inputs, determinism, inputs in other memory layouts.
 
 Non-finite inputs: the reference (float64) propagates NaN to exactly the query rows that see the poisoned
 element. Every implementation's behaviour is recorded for the report's correctness matrix; our own kernels
@@ -55,8 +55,6 @@ def test_deterministic(impl: Impl, case: Case, problem: Problem, record: Recorde
         first = prepared().clone()
         again = [prepared().clone() for _ in range(repeats)]
     assert all(torch.equal(first, other) for other in again), "outputs differ between runs on one input"
-
-
 
 
 LAYOUTS = {  # name -> the same values in another layout

@@ -162,7 +162,7 @@ def test_a_grid_axis_past_cudas_cap_is_refused_with_the_limit_named():
     dense = [zeros(batch, heads, 1, d) for _ in range(3)]
     index = functools.partial(torch.arange, dtype=torch.int32, device=dense[0].device)
     paged = PagedKV(zeros(batch, 1, heads, d), zeros(batch, 1, heads, d), zeros(batch, 1, heads, d),  # pages of 1
-                    index(batch)[:, None], index(batch) * 0 + 1)
+                    index(batch)[:, None], torch.ones_like(index(batch)))
     rows = zeros(batch, heads, d)
     cu = index(batch + 1)
     packed = Varlen(rows, rows, rows, cu, cu, causal=True)
