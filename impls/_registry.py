@@ -70,6 +70,16 @@ def check_grid_axis(programs: int, what: str) -> None:
                           f"{GRID_AXIS_MAX}")
 
 
+def heads_by_batch(heads: int, batch: int, what: str = "heads") -> tuple[int, int]:
+    """A launch grid's second and third axes for one program per (sequence, head): heads, then the batch. A block's
+    linear index is then the same as with batch x heads on one axis (CUDA starts blocks with the first axis
+    fastest), but each axis stays under CUDA's cap alone: 4096 sequences x 32 heads run. ``what``: what the heads
+    are (the decode's are kv heads)."""
+    check_grid_axis(heads, what)
+    check_grid_axis(batch, "sequences")
+    return heads, batch
+
+
 @dataclass
 class Prepared:
     """What a prepare function returns: the timed call, plus the configuration it chose."""

@@ -98,6 +98,9 @@
 #             on the serving-fp8 preset's fp8 cases (FP8_DOTS_CASES: case ids instead): bf16 dots against fp16
 #   fp8-words: the Triton decode over fp8 with its values read as words (V_WORDS) against bytes: the tests (memcheck
 #             too), the fp8 twins, then scripts/serving_probe.py --triton-switch V_WORDS on serving-fp8's fp8 cases
+#   wide:     batch x heads past 65535 (one grid axis's cap; heads and sequences now have an axis each): every
+#             candidate of ours on the wide cases of tests/test_gpu_candidates.py, our tuned Triton serving entries,
+#             and the refusal past 65535 sequences (WIDE_LIMIT seconds, default 300)
 #   varlen-probe: every cuTile serving candidate on the twins and the uneven packed batches, then
 #             scripts/serving_probe.py --varlen-only (VARLEN_PROBE_ARGS: more, e.g. --varlen-persistent)
 #   varlen-memcheck: each cuTile varlen candidate on the uneven packed batches under compute-sanitizer memcheck,
@@ -587,6 +590,10 @@ for part in "$@"; do
         step fp8-bench "${FP8_LIMIT:-540}" python3 -m pytest suite "${bench[@]}" --grid serving-fp8 --timing graph \
           "${impls[@]}" --benchmark-json="$out/serving-fp8.json"
       fi
+      ;;
+    wide)
+      step wide "${WIDE_LIMIT:-300}" python3 -m pytest tests/test_gpu_candidates.py tests/test_registry.py -q \
+        -p no:cacheprovider -rf --durations=8 -k "b4097 or grid_axis or past_one_grid"
       ;;
     fp8-dots)
       step fp8-dots-checks 240 python3 -m pytest tests/test_serving.py tests/test_gpu_candidates.py -q \

@@ -517,7 +517,7 @@ def test_varlen_launches_compile():
     for variant in (space[0], next(v for v in space if v.persistent)):
         call = VarlenCall(variant, inputs, scale=0.125, sm_count=132)
         (grid, kernel, arguments), = call.launches
-        assert grid[1:] == ((1, 1) if variant.persistent else (inputs.batch * inputs.q.shape[1], 1))
+        assert grid[1:] == ((1, 1) if variant.persistent else (inputs.q.shape[1], inputs.batch))
         assert export_launch(kernel, arguments, arch="sm_90")[:4] == b"\x7fELF"
 
 

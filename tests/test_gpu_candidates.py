@@ -47,7 +47,12 @@ CASES = [
     Case(1, 4, 2, 256, 768, 128, "fp16", True),  # chunked prefill, Skv - Sq = 512
     Case(1, 4, 2, 768, 768, 128, "bf16", True, window=(256, 0)),  # the window's far edge peeled too
     Case(2, 4, 4, 512, 512, 192, "bf16", True, dv=128),
+    # batch x heads past 65535, CUDA's cap on one grid axis: heads and sequences each get an axis (heads_by_batch)
+    Case(4097, 16, 4, 20, 50, 64, "bf16", True),
 ]
+# The serving operations past it too: sequences x kv heads (decode), sequences x heads (varlen).
+WIDE_SERVING = [Case(4097, 32, 16, 1, 50, 64, "bf16", True, op="paged", page_size=16, lengths="longtail"),
+                Case(4097, 16, 4, 4 * 4097, 4 * 4097, 64, "bf16", True, op="varlen", lengths="random")]
 
 
 def kept(label: str) -> bool:
@@ -116,7 +121,7 @@ def serving_cases() -> list[Case]:
     from suite.cases import preset
 
     variants = [c for c in preset("models-serving-cpu") if c.window != NO_WINDOW or c.softcap]
-    return preset("serving-cpu") + preset("varlen-cpu") + variants
+    return preset("serving-cpu") + preset("varlen-cpu") + variants + WIDE_SERVING
 
 
 def cutile_serving_candidates(inputs, window: tuple[int, int] = NO_WINDOW, softcap: float = 0.0,
@@ -165,6 +170,16 @@ def test_every_serving_candidate(case: Case, monkeypatch):
 
     monkeypatch.setattr(impls._serving, "SPLIT_MIN_TILES", 1)  # the short twins split, the combine runs
     check_serving_candidates(case.make_inputs("cuda"), case.window, case.softcap)
+
+
+@pytest.mark.parametrize("case", WIDE_SERVING, ids=lambda c: c.id)
+def test_triton_serving_past_one_grid_axis(case: Case):
+    """Our Triton decode and varlen entries (autotuned) on more programs than one grid axis holds."""
+    import impls
+
+    inputs = case.make_inputs("cuda")
+    result = Oracle.serving(inputs).check(impls.get("triton", case.op).prepare(inputs)())
+    assert result.passed, result.message
 
 
 def test_every_decode_form_over_fp8_keeps_bf16_queries_of_any_magnitude(monkeypatch):

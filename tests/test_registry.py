@@ -149,15 +149,15 @@ def test_benchmark_json_is_a_path_whichever_pytest_benchmark_keeps_it(tmp_path):
     assert benchmark_json(Config(None)) is None
 
 
-def test_a_grid_axis_past_cudas_cap_is_refused_with_the_limit_named():
-    """Our kernels put batch x heads (the decode: sequences x kv heads) on a launch grid's second axis, which CUDA
-    caps at 65535 ("invalid argument" past it). Each of our entries refuses such a case with the limit named, before
-    it compiles or launches anything (cuTile's prepare functions are called directly: on CPU the registry refuses
-    them for the device first)."""
+def test_more_sequences_than_a_grid_axis_holds_are_refused_with_the_limit_named():
+    """Our kernels give heads and sequences a launch grid axis each (so that batch x heads may pass 65535: that runs,
+    tests/test_gpu_candidates.py), and CUDA caps each at 65535 ("invalid argument" past it). Each of our entries
+    refuses more sequences than that with the limit named, before it compiles or launches anything (cuTile's
+    prepare functions are called directly: on CPU the registry refuses them for the device first)."""
     from impls._registry import GRID_AXIS_MAX
     from impls._serving import PagedKV, Varlen
 
-    batch, heads, d = GRID_AXIS_MAX // 16 + 1, 16, 16  # batch x heads = 65552
+    batch, heads, d = GRID_AXIS_MAX + 1, 1, 16
     zeros = functools.partial(torch.zeros, dtype=torch.bfloat16, device="cuda" if torch.cuda.is_available() else "cpu")
     dense = [zeros(batch, heads, 1, d) for _ in range(3)]
     index = functools.partial(torch.arange, dtype=torch.int32, device=dense[0].device)
@@ -174,5 +174,13 @@ def test_a_grid_axis_past_cudas_cap_is_refused_with_the_limit_named():
              lambda: impls.get("cutile", "paged").prepare_fn(paged, scale=0.25),
              lambda: impls.get("cutile", "varlen").prepare_fn(packed, scale=0.25)]
     for call in calls:
-        with pytest.raises(Unsupported, match=f"= {batch * heads}: .* caps at {GRID_AXIS_MAX}"):
+        with pytest.raises(Unsupported, match=f"sequences = {batch}: .* caps at {GRID_AXIS_MAX}"):
             call()
+
+
+def test_grid_axes_of_heads_and_sequences():
+    from impls._registry import GRID_AXIS_MAX, heads_by_batch
+
+    assert heads_by_batch(32, 4096) == (32, 4096)  # 131072 programs, neither axis past the cap
+    with pytest.raises(Unsupported, match=f"kv heads = {GRID_AXIS_MAX + 1}: .* caps at {GRID_AXIS_MAX}"):
+        heads_by_batch(GRID_AXIS_MAX + 1, 1, "kv heads")

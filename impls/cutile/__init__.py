@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from impls._registry import HALF, Prepared, check_grid_axis, length_class, module_available, parallel_class, register
+from impls._registry import HALF, Prepared, heads_by_batch, length_class, module_available, parallel_class, register
 from impls._tuning import (
     TUNERS,
     TuningCache,
@@ -216,7 +216,7 @@ class Variant:
         if self.persistent:  # as many blocks as fit on the GPU at once, each looping over the work
             slots = _sm_count(q.device.index) * (self.occupancy or 1)
             return (min(slots, tiles * q.shape[0] * q.shape[1]), 1, 1)
-        return (tiles, q.shape[0] * q.shape[1], 1)
+        return (tiles, *heads_by_batch(q.shape[1], q.shape[0]))
 
     def describe(self) -> dict:
         return asdict(self)
@@ -582,7 +582,7 @@ class Call(Launches):
 
 def _prepare_fixed(variant: Variant):
     def prepare(q, k, v, *, causal: bool, scale: float) -> Prepared:
-        check_grid_axis(q.shape[0] * q.shape[1], "batch x heads")
+        heads_by_batch(q.shape[1], q.shape[0])  # more sequences than a grid axis holds: refused before compiling
         return Call(variant, q, k, v, causal=causal, scale=scale).prepared()
 
     return prepare
@@ -719,9 +719,9 @@ def candidates(capability: tuple[int, int], q, k, v, *, causal: bool, **variants
           description="our cuTile kernel, all optimisations, tile shape and occupancy autotuned")
 def prepare_tuned(q, k, v, *, causal: bool, scale: float, **variants) -> Prepared:
     """``variants``: a sliding window (key tiles outside it are never visited) and softcap, as they come; v may
-    have a head dim of its own (MLA), padded like the query/key one. Batch x heads past CUDA's grid-axis cap is
-    refused: the tuner's one-block-per-tile candidates put them on the grid's second axis."""
-    check_grid_axis(q.shape[0] * q.shape[1], "batch x heads")
+    have a head dim of its own (MLA), padded like the query/key one. More sequences or heads than CUDA's cap on a
+    grid axis are refused before tuning: the one-block-per-tile candidates give each an axis."""
+    heads_by_batch(q.shape[1], q.shape[0])
     if "window" in variants:  # one that hides no key runs as no window: no masked loop before the free tiles
         variants["window"] = binding_window(variants["window"], causal, q.shape[2], k.shape[2])
     variant, cached = tune(q, k, v, causal=causal, scale=scale, **variants)

@@ -70,14 +70,14 @@ def paged_decode_split(
     GATHER: ConstInt, SPLIT: ConstBool, K_LATENCY: ConstInt, V_LATENCY: ConstInt, HAS_WINDOW: ConstBool,
     SOFTCAP: ConstFloat, F16_DOT: ConstBool,
 ):
-    """Block (chunk, batch * kv head): the GROUP x SQ query rows over one chunk of the cache. SPLIT: write
+    """Block (chunk, kv head, sequence): the GROUP x SQ query rows over one chunk of the cache. SPLIT: write
     the chunk's normalised output (B * Hkv, chunks, TILE_M, TILE_D) and log-sum-exp (B * Hkv, chunks,
     TILE_M) float32; otherwise (one chunk per sequence) the output rows themselves. F16_DOT (bf16 queries over
     an fp8 cache): the dots run in fp16."""
     chunk = ct.bid(0)
-    batch_kv = ct.bid(1)
-    batch = batch_kv // num_kv_heads
-    kv_head = batch_kv % num_kv_heads
+    kv_head = ct.bid(1)
+    batch = ct.bid(2)
+    batch_kv = batch * num_kv_heads + kv_head  # the partials' row
     seq_len = ct.gather(CacheSeqlens, batch).item()
 
     rows = ct.arange(TILE_M, dtype=ct.int32)[:, None]

@@ -91,7 +91,7 @@ def fmha_fwd(
     K_LATENCY: ConstInt, V_LATENCY: ConstInt, HEAD_GROUP: ConstInt, PERSISTENT: ConstBool, DYNAMIC: ConstBool,
     PAIRED: ConstBool, PHASE: ConstInt, DIAGONAL_TILES: ConstInt,
 ):
-    """One block per work item (grid: query tiles x batch * heads), or PERSISTENT: a grid of one block per SM
+    """One block per work item (grid: query tiles x heads x batch), or PERSISTENT: a grid of one block per SM
     slot, each taking every ``num_blocks``-th item in turn. The state arrays (B, Hq, Sq) float32 for the max
     and the sum, (B, Hq, Sq, at least TILE_DV + TILE_DV_TAIL) for the accumulator, are read and written only by
     a split PHASE; NextItem (one int32, zero at launch) only by a DYNAMIC one.
@@ -127,7 +127,7 @@ def fmha_fwd(
                               TILE_DV, TILE_DV_TAIL, TILE_M, TILE_N, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP, FAST_MATH,
                               LOOP_SPLIT, MASK_BRANCH, K_LATENCY, V_LATENCY, PHASE, DIAGONAL_TILES)
     else:
-        tile_m, batch_head = work_item(ct.bid(1) * num_m + ct.bid(0), num_m, num_bh, heaviest_first, HEAD_GROUP)
+        tile_m, batch_head = work_item(block_item(num_m, num_heads), num_m, num_bh, heaviest_first, HEAD_GROUP)
         attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_head, qk_scale,
                           causal_offset, window_left, window_right, num_heads, group, TILE_D, TILE_D_TAIL, TILE_DV,
                           TILE_DV_TAIL, TILE_M, TILE_N, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP, FAST_MATH, LOOP_SPLIT,
@@ -150,7 +150,7 @@ def fmha_varlen(
     """Packed variable-length prefill: the same query-tile work as ``fmha_fwd``, on one sequence of the batch.
 
     Q, K, V and Out are (1, H, total, D) views of the packed (total, H, D) tensors; sequence b is rows
-    ``CuSeqlens[b]:CuSeqlens[b + 1]``. Grid: query tiles of the longest sequence x B * Hq; tiles past a shorter
+    ``CuSeqlens[b]:CuSeqlens[b + 1]``. Grid: query tiles of the longest sequence x Hq x B; tiles past a shorter
     sequence's end do nothing. PERSISTENT: one block per SM slot that runs the items the host planned for it
     (``impls._serving.varlen_work_plan``): ``WorkItems[WorkStarts[b]:WorkStarts[b + 1]]``, each item
     ``(sequence * max_tiles + query tile) * num_heads + head``. Otherwise the work arrays are placeholders.
@@ -181,7 +181,7 @@ def fmha_varlen(
                                  FAST_MATH, K_LATENCY, V_LATENCY, True, OUT_TMA)
     else:
         num_m = ct.num_blocks(0)
-        tile_m, batch_head = work_item(ct.bid(1) * num_m + ct.bid(0), num_m, ct.num_blocks(1),
+        tile_m, batch_head = work_item(block_item(num_m, num_heads), num_m, ct.num_blocks(2) * num_heads,
                                        CAUSAL and REVERSE_ORDER, HEAD_GROUP)
         attend_sequence_tile(Q, K, V, Out, CuSeqlensQ, CuSeqlensK, batch_head // num_heads, tile_m,
                              batch_head % num_heads, qk_scale, window_left, window_right, num_heads, group, TILE_D,
@@ -208,6 +208,12 @@ def attend_sequence_tile(Q, K, V, Out, CuSeqlensQ, CuSeqlensK, batch, tile_m, he
                           TILE_D_TAIL, TILE_DV, TILE_DV_TAIL, TILE_M, TILE_N, CAUSAL, CAUSAL, HAS_WINDOW, SOFTCAP,
                           FAST_MATH, True, False, K_LATENCY, V_LATENCY, WHOLE, q_row0=q_start, kv_row0=k_start,
                           kv_len=k_end - k_start, ROW_OFFSETS=True, OUT_TMA=OUT_TMA)
+
+
+def block_item(num_m, num_heads):
+    """The work item of a block of a one-block-per-tile grid (query tiles, heads, batch): its linear index with axis 0
+    fastest, as if batch x heads were one axis. They are not, since CUDA caps the second and third axes at 65535."""
+    return (ct.bid(2) * num_heads + ct.bid(1)) * num_m + ct.bid(0)
 
 
 def work_item(linear, num_m, num_bh, HEAVIEST_FIRST, HEAD_GROUP):

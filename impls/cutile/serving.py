@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from impls._registry import HALF, Prepared, Unsupported, check_grid_axis, length_class, parallel_class, register
+from impls._registry import HALF, Prepared, Unsupported, heads_by_batch, length_class, parallel_class, register
 from impls._serving import (
     AIMED_PLANS,
     PROGRAMS_PER_SM,
@@ -182,7 +182,7 @@ class DecodeCall(Launches):
             self.cache_indexing = "32-bit word views"
         kernel = variant.split_kernel(int64)
         tiles = (group, sq, tile_m)
-        self.launches = [((self.num_splits, batch * hkv, 1), kernel, (
+        self.launches = [((self.num_splits, *heads_by_batch(hkv, batch, "kv heads")), kernel, (
             q, k_cache, v_cache, inputs.block_table, inputs.cache_seqlens, self.part, self.lse, self.out,
             scale * inputs.k_scale, hkv, self.split_len, window_left, inputs.v_scale, *tiles, variant.tile_n, width,
             inputs.page_size, gather, split, variant.k_latency, variant.v_latency, window_left < UNBOUNDED, softcap,
@@ -243,7 +243,7 @@ def plan_candidates(forms: list[DecodeVariant], inputs: PagedKV, *, scale: float
 def prepare_paged(inputs: PagedKV, *, scale: float, window: tuple[int, int] = NO_WINDOW,
                   softcap: float = 0.0) -> Prepared:
     batch, sq, hq, _ = inputs.q.shape
-    check_grid_axis(batch * inputs.k_cache.shape[2], "sequences x kv heads")
+    heads_by_batch(inputs.k_cache.shape[2], batch, "kv heads")  # refused before tuning: each has a grid axis
     window_left = inputs.window_left(window)
     rows = hq // inputs.k_cache.shape[2] * sq
     if rows > MAX_PACKED_ROWS:
@@ -310,7 +310,7 @@ class VarlenCall(Launches):
             work = [torch.tensor(part, dtype=torch.int32, device=inputs.q.device)
                     for part in (self.plan.starts, self.plan.items or (0,))]  # no rows at all: nothing read
         else:
-            grid = (-(-inputs.max_seqlen_q // variant.tile_m), inputs.batch * heads, 1)
+            grid = (-(-inputs.max_seqlen_q // variant.tile_m), *heads_by_batch(heads, inputs.batch))
             work = [inputs.cu_seqlens_q[:1]] * 2  # placeholders: the kernel reads them only when persistent
         kernel = variant.kernel(int64=needs_int64(inputs.q, inputs.k, inputs.v), base="fmha_varlen")
         self.launches = [(grid, kernel, bind(
@@ -350,7 +350,7 @@ def varlen_space(capability: tuple[int, int], head_dim: int, causal: bool, windo
 def prepare_varlen(inputs: Varlen, *, scale: float, window: tuple[int, int] = NO_WINDOW,
                    softcap: float = 0.0) -> Prepared:
     heads, head_dim, store = inputs.q.shape[1], inputs.head_dim, varlen_output_store()
-    check_grid_axis(inputs.batch * heads, "sequences x heads")  # the one-block-per-tile candidates' second axis
+    heads_by_batch(heads, inputs.batch)  # refused before tuning: the one-block-per-tile candidates' grid axes
     window = inputs.binding_window(window)
     variants = {"window": window, "softcap": softcap}
     shape = ("varlen", inputs.q.dtype, head_dim, inputs.causal, heads // inputs.k.shape[1],

@@ -19,7 +19,7 @@ from impls._registry import (
     FLOATS,
     Prepared,
     Unsupported,
-    check_grid_axis,
+    heads_by_batch,
     length_class,
     module_available,
     register,
@@ -105,7 +105,7 @@ def launch(config: dict, q, k, v, out, *, causal: bool, scale: float, window: tu
     if config["USE_TMA"]:
         _install_descriptor_allocator()
     batch, heads, q_len = q.shape[:3]
-    grid = (triton.cdiv(q_len, config["BLOCK_M"]), batch * heads)
+    grid = (triton.cdiv(q_len, config["BLOCK_M"]), *heads_by_batch(heads, batch))
     plain_kernel()[grid](*kernel_arguments(q, k, v, out, scale, window, causal),
                          **dense_meta(q, v, causal=causal, window=window, softcap=softcap), **config)
 
@@ -228,7 +228,7 @@ def _make(name: str, paths: str, description: str) -> None:
                 softcap: float = 0.0) -> Prepared:
         import triton
 
-        check_grid_axis(q.shape[0] * q.shape[1], "batch x heads")
+        axes = heads_by_batch(q.shape[1], q.shape[0])
         pointer = "pointer" in paths
         value_dim = v.shape[-1]  # within the declared head dims (the registry checks it like the query's)
         tma = "tma" in paths and descriptors_fit(q.shape[-1], value_dim) and (
@@ -243,7 +243,7 @@ def _make(name: str, paths: str, description: str) -> None:
         meta = dense_meta(q, v, causal=causal, window=window, softcap=softcap)
 
         def grid(cfg):
-            return (triton.cdiv(q_len, cfg["BLOCK_M"]), batch * heads)
+            return (triton.cdiv(q_len, cfg["BLOCK_M"]), *axes)
 
         shape = (head_dim, causal, heads // k.shape[1], length_class(q_len), length_class(k.shape[2]),
                  meta["HAS_WINDOW"], softcap, value_dim)
@@ -264,7 +264,7 @@ def prepare_varlen(inputs, *, scale: float, window: tuple[int, int] = NO_WINDOW,
     import triton
 
     heads, head_dim = inputs.q.shape[1], inputs.head_dim
-    check_grid_axis(inputs.batch * heads, "sequences x heads")
+    axes = heads_by_batch(heads, inputs.batch)
     out = inputs.output_like()
     window = inputs.binding_window(window)
     meta = {**head_dims(head_dim), "CAUSAL": inputs.causal, "VARLEN": True,
@@ -272,7 +272,7 @@ def prepare_varlen(inputs, *, scale: float, window: tuple[int, int] = NO_WINDOW,
             "SOFTCAP": softcap}
 
     def grid(cfg):
-        return (triton.cdiv(inputs.max_seqlen_q, cfg["BLOCK_M"]), inputs.batch * heads)
+        return (triton.cdiv(inputs.max_seqlen_q, cfg["BLOCK_M"]), *axes)
 
     shape = ("varlen", head_dim, inputs.causal, heads // inputs.k.shape[1], length_class(inputs.max_seqlen_q),
              length_class(inputs.max_seqlen_k), meta["HAS_WINDOW"], softcap)
@@ -430,7 +430,7 @@ def paged_launch(inputs, scale: float, config: dict, window_left: int = UNBOUNDE
     q, k_cache, v_cache = inputs.q, inputs.k_cache, inputs.v_cache
     batch, sq, hq, head_dim = q.shape
     hkv = k_cache.shape[2]
-    check_grid_axis(batch * hkv, "sequences x kv heads")
+    axes = heads_by_batch(hkv, batch, "kv heads")
     rows = hq // hkv * sq
     interp = interpreting()
     sm_count = INTERPRETER_SM_COUNT if interp else torch.cuda.get_device_properties(q.device).multi_processor_count
@@ -464,7 +464,7 @@ def paged_launch(inputs, scale: float, config: dict, window_left: int = UNBOUNDE
                                        min_tiles=1 if interp else None, programs_per_sm=programs_per_sm, fit=fit)
     split = num_splits > 1
     o_part, lse_part = partials(num_splits)
-    launches = [(paged_decode_split, (num_splits, batch * hkv), split_args(o_part, lse_part, split_len),
+    launches = [(paged_decode_split, (num_splits, *axes), split_args(o_part, lse_part, split_len),
                  {**split_meta, "SPLIT": split})]
     if split:
         tile_d, chunks = combine_plan(num_splits, width)

@@ -187,15 +187,15 @@ def paged_decode_split(
     MASK_FREE: tl.constexpr = True, HAS_WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = 0.0,
     KV_FP8: tl.constexpr = False, F16_DOT: tl.constexpr = False, V_WORDS: tl.constexpr = False,
 ):
-    """Program (split, batch * kv head): attention of the GROUP x SQ query rows over one chunk of the cache.
+    """Program (split, kv head, sequence): attention of the GROUP x SQ query rows over one chunk of the cache.
     SPLIT: its normalised output and log-sum-exp go to O_part and LSE_part for the combine; otherwise (one
     chunk per sequence) the output rows go to Out. KV_FP8: the caches are fp8, ``qk_scale`` holds k_scale and
     the output is multiplied by ``v_scale``; F16_DOT (bf16 queries over fp8): the dots run in fp16; V_WORDS (fp8
     under fp16 dots, compiled): V is read as 32-bit words and widened before its dot's layout."""
     split = tl.program_id(0)
-    bk = tl.program_id(1)
-    batch = (bk // num_kv_heads).to(tl.int64)
-    kv_head = (bk % num_kv_heads).to(tl.int64)
+    kv_head = tl.program_id(1).to(tl.int64)
+    batch = tl.program_id(2).to(tl.int64)
+    bk = tl.program_id(2) * num_kv_heads + tl.program_id(1)  # the partials' row (B*Hkv, ...)
     seq_len = tl.load(cache_seqlens + batch)
     start = split * split_len
     if HAS_WINDOW:  # the chunks cut what the first new token's window sees, not the cache before it

@@ -135,9 +135,9 @@ def attention_fwd(
     VARLEN: tl.constexpr = False, BLOCK_D: tl.constexpr = 64, HAS_WINDOW: tl.constexpr = False,
     SOFTCAP: tl.constexpr = 0.0,
 ):
-    bh = tl.program_id(1)
-    batch = (bh // num_heads).to(tl.int64)  # 64-bit: batch * stride can exceed 2**31
-    head = (bh % num_heads).to(tl.int64)
+    # Grid: (query tiles, heads, batch), so that neither axis passes CUDA's cap of 65535 where batch x heads would.
+    head = tl.program_id(1).to(tl.int64)
+    batch = tl.program_id(2).to(tl.int64)  # 64-bit: batch * stride can exceed 2**31
     kv_head = head // group  # GQA by index: K/V are never repeated in memory
     if VARLEN:  # packed (total, H, D): this sequence's rows start at cu[batch]; q_len/kv_len are its own
         q_start = tl.load(cu_seqlens_q + batch).to(tl.int64)
@@ -161,13 +161,15 @@ def attention_fwd(
     num_kv_heads = num_heads // group
     kv_row = (batch * num_kv_heads + kv_head).to(tl.int32)  # row of the (B*Hkv, Skv, D) view (descriptors: i32)
     if USE_TMA:  # descriptors over the contiguous (B*H, S, D) views; their bounds are per head
-        q_desc = tl.make_tensor_descriptor(Q, shape=[tl.num_programs(1), q_len, HEAD_DIM],
+        num_bh = tl.num_programs(2) * num_heads
+        bh = tl.program_id(2) * num_heads + tl.program_id(1)  # (i32, as the descriptors' coordinates)
+        q_desc = tl.make_tensor_descriptor(Q, shape=[num_bh, q_len, HEAD_DIM],
                                            strides=[stride_qh, stride_qm, 1], block_shape=[1, BLOCK_M, HEAD_DIM])
-        k_desc = tl.make_tensor_descriptor(K, shape=[tl.num_programs(1) // group, kv_len, HEAD_DIM],
+        k_desc = tl.make_tensor_descriptor(K, shape=[num_bh // group, kv_len, HEAD_DIM],
                                            strides=[stride_kh, stride_kn, 1], block_shape=[1, BLOCK_N, HEAD_DIM])
-        v_desc = tl.make_tensor_descriptor(V, shape=[tl.num_programs(1) // group, kv_len, HEAD_DIM_V],
+        v_desc = tl.make_tensor_descriptor(V, shape=[num_bh // group, kv_len, HEAD_DIM_V],
                                            strides=[stride_vh, stride_vn, 1], block_shape=[1, BLOCK_N, HEAD_DIM_V])
-        o_desc = tl.make_tensor_descriptor(Out, shape=[tl.num_programs(1), q_len, HEAD_DIM_V],
+        o_desc = tl.make_tensor_descriptor(Out, shape=[num_bh, q_len, HEAD_DIM_V],
                                            strides=[stride_oh, stride_om, 1], block_shape=[1, BLOCK_M, HEAD_DIM_V])
         q = q_desc.load([bh, tile_m * BLOCK_M, 0]).reshape(BLOCK_M, HEAD_DIM)
     else:
