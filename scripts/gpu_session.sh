@@ -92,7 +92,8 @@
 #             pause before each benchmark): is the order of a run what moved a case (session 36's Mistral caveat)?
 #   fp8:      an fp8 KV cache: the serving twins' fp8 cases and the serving-fp8 preset checked (tuned) with our kernels
 #             and sdpa (FP8_IMPLS), then, where .gpu-fi is carried, FlashInfer's checks of the same (its JIT)
-#   fp8-bench: the serving-fp8 preset (bf16 and fp8 caches side by side), graph timing, FP8_IMPLS and flashinfer
+#   fp8-bench: the serving-fp8 preset (bf16 and fp8 caches side by side), graph timing, FP8_IMPLS and flashinfer:
+#             $out/serving-fp8-MODEL.json, one step a model (FP8_LIMIT seconds each, default 285)
 #   fp8-dots: bf16 queries over an fp8 cache with the dots in fp16 (F16_DOT): the query rows of any magnitude
 #             (Triton, every cuTile decode form) and the fp8 twins checked, then scripts/serving_probe.py --fp8-dots
 #             on the serving-fp8 preset's fp8 cases (FP8_DOTS_CASES: case ids instead): bf16 dots against fp16
@@ -586,9 +587,11 @@ for part in "$@"; do
           --grid serving-cpu "${impls[@]}" --impl naive
         step fp8-checks "${FP8_LIMIT:-380}" python3 -m pytest suite -k correctness -q -p no:cacheprovider -rf \
           --grid serving-fp8 "${impls[@]}" --durations=8
-      else
-        step fp8-bench "${FP8_LIMIT:-540}" python3 -m pytest suite "${bench[@]}" --grid serving-fp8 --timing graph \
-          "${impls[@]}" --benchmark-json="$out/serving-fp8.json"
+      else  # a JSON per model, so that a step cut while it tunes loses one half (publish_results.py joins them)
+        for model in llama3-8b llama3-70b; do
+          step "fp8-bench-$model" "${FP8_LIMIT:-285}" python3 -m pytest suite "${bench[@]}" --grid serving-fp8 \
+            --timing graph "${impls[@]}" -k "$model" --benchmark-json="$out/serving-fp8-$model.json"
+        done
       fi
       ;;
     wide)
