@@ -45,7 +45,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("fmha", "fmha-bench")
     group.addoption("--impl", action="append", default=[], metavar="GLOB",
                     help="implementations to run (repeatable, globs like 'sdpa-*'); default all")
-    group.addoption("--grid", action="append", default=[], metavar="PRESET",
+    group.addoption("--grid", action="append", default=[], metavar="PRESET", choices=list(grid.PRESETS),
                     help=f"case presets (repeatable): {', '.join(grid.PRESETS)}; "
                          "default cpu/gpu for correctness, cpu-bench/blog for benchmarks")
     group.addoption("--device", default=None, choices=("cpu", "cuda"),
@@ -118,7 +118,10 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "cases(*cases): run this test on these cases instead of the grid")
     requested = config.getoption("--device")
     device = torch.device(requested or ("cuda" if torch.cuda.is_available() else "cpu"))
-    selected = impls.select(config.getoption("--impl"))
+    try:
+        selected = impls.select(config.getoption("--impl"))
+    except ValueError as error:  # a glob that names nothing: a usage error, not a traceback
+        raise pytest.UsageError(str(error)) from None
     if config.getoption("--only-impl"):
         selected = [i for i in selected if i.name == config.getoption("--only-impl")]
     unavailable = {i.name: r for i in selected if (r := i.availability(device.type))}

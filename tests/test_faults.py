@@ -129,3 +129,18 @@ def test_inputs_that_outgrow_the_free_memory_are_reported_and_the_run_goes_on(tm
     ooms = [o for o in data["fmha"]["outcomes"] if o["status"] == "out of memory"]
     assert all("s256x256" in o["case"] and o["message"] == "out of memory (asked for 4.00 GiB) making the case's "
                "inputs" for o in ooms)
+
+
+@pytest.mark.parametrize(("option", "says", "known"), [
+    ("--impl=flash-atn4", "no implementation matches flash-atn4; known: ", "flash-attn4"),
+    ("--grid=serving-cpu-twin", "argument --grid: invalid choice: 'serving-cpu-twin'", "'serving-cpu'"),
+])
+def test_a_mistyped_selection_is_a_usage_error_naming_the_choices(option, says, known):
+    """A typo in --impl or --grid stops the run before anything is collected, with pytest's usage exit status and
+    the known names, not an internal error's traceback."""
+    proc = subprocess.run([sys.executable, "-m", "pytest", "suite", "-p", "no:cacheprovider", "-k", "correctness",
+                           option], cwd=ROOT, capture_output=True, text=True, timeout=120, env=child_env())
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == pytest.ExitCode.USAGE_ERROR, output[-2000:]
+    assert says in output and known in output.split(says, 1)[1]
+    assert "Traceback" not in output and "INTERNALERROR" not in output
