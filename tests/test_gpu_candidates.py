@@ -102,9 +102,12 @@ def test_every_candidate(family, case: Case, amplitude: float):
         try:
             launch()
         except Exception as exc:
-            if type(exc).__name__ != "OutOfResources":
-                raise
-            continue  # more shared memory than this GPU has: Triton's autotuner skips such a config too
+            if type(exc).__name__ == "OutOfResources":
+                continue  # more shared memory than this GPU has: Triton's autotuner skips such a config too
+            # Named and the next candidate tried, so that one run lists every candidate that fails (a sticky
+            # device fault fails the rest too; the first such line names the culprit).
+            failures.append(f"{name}: raised {type(exc).__name__}: {exc}")
+            continue
         launched += 1
         result = oracle.check(out)
         if not result.passed:
