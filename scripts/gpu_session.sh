@@ -99,6 +99,12 @@
 #             on the serving-fp8 preset's fp8 cases (FP8_DOTS_CASES: case ids instead): bf16 dots against fp16
 #   fp8-words: the Triton decode over fp8 with its values read as words (V_WORDS) against bytes: the tests (memcheck
 #             too), the fp8 twins, then scripts/serving_probe.py --triton-switch V_WORDS on serving-fp8's fp8 cases
+#   ab:       implementations in alternating runs on one machine, so that a gap of 1% can be told from the machine's
+#             drift: AB_PASSES (default 3) passes of AB_IMPLS (default "triton flashinfer"; FlashInfer needs .gpu-fi and
+#             scripts/flashinfer_env.sh) over the AB_GRID cases (default serving) that AB_SELECT picks (pytest -k;
+#             default: the serving cases of issue 12(b) where FlashInfer led on the H200, and 8B 1 x 128K), in
+#             AB_TIMING (default graph), $out/ab-IMPL-PASS.json each, within AB_LIMIT seconds in all (default 470); then
+#             scripts/ab_summary.py --ours FIRST-IMPL prints each case's figure per run and ours / best other per pass
 #   wide:     batch x heads past 65535 (one grid axis's cap; heads and sequences now have an axis each): every
 #             candidate of ours on the wide cases of tests/test_gpu_candidates.py, our tuned Triton serving entries,
 #             and the refusal past 65535 sequences (WIDE_LIMIT seconds, default 300)
@@ -593,6 +599,22 @@ for part in "$@"; do
             --timing graph "${impls[@]}" -k "$model" --benchmark-json="$out/serving-fp8-$model.json"
         done
       fi
+      ;;
+    ab)
+      read -ra ab_impls <<< "${AB_IMPLS:-triton flashinfer}"
+      ab_select=${AB_SELECT:-"(llama3-8b and kv8192-uniform-p16 and q1 and b64-) or (llama3-8b and kv2048-uniform-p16 \
+and q1 and b256-) or (kv8192-uniform-p16 and q1 and b256-) or (llama3-8b and q1-kv131072-uniform-p16-d128-graph)"}
+      ab_end=$(( $(date +%s) + ${AB_LIMIT:-470} ))
+      for pass in $(seq -w 1 "${AB_PASSES:-3}"); do  # equal widths: the files sort in pass order
+        for impl in "${ab_impls[@]}"; do
+          left=$(( ab_end - $(date +%s) )); [ "$left" -lt 20 ] && break 2
+          step "ab-$impl-$pass" "$left" python3 -m pytest suite "${bench[@]}" --grid "${AB_GRID:-serving}" \
+            --timing "${AB_TIMING:-graph}" --impl "$impl" -k "$ab_select" --benchmark-json="$out/ab-$impl-$pass.json"
+        done
+      done
+      if compgen -G "$out/ab-*.json" >/dev/null; then
+        python3 scripts/ab_summary.py --ours "${ab_impls[0]}" "$out"/ab-*.json | tee "$out/ab-summary.txt"
+      else echo "ab: no run wrote a JSON (AB_SELECT matched no case?)"; fi
       ;;
     wide)
       step wide "${WIDE_LIMIT:-300}" python3 -m pytest tests/test_gpu_candidates.py tests/test_registry.py -q \

@@ -498,3 +498,27 @@ def test_cli_prints_markdown_tables_and_refuses_options_it_would_ignore(results,
                         (("--markdown", "--baseline", "naive"), "--baseline applies to the HTML report")):
         refused = cli(*args)
         assert refused.returncode == 2 and words in refused.stderr
+
+
+def test_alternating_runs_are_summarised_case_by_case(serving_results, tmp_path):
+    """scripts/ab_summary.py: each implementation's figure in every run given (GB/s for decode, TFLOPS for
+    prefill) and, per pass, ours over the best other implementation."""
+    run = load_run(serving_results)
+    second = tmp_path / "second.json"
+    shutil.copy(serving_results, second)  # a second pass that measured the same
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "ab_summary.py"), "--ours", "naive",
+                           str(serving_results), str(second)], cwd=ROOT, check=True, capture_output=True, text=True,
+                          env=child_env())
+    lines = proc.stdout.splitlines()
+    for cid, per_impl in run.by_case.items():
+        merit = "gbps" if run.cases[cid]["op"] == "paged" else "tflops"
+        naive = getattr(per_impl["naive"], merit)
+        (row,) = [line for line in lines if line.startswith(cid + " ") and " naive " in line and "median" in line]
+        assert row.split()[2:4] == [f"{naive:.1f}"] * 2 and row.endswith(merit)
+        ratios = [line.split(": ")[-1] for line in lines if line.startswith(cid + " ") and "per pass" in line]
+        if "sdpa" in per_impl:  # sdpa refuses the window and softcap of some models' cases: no pair there
+            sdpa = getattr(per_impl["sdpa"], merit)
+            assert ratios == [f"{naive / sdpa:.3f} {naive / sdpa:.3f}"]
+        else:
+            assert ratios == []
+    assert any("sdpa" in per_impl for per_impl in run.by_case.values())
