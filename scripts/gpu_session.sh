@@ -11,9 +11,10 @@
 #             cache then warm; wall times, the slowest tests and where the time goes (scripts/where_time_goes.py)
 #   serve:    decode and blog in all three modes, then serving and varlen, every implementation
 #   candidates: every cuTile candidate (two-launch causal forms and padded head dims included) on the edge
-#             cases, then the two-launch ones under compute-sanitizer memcheck
+#             cases (CANDIDATES_SELECT: pytest -k instead of "cutile"), then the two-launch ones under memcheck
 #   memcheck: compute-sanitizer memcheck over the cuTile candidates matching CANDIDATES (default '*16}*') on the
-#             edge cases of tests/test_gpu_candidates.py
+#             edge cases of tests/test_gpu_candidates.py that MEMCHECK_SELECT picks (pytest -k, default "cutile and
+#             unit"; e.g. "s333x1000 and cutile": the whole set does not fit one call), within MEMCHECK_LIMIT s (200)
 #   causal:   every causal cuTile candidate of the blog shapes, one and two launches, beside sdpa-cudnn (sweep)
 #   causal-deep: the causal persistent forms (fixed share, dynamic) at latencies 2 / 4 and 3 / 6 beside one block
 #             per tile, cuDNN and flash-attn4 where carried, D=128 and 64 (sweep)
@@ -270,12 +271,13 @@ for part in "$@"; do
         --timing eager --benchmark-json="$out/serving.json"
       ;;
     candidates)
-      step candidates 330 python3 -m pytest tests/test_gpu_candidates.py -k cutile -q -p no:cacheprovider -rf
+      step candidates 330 python3 -m pytest tests/test_gpu_candidates.py -k "${CANDIDATES_SELECT:-cutile}" -q \
+        -p no:cacheprovider -rf
       memcheck_candidates '*two-launch*' 120
       ;;
     memcheck)
       sixteen='*16}*'  # default: the 16-warp candidates
-      memcheck_candidates "${CANDIDATES:-$sixteen}" 200
+      memcheck_candidates "${CANDIDATES:-$sixteen}" "${MEMCHECK_LIMIT:-200}" "${MEMCHECK_SELECT:-cutile and unit}"
       ;;
     causal)
       step causal 200 python3 scripts/sweep.py --seqlens 1024 2048 4096 8192 16384 --causal causal \
