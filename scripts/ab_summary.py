@@ -1,6 +1,6 @@
 """Implementations timed in alternating runs on one machine (``gpu_session.sh ab``): each case's figure of merit per
-run, and per pair of runs the first implementation's over the best other one, so that a gap of 1% can be told from the
-machine's own drift.
+run, and per pass ``--ours`` over the best other implementation, so that a gap of 1% can be told from the machine's own
+drift.
 
     python scripts/ab_summary.py --ours triton results/ab-*.json    # each implementation's runs in the order given
 """
