@@ -5,6 +5,7 @@ block. CI has the ``tileiras`` cuda-tile 1.7 installs (13.4): there the request 
 the compiler; with a 13.5 ``tileiras`` on PATH the 16-warp candidates compile without spilling.
 """
 
+import functools
 import os
 import re
 
@@ -17,7 +18,7 @@ else:
 
 from cuda.tile import _compile
 
-from impls.cutile import hopper_space, requires, search_space, sixteen_warp_space, toolchain
+from impls.cutile import hopper_space, other_forms, requires, search_space, sixteen_warp_space, toolchain
 
 
 @pytest.fixture
@@ -117,3 +118,15 @@ def test_sixteen_warp_candidates_compile_without_spilling(bytecode, head_dim, ca
         for _, cubin in export_phases(variant, arch="sm_90", head_dim=head_dim, causal=causal):
             usage = sass_summary(cubin)
             assert usage["stack"] == 0 and usage["hgmma"] > 0 and usage["utmaldg"] > 0, (variant.label(), usage)
+
+
+def test_the_dynamic_scheduler_is_offered_with_bytecode_13_5_only(bytecode, monkeypatch):
+    # 13.4 compiles its work-item loop with a race that memcheck's slowed warps expose (toolchain.DYNAMIC_SCHEDULER)
+    bytecode(None)
+    forms = other_forms()
+    assert not toolchain.dynamic_scheduler() and not any(v.dynamic for v in forms)
+    assert [v.two_launch for v in forms] == [True]  # the kernel's other form stays
+    # as a 13.5 tileiras reads it, wherever CI runs (cached, as the fixture's teardown clears it)
+    monkeypatch.setattr(toolchain, "enable", functools.cache(lambda: "13.5"))
+    assert toolchain.dynamic_scheduler()
+    assert [(v.dynamic, v.k_latency) for v in other_forms()] == [(True, 3), (True, 2), (False, 3)]

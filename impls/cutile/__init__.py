@@ -334,6 +334,7 @@ PEELED_TILE = 128
 # Hopper's two warpgroup tile: one block per query tile, and the persistent form that streams K/V on.
 HOPPER_WIDE = Variant(128, 128, occupancy=1, num_worker_warps=8, head_group=None)
 HOPPER_STREAMING = replace(HOPPER_WIDE, persistent=True, k_latency=3, v_latency=6)
+HOPPER_DYNAMIC = replace(HOPPER_STREAMING, dynamic=True)  # its next work item from a counter (other_forms)
 
 
 def hopper_space(head_dim: int, causal: bool, value_dim: int | None = None, window: bool = False) -> list[Variant]:
@@ -503,9 +504,10 @@ def sixteen_warp_space(head_dim: int, causal: bool) -> list[Variant]:
 
 def other_forms() -> list[Variant]:
     """Forms of the kernel the autotuner does not try (they lost on the H200), kept for scripts/sweep.py and
-    checked for correctness with the candidates: the causal persistent kernel with a dynamic scheduler, and
-    two launches with a fixed share. The dynamic scheduler also with loads issued 2 / 4 tiles ahead: causal at
-    D=128 that gets 132 KB of pipeline, as one block per tile does, where 3 / 6 gets 99 KB (sm_90 SASS). Session 17
+    checked for correctness with the candidates: the causal persistent kernel with a dynamic scheduler (with
+    bytecode 13.5 only: ``toolchain.DYNAMIC_SCHEDULER``), and two launches with a fixed share. The dynamic
+    scheduler also with loads issued 2 / 4 tiles ahead: causal at D=128 that gets 132 KB of pipeline, as one block
+    per tile does, where 3 / 6 gets 99 KB (sm_90 SASS). Session 17
     (H200, tileiras 13.5, do_bench, fp16, B=4, H=32, causal 2K / 4K / 16K TFLOPS): at D=128 412 / 481 / 544 at 2 / 4
     against 410 / 468 / 521 at 3 / 6, one block per tile 445 / 496 / 537, flash-attn4 492 / 525 / 588; at D=64 280 /
     341 / 397 against 333 / 388 / 436 for one block per tile. Still out of the tuner (it would also need the
@@ -520,8 +522,10 @@ def other_forms() -> list[Variant]:
     Not the two combined (two launches with the dynamic scheduler): slower than either (session 5), wrong once on
     chunked prefill (session 6), and tileiras 13.5 fails to compile its mask-free launch with a ragged Skv
     ("failed to compile Tile IR program", session 17); the kernel's switches still allow it."""
-    dynamic = replace(HOPPER_STREAMING, dynamic=True)
-    return [dynamic, replace(dynamic, k_latency=2, v_latency=4), replace(HOPPER_STREAMING, two_launch=True)]
+    # Only where tileiras compiles its loop race-free (bytecode 13.5: toolchain.DYNAMIC_SCHEDULER says why)
+    dynamic = [HOPPER_DYNAMIC, replace(HOPPER_DYNAMIC, k_latency=2, v_latency=4)]
+    dynamic_forms = dynamic if toolchain.dynamic_scheduler() else []
+    return [*dynamic_forms, replace(HOPPER_STREAMING, two_launch=True)]
 
 
 def requires(device: str) -> str | None:
