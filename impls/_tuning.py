@@ -284,25 +284,17 @@ def settle_gpu(device: torch.device | None = None, seconds: float = SETTLE_S) ->
         settle(product, seconds, mean_ms(product, warmup=1, repeats=4) / 1e3, torch.cuda.synchronize)
 
 
-def fastest(candidates: Iterable[tuple[Any, Callable[[], object]]], *, warmup: int = 3, repeats: int = 10,
-            margin: float = FINALIST_MARGIN) -> Any:
-    """The candidate whose call takes the least GPU time, for tuners whose candidate is more than one launch
-    (split and combine), where ``cuda.tile.tune`` and Triton's autotuner time one kernel. Every candidate is
-    called once (compiled) before the GPU settles (``settle_gpu``), so that no compile pause falls between the
-    settling and the timing; one replay of each (``graph_ms``) screens them, and the finalists within ``margin``
-    of the best are timed again in interleaved rounds (``sustained_fastest``).
-
-    One replay is a single sample of 0.1-0.4 ms: on the H200 (session 43) the Triton decode tuner kept, on the
-    70B slice's 64 x 512 (10 us a call), a config whose kernels took 11.0 us where session 33's pick took 10.2."""
+def fastest(candidates: Iterable[tuple[Any, Callable[[], object]]], *, warmup: int = 3, repeats: int = 10) -> Any:
+    """The candidate whose call takes the least GPU time (``graph_ms``), on a settled GPU (``settle_gpu``). For
+    tuners whose candidate is more than one launch (split and combine), where ``cuda.tile.tune`` and Triton's
+    autotuner time one kernel. Every candidate is called once (compiled) before the GPU settles, so that no
+    compile pause falls between the settling and the timing."""
     candidates = list(candidates)
     for _, call in candidates:
         call()
     settle_gpu()
-    screened = [(index, graph_ms(call, warmup=warmup, repeats=repeats)) for index, (_, call) in enumerate(candidates)]
-    near = finalists(screened, margin)
-    if len(near) == 1:
-        return candidates[near[0]][0]
-    return sustained_fastest(candidates[index] for index in near)
+    timings = [(graph_ms(call, warmup=warmup, repeats=repeats), candidate) for candidate, call in candidates]
+    return min(timings, key=lambda t: t[0])[1]
 
 
 def sustained_fastest(candidates: Iterable[tuple[Any, Callable[[], object]]], *, rounds: int = 5,

@@ -462,20 +462,6 @@ def test_sustained_tuner_ranks_by_the_median_of_interleaved_rounds(monkeypatch):
     assert _tuning.interleaved_medians(lambda: [2.0, 1.0], 1) == [2.0, 1.0]
 
 
-def test_fastest_screens_each_candidate_once_then_retimes_the_near_ones_interleaved(monkeypatch):
-    # The serving tuners' pick: one replay each (a 1.0, b 1.05, c 2.0 ms), then the finalists within 10% (a, b)
-    # timed again in interleaved rounds, whose pick stands (b); with one finalist there is no second round.
-    screen = {"A": 1.0, "B": 1.05, "C": 2.0}
-    retimed = []
-    monkeypatch.setattr(_tuning, "settle_gpu", lambda *a, **k: None)
-    monkeypatch.setattr(_tuning, "graph_ms", lambda call, **timing: screen[call()])
-    monkeypatch.setattr(_tuning, "sustained_fastest", lambda near: retimed.append(list(near)) or retimed[-1][-1][0])
-    candidates = [("a", lambda: "A"), ("b", lambda: "B"), ("c", lambda: "C")]
-    assert _tuning.fastest(candidates) == "b" and [name for name, _ in retimed[0]] == ["a", "b"]
-    screen["B"], retimed[:] = 1.5, []
-    assert _tuning.fastest(candidates) == "a" and retimed == []
-
-
 def test_finalists_are_the_candidates_near_the_best_fastest_first():
     timings = [("a", 1.02), ("b", 1.0), ("c", 1.031), ("d", 1.5)]
     assert _tuning.finalists(timings, margin=0.03) == ["b", "a"]
