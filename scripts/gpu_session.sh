@@ -15,7 +15,8 @@
 #   memcheck: compute-sanitizer memcheck over the cuTile candidates matching CANDIDATES (default '*16}*') on the
 #             edge cases of tests/test_gpu_candidates.py that MEMCHECK_SELECT picks (pytest -k, default "cutile and
 #             unit"; e.g. "s333x1000 and cutile": the whole set does not fit one call), within MEMCHECK_LIMIT s (200);
-#             MEMCHECK_SHARDS=N splits the tests over N sanitizer processes side by side
+#             MEMCHECK_SHARDS=N splits the tests over N sanitizer processes side by side; SANITIZER_TOOL=racecheck (or
+#             synccheck, initcheck) runs that tool instead
 #   causal:   every causal cuTile candidate of the blog shapes, one and two launches, beside sdpa-cudnn (sweep)
 #   causal-deep: the causal persistent forms (fixed share, dynamic) at latencies 2 / 4 and 3 / 6 beside one block
 #             per tile, cuDNN and flash-attn4 where carried, D=128 and 64 (sweep)
@@ -201,23 +202,24 @@ fi_aot() {  # FlashInfer's modules of this machine (compiled here, or carried) a
 }
 tuner_picks='"check": false|picks'  # tuner_probe.py's failed checks and each case's picks
 memcheck_candidates() {  # memcheck_candidates GLOB SECONDS [SELECT]: the cuTile candidates whose label matches GLOB
-  # on the edge cases of tests/test_gpu_candidates.py (pytest -k SELECT) under compute-sanitizer memcheck;
-  # MEMCHECK_SHARDS=N: N sanitizer processes side by side, shard i on every N-th test from the i-th (memcheck-i.log)
-  local shards=${MEMCHECK_SHARDS:-1} shard ids
-  local sanitize=(compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider -rf)
+  # on the edge cases of tests/test_gpu_candidates.py (pytest -k SELECT) under compute-sanitizer's SANITIZER_TOOL
+  # (memcheck); MEMCHECK_SHARDS=N: N sanitizer processes side by side, shard i on every N-th test from the i-th
+  # (logs TOOL.log, or TOOL-i.log)
+  local shards=${MEMCHECK_SHARDS:-1} tool=${SANITIZER_TOOL:-memcheck} shard ids
+  local sanitize=(compute-sanitizer --tool "$tool" --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider -rf)
   if [ "$shards" -le 1 ]; then
-    FMHA_CANDIDATES=$1 step memcheck "$2" "${sanitize[@]}" tests/test_gpu_candidates.py -k "${3:-cutile and unit}"
-    grep -E "ERROR SUMMARY|passed|failed" "$out/memcheck.log" | tail -3
+    FMHA_CANDIDATES=$1 step "$tool" "$2" "${sanitize[@]}" tests/test_gpu_candidates.py -k "${3:-cutile and unit}"
+    grep -E "SUMMARY|passed|failed" "$out/$tool.log" | tail -3
     return
   fi
   python3 -m pytest tests/test_gpu_candidates.py -k "${3:-cutile and unit}" --collect-only -q -p no:cacheprovider \
-    | grep "::" > "$out/memcheck.ids"
+    | grep "::" > "$out/$tool.ids"
   for shard in $(seq 0 $(( shards - 1 ))); do
-    mapfile -t ids < <(awk -v n="$shards" -v i="$shard" '(NR - 1) % n == i' "$out/memcheck.ids")
-    [ ${#ids[@]} -gt 0 ] && FMHA_CANDIDATES=$1 step "memcheck-$shard" "$2" "${sanitize[@]}" "${ids[@]}" &
+    mapfile -t ids < <(awk -v n="$shards" -v i="$shard" '(NR - 1) % n == i' "$out/$tool.ids")
+    [ ${#ids[@]} -gt 0 ] && FMHA_CANDIDATES=$1 step "$tool-$shard" "$2" "${sanitize[@]}" "${ids[@]}" &
   done
   wait
-  grep -HE "ERROR SUMMARY|passed|failed|skipped" "$out"/memcheck-*.log
+  grep -HE "SUMMARY|passed|failed|skipped" "$out/$tool"-*.log
 }
 for part in "$@"; do
   echo "== $part $(date +%T)"
