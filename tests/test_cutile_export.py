@@ -18,7 +18,17 @@ else:
     pytest.importorskip("cuda.tile", reason='cuTile not installed: pip install "cuda-tile[tileiras]"')
 
 from impls._sass import find_cuobjdump, sass_summary
-from impls.cutile import HOPPER_DYNAMIC, HOPPER_WIDE, LADDER, Variant, head_tiles, other_forms, search_space, tile_d
+from impls.cutile import (
+    HOPPER_DYNAMIC,
+    HOPPER_STREAMING,
+    HOPPER_WIDE,
+    LADDER,
+    Variant,
+    head_tiles,
+    other_forms,
+    search_space,
+    tile_d,
+)
 from impls.cutile.export import export_cubin, export_phases
 
 ARCHS = ["sm_80", "sm_90", "sm_100", "sm_120"]
@@ -204,6 +214,14 @@ def test_two_launch_variants_pass_the_softmax_state_between_launches():
     assert {t.dtype for t in (m, s, acc)} == {torch.float32}
     assert counter.shape == (1,) and counter.dtype == torch.int32
     assert all(t.numel() == 1 for t in Variant(64, 64).state(q))  # one launch: placeholders only
+
+
+def test_the_two_launch_form_loads_its_softmax_state_without_tma():
+    # Through TMA each consumer warpgroup fetched the max and sum vectors into one shared buffer, a write-after-write
+    # that compute-sanitizer racecheck reported on the H200 (session 43); plain loads take them to registers.
+    _, mask_free = export_phases(replace(HOPPER_STREAMING, two_launch=True), arch="sm_90", head_dim=128, causal=True)[1]
+    usage = sass(mask_free)
+    assert usage["utmaldg_3d"] == 0 and usage["utmaldg"] > 0 and usage["stack"] == 0, usage
 
 
 def test_search_space_holds_single_launches_only():

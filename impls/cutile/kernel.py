@@ -470,9 +470,11 @@ def normalised(acc, l_i, FAST_MATH):
 
 
 def load_state(MaxState, SumState, AccState, batch, head, tile_m, TILE_M, TILE_DV, TILE_DV_TAIL):
-    """The running max, sum and unnormalised accumulator(s) of one query tile, as launch 1 left them."""
-    m_i = ct.load(MaxState, index=(batch, head, tile_m), shape=(1, 1, TILE_M)).reshape((TILE_M, 1))
-    l_i = ct.load(SumState, index=(batch, head, tile_m), shape=(1, 1, TILE_M)).reshape((TILE_M, 1))
+    """The running max, sum and unnormalised accumulator(s) of one query tile, as launch 1 left them. The max and
+    the sum come by plain loads: through TMA each consumer warpgroup fetched the whole vector into one shared buffer
+    (compute-sanitizer racecheck: a write-after-write of the TMA load with itself, session 43)."""
+    m_i = ct.load(MaxState, index=(batch, head, tile_m), shape=(1, 1, TILE_M), allow_tma=False).reshape((TILE_M, 1))
+    l_i = ct.load(SumState, index=(batch, head, tile_m), shape=(1, 1, TILE_M), allow_tma=False).reshape((TILE_M, 1))
     acc = load_rows(AccState, batch, head, tile_m, TILE_M, TILE_DV, 0, None)
     if TILE_DV_TAIL > 0:
         acc_tail = load_rows(AccState, batch, head, tile_m, TILE_M, TILE_DV_TAIL, TILE_DV, None)
