@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import sys
 from fnmatch import fnmatchcase
 
 import torch
@@ -125,6 +126,9 @@ def main() -> None:
             cands += list(cutile_candidates(a.d, extras=not a.tuner_space, value_dim=a.dv or None))
         if "triton" in a.which:
             cands += list(triton_candidates())
+        for glob in (g for g in a.match if not any(fnmatchcase(n, g) for n, _ in cands)):
+            # e.g. cuTile's dynamically scheduled forms, which other_forms offers with bytecode 13.5 only
+            print(f"--match {glob!r}: no candidate here", file=sys.stderr)
         cands = [(n, m) for n, m in cands if not a.match or any(fnmatchcase(n, g) for g in a.match)]
         for name, make in cands:
             out = q.new_empty((*q.shape[:3], v.shape[-1]))

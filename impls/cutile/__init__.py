@@ -507,10 +507,10 @@ def other_forms() -> list[Variant]:
     checked for correctness with the candidates: the causal persistent kernel with a dynamic scheduler (with
     bytecode 13.5 only: ``toolchain.DYNAMIC_SCHEDULER``), and two launches with a fixed share. The dynamic
     scheduler also with loads issued 2 / 4 tiles ahead: causal at D=128 that gets 132 KB of pipeline, as one block
-    per tile does, where 3 / 6 gets 99 KB (sm_90 SASS). Session 17
-    (H200, tileiras 13.5, do_bench, fp16, B=4, H=32, causal 2K / 4K / 16K TFLOPS): at D=128 412 / 481 / 544 at 2 / 4
-    against 410 / 468 / 521 at 3 / 6, one block per tile 445 / 496 / 537, flash-attn4 492 / 525 / 588; at D=64 280 /
-    341 / 397 against 333 / 388 / 436 for one block per tile. Still out of the tuner (it would also need the
+    per tile does, where 3 / 6 gets 99 KB (sm_90 SASS). Session 17 (H200, tileiras 13.5, do_bench, fp16, B=4, H=32,
+    causal 2K / 4K / 16K TFLOPS): at D=128 412 / 481 / 544 at 2 / 4 against 410 / 468 / 521 at 3 / 6, one block per
+    tile 445 / 496 / 537, flash-attn4 492 / 525 / 588; at D=64 280 / 341 / 397 against 333 / 388 / 436 for one block
+    per tile. Still out of the tuner (it would also need the
     counter zeroed inside the timed launch).
 
     Session 20 (H200, bf16 unless fp16, causal, ``scripts/tuner_probe.py --two-launch-of``, settled TFLOPS): two
@@ -522,10 +522,10 @@ def other_forms() -> list[Variant]:
     Not the two combined (two launches with the dynamic scheduler): slower than either (session 5), wrong once on
     chunked prefill (session 6), and tileiras 13.5 fails to compile its mask-free launch with a ragged Skv
     ("failed to compile Tile IR program", session 17); the kernel's switches still allow it."""
-    # Only where tileiras compiles its loop race-free (bytecode 13.5: toolchain.DYNAMIC_SCHEDULER says why)
+    # the dynamic scheduler only where tileiras compiles its loop race-free (toolchain.DYNAMIC_SCHEDULER says why)
     dynamic = [HOPPER_DYNAMIC, replace(HOPPER_DYNAMIC, k_latency=2, v_latency=4)]
-    dynamic_forms = dynamic if toolchain.dynamic_scheduler() else []
-    return [*dynamic_forms, replace(HOPPER_STREAMING, two_launch=True)]
+    dynamic = dynamic if toolchain.dynamic_scheduler() else []
+    return [*dynamic, replace(HOPPER_STREAMING, two_launch=True)]
 
 
 def requires(device: str) -> str | None:
