@@ -11,12 +11,11 @@ query tile) items, so that a wrong item, a wrong row range or a wrong counter ea
 
 import argparse
 import json
-from dataclasses import replace
 
 import torch
 
 from impls._reference import attention_ref
-from impls.cutile import HOPPER_DYNAMIC, HOPPER_STREAMING, HOPPER_WIDE, Call
+from impls.cutile import DYNAMIC_FORMS, HOPPER_STREAMING, HOPPER_WIDE, Call
 from suite.cases import Case
 
 CASES = {
@@ -34,8 +33,7 @@ def main() -> None:
     parser.add_argument("--forms", default="all", choices=["all", "dynamic"])
     parser.add_argument("--out")
     args = parser.parse_args()
-    dynamic = [HOPPER_DYNAMIC, replace(HOPPER_DYNAMIC, k_latency=2, v_latency=4)]
-    forms = dynamic if args.forms == "dynamic" else [*dynamic, HOPPER_STREAMING, HOPPER_WIDE]
+    forms = [*DYNAMIC_FORMS] + ([] if args.forms == "dynamic" else [HOPPER_STREAMING, HOPPER_WIDE])
     results = []
     for name in args.case or list(CASES):
         case = CASES[name]

@@ -108,7 +108,7 @@ def main() -> None:
                         "(for ncu --nvtx --nvtx-include profile/); the order printed is ncu's order")
     a = p.parse_args()
     causal_opts = {"both": [True, False], "causal": [True], "full": [False]}[a.causal]
-    rows = []
+    rows, unmatched = [], set()
     for causal, s, dtype, hkv in itertools.product(causal_opts, a.seqlens, a.dtype, a.hkv):
         case = Case(4, 32, hkv, s, s, a.d, dtype, causal, dv=a.dv)
         q, k, v = case.make_inputs("cuda")
@@ -126,9 +126,10 @@ def main() -> None:
             cands += list(cutile_candidates(a.d, extras=not a.tuner_space, value_dim=a.dv or None))
         if "triton" in a.which:
             cands += list(triton_candidates())
-        for glob in (g for g in a.match if not any(fnmatchcase(n, g) for n, _ in cands)):
+        for glob in (g for g in a.match if not any(fnmatchcase(n, g) for n, _ in cands) and g not in unmatched):
             # e.g. cuTile's dynamically scheduled forms, which other_forms offers with bytecode 13.5 only
             print(f"--match {glob!r}: no candidate here", file=sys.stderr)
+            unmatched.add(glob)  # said once, not for every case
         cands = [(n, m) for n, m in cands if not a.match or any(fnmatchcase(n, g) for g in a.match)]
         for name, make in cands:
             out = q.new_empty((*q.shape[:3], v.shape[-1]))

@@ -335,6 +335,8 @@ PEELED_TILE = 128
 HOPPER_WIDE = Variant(128, 128, occupancy=1, num_worker_warps=8, head_group=None)
 HOPPER_STREAMING = replace(HOPPER_WIDE, persistent=True, k_latency=3, v_latency=6)
 HOPPER_DYNAMIC = replace(HOPPER_STREAMING, dynamic=True)  # its next work item from a counter (other_forms)
+# the dynamic scheduler with loads issued 3 / 6 and 2 / 4 tiles ahead (other_forms says why both)
+DYNAMIC_FORMS = (HOPPER_DYNAMIC, replace(HOPPER_DYNAMIC, k_latency=2, v_latency=4))
 
 
 def hopper_space(head_dim: int, causal: bool, value_dim: int | None = None, window: bool = False) -> list[Variant]:
@@ -510,8 +512,7 @@ def other_forms() -> list[Variant]:
     per tile does, where 3 / 6 gets 99 KB (sm_90 SASS). Session 17 (H200, tileiras 13.5, do_bench, fp16, B=4, H=32,
     causal 2K / 4K / 16K TFLOPS): at D=128 412 / 481 / 544 at 2 / 4 against 410 / 468 / 521 at 3 / 6, one block per
     tile 445 / 496 / 537, flash-attn4 492 / 525 / 588; at D=64 280 / 341 / 397 against 333 / 388 / 436 for one block
-    per tile. Still out of the tuner (it would also need the
-    counter zeroed inside the timed launch).
+    per tile. Still out of the tuner (it would also need the counter zeroed inside the timed launch).
 
     Session 20 (H200, bf16 unless fp16, causal, ``scripts/tuner_probe.py --two-launch-of``, settled TFLOPS): two
     launches with the mask-free one persistent, 128x128 L3,6 or 128x256, with a fixed or a paired share (its mask-free
@@ -523,9 +524,7 @@ def other_forms() -> list[Variant]:
     chunked prefill (session 6), and tileiras 13.5 fails to compile its mask-free launch with a ragged Skv
     ("failed to compile Tile IR program", session 17); the kernel's switches still allow it."""
     # the dynamic scheduler only where tileiras compiles its loop race-free (toolchain.DYNAMIC_SCHEDULER says why)
-    dynamic = [HOPPER_DYNAMIC, replace(HOPPER_DYNAMIC, k_latency=2, v_latency=4)]
-    dynamic = dynamic if toolchain.dynamic_scheduler() else []
-    return [*dynamic, replace(HOPPER_STREAMING, two_launch=True)]
+    return [*(DYNAMIC_FORMS if toolchain.dynamic_scheduler() else ()), replace(HOPPER_STREAMING, two_launch=True)]
 
 
 def requires(device: str) -> str | None:
