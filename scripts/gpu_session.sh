@@ -111,6 +111,9 @@
 #   wide:     batch x heads past 65535 (one grid axis's cap; heads and sequences now have an axis each): every
 #             candidate of ours on the wide cases of tests/test_gpu_candidates.py, our tuned Triton serving entries,
 #             and the refusal past 65535 sequences (WIDE_LIMIT seconds, default 300)
+#   pdl:      the Triton decode with and without programmatic dependent launch (config PDL): its tests, then
+#             scripts/serving_probe.py --triton-switch PDL beside PDL_PEERS (default flashinfer; flash-attn4 in the
+#             flash-attn-4 carry's last call) on PDL_CASES (default: the serving cases of 12(b) a peer led in session 43)
 #   varlen-probe: every cuTile serving candidate on the twins and the uneven packed batches, then
 #             scripts/serving_probe.py --varlen-only (VARLEN_PROBE_ARGS: more, e.g. --varlen-persistent)
 #   varlen-memcheck: each cuTile varlen candidate on the uneven packed batches under compute-sanitizer memcheck,
@@ -187,6 +190,12 @@ probe_cases() {  # probe_cases NAME "CASE ..." PATTERN COMMAND...: COMMAND --cas
 }
 fp8_cases() {  # the serving-fp8 preset's fp8-cache case ids, space-separated
   python3 -c "from suite.cases import preset; print(' '.join(c.id for c in preset('serving-fp8') if c.kv_dtype))"
+}
+behind_cases() {  # the serving cases with 64 or more sequences where a peer led ours in session 43
+  local d=paged-bf16
+  echo "llama3-8b-$d-h32:8-q1-kv8192-uniform-p16-d128-b64 llama3-8b-$d-h32:8-q1-kv8192-uniform-p16-d128-b256" \
+    "llama3-70b-tp8-$d-h8:1-q1-kv8192-uniform-p16-d128-b256 llama3-70b-tp8-$d-h8:1-q1-kv8192-uniform-p64-d128-b64" \
+    "llama3-70b-tp8-$d-h8:1-q1-kv512-uniform-p16-d128-b64"
 }
 fi_aot() {  # FlashInfer's modules of this machine (compiled here, or carried) as ahead-of-time artifacts,
   # $out/flashinfer-aot.tar.xz: NAME/NAME.so each, for .gpu-fi-aot/ (scripts/flashinfer_env.sh)
@@ -656,6 +665,15 @@ and q1 and b256-) or (kv8192-uniform-p16 and q1 and b256-) or (llama3-8b and q1-
         --grid serving-cpu --impl triton
       probe_cases fp8-words "${FP8_WORDS_CASES:-$(fp8_cases)}" '"variant"' python3 scripts/serving_probe.py \
         --triton-switch V_WORDS --no-cutile
+      ;;
+    pdl)
+      # the Triton decode launched with and without programmatic dependent launch (config PDL): its tests, then
+      # serving_probe.py --triton-switch PDL beside PDL_PEERS (default flashinfer) on PDL_CASES (case ids; default:
+      # the serving cases with 64+ sequences where a peer led in session 43)
+      step pdl-checks 200 python3 -m pytest tests/test_serving.py -q -p no:cacheprovider -rf -k "programmatic or fitted"
+      peers=(); for peer in ${PDL_PEERS:-flashinfer}; do peers+=(--peer "$peer"); done
+      probe_cases pdl "${PDL_CASES:-$(behind_cases)}" '"variant"' python3 scripts/serving_probe.py \
+        --triton-switch PDL --no-cutile "${peers[@]}"
       ;;
     varlen-probe)
       step varlen-candidates 300 python3 -m pytest tests/test_gpu_candidates.py -k "serving or uneven" -q \

@@ -12,7 +12,8 @@ of the tuner's space and of DEEP_TILES (K/V double-buffered; ``--deep-tile N,W,S
 ``--fp8-dots`` (by default on the fp8 cases of ``serving-fp8``) times bf16 queries over an fp8 cache with the dots
 in bf16 and in fp16 (F16_DOT): each cuTile form both ways in alternation, then the fastest Triton config of each
 way and each peer in alternation; ``--triton-switch KEY`` (the same default cases) the fastest Triton config with a
-constexpr of the split kernel off and on (V_WORDS: fp8 values read as bytes or as words) and each peer; ``--peer NAME``
+switch of its config off and on (a constexpr of the split kernel, V_WORDS: fp8 values read as bytes or as words;
+or PDL, programmatic dependent launch of both kernels) and each peer; ``--peer NAME``
 times a registered implementation of the operation the same way, in the same process (``--no-cutile`` leaves
 cuTile out, for a machine without its toolchain). Varlen (``--varlen-only``: nothing else): each varlen
 candidate on every ``varlen`` case (``--varlen-grid NAME``: another preset's, with their window and softcap), and
@@ -150,7 +151,7 @@ def fp8_dots_ab(case_id: str, peers: list[str], cutile: bool = True, rounds: int
 
 
 def triton_switch(case, inputs, scale: float, oracle, key: str, peers: list[str], rounds: int = 5) -> None:
-    """The fastest Triton config of the tuner's space with the split kernel's constexpr ``key`` off and with it on,
+    """The fastest Triton config of the tuner's space with its switch ``key`` off and with it on,
     and each peer, timed in alternation (``fastest_of_each``)."""
     spaces = {f"{key} {state}": [{**config, key: state == "on"} for config in TRITON_SPACE] for state in ("off", "on")}
     peer_calls = {name: impls.get(name, "paged").prepare(inputs, scale=scale) for name in peers}
@@ -291,7 +292,7 @@ def main() -> None:
     parser.add_argument("--latency", action="append", default=[], metavar="K,V",
                         help="cuTile K and V load latencies to try on every candidate (repeatable)")
     parser.add_argument("--triton-switch", metavar="KEY",
-                        help="the fastest Triton config with the split kernel's constexpr KEY off and on, beside "
+                        help="the fastest Triton config with its switch KEY (a constexpr, or PDL) off and on, beside "
                              "each --peer (default cases: serving-fp8's fp8 ones; only this)")
     args = parser.parse_args()
     if args.triton_switch:

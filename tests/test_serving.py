@@ -527,3 +527,35 @@ def test_streamk_probe_merges_the_items_its_ranges_cut(programs):
         inputs = case.make_inputs(device)
         result = Oracle.serving(inputs).check(streamk_launch(inputs, case.d ** -0.5, 32, 4, 2, programs)())
         assert result.passed, f"{case_id}, {programs} programs: {result.message}"
+
+
+@pytest.mark.parametrize("pdl", [True, False])
+def test_triton_decode_with_and_without_programmatic_dependent_launch(pdl):
+    """Both launch modes of the decode (config ``PDL``, on by default) are correct on every paged CPU twin, split
+    and unsplit. On a GPU the steps also run back to back in one CUDA graph, where under PDL each kernel starts
+    while the one before it still runs (it waits for it before its first load). Hopper and later take it; the
+    interpreter and older GPUs launch as before, and the plan says which ran."""
+    pytest.importorskip("triton")
+    from impls.triton_fa import INTERPRETER_DECODE_CONFIG, paged_launch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    expected = pdl and device == "cuda" and torch.cuda.get_device_capability()[0] >= 9
+    config = {**INTERPRETER_DECODE_CONFIG, "PDL": pdl} if device == "cpu" else {
+        "BLOCK_N": 16, "num_warps": 4, "num_stages": 3, "PDL": pdl}  # 300 tokens in 16-key tiles: split
+    splits = set()
+    for case in [c for c in PRESETS["serving-cpu"] if c.op == "paged"]:
+        inputs = case.make_inputs(device)
+        run, plan = paged_launch(inputs, inputs.head_dim ** -0.5, config)
+        assert plan["PDL"] is expected
+        splits.add(plan["num_splits"] > 1)
+        out = run()
+        if device == "cuda":
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(4):
+                    out = run()
+            out.zero_()
+            graph.replay()
+        result = Oracle.serving(inputs).check(out)
+        assert result.passed, f"{case.id}: {result.message}"
+    assert splits == {True, False}  # both the two-launch and the one-launch step

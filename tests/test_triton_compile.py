@@ -75,3 +75,14 @@ def test_decode_tiles_over_an_fp8_cache_read_values_as_words_and_hold_no_stack()
     for (n, w, st), result in zip(DECODE_TILES, words, strict=True):
         assert result["hmma"] > 0 and result["shared"] <= 227 * 1024, (n, w, st, result)
         assert result["lds_u8"] == 0 and result["ldsm_t"] > 0 and result["stack"] == 0, (n, w, st, result)
+
+
+def test_decode_under_programmatic_dependent_launch_waits_before_its_first_load():
+    """With USE_PDL (the decode's default on Hopper, as FlashInfer's) the split kernel may start while the kernel
+    before it in the stream still runs: it must wait for that grid (``griddepcontrol.wait``) before it reads
+    anything, and it lets the combine launch once it runs. Without it, neither instruction, and the same tile."""
+    with_pdl, without = compiled("--arch 90 --decode 128 4 5 --pdl", "--arch 90 --decode 128 4 5")
+    assert with_pdl["pdl_waits"] == 1 and with_pdl["pdl_triggers"] == 1, with_pdl
+    assert with_pdl["loads_before_wait"] == 0, with_pdl
+    assert without["pdl_waits"] == 0 and without["pdl_triggers"] == 0, without
+    assert with_pdl["shared"] == without["shared"] and with_pdl["stack"] == without["stack"] == 0

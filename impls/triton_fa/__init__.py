@@ -361,6 +361,9 @@ def decode_space(tiles: tuple[tuple[int, int, int], ...]) -> list[dict]:
 
 
 DECODE_SPACE = decode_space(DECODE_TILES)
+# Decode config entries for the launch, not constexprs of the split kernel: the split plan, and PDL (programmatic
+# dependent launch of both kernels, decode.py's USE_PDL; on by default where the GPU has it, as FlashInfer's).
+LAUNCH_KEYS = (*DECODE_PLANS[0], "PDL")
 INTERPRETER_DECODE_CONFIG = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "MASK_FREE": True,
                              "PLAN_PROGRAMS": PROGRAMS_PER_SM}
 INTERPRETER_SM_COUNT = 8  # the interpreter has no SMs: with these and one-tile chunks the CPU cases split
@@ -377,7 +380,7 @@ def decode_candidates(space: list[dict], launch) -> list[tuple[dict, object]]:
     for config in space:
         try:
             run, plan = launch(config)
-            form = (*(v for k, v in config.items() if k not in DECODE_PLANS[0]), plan["split_len"])
+            form = (*(v for k, v in config.items() if k not in LAUNCH_KEYS), plan["split_len"])
             if form not in distinct:
                 run()
                 distinct[form] = (config, run)
@@ -419,6 +422,11 @@ def word_values(inputs, interp: bool, f16_dot: bool | None = None) -> bool:
     return inputs.kv_fp8 and not interp and in_words and (inputs.q.dtype == torch.float16 or f16_dot)
 
 
+def pdl_available(device: torch.device, interp: bool) -> bool:
+    """Programmatic dependent launch (decode.py's USE_PDL): compiled kernels on Hopper and later."""
+    return not interp and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def paged_launch(inputs, scale: float, config: dict, window_left: int = UNBOUNDED, softcap: float = 0.0):
     """The launches of one decode step with ``config`` (split, then combine where a sequence has more than one
     chunk), and the split plan. ``window_left``: a sliding window as ``PagedKV.window_left`` gives it."""
@@ -437,11 +445,13 @@ def paged_launch(inputs, scale: float, config: dict, window_left: int = UNBOUNDE
     block_m, width = max(16, triton.next_power_of_2(rows)), block_d(head_dim)
     out = inputs.output_like()
     tile_rows = {"GROUP": hq // hkv, "SQ": sq, "BLOCK_M": block_m}
-    split_meta = {"PAGE_SIZE": inputs.page_size, "HEAD_DIM": head_dim, "BLOCK_D": width,
+    pdl = config.get("PDL", True) and pdl_available(q.device, interp)
+    launch = {"USE_PDL": pdl, **({"launch_pdl": True} if pdl else {})}
+    split_meta = {**launch, "PAGE_SIZE": inputs.page_size, "HEAD_DIM": head_dim, "BLOCK_D": width,
                   "DOT_FP32": interp or q.dtype == torch.float32,
                   "HAS_WINDOW": window_left < UNBOUNDED, "SOFTCAP": softcap, "KV_FP8": inputs.kv_fp8,
                   "F16_DOT": fp16_dots(inputs),
-                  **tile_rows, **{name: value for name, value in config.items() if name not in DECODE_PLANS[0]}}
+                  **tile_rows, **{name: value for name, value in config.items() if name not in LAUNCH_KEYS}}
     split_meta.setdefault("V_WORDS", word_values(inputs, interp, split_meta["F16_DOT"]))  # after a config's F16_DOT
 
     def partials(num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -470,7 +480,7 @@ def paged_launch(inputs, scale: float, config: dict, window_left: int = UNBOUNDE
         tile_d, chunks = combine_plan(num_splits, width)
         combine_args = (o_part, lse_part, inputs.cache_seqlens, out, *o_part.stride()[:3], *out.stride()[:3], hkv,
                         num_splits, split_len, window_left)
-        combine_meta = {**tile_rows, "MAX_SPLITS": triton.next_power_of_2(num_splits), "SPLIT_CHUNK": chunks,
+        combine_meta = {**launch, **tile_rows, "MAX_SPLITS": triton.next_power_of_2(num_splits), "SPLIT_CHUNK": chunks,
                         "BLOCK_D": tile_d, "HEAD_DIM": head_dim}
         launches.append((paged_decode_combine, (batch * hkv, rows, width // tile_d), combine_args, combine_meta))
 
@@ -480,7 +490,7 @@ def paged_launch(inputs, scale: float, config: dict, window_left: int = UNBOUNDE
         return out
 
     read_as = {"fp8_values": "words" if split_meta["V_WORDS"] else "bytes"} if inputs.kv_fp8 else {}
-    return run, {"num_splits": num_splits, "split_len": split_len, "BLOCK_M": block_m,
+    return run, {"num_splits": num_splits, "split_len": split_len, "BLOCK_M": block_m, "PDL": pdl,
                  **({"programs_per_sm": programs_per_sm} if fit else {}), **read_as}
 
 
