@@ -529,24 +529,25 @@ def test_streamk_probe_merges_the_items_its_ranges_cut(programs):
         assert result.passed, f"{case_id}, {programs} programs: {result.message}"
 
 
-@pytest.mark.parametrize("pdl", [True, False])
+@pytest.mark.parametrize("pdl", [True, False, None])
 def test_triton_decode_with_and_without_programmatic_dependent_launch(pdl):
-    """Both launch modes of the decode (config ``PDL``, on by default) are correct on every paged CPU twin, split
-    and unsplit. On a GPU the steps also run back to back in one CUDA graph, where under PDL each kernel starts
-    while the one before it still runs (it waits for it before its first load). Hopper and later take it; the
-    interpreter and older GPUs launch as before, and the plan says which ran."""
+    """Both launch modes of the decode (config ``PDL``; by default on where the step splits) are correct on every
+    paged CPU twin, split and unsplit. On a GPU the steps also run back to back in one CUDA graph, where under PDL
+    each kernel starts while the one before it still runs (it waits for it before its first load). Hopper and later
+    take it; the interpreter and older GPUs launch as before, and the plan says which ran."""
     pytest.importorskip("triton")
     from impls.triton_fa import INTERPRETER_DECODE_CONFIG, paged_launch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    expected = pdl and device == "cuda" and torch.cuda.get_device_capability()[0] >= 9
-    config = {**INTERPRETER_DECODE_CONFIG, "PDL": pdl} if device == "cpu" else {
-        "BLOCK_N": 16, "num_warps": 4, "num_stages": 3, "PDL": pdl}  # 300 tokens in 16-key tiles: split
+    hopper = device == "cuda" and torch.cuda.get_device_capability()[0] >= 9
+    switch = {} if pdl is None else {"PDL": pdl}
+    config = {**INTERPRETER_DECODE_CONFIG, **switch} if device == "cpu" else {
+        "BLOCK_N": 16, "num_warps": 4, "num_stages": 3, **switch}  # 300 tokens in 16-key tiles: split
     splits = set()
     for case in [c for c in PRESETS["serving-cpu"] if c.op == "paged"]:
         inputs = case.make_inputs(device)
         run, plan = paged_launch(inputs, inputs.head_dim ** -0.5, config)
-        assert plan["PDL"] is expected
+        assert plan["PDL"] is (hopper and (plan["num_splits"] > 1 if pdl is None else pdl))
         splits.add(plan["num_splits"] > 1)
         out = run()
         if device == "cuda":

@@ -362,7 +362,7 @@ def decode_space(tiles: tuple[tuple[int, int, int], ...]) -> list[dict]:
 
 DECODE_SPACE = decode_space(DECODE_TILES)
 # Decode config entries for the launch, not constexprs of the split kernel: the split plan, and PDL (programmatic
-# dependent launch of both kernels, decode.py's USE_PDL; on by default where the GPU has it, as FlashInfer's).
+# dependent launch of both kernels, decode.py's USE_PDL; by default on where a step splits: the comment above).
 LAUNCH_KEYS = (*DECODE_PLANS[0], "PDL")
 INTERPRETER_DECODE_CONFIG = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "MASK_FREE": True,
                              "PLAN_PROGRAMS": PROGRAMS_PER_SM}
@@ -445,9 +445,7 @@ def paged_launch(inputs, scale: float, config: dict, window_left: int = UNBOUNDE
     block_m, width = max(16, triton.next_power_of_2(rows)), block_d(head_dim)
     out = inputs.output_like()
     tile_rows = {"GROUP": hq // hkv, "SQ": sq, "BLOCK_M": block_m}
-    pdl = config.get("PDL", True) and pdl_available(q.device, interp)
-    launch = {"USE_PDL": pdl, **({"launch_pdl": True} if pdl else {})}
-    split_meta = {**launch, "PAGE_SIZE": inputs.page_size, "HEAD_DIM": head_dim, "BLOCK_D": width,
+    split_meta = {"PAGE_SIZE": inputs.page_size, "HEAD_DIM": head_dim, "BLOCK_D": width,
                   "DOT_FP32": interp or q.dtype == torch.float32,
                   "HAS_WINDOW": window_left < UNBOUNDED, "SOFTCAP": softcap, "KV_FP8": inputs.kv_fp8,
                   "F16_DOT": fp16_dots(inputs),
@@ -473,9 +471,11 @@ def paged_launch(inputs, scale: float, config: dict, window_left: int = UNBOUNDE
     num_splits, split_len = split_plan(inputs.read_lengths(window_left), hkv, config["BLOCK_N"], sm_count,
                                        min_tiles=1 if interp else None, programs_per_sm=programs_per_sm, fit=fit)
     split = num_splits > 1
+    pdl = config.get("PDL", split) and pdl_available(q.device, interp)  # by default where a combine follows
+    launch = {"USE_PDL": pdl, **({"launch_pdl": True} if pdl else {})}
     o_part, lse_part = partials(num_splits)
     launches = [(paged_decode_split, (num_splits, *axes), split_args(o_part, lse_part, split_len),
-                 {**split_meta, "SPLIT": split})]
+                 {**split_meta, **launch, "SPLIT": split})]
     if split:
         tile_d, chunks = combine_plan(num_splits, width)
         combine_args = (o_part, lse_part, inputs.cache_seqlens, out, *o_part.stride()[:3], *out.stride()[:3], hkv,
