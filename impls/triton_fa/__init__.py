@@ -304,7 +304,13 @@ def _describe(cfg) -> dict:
 # launch of both kernels (each waits before its first load and lets the next one launch early, as FlashInfer's
 # kernels run by default on Hopper; commit c5d00f4 has it, with a compile test) was correct, and changed the
 # best config of each case by -0.5 to +1.0% (8B 1 x 128K 134.0 -> 133.1 us; median over config pairs 0.994-1.007):
-# launch latency is not what the gap to 85% of HBM or to FlashInfer is made of. Dropped.
+# launch latency is not what the gap to 85% of HBM or to FlashInfer is made of. Dropped then; see session 44.
+# Session 44 (H200, scripts/serving_probe.py --triton-switch PDL: the fastest config of this space without and with
+# PDL and each peer, alternating, median of 7, us a step): on short steps that split it is what separated us from a
+# peer: the 70B slice at 64 x 512 11.12 -> 10.24 (flash-attn4 10.49, FlashInfer 11.92), at 64 x 8K with pages of 64
+# 72.24 -> 71.16 (FlashInfer 71.49); 8B 1 x 32K 40.26 -> 40.03, the 70B slice's 16 x 32K 71.75 -> 71.80; 8B 64 x 8K
+# 497.1 -> 498.8 (two chunks), and unsplit (one launch a step) the 70B slice's 256 x 8K 254.8 -> 257.1. So PDL is
+# on where a step splits (a combine follows the split kernel; LAUNCH_KEYS) and off where it does not.
 # Session 14 (H200, scripts/serving_probe.py --triton ab, 12 cases, each config with and without, 5 alternating
 # passes): the key tiles that every new token sees whole, run as a loop without any mask (MASK_FREE; only the
 # chunk's last tile masked, as the dense kernel's loop split does), moved single configs by -28% to +28% (the

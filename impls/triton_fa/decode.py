@@ -41,7 +41,7 @@ So the kernel is built around reading the cache once, from enough programs to ke
    its dependents launch (``gdc_launch_dependents``) once it runs. What overlaps is the next kernel's launch and
    block scheduling with this one's last wave: about a microsecond a launch, which is a tenth of a short step
    (the 70B slice at 64 x 512 takes 10-11 us, two launches). FlashInfer's kernels run this way by default on
-   Hopper.
+   Hopper; ours where a step splits (measured: impls.triton_fa's comment on the decode space).
 
 Causal within each sequence, bottom-right: new token ``t`` (of ``Sq_new``) sees positions ``<= L - Sq_new + t``
 (and, windowed, ``>= L - Sq_new + t - window_left``).
