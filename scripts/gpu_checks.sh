@@ -2,7 +2,10 @@
 # The robustness checks that need a GPU (see README, Contributors). Logs go to ${OUT:-results}.
 #   bash scripts/gpu_checks.sh [tests] [memcheck] [racecheck]      (default: all three, in that order)
 #   tests:     index arithmetic past 2**31 elements (triton, cutile); non-finite inputs and determinism (every
-#              implementation recorded, ours asserted); a device-side fault (out-of-bounds store) under --isolate
+#              implementation recorded, ours asserted); a device-side fault (out-of-bounds store) under --isolate;
+#              spread over WORKERS pytest-xdist workers on the one GPU (default 8 where it has 100 GB or more, else 1:
+#              four tests past 2**31 elements side by side need about 100 GB; on an H200 the cuTile autotuner's cold
+#              tunes made one process take more than 370 s, 8 workers 371 s for all but the candidates, session 44)
 #   memcheck, racecheck: compute-sanitizer over every autotune candidate of triton and cutile, each launched
 #              once on the edge cases of tests/test_gpu_candidates.py (causal and not, GQA/MQA, ragged, Sq != Skv)
 set -u
@@ -14,8 +17,11 @@ parts=("$@")
 for part in "${parts[@]}"; do
   case "$part" in
     tests)
+      mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+      workers=${WORKERS:-$(( ${mib:-0} >= 100000 ? 8 : 1 ))} spread=()
+      [ "$workers" -gt 1 ] && spread=(-n "$workers" --dist load)
       python3 -m pytest tests/test_gpu_limits.py tests/test_gpu_candidates.py suite/test_properties.py \
-        "tests/test_faults.py::test_a_device_side_fault_costs_only_that_implementation" \
+        "tests/test_faults.py::test_a_device_side_fault_costs_only_that_implementation" "${spread[@]}" \
         -q -p no:cacheprovider -rfs --benchmark-json="$out/properties.json" 2>&1 | tee "$out/gpu-checks.log" | tail -15
       ;;
     memcheck|racecheck)
