@@ -16,7 +16,8 @@ COUNTED = {"hgmma": "HGMMA", "hmma": " HMMA", "utmaldg": "UTMALDG", "utmastg": "
            "utmaldg_3d": "UTMALDG.3D",  # TMA loads of 3-D arrays (cuTile: the two-launch form's state vectors)
            "mufu_tanh": "MUFU.TANH", "mufu_ex2": "MUFU.EX2",
            "atomg": "ATOMG",  # a tensor map made at run time is written to global memory with ATOMG.E.EXCH
-           "lds_u8": "LDS.U8", "ldsm_t": "LDSM.16.MT88"}  # byte loads from shared memory; transposing 16-bit ones
+           "lds_u8": "LDS.U8", "ldsm_t": "LDSM.16.MT88",  # byte loads from shared memory; transposing 16-bit ones
+           "acqbulk": "ACQBULK", "preexit": "PREEXIT"}  # PDL: wait for the grid before, let the next one launch
 
 
 def find_cuobjdump() -> str | None:

@@ -11,7 +11,8 @@ each peer in alternation (``plans-wide``: over TRITON_WIDE's tiles with each pla
 of the tuner's space and of DEEP_TILES (K/V double-buffered; ``--deep-tile N,W,S`` others) the same way;
 ``--fp8-dots`` (by default on the fp8 cases of ``serving-fp8``) times bf16 queries over an fp8 cache with the dots
 in bf16 and in fp16 (F16_DOT): each cuTile form both ways in alternation, then the fastest Triton config of each
-way and each peer in alternation; ``--triton-switch KEY`` (the same default cases) the fastest Triton config with a
+way and each peer in alternation; ``--cutile-pdl`` the fastest cuTile candidate without and with PDL where a
+step splits, and each peer; ``--triton-switch KEY`` (the same default cases) the fastest Triton config with a
 switch of its config off and on (a constexpr of the split kernel, V_WORDS: fp8 values read as bytes or as words;
 or PDL, programmatic dependent launch of both kernels) and each peer; ``--peer NAME``
 times a registered implementation of the operation the same way, in the same process (``--no-cutile`` leaves
@@ -38,7 +39,14 @@ import impls
 from impls._tuning import graph_ms
 from impls._validate import NO_WINDOW
 from impls.cutile import Call, _sm_count, precompile
-from impls.cutile.serving import VARLEN_STORES, DecodeCall, VarlenCall, decode_space_for, varlen_space
+from impls.cutile.serving import (
+    VARLEN_STORES,
+    DecodeCall,
+    VarlenCall,
+    decode_space_for,
+    plan_candidates,
+    varlen_space,
+)
 from impls.triton_fa import DECODE_SPACE as TRITON_SPACE
 from impls.triton_fa import decode_space, paged_launch
 from suite import metrics
@@ -163,6 +171,33 @@ def switch_ab(case_id: str, key: str, peers: list[str]) -> None:
     case = case_by_id(case_id)
     inputs = case.make_inputs("cuda")
     triton_switch(case, inputs, inputs.head_dim ** -0.5, Oracle.serving(inputs), key, peers)
+
+
+def cutile_pdl_ab(case_id: str, peers: list[str], rounds: int = 7) -> None:
+    """The fastest of cuTile's decode candidates (the tuner's forms and plans) launched as before and with
+    programmatic dependent launch where a step splits (DecodeCall's default on Hopper), then both and each peer in
+    alternation (median of ``rounds``), a JSON line each."""
+    case = case_by_id(case_id)
+    inputs = case.make_inputs("cuda")
+    scale, oracle = inputs.head_dim ** -0.5, Oracle.serving(inputs)
+    candidates = plan_candidates(decode_space_for(inputs), inputs, scale=scale, sm_count=_sm_count(None))
+    calls, details = {}, {}
+    for kind, pdl in (("PDL off", False), ("PDL where split", None)):
+        timed = []
+        for candidate in candidates:
+            call = DecodeCall(candidate.variant, inputs, scale=scale, sm_count=_sm_count(None), pdl=pdl)
+            call()  # compile outside the timing
+            timed.append((graph_ms(call, repeats=20), call))
+        best = min(timed, key=lambda entry: entry[0])[1]
+        calls[f"cutile {kind}"] = best
+        details[f"cutile {kind}"] = {"variant": str(best.variant), "splits": best.num_splits,
+                                     "PDL": best.dependent_launch}
+    calls |= {name: impls.get(name, "paged").prepare(inputs, scale=scale) for name in peers}
+    median = interleaved(calls, rounds)
+    for name, call in calls.items():
+        print(json.dumps({"case": case.id, "variant": name, "ms": median[name],
+                          "gbps": metrics.kv_bytes(case) / median[name] / 1e6, **details.get(name, {}),
+                          "passed": oracle.check(call()).passed}), flush=True)
 
 
 def interleaved(calls: dict, rounds: int) -> dict:
@@ -291,10 +326,17 @@ def main() -> None:
                         help="--triton deep: a tile (keys, warps, stages) in place of DEEP_TILES (repeatable)")
     parser.add_argument("--latency", action="append", default=[], metavar="K,V",
                         help="cuTile K and V load latencies to try on every candidate (repeatable)")
+    parser.add_argument("--cutile-pdl", action="store_true",
+                        help="the fastest cuTile decode candidate without and with programmatic dependent launch "
+                             "where a step splits, beside each --peer (on the --case cases; only this)")
     parser.add_argument("--triton-switch", metavar="KEY",
                         help="the fastest Triton config with its switch KEY (a constexpr, or PDL) off and on, beside "
                              "each --peer (default cases: serving-fp8's fp8 ones; only this)")
     args = parser.parse_args()
+    if args.cutile_pdl:
+        for case_id in args.case:
+            cutile_pdl_ab(case_id, args.peer)
+        return
     if args.triton_switch:
         for case_id in args.case or fp8_case_ids():
             switch_ab(case_id, args.triton_switch, args.peer)

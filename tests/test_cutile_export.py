@@ -34,6 +34,12 @@ from impls.cutile.export import export_cubin, export_phases
 ARCHS = ["sm_80", "sm_90", "sm_100", "sm_120"]
 
 
+def named(launch: tuple) -> dict:
+    """A prepared launch's (grid, kernel, arguments) as the kernel's parameter names and their arguments."""
+    _, kernel, arguments = launch
+    return dict(zip(inspect.signature(kernel._pyfunc).parameters, arguments, strict=True))
+
+
 def sass(cubin: bytes) -> dict[str, int]:
     """Registers, stack, shared memory and instruction counts of a cubin (skips where cuobjdump is missing,
     except in CI)."""
@@ -383,6 +389,24 @@ def test_decode_launches_compile(read, short_chunks):
         assert export_launch(kernel, arguments, arch="sm_90")[:4] == b"\x7fELF"
 
 
+def test_decode_split_steps_launch_as_programmatic_dependents(short_chunks):
+    """Where a step splits, both launches may run as programmatic dependents of the kernel before them (the
+    default on Hopper, ``pdl`` forces it here): each then waits for that grid before anything else (ACQBULK) and
+    lets its successor launch (PREEXIT); without it neither instruction. Off the GPU the default is off."""
+    from impls.cutile.export import export_launch
+    from impls.cutile.serving import DecodeCall, DecodeVariant
+
+    inputs = serving_inputs("serving-cpu", 4)  # MQA at batch 1, 300 tokens: split on one SM
+    assert not DecodeCall(DecodeVariant(64), inputs, scale=0.125, sm_count=1).dependent_launch
+    calls = {pdl: DecodeCall(DecodeVariant(64), inputs, scale=0.125, sm_count=1, pdl=pdl) for pdl in (True, False)}
+    for pdl, call in calls.items():
+        assert call.dependent_launch is pdl and len(call.launches) == 2
+        for launch in call.launches:
+            assert named(launch)["PDL"] is pdl
+            usage = sass(export_launch(*launch[1:], arch="sm_90"))
+            assert (usage["acqbulk"], usage["preexit"]) == ((1, 1) if pdl else (0, 0)), (pdl, usage)
+
+
 @pytest.mark.parametrize("read", ["pages", "indexed"])
 def test_decode_with_a_window_softcap_and_a_padded_head_dim_compiles(read, short_chunks):
     """Gemma-2's local layers (a window, softcap) and Phi-3's head dim 96 (padded to a tile of 128): the chunks
@@ -413,12 +437,13 @@ def test_decode_over_an_fp8_cache_compiles(read, short_chunks):
     inputs = paged(("", 4, 1, 128), 1, 300, kv_dtype="fp8").make_inputs("cpu")
     form = DecodeVariant(64, read, occupancy=2 if read == "pages" else None)
     call = DecodeCall(form, inputs, scale=0.125, sm_count=1)
-    (_, _, arguments), _ = call.launches  # the split launch, then the combine
-    assert arguments[1].dtype == torch.float8_e4m3fn and arguments[8] == 0.125 * inputs.k_scale
-    assert arguments[12] == inputs.v_scale  # after num_kv_heads, split_len and window_left
-    assert arguments[-1] is True  # F16_DOT: bf16 queries over fp8 run their dots in fp16 (decode.py)
+    split, _ = call.launches  # the split launch, then the combine
+    arguments = named(split)
+    assert arguments["KCache"].dtype == torch.float8_e4m3fn and arguments["qk_scale"] == 0.125 * inputs.k_scale
+    assert arguments["v_scale"] == inputs.v_scale
+    assert arguments["F16_DOT"] is True  # bf16 queries over fp8 run their dots in fp16 (decode.py)
     fp16_queries = replace(inputs, q=inputs.q.half())  # fp16 widens in one step already
-    assert DecodeCall(form, fp16_queries, scale=0.125, sm_count=1).launches[0][2][-1] is False
+    assert named(DecodeCall(form, fp16_queries, scale=0.125, sm_count=1).launches[0])["F16_DOT"] is False
     cubins = [export_launch(k, a, arch="sm_90") for _, k, a in call.launches]
     assert all(cubin[:4] == b"\x7fELF" for cubin in cubins)
     if read == "pages" and find_cuobjdump() is not None:
@@ -441,9 +466,10 @@ def test_a_cache_of_2_31_elements_is_read_through_word_views_with_tma(monkeypatc
     small = DecodeCall(DecodeVariant(64), inputs, scale=0.125, sm_count=132)
     monkeypatch.setattr(impls.cutile.serving, "needs_int64", lambda *tensors: True)
     huge = DecodeCall(DecodeVariant(64), inputs, scale=0.125, sm_count=132)
-    (_, kernel, arguments), = huge.launches
-    assert kernel._pyfunc.__name__ == "paged_decode_split" and arguments[1].dtype == torch.int32
-    assert arguments[-4] == decode.WORD_PAGES  # GATHER, before SPLIT and the two latencies
+    (_, kernel, _), = huge.launches
+    arguments = named(huge.launches[0])
+    assert kernel._pyfunc.__name__ == "paged_decode_split" and arguments["KCache"].dtype == torch.int32
+    assert arguments["GATHER"] == decode.WORD_PAGES
     assert (small.cache_indexing, huge.cache_indexing) == ("32-bit", "32-bit word views")
     assert {v.read for v in decode_space(16, huge=True, words=True)} == {"pages"}
     assert len(decode_space(16, huge=True, words=True)) > len(decode_space(16, huge=True))

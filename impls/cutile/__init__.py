@@ -546,6 +546,7 @@ class Launches:
     variant: Variant
     launches: list[tuple]
     out: torch.Tensor
+    dependent_launch = False  # every launch a programmatic dependent of the one before it (kernels that wait: PDL)
 
     def reset(self) -> None:
         """What must happen before every call's launches (a scheduler's counter to zero): nothing here."""
@@ -556,7 +557,7 @@ class Launches:
         stream = torch.cuda.current_stream()
         self.reset()
         for grid, kernel, arguments in self.launches:
-            ct.launch(stream, grid, kernel, arguments)
+            ct.launch(stream, grid, kernel, arguments, programmatic_dependent_launch=self.dependent_launch)
         return self.out
 
     def prepared(self, **config) -> Prepared:

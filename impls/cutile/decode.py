@@ -34,6 +34,10 @@ enough blocks to keep HBM busy:
    dots run in fp16: e4m3 widens to fp16 in one instruction per two elements, to bf16 only through a second
    conversion. Each query row is first scaled by a power of two into fp16's range (``f16_rows``), so q is exact
    in fp16 and the scores are those of the bf16 dot; the probabilities gain precision (11 bits instead of 8).
+6. Programmatic dependent launch (PDL, where a step splits, on Hopper and later): both kernels may start while
+   the kernel before them in the stream still runs; each waits for it first (``await_inputs``) and lets its
+   successor launch. The combine's launch hides behind the split kernel's last wave, about a microsecond a step
+   (impls.triton_fa's decode space comment has the measurements of the Triton twin).
 
 Causal within each sequence, bottom-right: new token ``t`` of ``SQ`` sees positions ``<= L - SQ + t`` (and,
 windowed, ``>= L - SQ + t - window_left``).
@@ -62,18 +66,27 @@ ROWS, PAGES, INDEXED, WORD_PAGES = 0, 1, 2, 3  # GATHER: how a key tile is read 
 F32_BIAS, F32_MANTISSA_BITS = 127, 23
 
 
+def await_inputs(PDL):
+    """Under programmatic dependent launch: wait until the kernel before this one in the stream has finished and
+    its writes are visible (SASS ``ACQBULK``), then let the next kernel launch (``PREEXIT``)."""
+    if PDL:
+        ct.grid_dependency_control_wait()
+        ct.grid_dependency_control_launch_dependents()
+
+
 @ct.kernel
 def paged_decode_split(
     Q, KCache, VCache, BlockTable, CacheSeqlens, OutPart, LsePart, Out,
     qk_scale: float, num_kv_heads: int, split_len: int, window_left: int, v_scale: float,
     GROUP: ConstInt, SQ: ConstInt, TILE_M: ConstInt, TILE_N: ConstInt, TILE_D: ConstInt, PAGE_SIZE: ConstInt,
     GATHER: ConstInt, SPLIT: ConstBool, K_LATENCY: ConstInt, V_LATENCY: ConstInt, HAS_WINDOW: ConstBool,
-    SOFTCAP: ConstFloat, F16_DOT: ConstBool,
+    SOFTCAP: ConstFloat, F16_DOT: ConstBool, PDL: ConstBool,
 ):
     """Block (chunk, kv head, sequence): the GROUP x SQ query rows over one chunk of the cache. SPLIT: write
     the chunk's normalised output (B * Hkv, chunks, TILE_M, TILE_D) and log-sum-exp (B * Hkv, chunks,
     TILE_M) float32; otherwise (one chunk per sequence) the output rows themselves. F16_DOT (bf16 queries over
-    an fp8 cache): the dots run in fp16."""
+    an fp8 cache): the dots run in fp16. PDL: launched as a programmatic dependent of the kernel before it."""
+    await_inputs(PDL)
     chunk = ct.bid(0)
     kv_head = ct.bid(1)
     batch = ct.bid(2)
@@ -274,13 +287,14 @@ def fold(acc, l_i, m_i, qk, v, score_scale_log2, MAY_BE_EMPTY):
 def paged_decode_combine(
     OutPart, LsePart, CacheSeqlens, Out,
     num_kv_heads: int, split_len: int, window_left: int,
-    GROUP: ConstInt, SQ: ConstInt, TILE_D: ConstInt, CHUNKS: ConstInt, TILE_N: ConstInt,
+    GROUP: ConstInt, SQ: ConstInt, TILE_D: ConstInt, CHUNKS: ConstInt, TILE_N: ConstInt, PDL: ConstBool,
 ):
     """Block (batch * kv head, row, head-dim slice): merge the row's chunks by log-sum-exp over TILE_D of its
     columns, CHUNKS chunks per step, and write them to ``Out``. Only the chunks that hold keys of this sequence
     are read (a short sequence of a long-tailed batch has few). ``impls._serving.combine_plan`` narrows the
     slice when there are many chunks (a long cache at batch 1: hundreds), so that one step takes them all and
     the row is merged by several blocks at once instead of one block looping over dependent loads."""
+    await_inputs(PDL)
     batch_kv = ct.bid(0)
     row = ct.bid(1)
     column = ct.bid(2)

@@ -157,10 +157,12 @@ class DecodeCall(Launches):
     chunk."""
 
     def __init__(self, variant: DecodeVariant, inputs: PagedKV, *, scale: float, sm_count: int,
-                 window_left: int = UNBOUNDED, softcap: float = 0.0, f16_dot: bool | None = None) -> None:
+                 window_left: int = UNBOUNDED, softcap: float = 0.0, f16_dot: bool | None = None,
+                 pdl: bool | None = None) -> None:
         """``f16_dot``: the dots of bf16 queries over an fp8 cache in fp16 (decode.py's F16_DOT); by default
         wherever that applies (``impls._serving.fp16_dots``; False is the bf16 form, kept for
-        scripts/serving_probe.py's comparison)."""
+        scripts/serving_probe.py's comparison). ``pdl``: both launches under programmatic dependent launch
+        (decode.py's PDL); by default where the step splits, on Hopper and later; True or False forces it."""
         self.variant, self.out = variant, inputs.output_like()
         q, k_cache, v_cache = inputs.q, inputs.k_cache, inputs.v_cache
         batch, sq, hq, head_dim = q.shape
@@ -169,6 +171,8 @@ class DecodeCall(Launches):
         tile_m = max(16, 1 << (group * sq - 1).bit_length())
         self.num_splits, self.split_len = chunks_of(variant, inputs, sm_count, window_left)
         split = self.num_splits > 1
+        hopper = q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9
+        self.dependent_launch = split and hopper if pdl is None else pdl
         parts = (batch * hkv, self.num_splits, tile_m) if split else (1, 1, 1)  # unused without a split
         self.part = torch.empty((*parts, width if split else 1), dtype=torch.float32, device=q.device)
         self.lse = torch.empty(parts, dtype=torch.float32, device=q.device)
@@ -186,17 +190,17 @@ class DecodeCall(Launches):
             q, k_cache, v_cache, inputs.block_table, inputs.cache_seqlens, self.part, self.lse, self.out,
             scale * inputs.k_scale, hkv, self.split_len, window_left, inputs.v_scale, *tiles, variant.tile_n, width,
             inputs.page_size, gather, split, variant.k_latency, variant.v_latency, window_left < UNBOUNDED, softcap,
-            fp16_dots(inputs) if f16_dot is None else f16_dot))]
+            fp16_dots(inputs) if f16_dot is None else f16_dot, self.dependent_launch))]
         if split:
             slice_d, chunks = combine_plan(self.num_splits, width)
             combine = _kernel_with_hints("paged_decode_combine", (("occupancy", COMBINE_OCCUPANCY),), module="decode")
             self.launches.append(((batch * hkv, group * sq, width // slice_d), combine, (
                 self.part, self.lse, inputs.cache_seqlens, self.out, hkv, self.split_len, window_left, group, sq,
-                slice_d, chunks, variant.tile_n)))
+                slice_d, chunks, variant.tile_n, self.dependent_launch)))
 
     def prepared(self, **config) -> Prepared:
         return super().prepared(num_splits=self.num_splits, split_len=self.split_len,
-                                cache_indexing=self.cache_indexing, **config)
+                                cache_indexing=self.cache_indexing, PDL=self.dependent_launch, **config)
 
 
 def decode_space(page_size: int, huge: bool = False, words: bool = False,
