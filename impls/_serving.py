@@ -297,6 +297,13 @@ def fp16_dots(inputs: PagedKV) -> bool:
     return inputs.kv_fp8 and inputs.q.dtype == torch.bfloat16
 
 
+def dependent_launch_available(device: torch.device) -> bool:
+    """Whether ``device`` runs programmatic dependent launch (Hopper and later): our decode kernels launch their
+    split steps that way there (each kernel waits for the grid before it; the combine's launch overlaps the split
+    kernel's last wave)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def sequences(inputs: PagedKV | Varlen, indices: list[int] | None = None, kv_dtype: torch.dtype | None = None):
     """Per sequence: (index, q (1, Hq, Sq, D), k, v (1, Hkv, Skv, D), causal) in the dense contract's layout. An
     fp8 cache's keys and values come dequantized, as ``kv_dtype`` (default q's)."""

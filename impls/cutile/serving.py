@@ -30,6 +30,7 @@ from impls._serving import (
     Varlen,
     combine_plan,
     decode_shape_class,
+    dependent_launch_available,
     fp16_dots,
     split_plan,
     variant_tags,
@@ -171,8 +172,7 @@ class DecodeCall(Launches):
         tile_m = max(16, 1 << (group * sq - 1).bit_length())
         self.num_splits, self.split_len = chunks_of(variant, inputs, sm_count, window_left)
         split = self.num_splits > 1
-        hopper = q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9
-        self.dependent_launch = split and hopper if pdl is None else pdl
+        self.dependent_launch = split and dependent_launch_available(q.device) if pdl is None else pdl
         parts = (batch * hkv, self.num_splits, tile_m) if split else (1, 1, 1)  # unused without a split
         self.part = torch.empty((*parts, width if split else 1), dtype=torch.float32, device=q.device)
         self.lse = torch.empty(parts, dtype=torch.float32, device=q.device)

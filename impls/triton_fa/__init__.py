@@ -29,6 +29,7 @@ from impls._serving import (
     PROGRAMS_PER_SM,
     combine_plan,
     decode_shape_class,
+    dependent_launch_available,
     fp16_dots,
     split_plan,
 )
@@ -428,11 +429,6 @@ def word_values(inputs, interp: bool, f16_dot: bool | None = None) -> bool:
     return inputs.kv_fp8 and not interp and in_words and (inputs.q.dtype == torch.float16 or f16_dot)
 
 
-def pdl_available(device: torch.device, interp: bool) -> bool:
-    """Programmatic dependent launch (decode.py's USE_PDL): compiled kernels on Hopper and later."""
-    return not interp and torch.cuda.get_device_capability(device)[0] >= 9
-
-
 def paged_launch(inputs, scale: float, config: dict, window_left: int = UNBOUNDED, softcap: float = 0.0):
     """The launches of one decode step with ``config`` (split, then combine where a sequence has more than one
     chunk), and the split plan. ``window_left``: a sliding window as ``PagedKV.window_left`` gives it."""
@@ -477,7 +473,8 @@ def paged_launch(inputs, scale: float, config: dict, window_left: int = UNBOUNDE
     num_splits, split_len = split_plan(inputs.read_lengths(window_left), hkv, config["BLOCK_N"], sm_count,
                                        min_tiles=1 if interp else None, programs_per_sm=programs_per_sm, fit=fit)
     split = num_splits > 1
-    pdl = config.get("PDL", split) and pdl_available(q.device, interp)  # by default where a combine follows
+    # decode.py's USE_PDL: compiled kernels only; by default where a combine follows
+    pdl = config.get("PDL", split) and not interp and dependent_launch_available(q.device)
     launch = {"USE_PDL": pdl, **({"launch_pdl": True} if pdl else {})}
     o_part, lse_part = partials(num_splits)
     launches = [(paged_decode_split, (num_splits, *axes), split_args(o_part, lse_part, split_len),
