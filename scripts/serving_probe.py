@@ -166,20 +166,6 @@ def triton_switch(case, inputs, scale: float, oracle, key: str, peers: list[str]
     fastest_of_each(inputs, scale, case, oracle, peer_calls, spaces, rounds=rounds)
 
 
-PDL_MODES = {"PDL off": {"PDL": False}, "PDL early": {"PDL": True}, "PDL late": {"PDL": True, "PDL_LATE": True}}
-
-
-def triton_pdl_modes(case_id: str, peers: list[str]) -> None:
-    """The fastest Triton config of the tuner's space launched without PDL, with it and the next kernel let in at
-    the split kernel's start, and with it let in after its stores (PDL_LATE), and each peer, in alternation."""
-    case = case_by_id(case_id)
-    inputs = case.make_inputs("cuda")
-    scale = inputs.head_dim ** -0.5
-    spaces = {mode: [{**config, **switches} for config in TRITON_SPACE] for mode, switches in PDL_MODES.items()}
-    peer_calls = {name: impls.get(name, "paged").prepare(inputs, scale=scale) for name in peers}
-    fastest_of_each(inputs, scale, case, Oracle.serving(inputs), peer_calls, spaces)
-
-
 def switch_ab(case_id: str, key: str, peers: list[str]) -> None:
     """``triton_switch`` of ``key`` on one case."""
     case = case_by_id(case_id)
@@ -343,16 +329,13 @@ def main() -> None:
     parser.add_argument("--cutile-pdl", action="store_true",
                         help="the fastest cuTile decode candidate without and with programmatic dependent launch "
                              "where a step splits, beside each --peer (on the --case cases; only this)")
-    parser.add_argument("--triton-pdl", action="store_true",
-                        help="the fastest Triton decode config without PDL, with it, and with the next kernel let in "
-                             "after the split kernel's stores (PDL_LATE), beside each --peer (the --case cases)")
     parser.add_argument("--triton-switch", metavar="KEY",
                         help="the fastest Triton config with its switch KEY (a constexpr, or PDL) off and on, beside "
                              "each --peer (default cases: serving-fp8's fp8 ones; only this)")
     args = parser.parse_args()
-    if args.cutile_pdl or args.triton_pdl:
+    if args.cutile_pdl:
         for case_id in args.case:
-            (cutile_pdl_ab if args.cutile_pdl else triton_pdl_modes)(case_id, args.peer)
+            cutile_pdl_ab(case_id, args.peer)
         return
     if args.triton_switch:
         for case_id in args.case or fp8_case_ids():

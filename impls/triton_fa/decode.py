@@ -57,13 +57,12 @@ from impls.triton_fa.kernel import scaled_scores
 
 
 @triton.jit
-def await_inputs(USE_PDL: tl.constexpr, LAUNCH_LATER: tl.constexpr = False):
+def await_inputs(USE_PDL: tl.constexpr):
     """Under programmatic dependent launch: wait until the kernel before this one in the stream has finished and
-    its writes are visible, then (unless LAUNCH_LATER) let the next kernel launch (its programs wait here in turn)."""
+    its writes are visible, then let the next kernel launch (its programs wait here in turn)."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-        if not LAUNCH_LATER:
-            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
@@ -204,14 +203,14 @@ def paged_decode_split(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, SPLIT: tl.constexpr,
     MASK_FREE: tl.constexpr = True, HAS_WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = 0.0,
     KV_FP8: tl.constexpr = False, F16_DOT: tl.constexpr = False, V_WORDS: tl.constexpr = False,
-    USE_PDL: tl.constexpr = False, PDL_LATE: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
 ):
     """Program (split, kv head, sequence): attention of the GROUP x SQ query rows over one chunk of the cache.
     SPLIT: its normalised output and log-sum-exp go to O_part and LSE_part for the combine; otherwise (one
     chunk per sequence) the output rows go to Out. KV_FP8: the caches are fp8, ``qk_scale`` holds k_scale and
     the output is multiplied by ``v_scale``; F16_DOT (bf16 queries over fp8): the dots run in fp16; V_WORDS (fp8
     under fp16 dots, compiled): V is read as 32-bit words and widened before its dot's layout."""
-    await_inputs(USE_PDL, PDL_LATE)  # PDL_LATE: the next kernel launches once this one's stores are issued
+    await_inputs(USE_PDL)
     split = tl.program_id(0)
     kv_head = tl.program_id(1).to(tl.int64)
     batch = tl.program_id(2).to(tl.int64)
@@ -281,8 +280,6 @@ def paged_decode_split(
     else:
         out_ptrs = Out + batch * stride_b + token[:, None] * stride_t + head[:, None] * stride_h + offs_d[None, :]
         tl.store(out_ptrs, (acc / l_safe[:, None]).to(Out.dtype.element_ty), mask=row_valid[:, None] & in_dims[None, :])
-    if USE_PDL and PDL_LATE:
-        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
