@@ -311,7 +311,11 @@ def _describe(cfg) -> dict:
 # peer: the 70B slice at 64 x 512 11.12 -> 10.24 (flash-attn4 10.49, FlashInfer 11.92), at 64 x 8K with pages of 64
 # 72.24 -> 71.16 (FlashInfer 71.49); 8B 1 x 32K 40.26 -> 40.03, the 70B slice's 16 x 32K 71.75 -> 71.80; 8B 64 x 8K
 # 497.1 -> 498.8 (two chunks), and unsplit (one launch a step) the 70B slice's 256 x 8K 254.8 -> 257.1. So PDL is
-# on where a step splits (a combine follows the split kernel; LAUNCH_KEYS) and off where it does not.
+# on where a step splits (a combine follows the split kernel; LAUNCH_KEYS) and off where it does not. Measured and
+# dropped (the same probe, off / next kernel let in at the split kernel's start / after its stores, us; commit a3bca94
+# has the late trigger): 8B 256 x 2K (unsplit) 499.9 / 500.5 / 500.5, 8B 64 x 8K (two chunks) 496.9 / 498.8 / 499.6.
+# Letting it in late gains nothing, and on that long two-chunk step PDL costs 0.3-0.4% (measured twice); a tuner
+# axis could keep it off there.
 # Session 14 (H200, scripts/serving_probe.py --triton ab, 12 cases, each config with and without, 5 alternating
 # passes): the key tiles that every new token sees whole, run as a loop without any mask (MASK_FREE; only the
 # chunk's last tile masked, as the dense kernel's loop split does), moved single configs by -28% to +28% (the
