@@ -193,11 +193,7 @@ def cutile_pdl_ab(case_id: str, peers: list[str], rounds: int = 7) -> None:
         details[f"cutile {kind}"] = {"variant": str(best.variant), "splits": best.num_splits,
                                      "PDL": best.dependent_launch}
     calls |= {name: impls.get(name, "paged").prepare(inputs, scale=scale) for name in peers}
-    median = interleaved(calls, rounds)
-    for name, call in calls.items():
-        print(json.dumps({"case": case.id, "variant": name, "ms": median[name],
-                          "gbps": metrics.kv_bytes(case) / median[name] / 1e6, **details.get(name, {}),
-                          "passed": oracle.check(call()).passed}), flush=True)
+    report_alternating(case, oracle, calls, details, rounds)
 
 
 def interleaved(calls: dict, rounds: int) -> dict:
@@ -235,7 +231,12 @@ def fastest_of_each(inputs, scale: float, case, oracle, peers: dict, spaces: dic
         if timed:
             _, config, calls[f"triton {kind}"], plan = timed[0]
             details[f"triton {kind}"] = {"config": config, "plan": plan}
-    calls |= peers
+    report_alternating(case, oracle, calls | peers, details, rounds)
+
+
+def report_alternating(case, oracle, calls: dict, details: dict, rounds: int) -> None:
+    """``calls`` timed in alternation (median of ``rounds``), then a JSON line each: its time, GB/s, what
+    ``details`` says of it and whether its output passes the oracle."""
     median = interleaved(calls, rounds)
     for name, call in calls.items():
         print(json.dumps({"case": case.id, "variant": name, "ms": median[name],

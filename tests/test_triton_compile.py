@@ -78,7 +78,7 @@ def test_decode_tiles_over_an_fp8_cache_read_values_as_words_and_hold_no_stack()
 
 
 def test_decode_under_programmatic_dependent_launch_waits_before_its_first_load():
-    """With USE_PDL (the decode's default on Hopper, as FlashInfer's) the split kernel may start while the kernel
+    """With USE_PDL (the decode's default on Hopper where a step splits) the split kernel may start while the kernel
     before it in the stream still runs: it must wait for that grid (``griddepcontrol.wait``) before it reads
     anything, and it lets the combine launch once it runs. Without it, neither instruction, and the same tile."""
     with_pdl, without = compiled("--arch 90 --decode 128 4 5 --pdl", "--arch 90 --decode 128 4 5")
