@@ -174,21 +174,20 @@ def switch_ab(case_id: str, key: str, peers: list[str]) -> None:
 
 
 def cutile_pdl_ab(case_id: str, peers: list[str], rounds: int = 7) -> None:
-    """The fastest of cuTile's decode candidates (the tuner's forms and plans) launched as before and with
-    programmatic dependent launch where a step splits (DecodeCall's default on Hopper), then both and each peer in
-    alternation (median of ``rounds``), a JSON line each."""
+    """The fastest of cuTile's decode candidates (the tuner's forms and plans, split ones with and without
+    programmatic dependent launch, as its tuner tries them) launched without PDL and with it where a step splits,
+    then both and each peer in alternation (median of ``rounds``), a JSON line each."""
     case = case_by_id(case_id)
     inputs = case.make_inputs("cuda")
     scale, oracle = inputs.head_dim ** -0.5, Oracle.serving(inputs)
-    candidates = plan_candidates(decode_space_for(inputs), inputs, scale=scale, sm_count=_sm_count(None))
+    timed = []
+    for call in plan_candidates(decode_space_for(inputs), inputs, scale=scale, sm_count=_sm_count(None)):
+        call()  # compile outside the timing
+        timed.append((graph_ms(call, repeats=20), call))
     calls, details = {}, {}
-    for kind, pdl in (("PDL off", False), ("PDL where split", None)):
-        timed = []
-        for candidate in candidates:
-            call = DecodeCall(candidate.variant, inputs, scale=scale, sm_count=_sm_count(None), pdl=pdl)
-            call()  # compile outside the timing
-            timed.append((graph_ms(call, repeats=20), call))
-        best = min(timed, key=lambda entry: entry[0])[1]
+    for kind, with_pdl in (("PDL off", False), ("PDL where split", True)):
+        best = min((entry for entry in timed if entry[1].dependent_launch == (with_pdl and entry[1].num_splits > 1)),
+                   key=lambda entry: entry[0])[1]
         calls[f"cutile {kind}"] = best
         details[f"cutile {kind}"] = {"variant": str(best.variant), "splits": best.num_splits,
                                      "PDL": best.dependent_launch}

@@ -537,6 +537,32 @@ def test_decode_tuner_tries_each_aimed_plan_once_per_chunk_length(monkeypatch):
     assert [call.num_splits for call in many_sms] == [1, 1]
 
 
+
+def test_decode_tuner_tries_split_steps_with_and_without_programmatic_dependent_launch(monkeypatch):
+    """Where a GPU has programmatic dependent launch, the decode tuner times each split candidate both ways
+    (``DecodeVariant.pdl``), and the chosen variant launches as it says; an unsplit step is tried once, as
+    before (one launch: nothing to overlap). Without the feature (here, on CPU) nothing doubles."""
+    import impls._serving
+    import impls.cutile.serving as serving
+
+    inputs = serving_inputs("serving-cpu", 4)  # MQA at batch 1, 300 tokens
+    form = [serving.DecodeVariant(64)]
+    with monkeypatch.context() as one_tile_chunks:
+        one_tile_chunks.setattr(impls._serving, "SPLIT_MIN_TILES", 1)
+        plain = serving.plan_candidates(form, inputs, scale=0.125, sm_count=1)
+        assert {call.variant.pdl for call in plain} == {None} and not any(c.dependent_launch for c in plain)
+        monkeypatch.setattr(serving, "dependent_launch_available", lambda device: True)
+        both = serving.plan_candidates(form, inputs, scale=0.125, sm_count=1)
+    assert len(both) == 2 * len(plain)
+    assert sorted((c.split_len, c.dependent_launch) for c in both) == sorted(
+        (c.split_len, pdl) for c in plain for pdl in (False, True))
+    for call in both:  # as the tuning cache rebuilds the chosen one
+        rebuilt = serving.DecodeCall(serving.DecodeVariant(**call.variant.describe()), inputs, scale=0.125,
+                                     sm_count=1)
+        assert rebuilt.dependent_launch is call.variant.pdl is named(rebuilt.launches[0])["PDL"]
+    whole = serving.plan_candidates(form, inputs, scale=0.125, sm_count=132)
+    assert [(c.num_splits, c.variant.pdl, c.dependent_launch) for c in whole] == [(1, None, False)]
+
 def test_decode_without_a_split_writes_the_output_directly():
     from impls.cutile.serving import DecodeCall, DecodeVariant
 

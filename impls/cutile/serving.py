@@ -67,9 +67,11 @@ MAX_PACKED_ROWS = 128  # query heads per kv head x new tokens in one tile
 class DecodeVariant:
     """One compiled form of the decode kernel: key tile width, how a tile is read from the pages (``read``:
     "rows", "pages" or "indexed", decode.py's GATHER), how far ahead K and V loads are issued, and the blocks
-    per SM asked of the compiler (``occupancy``; None: its own choice); and the programs per SM its split plan
+    per SM asked of the compiler (``occupancy``; None: its own choice); the programs per SM its split plan
     aims at (``plan_programs``: the chunk length is a run-time argument, so every plan of a form runs the same
-    compiled kernel)."""
+    compiled kernel); and whether a split step launches under programmatic dependent launch (``pdl``, decode.py's
+    PDL; None: where the step splits, on Hopper and later). The tuner tries split steps both ways
+    (``plan_candidates``)."""
 
     tile_n: int
     read: str = "pages"
@@ -77,6 +79,7 @@ class DecodeVariant:
     v_latency: int = 3
     occupancy: int | None = None
     plan_programs: int = PROGRAMS_PER_SM
+    pdl: bool | None = None
 
     def split_kernel(self, int64: bool):
         """The split kernel of this form: 64-bit cache offsets or not, with its occupancy hint."""
@@ -163,7 +166,8 @@ class DecodeCall(Launches):
         """``f16_dot``: the dots of bf16 queries over an fp8 cache in fp16 (decode.py's F16_DOT); by default
         wherever that applies (``impls._serving.fp16_dots``; False is the bf16 form, kept for
         scripts/serving_probe.py's comparison). ``pdl``: both launches under programmatic dependent launch
-        (decode.py's PDL); by default where the step splits, on Hopper and later; True or False forces it."""
+        (decode.py's PDL); by default as the variant asks (``DecodeVariant.pdl``), and where it does not say, where
+        the step splits, on Hopper and later; True or False forces it."""
         self.variant, self.out = variant, inputs.output_like()
         q, k_cache, v_cache = inputs.q, inputs.k_cache, inputs.v_cache
         batch, sq, hq, head_dim = q.shape
@@ -172,6 +176,7 @@ class DecodeCall(Launches):
         tile_m = max(16, 1 << (group * sq - 1).bit_length())
         self.num_splits, self.split_len = chunks_of(variant, inputs, sm_count, window_left)
         split = self.num_splits > 1
+        pdl = variant.pdl if pdl is None else pdl
         self.dependent_launch = split and dependent_launch_available(q.device) if pdl is None else pdl
         parts = (batch * hkv, self.num_splits, tile_m) if split else (1, 1, 1)  # unused without a split
         self.part = torch.empty((*parts, width if split else 1), dtype=torch.float32, device=q.device)
@@ -226,16 +231,24 @@ def decode_space_for(inputs: PagedKV) -> list[DecodeVariant]:
 def plan_candidates(forms: list[DecodeVariant], inputs: PagedKV, *, scale: float, sm_count: int,
                     window_left: int = UNBOUNDED, softcap: float = 0.0) -> list[DecodeCall]:
     """The decode tuner's candidates: each kernel form with each aimed split plan (``AIMED_PLANS``), one call
-    per form and chunk length (plans that cut the batch alike are timed once). Session 26 (H200): with the
-    one plan the 70B slice at 256 x 8K split in 3 chunks, 83% of HBM, where the Triton kernel's tuner took
-    one chunk a sequence for 88%."""
+    per form and chunk length (plans that cut the batch alike are timed once), and where that splits on a GPU
+    that has programmatic dependent launch, with it and without (``DecodeVariant.pdl``). Session 26 (H200): with
+    the one plan the 70B slice at 256 x 8K split in 3 chunks, 83% of HBM, where the Triton kernel's tuner took
+    one chunk a sequence for 88%. Session 45 (H200, serving republished with PDL on wherever a step split, against
+    session 44's run without, the same configs): short split steps gained 6-10% (the 70B slice's 64 x 512, batch 1
+    up to 8K), but split steps of 256 programs at two a SM lost up to 13% (the 70B slice's 1 x 128K 2534 -> 2243
+    GB/s, 16 x 8K 2653 -> 2544; the profiler saw its combine run 13 us where it had run 4), on an instance where
+    every unsplit step read 1-3% faster. So the tuner decides."""
     distinct: dict[tuple, DecodeVariant] = {}
     for form in forms:
         for programs in AIMED_PLANS:
             variant = replace(form, plan_programs=programs)
             distinct.setdefault((form, chunks_of(variant, inputs, sm_count, window_left)), variant)
+    both_ways = dependent_launch_available(inputs.q.device)
+    variants = [replace(variant, pdl=pdl) for (_, (splits, _)), variant in distinct.items()
+                for pdl in ((False, True) if both_ways and splits > 1 else (None,))]
     return [DecodeCall(variant, inputs, scale=scale, sm_count=sm_count, window_left=window_left, softcap=softcap)
-            for variant in distinct.values()]
+            for variant in variants]
 
 
 @register("cutile", op="paged", family="cutile", dtypes=HALF, devices=("cuda",), head_dims=DECODE_HEAD_DIMS,
