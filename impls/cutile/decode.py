@@ -34,10 +34,11 @@ enough blocks to keep HBM busy:
    dots run in fp16: e4m3 widens to fp16 in one instruction per two elements, to bf16 only through a second
    conversion. Each query row is first scaled by a power of two into fp16's range (``f16_rows``), so q is exact
    in fp16 and the scores are those of the bf16 dot; the probabilities gain precision (11 bits instead of 8).
-6. Programmatic dependent launch (PDL, where a step splits, on Hopper and later): both kernels may start while
-   the kernel before them in the stream still runs; each waits for it first (``await_inputs``) and lets its
-   successor launch. The combine's launch hides behind the split kernel's last wave, about a microsecond a step
-   (impls.triton_fa's decode space comment has the measurements of the Triton twin).
+6. Programmatic dependent launch (PDL, Hopper and later, where a step splits and the tuner found it faster: see
+   ``serving.plan_candidates``): both kernels may start while the kernel before them in the stream still runs;
+   each waits for it first (``await_inputs``) and lets its successor launch. The combine's launch hides behind the
+   split kernel's last wave, about a microsecond a step (impls.triton_fa's decode space comment has the
+   measurements of the Triton twin); on some steps that fill every SM slot the combine then ran 3x longer.
 
 Causal within each sequence, bottom-right: new token ``t`` of ``SQ`` sees positions ``<= L - SQ + t`` (and,
 windowed, ``>= L - SQ + t - window_left``).

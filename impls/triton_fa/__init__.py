@@ -315,7 +315,10 @@ def _describe(cfg) -> dict:
 # dropped (the same probe, off / next kernel let in at the split kernel's start / after its stores, us; commit a3bca94
 # has the late trigger): 8B 256 x 2K (unsplit) 499.9 / 500.5 / 500.5, 8B 64 x 8K (two chunks) 496.9 / 498.8 / 499.6.
 # Letting it in late gains nothing, and on that long two-chunk step PDL costs 0.3-0.4% (measured twice); a tuner
-# axis could keep it off there.
+# axis could keep it off there. Session 45: cuTile's decode tuner took PDL as an axis (impls.cutile.serving's
+# plan_candidates: its combine ran 3x longer under PDL after a split grid of 256 programs at two a SM, up to 13% of a
+# step); here the rule stays, since this combine did not slow so (the profiler, the 70B slice's 1 x 32K in 256
+# programs: 2.4 us under PDL) and an axis would double the split configs the tuner compiles.
 # Session 14 (H200, scripts/serving_probe.py --triton ab, 12 cases, each config with and without, 5 alternating
 # passes): the key tiles that every new token sees whole, run as a loop without any mask (MASK_FREE; only the
 # chunk's last tile masked, as the dense kernel's loop split does), moved single configs by -28% to +28% (the
