@@ -391,14 +391,15 @@ def test_decode_launches_compile(read, short_chunks):
 
 def test_decode_split_steps_launch_as_programmatic_dependents(short_chunks):
     """Where a step splits, both launches may run as programmatic dependents of the kernel before them (the
-    default on Hopper, ``pdl`` forces it here): each then waits for that grid before anything else (ACQBULK) and
-    lets its successor launch (PREEXIT); without it neither instruction. Off the GPU the default is off."""
+    default on Hopper, ``DecodeVariant.pdl`` forces it here): each then waits for that grid before anything else
+    (ACQBULK) and lets its successor launch (PREEXIT); without it neither instruction. Off the GPU the default is
+    off."""
     from impls.cutile.export import export_launch
     from impls.cutile.serving import DecodeCall, DecodeVariant
 
     inputs = serving_inputs("serving-cpu", 4)  # MQA at batch 1, 300 tokens: split on one SM
     assert not DecodeCall(DecodeVariant(64), inputs, scale=0.125, sm_count=1).dependent_launch
-    calls = {pdl: DecodeCall(DecodeVariant(64), inputs, scale=0.125, sm_count=1, pdl=pdl) for pdl in (True, False)}
+    calls = {pdl: DecodeCall(DecodeVariant(64, pdl=pdl), inputs, scale=0.125, sm_count=1) for pdl in (True, False)}
     for pdl, call in calls.items():
         assert call.dependent_launch is pdl and len(call.launches) == 2
         for launch in call.launches:
@@ -537,7 +538,6 @@ def test_decode_tuner_tries_each_aimed_plan_once_per_chunk_length(monkeypatch):
     assert [call.num_splits for call in many_sms] == [1, 1]
 
 
-
 def test_decode_tuner_tries_split_steps_with_and_without_programmatic_dependent_launch(monkeypatch):
     """Where a GPU has programmatic dependent launch, the decode tuner times each split candidate both ways
     (``DecodeVariant.pdl``), and the chosen variant launches as it says; an unsplit step is tried once, as
@@ -562,6 +562,7 @@ def test_decode_tuner_tries_split_steps_with_and_without_programmatic_dependent_
         assert rebuilt.dependent_launch is call.variant.pdl is named(rebuilt.launches[0])["PDL"]
     whole = serving.plan_candidates(form, inputs, scale=0.125, sm_count=132)
     assert [(c.num_splits, c.variant.pdl, c.dependent_launch) for c in whole] == [(1, None, False)]
+
 
 def test_decode_without_a_split_writes_the_output_directly():
     from impls.cutile.serving import DecodeCall, DecodeVariant

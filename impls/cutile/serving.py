@@ -161,13 +161,11 @@ class DecodeCall(Launches):
     chunk."""
 
     def __init__(self, variant: DecodeVariant, inputs: PagedKV, *, scale: float, sm_count: int,
-                 window_left: int = UNBOUNDED, softcap: float = 0.0, f16_dot: bool | None = None,
-                 pdl: bool | None = None) -> None:
+                 window_left: int = UNBOUNDED, softcap: float = 0.0, f16_dot: bool | None = None) -> None:
         """``f16_dot``: the dots of bf16 queries over an fp8 cache in fp16 (decode.py's F16_DOT); by default
         wherever that applies (``impls._serving.fp16_dots``; False is the bf16 form, kept for
-        scripts/serving_probe.py's comparison). ``pdl``: both launches under programmatic dependent launch
-        (decode.py's PDL); by default as the variant asks (``DecodeVariant.pdl``), and where it does not say, where
-        the step splits, on Hopper and later; True or False forces it."""
+        scripts/serving_probe.py's comparison). Both launches run under programmatic dependent launch (decode.py's
+        PDL) as the variant says (``DecodeVariant.pdl``)."""
         self.variant, self.out = variant, inputs.output_like()
         q, k_cache, v_cache = inputs.q, inputs.k_cache, inputs.v_cache
         batch, sq, hq, head_dim = q.shape
@@ -176,7 +174,7 @@ class DecodeCall(Launches):
         tile_m = max(16, 1 << (group * sq - 1).bit_length())
         self.num_splits, self.split_len = chunks_of(variant, inputs, sm_count, window_left)
         split = self.num_splits > 1
-        pdl = variant.pdl if pdl is None else pdl
+        pdl = variant.pdl  # None: where the step splits, on Hopper and later
         self.dependent_launch = split and dependent_launch_available(q.device) if pdl is None else pdl
         parts = (batch * hkv, self.num_splits, tile_m) if split else (1, 1, 1)  # unused without a split
         self.part = torch.empty((*parts, width if split else 1), dtype=torch.float32, device=q.device)
