@@ -27,7 +27,7 @@
 #             (session 22, a tuning bucket per power of two: about 450 s from cold)
 #   models:   the models preset, every implementation that runs it (or MODELS_IMPLS, names with spaces between;
 #             MODELS_ARGS: more suite options; MODELS_NAME: the JSON's and log's name, default models; MODELS_LIMIT:
-#             its seconds, default 570),
+#             its seconds, default 570; MODELS_REST_MS: the GPU's idle before each benchmark, default 1000),
 #             graph timing and energy per call (ENERGY_MS, default 1000 ms of calls after each benchmark; 0: none), in
 #             the flash-attn-4 carry's last call (with .gpu-fi and .gpu-fi-aot carried there too, FlashInfer needs no
 #             JIT; without .gpu-fi-aot, fi-models in the second call compiles its modules: about 400 s)
@@ -341,8 +341,10 @@ for part in "$@"; do
       impl_options "${MODELS_IMPLS:-cutile triton flex sdpa* flash-attn4 flashinfer}"
       read -ra extra <<< "${MODELS_ARGS:-}"  # e.g. "--settle-max-ms 1500"
       name=${MODELS_NAME:-models}  # a second run of the part in one call writes beside the first
+      # a second's idle before each benchmark (MODELS_REST_MS; 0: none): without it a 4 x 4K case right after a
+      # 1 x 32K one read up to 8% slow (session 46, docs/usage.md's --rest-ms)
       FMHA_ISOLATE_DIR=$out/isolate step "$name" "${MODELS_LIMIT:-570}" python3 -m pytest suite "${bench[@]}" --grid models \
-        --timing graph --energy-ms "${ENERGY_MS:-1000}" "${impls[@]}" "${extra[@]}" --isolate \
+        --timing graph --energy-ms "${ENERGY_MS:-1000}" --rest-ms "${MODELS_REST_MS:-1000}" "${impls[@]}" "${extra[@]}" --isolate \
         --benchmark-json="$out/$name.json"
       # at most 8 files come back from a call: the children's JSONs and logs travel as one archive
       tar czf "$out/$name-isolate.tgz" -C "$out" isolate && rm -rf "$out/isolate"
