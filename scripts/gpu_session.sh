@@ -20,7 +20,8 @@
 #   causal:   every causal cuTile candidate of the blog shapes, one and two launches, beside sdpa-cudnn (sweep)
 #   causal-deep: the causal persistent forms (fixed share, dynamic) at latencies 2 / 4 and 3 / 6 beside one block
 #             per tile, cuDNN and flash-attn4 where carried, D=128 and 64 (sweep)
-#   prefill:  blog and fa3 presets, graph timing: cutile, flash-attn4, sdpa-cudnn, triton side by side
+#   prefill:  blog and fa3 presets, graph timing: cutile, flash-attn4, sdpa-cudnn, triton side by side (PREFILL_REST_MS:
+#             the idle before each benchmark, default 1000; PREFILL_LIMIT: its seconds, default 560)
 #   ladder:   the blog's optimisation ladder (cutile-1-baseline ... cutile-5-remap) on the blog preset, graph timing (after
 #             prefill in the same call: one run, `scripts/publish_results.py prefill.json ladder.json DST`)
 #   prefill-prime: (carry call 1) their checks for cutile, triton and sdpa-cudnn: tuning and compile caches filled
@@ -322,12 +323,15 @@ for part in "$@"; do
       done
       ;;
     prefill)
-      step prefill 420 python3 -m pytest suite --benchmark-only -p no:cacheprovider -q --grid blog --grid fa3 --timing graph \
-        --impl cutile --impl flash-attn4 --impl sdpa-cudnn --impl triton --benchmark-json="$out/prefill.json"
+      # PREFILL_REST_MS: the GPU's idle before each benchmark (default 1000: the presets alternate 1K and 16K,
+      # causal and not, as models does; docs/usage.md's --rest-ms)
+      step prefill "${PREFILL_LIMIT:-560}" python3 -m pytest suite --benchmark-only -p no:cacheprovider -q --grid blog --grid fa3 \
+        --timing graph --rest-ms "${PREFILL_REST_MS:-1000}" --impl cutile --impl flash-attn4 --impl sdpa-cudnn --impl triton \
+        --benchmark-json="$out/prefill.json"
       ;;
     ladder)
       step ladder 300 python3 -m pytest suite --benchmark-only -p no:cacheprovider -q --grid blog --timing graph \
-        --impl 'cutile-*' --benchmark-json="$out/ladder.json"
+        --rest-ms "${PREFILL_REST_MS:-1000}" --impl 'cutile-*' --benchmark-json="$out/ladder.json"
       ;;
     prefill-prime)
       step prefill-prime 540 python3 -m pytest suite -k correctness -q -p no:cacheprovider -rf --grid blog --grid fa3 \
