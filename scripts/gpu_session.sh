@@ -94,6 +94,7 @@
 #             with --settle-ms 0 and twice with the default (benchmarks timed at sustained clocks)
 #   rest:     the models preset's 4 x 4K cases after its 1 x 32K ones and alone, without and with --rest-ms (an idle
 #             pause before each benchmark): is the order of a run what moved a case (session 36's Mistral caveat)?
+#             REST_IMPLS, REST_MS; REST_GRID and REST_ALONE (pytest -k of the cases timed alone) for another preset
 #   fp8:      an fp8 KV cache: the serving twins' fp8 cases and the serving-fp8 preset checked (tuned) with our kernels
 #             and sdpa (FP8_IMPLS), then, where .gpu-fi is carried, FlashInfer's checks of the same (its JIT)
 #   fp8-bench: the serving-fp8 preset (bf16 and fp8 caches side by side), graph timing, FP8_IMPLS and flashinfer:
@@ -610,11 +611,13 @@ for part in "$@"; do
       # ones (the whole preset) and alone (-k s4096), each without and with --rest-ms REST_MS (default 1000);
       # REST_IMPLS (default "sdpa-cudnn sdpa-flash": nothing to tune). Session 36: cutile ran one kernel 12% apart
       # on Llama-3-8B and Mistral-7B 4 x 4K (the window hides nothing there): first in its process, and right after a heavy case
+      # REST_GRID / REST_ALONE: another preset and the pytest -k of its cases timed alone (default models / s4096;
+      # e.g. serving and "b64- and kv8192": does a decode step move with the case before it?)
       impl_options "${REST_IMPLS:-sdpa-cudnn sdpa-flash}"
       for run in all-0 short-0 all-rest short-rest; do
-        select=(); [ "${run%-*}" = short ] && select=(-k s4096)
+        select=(); [ "${run%-*}" = short ] && select=(-k "${REST_ALONE:-s4096}")
         ms=0; [ "${run#*-}" = rest ] && ms=${REST_MS:-1000}
-        FMHA_ISOLATE_DIR=/tmp/rest-isolate step "rest-$run" 200 python3 -m pytest suite "${bench[@]}" --grid models \
+        FMHA_ISOLATE_DIR=/tmp/rest-isolate step "rest-$run" 200 python3 -m pytest suite "${bench[@]}" --grid "${REST_GRID:-models}" \
           --timing graph "${impls[@]}" "${select[@]}" --rest-ms "$ms" --isolate --benchmark-json="$out/rest-$run.json"
       done
       ;;
