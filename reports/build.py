@@ -481,6 +481,8 @@ def build_context(runs: list[Run], baseline: str) -> dict[str, Any]:
         "settled_ms": sorted({round(1e3 * m.settle_s) for r in runs for m in r.measurements if m.settle_s}),
         "unsettled": any(m.gpu and not m.settle_s for r in runs for m in r.measurements),
         "rested_ms": sorted({round(1e3 * m.rest_s) for r in runs for m in r.measurements if m.rest_s}),
+        "rested": (sum(bool(m.rest_s) for r in runs for m in r.measurements),
+                   sum(len(r.measurements) for r in runs)),  # (after a pause, of all)
         "matrices": [(r.label, correctness_matrix(r), r.unavailable) for r in runs],
         "ladders": [(r.label, lad) for r in runs if (lad := ladder(r))],
         "fleets": [(r.label, f) for r in runs if (f := fleet(r))],

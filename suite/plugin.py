@@ -30,6 +30,7 @@ from suite import cases as grid
 from suite import timing
 from suite.cases import Case
 from suite.checks import CheckResult, Oracle
+from suite.timing import AUTO_REST_S, HEAVIER, RestPolicy
 
 DEFAULT_GRIDS = {  # phase -> (without a GPU, with one)
     "correctness": (("cpu", "serving-cpu", "varlen-cpu", "models-cpu", "models-serving-cpu"),
@@ -56,11 +57,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="run each benchmark's call back to back this long before its warm-up rounds, so that "
                          "the GPU's clocks have come down to what its power limit sustains (default 250 on a "
                          "GPU, 0 on CPU; 0: time from whatever state the previous work left)")
-    group.addoption("--rest-ms", type=float, default=0,
-                    help="GPU, opt-in: leave the GPU idle this long before each benchmark's settling, so that every "
-                         "benchmark starts from the same power state, not from the one the case before left "
-                         "(default 0: none; 1000 took a short case after a heavy one from 8.6%% to within 1.8%% "
-                         "of its time alone on an H100, docs/usage.md)")
+    group.addoption("--rest-ms", type=rest_option, default="auto",
+                    help="GPU: leave the GPU idle this long before each benchmark's settling, so that every benchmark "
+                         "starts from the same power state, not from the one the case before left; 0: never. "
+                         f"Default auto: {AUTO_REST_S * 1e3:.0f} ms only after a benchmark whose calls ran at least "
+                         f"{HEAVIER:g} times as long (without it a short prefill case right after a heavy one read "
+                         "up to 8%% slow on an H200; docs/usage.md)")
     group.addoption("--settle-max-ms", type=float, default=0,
                     help=f"GPU: after --settle-ms, go on settling in timed windows of {STEADY_WINDOW_S * 1e3:.0f} "
                          f"ms until two in a row agree within {STEADY_TOLERANCE * 100:.0f}%%, at most this long in "
@@ -95,6 +97,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--heartbeat", default=None, help=argparse.SUPPRESS)  # likewise
 
 
+def rest_option(value: str) -> float | str:
+    """``--rest-ms``: milliseconds, or ``auto``."""
+    if value == "auto":
+        return value
+    try:
+        return float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"milliseconds or 'auto', not {value!r}") from None
+
+
 @dataclass
 class RunState:
     device: torch.device
@@ -105,6 +117,7 @@ class RunState:
     cases: dict[str, dict] = field(default_factory=dict)
     machine_info: dict | None = None
     commit_info: dict | None = None
+    rest: RestPolicy = field(default_factory=RestPolicy)  # --rest-ms: when a benchmark starts after a pause
 
 
 STATE_KEY = pytest.StashKey[RunState]()
@@ -128,8 +141,10 @@ def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("--retune") or config.getoption("--no-tuning-cache"):
         # Read by impls._tuning, in this process and in the children of --isolate.
         os.environ["FMHA_TUNING"] = "retune" if config.getoption("--retune") else "off"
+    rest_ms = config.getoption("--rest-ms")
     config.stash[STATE_KEY] = RunState(
-        device=device, impls=[i for i in selected if i.name not in unavailable], unavailable=unavailable
+        device=device, impls=[i for i in selected if i.name not in unavailable], unavailable=unavailable,
+        rest=RestPolicy(None if rest_ms == "auto" else rest_ms / 1e3),
     )
     if device.type == "cuda" and config.getoption("benchmark_timer", None) == "time.perf_counter":
         config.option.benchmark_timer = "suite.timing.cuda_clock"

@@ -14,7 +14,7 @@ from impls import Impl, Prepared
 from impls._tuning import SETTLE_S, settle, settle_until_steady
 from suite import metrics
 from suite.cases import Case
-from suite.plugin import Problem, Recorder
+from suite.plugin import Problem, Recorder, run_state
 from suite.telemetry import energy_during, gpu_state
 from suite.timing import (
     GraphCaptureError,
@@ -120,7 +120,7 @@ def measure(benchmark, impl: Impl, case: Case, problem: Problem, record: Recorde
     peak_bytes = peak_memory_bytes(prepared, device)
 
     benchmark.group = f"{case.id} [{timing}]"
-    info["rest_s"] = rest(pytestconfig.getoption("--rest-ms") / 1e3 if on_gpu else 0.0, device)
+    info["rest_s"] = rest(run_state(pytestconfig).rest.before(per_call) if on_gpu else 0.0, device)
     settle_ms = pytestconfig.getoption("--settle-ms")
     info["settle_s"] = max(0.0, (SETTLE_S * 1e3 if on_gpu else 0) if settle_ms is None else settle_ms) / 1e3
     settle_max_s = pytestconfig.getoption("--settle-max-ms") / 1e3

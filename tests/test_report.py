@@ -60,7 +60,14 @@ def test_report_says_whether_calls_settled_before_timing(results, tmp_path):
     rested = tmp_path / "rested.json"
     rested.write_text(json.dumps(data))
     html = " ".join(write_report([rested], tmp_path / "r.html").read_text().split())
-    assert "began after 1000 ms with the GPU idle" in html
+    assert "Each benchmark began after 1000 ms with the GPU idle" in html
+    assert "none started from the power state the case before it left" in html
+    data["benchmarks"][0]["extra_info"]["rest_s"] = 0.0  # --rest-ms auto: a pause after heavier calls only
+    rested.write_text(json.dumps(data))
+    html = " ".join(write_report([rested], tmp_path / "r.html").read_text().split())
+    count = len(data["benchmarks"])
+    assert f"{count - 1} of the {count} benchmarks began after 1000 ms with the GPU idle" in html
+    assert "pauses only after a benchmark of much longer calls" in html
 
 
 def test_report_shows_the_energy_of_a_call_where_nvml_measured_it(results, tmp_path):

@@ -1,6 +1,7 @@
 """Timing modes, the tuning cache and sharding, on CPU: the plumbing, the fallbacks and what the report shows.
 The GPU half (graph and kernel modes measuring) is tests/test_gpu_timing.py."""
 
+import argparse
 import copy
 import importlib
 import json
@@ -19,7 +20,8 @@ import torch
 from impls import _tuning
 from reports.build import load_run, render
 from suite.isolation import child_env
-from suite.timing import rest
+from suite.plugin import rest_option
+from suite.timing import AUTO_REST_S, HEAVIER, RestPolicy, rest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -139,6 +141,25 @@ def test_cpu_benchmarks_do_not_settle_unless_asked(cpu_modes):
     _, data = cpu_modes
     assert {b["extra_info"]["settle_s"] for b in data["benchmarks"]} == {0.0}
     assert {b["extra_info"]["rest_s"] for b in data["benchmarks"]} == {0.0}
+
+
+def test_auto_rest_pauses_only_after_a_benchmark_of_heavier_calls():
+    auto = RestPolicy()
+    assert auto.before(1e-3) == 0.0  # the first benchmark of a process: nothing ran before it
+    assert auto.before(4e-3) == 0.0  # after a lighter one
+    assert auto.before(1e-3) == AUTO_REST_S  # after calls four times as long (a 1 x 32K case, then 4 x 4K)
+    assert auto.before(0.6e-3) == 0.0  # after calls less than HEAVIER times as long
+    assert auto.before(0.6e-3 / HEAVIER) == AUTO_REST_S  # exactly HEAVIER times as long
+    fixed = RestPolicy(0.25)
+    assert [fixed.before(t) for t in (1e-3, 4e-3, 1e-3)] == [0.25] * 3
+    assert [RestPolicy(0.0).before(t) for t in (4e-3, 1e-3)] == [0.0, 0.0]
+
+
+def test_rest_ms_takes_milliseconds_or_auto():
+    assert rest_option("auto") == "auto"
+    assert rest_option("250") == 250.0
+    with pytest.raises(argparse.ArgumentTypeError, match="milliseconds or 'auto', not 'soon'"):
+        rest_option("soon")
 
 
 def test_resting_leaves_the_device_idle_for_the_time_asked():
