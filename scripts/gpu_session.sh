@@ -21,14 +21,14 @@
 #   causal-deep: the causal persistent forms (fixed share, dynamic) at latencies 2 / 4 and 3 / 6 beside one block
 #             per tile, cuDNN and flash-attn4 where carried, D=128 and 64 (sweep)
 #   prefill:  blog and fa3 presets, graph timing: cutile, flash-attn4, sdpa-cudnn, triton side by side (PREFILL_REST_MS:
-#             the idle before each benchmark, default 1000; PREFILL_LIMIT: its seconds, default 560)
+#             --rest-ms, default auto; PREFILL_LIMIT: its seconds, default 560)
 #   ladder:   the blog's optimisation ladder (cutile-1-baseline ... cutile-5-remap) on the blog preset, graph timing (after
 #             prefill in the same call: one run, `scripts/publish_results.py prefill.json ladder.json DST`)
 #   prefill-prime: (carry call 1) their checks for cutile, triton and sdpa-cudnn: tuning and compile caches filled
 #             (session 22, a tuning bucket per power of two: about 450 s from cold)
 #   models:   the models preset, every implementation that runs it (or MODELS_IMPLS, names with spaces between;
 #             MODELS_ARGS: more suite options; MODELS_NAME: the JSON's and log's name, default models; MODELS_LIMIT:
-#             its seconds, default 570; MODELS_REST_MS: the GPU's idle before each benchmark, default 1000),
+#             its seconds, default 570; MODELS_REST_MS: --rest-ms, default auto),
 #             graph timing and energy per call (ENERGY_MS, default 1000 ms of calls after each benchmark; 0: none), in
 #             the flash-attn-4 carry's last call (with .gpu-fi and .gpu-fi-aot carried there too, FlashInfer needs no
 #             JIT; without .gpu-fi-aot, fi-models in the second call compiles its modules: about 400 s)
@@ -324,15 +324,14 @@ for part in "$@"; do
       done
       ;;
     prefill)
-      # PREFILL_REST_MS: the GPU's idle before each benchmark (default 1000: the presets alternate 1K and 16K,
-      # causal and not, as models does; docs/usage.md's --rest-ms)
+      # PREFILL_REST_MS: --rest-ms (default auto; session 46 published blog/fa3 with 1000 before every benchmark)
       step prefill "${PREFILL_LIMIT:-560}" python3 -m pytest suite --benchmark-only -p no:cacheprovider -q --grid blog --grid fa3 \
-        --timing graph --rest-ms "${PREFILL_REST_MS:-1000}" --impl cutile --impl flash-attn4 --impl sdpa-cudnn --impl triton \
+        --timing graph --rest-ms "${PREFILL_REST_MS:-auto}" --impl cutile --impl flash-attn4 --impl sdpa-cudnn --impl triton \
         --benchmark-json="$out/prefill.json"
       ;;
     ladder)
       step ladder 300 python3 -m pytest suite --benchmark-only -p no:cacheprovider -q --grid blog --timing graph \
-        --rest-ms "${PREFILL_REST_MS:-1000}" --impl 'cutile-*' --benchmark-json="$out/ladder.json"
+        --rest-ms "${PREFILL_REST_MS:-auto}" --impl 'cutile-*' --benchmark-json="$out/ladder.json"
       ;;
     prefill-prime)
       step prefill-prime 540 python3 -m pytest suite -k correctness -q -p no:cacheprovider -rf --grid blog --grid fa3 \
@@ -346,10 +345,10 @@ for part in "$@"; do
       impl_options "${MODELS_IMPLS:-cutile triton flex sdpa* flash-attn4 flashinfer}"
       read -ra extra <<< "${MODELS_ARGS:-}"  # e.g. "--settle-max-ms 1500"
       name=${MODELS_NAME:-models}  # a second run of the part in one call writes beside the first
-      # a second's idle before each benchmark (MODELS_REST_MS; 0: none): without it a 4 x 4K case right after a
-      # 1 x 32K one read up to 8% slow (session 46, docs/usage.md's --rest-ms)
+      # MODELS_REST_MS: --rest-ms (default auto, the suite's: a second's idle after much longer calls; session 46
+      # published models with 1000 before every benchmark; docs/usage.md's --rest-ms)
       FMHA_ISOLATE_DIR=$out/isolate step "$name" "${MODELS_LIMIT:-570}" python3 -m pytest suite "${bench[@]}" --grid models \
-        --timing graph --energy-ms "${ENERGY_MS:-1000}" --rest-ms "${MODELS_REST_MS:-1000}" "${impls[@]}" "${extra[@]}" --isolate \
+        --timing graph --energy-ms "${ENERGY_MS:-1000}" --rest-ms "${MODELS_REST_MS:-auto}" "${impls[@]}" "${extra[@]}" --isolate \
         --benchmark-json="$out/$name.json"
       # at most 8 files come back from a call: the children's JSONs and logs travel as one archive
       tar czf "$out/$name-isolate.tgz" -C "$out" isolate && rm -rf "$out/isolate"
