@@ -21,7 +21,15 @@ else:
 from impls._reference import visible
 from impls._validate import NO_WINDOW, window_bounds
 from impls.cutile import Variant
-from impls.cutile.kernel import far_edge_or_same, key_tiles, paired_item, paired_linear, paired_steps, work_item
+from impls.cutile.kernel import (
+    far_edge_or_same,
+    key_tiles,
+    narrow_far_tiles,
+    paired_item,
+    paired_linear,
+    paired_steps,
+    work_item,
+)
 
 SHAPES = [(300, 300), (333, 1000), (200, 130), (97, 97), (256, 256), (64, 700)]
 WINDOWS = [NO_WINDOW, (0, 0), (16, 0), (100, 37), (128, -1), (-1, 50), (1000, 1000)]
@@ -81,7 +89,7 @@ def test_peeled_diagonal_visits_the_same_tiles_as_the_masked_loop(sq, skv, tile_
     # (so the online softmax there needs no guard against a row without keys).
     variant = Variant(tile_m, tile_n, peel_diagonal=True)
     accepted = 0
-    for window in (NO_WINDOW, (128, 0), (256, 0), (100, 0)):
+    for window in (NO_WINDOW, (128, 0), (256, 0), (100, 0), (384, 0), (512, 0)):
         bounds = window_bounds(window, True) if window != NO_WINDOW else None
         if variant.peel_refusal(causal=True, q_len=sq, kv_len=skv, window=bounds):
             assert variant.resolved(causal=True, q_len=sq, kv_len=skv, window=bounds) == Variant(tile_m, tile_n)
@@ -98,12 +106,16 @@ def test_peeled_diagonal_visits_the_same_tiles_as_the_masked_loop(sq, skv, tile_
                                                          bounds is not None)
             where = f"window={window} query tile {tile}"
             if tile_n > tile_m:  # peel_narrow: keys past the loop in tiles of tile_m, the diagonal's one masked
-                assert count == 1 and bounds is None, where
+                assert count == 1, where
                 free, diagonal = narrow_peel_visits(tile, free_end, skv - sq, tile_m, tile_n)
-                keys = [*range(free_end * tile_n), *(k for j in free for k in range(j * tile_m, (j + 1) * tile_m)),
-                        *range(diagonal * tile_m, (diagonal + 1) * tile_m)]
+                far, far_stop = narrow_far_tiles(tile, free_start, skv - sq, left, tile_m, tile_n)
+                far_tiles = list(range(far, far_stop)) if bounds is not None else []  # the first one masked
+                assert len(far_tiles) <= tile_n // tile_m, where
+                in_tiles = [*free, diagonal, *far_tiles]
+                keys = [*range(free_start * tile_n, free_end * tile_n),
+                        *(k for j in in_tiles for k in range(j * tile_m, (j + 1) * tile_m))]
                 assert sorted(keys) == rows.any(axis=0).nonzero().flatten().tolist(), where  # all seen keys, once
-                assert all(rows[:, j * tile_m:(j + 1) * tile_m].all() for j in free), where  # no mask needed
+                assert all(rows[:, j * tile_m:(j + 1) * tile_m].all() for j in [*free, *far_tiles[1:]]), where
                 assert rows[:, diagonal * tile_m:(diagonal + 1) * tile_m].any(axis=1).all(), where
                 continue
             assert end - free_end == count and free_start - first in (0, count), where

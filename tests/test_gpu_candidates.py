@@ -46,6 +46,7 @@ CASES = [
     Case(2, 8, 2, 512, 512, 128, "bf16", True),
     Case(1, 4, 2, 256, 768, 128, "fp16", True),  # chunked prefill, Skv - Sq = 512
     Case(1, 4, 2, 768, 768, 128, "bf16", True, window=(256, 0)),  # the window's far edge peeled too
+    Case(1, 4, 2, 512, 1024, 128, "bf16", True, window=(384, 0)),  # and with a window of an odd count of 128 keys
     Case(2, 4, 4, 512, 512, 192, "bf16", True, dv=128),
     # batch x heads past 65535, CUDA's cap on one grid axis: heads and sequences each get an axis (heads_by_batch)
     Case(4097, 16, 4, 20, 50, 64, "bf16", True),

@@ -134,8 +134,9 @@ class Variant:
         are where every query tile is whole and the diagonal crosses key tiles at the same place in each: then
         query tile t masks the keys from ``t * TILE_M + Skv - Sq`` on, ``max(TILE_M / TILE_N, 1)`` tiles of
         ``min(TILE_M, TILE_N)`` keys (key tiles wider than query tiles peel at the query tile's width), and each of
-        its rows sees a key in the first. A window's far edge, where the left size is a multiple of TILE_M (and
-        TILE_M of TILE_N), adds as many tiles at its start to the tiles past the first window."""
+        its rows sees a key in the first. A window's far edge, where the left size is a multiple of TILE_M (and,
+        for key tiles wider than query tiles, at least TILE_N), adds as many tiles at its start to the tiles past
+        the first window (one masked and up to TILE_N / TILE_M - 1 whole ones where key tiles are wider)."""
         offset = None if q_len is None else kv_len - q_len
         left, right = window or (-1, -1)
         width = min(self.tile_m, self.tile_n)  # of the peeled tiles
@@ -150,8 +151,8 @@ class Variant:
             (f"a window to the right ({right})", right > 0),
             (f"a window's left size {left} not a positive multiple of TILE_M={self.tile_m}",
              window is not None and (left <= 0 or left % self.tile_m)),
-            (f"a window with TILE_M={self.tile_m} not a multiple of TILE_N={self.tile_n}",
-             window is not None and self.tile_m % self.tile_n),
+            (f"a window's left size {left} below TILE_N={self.tile_n}",  # peel_narrow's far edge: whole tiles
+             window is not None and self.tile_n > self.tile_m and left < self.tile_n),
         ) if bad), None)
 
     def resolved(self, *, causal: bool, q_len: int, kv_len: int, window: tuple[int, int] | None = None) -> Variant:
@@ -477,8 +478,10 @@ def peeled_space(space: list[Variant], window: bool) -> list[Variant]:
     peeled = [replace(v, peel_diagonal=True) if (v.tile_m, v.tile_n) == (PEELED_TILE, PEELED_TILE) else v
               for v in space]
     paired = replace(HOPPER_STREAMING, paired=True, peel_diagonal=True)
-    narrow = [replace(v, peel_diagonal=True) for v in space if v.paired and v.tile_n > v.tile_m]  # the 128x256
-    return peeled if window else [*peeled, paired, *narrow]
+    # the persistent 128x256: paired, and with a window (items alike) with the fixed share too
+    narrow = [replace(v, peel_diagonal=True) for v in space
+              if v.persistent and v.tile_n > v.tile_m and (v.paired or window)]
+    return [*peeled, *narrow] if window else [*peeled, paired, *narrow]
 
 
 def sixteen_warp_space(head_dim: int, causal: bool) -> list[Variant]:

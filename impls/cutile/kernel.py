@@ -320,9 +320,9 @@ def attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_
     # shallow (132 KB instead of 198 on sm_90).
     if DIAGONAL_TILES > 0 and TILE_N > TILE_M:  # peeled at the query tile's width (see ``peel_narrow``)
         acc, acc_tail, l_i, m_i = peel_narrow(
-            acc, acc_tail, l_i, m_i, q, q_tail, K, V, batch, kv_head, tile_m, free_end, offs_m, qk_scale,
-            score_scale_log2, kv_len, causal_offset, TILE_M, TILE_N, TILE_D, TILE_D_TAIL, TILE_DV, TILE_DV_TAIL,
-            EVEN_N, SOFTCAP, FAST_MATH, K_LATENCY, V_LATENCY)
+            acc, acc_tail, l_i, m_i, q, q_tail, K, V, batch, kv_head, tile_m, free_start, free_end, offs_m, qk_scale,
+            score_scale_log2, kv_len, causal_offset, window_left, window_right, TILE_M, TILE_N, TILE_D, TILE_D_TAIL,
+            TILE_DV, TILE_DV_TAIL, EVEN_N, HAS_WINDOW, SOFTCAP, FAST_MATH, K_LATENCY, V_LATENCY)
     elif DIAGONAL_TILES > 0:  # peeled: the masked tiles as straight-line code (a static_iter is unrolled), no loop
         for i in ct.static_iter(range(2 * DIAGONAL_TILES if HAS_WINDOW else DIAGONAL_TILES)):
             far = i >= DIAGONAL_TILES  # a window's far-edge tiles, after the diagonal's: any order will do
@@ -361,27 +361,46 @@ def attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_
                        OUT_TMA)
 
 
-def peel_narrow(acc, acc_tail, l_i, m_i, q, q_tail, K, V, batch, kv_head, tile_m, free_end, offs_m, qk_scale,
-                score_scale_log2, kv_len, causal_offset, TILE_M, TILE_N, TILE_D, TILE_D_TAIL, TILE_DV, TILE_DV_TAIL,
-                EVEN_N, SOFTCAP, FAST_MATH, K_LATENCY, V_LATENCY):
+def peel_narrow(acc, acc_tail, l_i, m_i, q, q_tail, K, V, batch, kv_head, tile_m, free_start, free_end, offs_m,
+                qk_scale, score_scale_log2, kv_len, causal_offset, window_left, window_right, TILE_M, TILE_N, TILE_D,
+                TILE_D_TAIL, TILE_DV, TILE_DV_TAIL, EVEN_N, HAS_WINDOW, SOFTCAP, FAST_MATH, K_LATENCY, V_LATENCY):
     """A causal diagonal peeled where key tiles are wider than query tiles (TILE_N = k * TILE_M, lengths in whole
     tiles): the keys past the mask-free loop run in tiles of TILE_M keys, the query tile's width. Only the last
     of them, its diagonal block, is masked; the up to k - 1 before it, which every row sees whole, run without a
     mask (a run-time ``if`` each), and the keys past the diagonal, which no row sees, are never visited. A
     TILE_N-wide masked tile held twice the score registers and read those keys too: with it peeled, 128 x 256
-    tiles spilled 240-256 B on sm_90 (session 24)."""
+    tiles spilled 240-256 B on sm_90 (session 24).
+
+    A window's far edge, before the mask-free loop, runs the same way (``narrow_far_tiles``): its first TILE_M-key
+    tile masked, the up to k - 1 after it whole. Masked tiles take the causal and the window mask alike."""
     parts = TILE_N // TILE_M  # TILE_M-key tiles in one key tile of the loop
     diagonal = (tile_m * TILE_M + causal_offset) // TILE_M  # in TILE_M-key tiles; every row sees its first key
-    for i in ct.static_iter(range(parts)):
-        last = i == parts - 1  # the diagonal block, after the whole ones
-        j = diagonal if last else free_end * parts + i
-        if last or j < diagonal:
+    far, far_stop = narrow_far_tiles(tile_m, free_start, causal_offset, window_left, TILE_M, TILE_N)
+    for i in ct.static_iter(range(2 * parts if HAS_WINDOW else parts)):
+        # tile j runs where j < bound: the whole ones before the diagonal block, the diagonal block itself, then
+        # (a window) the far edge's tiles, none for the first window's query tiles
+        if i < parts - 1:
+            j, bound = free_end * parts + i, diagonal
+        elif i == parts - 1:
+            j, bound = diagonal, diagonal + 1
+        else:
+            j, bound = far + i - parts, far_stop
+        if j < bound:
             acc, acc_tail, l_i, m_i = attend_key_tile(
                 acc, acc_tail, l_i, m_i, q, q_tail, K, V, batch, kv_head, j, offs_m, qk_scale, score_scale_log2,
-                kv_len, causal_offset, 0, 0, TILE_M, TILE_M, TILE_D, TILE_D_TAIL, TILE_DV, TILE_DV_TAIL,
-                MASKED=last, CAUSAL=True, EVEN_N=EVEN_N, HAS_WINDOW=False, SOFTCAP=SOFTCAP, MAY_BE_EMPTY=False,
-                FAST_MATH=FAST_MATH, K_LATENCY=K_LATENCY, V_LATENCY=V_LATENCY)
+                kv_len, causal_offset, window_left, window_right, TILE_M, TILE_M, TILE_D, TILE_D_TAIL, TILE_DV,
+                TILE_DV_TAIL, MASKED=i == parts - 1 or i == parts, CAUSAL=True, EVEN_N=EVEN_N, HAS_WINDOW=HAS_WINDOW,
+                SOFTCAP=SOFTCAP, MAY_BE_EMPTY=False, FAST_MATH=FAST_MATH, K_LATENCY=K_LATENCY, V_LATENCY=V_LATENCY)
     return acc, acc_tail, l_i, m_i
+
+
+def narrow_far_tiles(tile_m, free_start, causal_offset, window_left, TILE_M, TILE_N):
+    """A window's far edge for ``peel_narrow``: TILE_M-key tiles ``[far, stop)``, from the first key some row of
+    query tile ``tile_m`` sees to the first TILE_N-key tile of the mask-free loop (``free_start``). The first is
+    seen in part (masked); the rest are seen whole where the window reaches back at least TILE_N keys
+    (``Variant.peel_refusal``). Empty for the first window's query tiles, whose loop starts at key 0."""
+    far = max(tile_m * TILE_M + causal_offset - window_left, 0) // TILE_M
+    return far, free_start * (TILE_N // TILE_M)
 
 
 def far_edge_or_same(step, masked_from, free_start):
