@@ -474,14 +474,18 @@ def peeled_space(space: list[Variant], window: bool) -> list[Variant]:
     Llama-3-8B 4 x 4K 522 / 533, 1 x 32K 636 / 618; GPT-2 (D=64) 1 x 32K 426 / 419 (the 256x64 of 16 warps 455:
     not added there). The plain persistent 128x256 peeled was no faster than the paired one anywhere (428 / 433,
     528 / 483, 528 / 534, 625 / 604): left out; so is the 16-warp 256x64 at D=64 peeled in two 128-key tiles (sm_90:
-    584 B of stack, 128 B as a persistent paired block)."""
+    584 B of stack, 128 B as a persistent paired block).
+
+    Session 47: with a window too (``peel_narrow`` peels its far edge in 128-key tiles; sm_90, bf16, D=128: 198 KB of
+    pipeline and no stack, where the windowed loop form has 165 KB and 24-40 B of stack). H200, Mistral-7B 1 x 32K
+    (window 4096), ``gpu_session.sh narrow-window``, settled / graph TFLOPS: fixed share 524 / 531, paired 531 / 537,
+    against 563 / 563 for the persistent 128x128 peeled and 557 / 581 for one block a peeled 128x128 tile: left
+    out (a window of 4096 keys is 16 of its key tiles, where Llama-3-8B 1 x 32K's causal rows average 64)."""
     peeled = [replace(v, peel_diagonal=True) if (v.tile_m, v.tile_n) == (PEELED_TILE, PEELED_TILE) else v
               for v in space]
     paired = replace(HOPPER_STREAMING, paired=True, peel_diagonal=True)
-    # the persistent 128x256: paired, and with a window (items alike) with the fixed share too
-    narrow = [replace(v, peel_diagonal=True) for v in space
-              if v.persistent and v.tile_n > v.tile_m and (v.paired or window)]
-    return [*peeled, *narrow] if window else [*peeled, paired, *narrow]
+    narrow = [replace(v, peel_diagonal=True) for v in space if v.paired and v.tile_n > v.tile_m]  # the 128x256
+    return peeled if window else [*peeled, paired, *narrow]
 
 
 def sixteen_warp_space(head_dim: int, causal: bool) -> list[Variant]:
