@@ -341,83 +341,23 @@ DYNAMIC_FORMS = (HOPPER_DYNAMIC, replace(HOPPER_DYNAMIC, k_latency=2, v_latency=
 
 
 def hopper_space(head_dim: int, causal: bool, value_dim: int | None = None, window: bool = False) -> list[Variant]:
-    """Hopper, measured on an H200 (fp16, D=128; docs/h200-results-*.md).
+    """Hopper (sm_90) candidates, each kept after measuring it on an H200 against the forms left out
+    (``docs/cutile-hopper-space.md`` has the numbers and the sessions that took them). None spills where the tuner
+    picks it (sm_90 SASS, ``scripts/cutile_sass.py``); the blog's 256x128 tile of one warpgroup does, the ladder's
+    "trap".
 
-    The blog's 256x128 tile with one warpgroup spills (5.4 KB of stack, 17-36 TFLOPS: the "trap" made far
-    worse); these do not (128-168 registers, TMA loads, HGMMA). Non-causal: 128x128 with 8 worker warps (two
-    consumer warpgroups) as a persistent kernel wins everywhere (+8-10% over one block per tile: the compiler
-    streams K/V on from one work item into the next, 198 KB of pipeline instead of 132). Causal: one block per
-    tile, 64x128 with occupancy 2 (one warpgroup per block, two blocks per SM) and 128x128 with 8 worker warps
-    within 1-3% of each other from 2K, heaviest-first over as many heads as L2 holds. Persistent with any mask
-    in the loop body compiles to a shallow pipeline (99 KB; 12-25% slower). Session 5 (H200, blog causal
-    2K/8K/16K TFLOPS, the one-block-per-tile 128x128 at 432/516/545): persistent with a fixed share of the
-    unequal causal items 331/447/464; taking items from a counter (DYNAMIC) 401/499/517; two launches, the
-    mask-free one persistent (167 KB of pipeline instead of 100) 309/453/498. Non-causal, dynamic scheduling
-    ran 1-4% behind the fixed share. 64x64 and 128x64 with occupancy 2 for short rows, 128x256 next best on
-    long non-causal rows. Measured and left out (scripts/sweep.py reproduces them):
-    256x128 (<=361), num_ctas=2 (11), the lazy rescale (5-20% slower), the software-pipelined Q K^T and the
-    split as a run-time branch (both within noise), 64x128 with occupancy 1. Session 11: a key tile cut into two
-    or four parts sharing one max, with exp2 from a polynomial on the FMA units in some of them, all slower (D=64
-    full 4K, persistent 128x128: 435 -> 337-382 TFLOPS); the causal halves as two loops of one persistent launch
-    (167-200 KB of pipeline, yet blog causal 2K / 16K 282 / 471 against 444 / 554 for one block per tile).
-
-    Head dims: up to 64 a score tile twice as wide fits beside the small accumulator; a 256-wide accumulator
-    (V's head dims 136-256) takes half the rows per warpgroup (checked for spills with scripts/cutile_sass.py).
-    Session 27: the 128x128 block of 8 warps at D=256 too, though its 256-wide accumulator leaves the compiler
-    few registers (sm_90, bf16, L2,4: 198 KB of pipeline; no stack without softcap and whole key tiles, 24 B with
-    Gemma-2's softcap, 8 B with its window too, 96-136 B with a ragged last key tile; none at D=136-192). H200,
-    settled TFLOPS (``gpu_session.sh extras``, outputs checked first), 128x128 L2,4 / L3,6 against the best 128x64:
-    Gemma-2 global (cap 50) 1 x 32K 588-595 / 574 against 567-573 (FlashInfer 615 in session 25), 4 x 4K 519 against
-    500; Gemma-2 local (window 4096, cap 50) 1 x 32K 552 / 527 against 529, 4 x 4K 520 / 507 against 503. Kept at
-    L2,4 beside the 128x64 candidates; measured and not kept at D=256: 128x32 (470-473 and 412-420), 128x64 of 16
-    warps (351, 307), the persistent 128x128 L3,6 with a window (542, 516), and the 128x128 peeled (sm_90: 254
-    registers, 132 KB, 104 B of stack with softcap). Non-causal D=256 was not measured: the tuner times it there.
-    The accumulator is V's width: MLA's prefill (Q/K 192 as 128 + 64, V 128) runs the 128-wide space, less the
-    two candidates that spill there (sm_90 SASS): 128x64 with occupancy 2 (72-96 B of stack where the keys fill
-    whole tiles) and the causal 128x256 (64 B); the others keep 128-168 registers and no stack. Session 23 (H200,
-    bf16, causal, ``scripts/tuner_probe.py --wide-paired --paired-of '128x128*L3,6*'``, settled / graph TFLOPS): the
-    persistent forms with a paired share, which carry causal D=128 at long rows, lose here: 1 x 32K 128x128 543 /
-    547, 128x256 550 / 559 (56 B of stack with a ragged last key tile) against 574 / 577 for one block a 128x128
-    tile; 4 x 4K 461 / 505 and 486 / 500 against 492 / 492 (flash-attn4 719 and 601 in session 21).
-    Stack elsewhere (session 16, sm_90 SASS of the whole space at D=32-256, fp16 and bf16 alike, keys filling whole
-    tiles or a ragged last one): causal 128x256 of 8 warps 40 / 16 B at D=40 / 64 (whole), 32 / 64 B at D=96 / 128
-    (ragged); the persistent 128x128 (L3,6 and L4,4) 64 / 24 B at D=40 / 96, non-causal ragged; 128x64 with
-    occupancy 2 8 B at D=128 causal whole; 64x64 of one warpgroup 80 B at D=192 causal whole. Kept: the tuner
-    picks them by time, and where it picked 128x256 (causal, long rows, whole tiles at D=96 and 128) it has none.
-    At head dims 33-64 the persistent 128x256 runs causal too, the one persistent causal candidate: half the
-    masked loop's trips, 83 KB of pipeline, no spill (at 32 it spills). Session 13 (H200, do_bench, fp16, B=4,
-    H=32, D=64 causal, 2K/4K/8K/16K): 268/389/434/460 TFLOPS against 360/392/420/438 for the best one-block-per-
-    tile candidate and 368/408/429/444 for cuDNN, so the tuner takes it for long rows only. Session 17: at head
-    dims 65-128 too (sm_90, tileiras 13.5, D=128: 165 KB of pipeline, no stack with whole key tiles, 16 B with a
-    ragged one; D=96: 140 KB, 40 B ragged). H200, bf16, GQA 32:8 (Llama-3-8B), graph time, TFLOPS: 4 x 4K 550
-    against 540 for the best one-block-per-tile candidate, 1 x 32K 647 against 578 (flash-attn4 568 / 650 in
-    session 13); without GQA (blog, fp16, 32 heads) it loses below 16K (2K / 4K / 8K 315 / 453 / 505 against
-    483 / 503 / 532), where the tuner keeps the others. Session 19: much of that loss was the fixed share. Causal
-    items differ in work, and at about 8 items a block (the 70B slice at 4 x 4K: 1024 on 132 blocks) taking every
-    132nd gives the busiest block 1.8x the mean; in mirror pairs of query tiles (``paired``) 1.03x. H200, bf16,
-    graph time, fixed / paired share: 70B slice 4 x 4K 364 / 561 (best one-block-per-tile candidate 540), 1 x 32K
-    566 / 638 (587), Qwen2.5 4 x 4K 508 / 544, Phi-3 1 x 32K 479 / 549, GPT-2 4 x 4K 278 / 349, blog fp16 2K / 4K
-    317 / 421 and 447 / 477; level (within 2%) on Llama-3-8B and Mistral 4 x 4K. Both stay candidates (the tuner
-    kept the fixed share for Qwen2.5 1 x 32K); in the suite the 70B slice went 495 / 584 -> 528 / 656.
-    Session 20: timed the suite's way (each candidate alone after 0.25 s of its own calls, ``settled_times``) 64x128
-    with occupancy 2 falls 15-20% from its burst-clock graph time (Llama-3-8B 4 x 4K 561 -> 456, blog fp16 4K 549
-    -> 447, MLA 4 x 4K 566 -> 473), the 128-row blocks -6% to +3%: 64 query rows a block read each K/V tile twice as
-    often, and under the 700 W cap those bytes cost clock. It stays a candidate; the ``settled`` tuner sees this
-    where the search alone did not.
-    256x64 blocks of 8 warps (two warpgroups of 128 rows, no spill at D=64) trailed everywhere (causal 413, full
-    411 at 16K; 256x128 spills); of 16 warps (four warpgroups, tileiras 13.5) they lead on long rows:
-    ``sixteen_warp_space``.
-
-    Causal with a sliding window (session 21): every query tile past the first window's length visits as many key
-    tiles as the next (Mistral-7B 1 x 32K: 33 of 128 keys), so the persistent forms' fixed share is even there,
-    and since its far-edge tiles joined the diagonal's masked loop the windowed kernel compiles to the causal one's
-    loops (sm_90, D=128: the persistent 128x128 99 / 132 KB of pipeline at L3,6 / L2,4, no stack; at D=256 the
-    persistent 128x64 132 KB): the persistent 128x128 (128x64 at D=256) join the causal candidates. H200, settled
-    TFLOPS (``scripts/tuner_probe.py --methods settled``), Mistral-7B 1 x 32K: one block per 128x128 tile 524 / 511
-    (L2,4 / L3,6), persistent 128x128 516 / 514, persistent 128x256 518 (499 with the third loop, session 20), paired
-    505; the suite ran the persistent 128x128 L2,4 at 532 (session 20: 528 one block a tile), flash-attn4 611. Gemma-2
-    local 1 x 32K: 128x64 531 / 525, persistent 513. So the loops were not what holds the windowed cases back.
-    """
+    - Non-causal: the persistent 128x128 of 8 worker warps (the compiler streams K/V on from one work item into the
+      next: 198 KB of pipeline against 132) beside one block a tile; 64x64 and 128x64 with occupancy 2 for short
+      rows, 128x256 for long ones.
+    - Causal: one block a tile (64x128 with occupancy 2, 128x128 of 8 warps), heaviest first over as many heads as
+      L2 holds. Any mask in a persistent loop body keeps its pipeline shallow (99 KB), so the persistent causal
+      candidates are the 128x256 (half the masked loop's trips), with a fixed or a paired share (mirror pairs of
+      query tiles), and the peeled forms of ``peeled_space``.
+    - A sliding window: the items past the first window all cost the same, so the persistent 128x128 (128x64 at
+      D=256) join.
+    - Head dims: a V head dim (the accumulator's width) over 128 takes half the rows per warpgroup (128x64, and the
+      128x128 of 8 warps); MLA (Q/K wider than V) runs the 128-wide space less the two candidates that spill
+      there; blocks of 16 warps join at head dims up to 96 (``sixteen_warp_space``)."""
     wide, streaming, width = HOPPER_WIDE, HOPPER_STREAMING, tile_d(head_dim)
     accumulator = tile_d(value_dim or head_dim)
     even_items = causal and window  # causal work items that (almost) all cost the same
@@ -455,32 +395,14 @@ def peeled_space(space: list[Variant], window: bool) -> list[Variant]:
     """The causal space at head dims whose Q/K tile is 128 wide (65-128 without a tail, MLA's 128 + 64) with the
     diagonal peeled (``Variant.peel_diagonal``) in its 128x128 candidates, which then run it where the shape
     allows, and (no window) a persistent 128x128 with a paired share and the peel, and the paired 128x256 of the
-    space again with the peel.
+    space again with the peel, in 128-key tiles (``kernel.peel_narrow``).
 
-    Session 24 (sm_90 SASS, tileiras 13.5, bf16): with the masked tiles as straight-line code after the mask-free
-    loop instead of a second loop, the 128x128 pipeline grows from 132 / 99 KB (L2,4 / L3,6) to 165 KB at D=128,
-    from 149 to 214 KB for MLA, and to 198 KB with a window (its far-edge tiles peeled too), no stack. The other
-    shapes lose by it (128x64 with occupancy 2 and 128x256 spill 240-624 B; 64x128 gains nothing; D=64's
-    128x128 already had 149-165 KB; D=256's 128x64 goes to 255 registers and 30% slower). H200, bf16 unless fp16,
-    settled TFLOPS (``scripts/tuner_probe.py --peeled-of``), best 128x128 candidate with the loop / peeled: blog
-    fp16 2K 432 / 440 (the paired peeled one), 4K 477 / 483, 16K 542 / 550 (the persistent 128x256 paired 609
-    stays ahead), fa3 D=128 2K 416 / 431; Llama-3-8B 4 x 4K 519 / 523, 1 x 32K 563 / 566 (128x256 637 ahead);
-    70B slice 4 x 4K 523 / 521; MLA 4 x 4K 502 / 521 (paired peeled), 1 x 32K 575 / 574; Mistral-7B 1 x 32K 510 /
-    534 (the persistent 128x128 peeled). Within 1% or ahead everywhere but on the 70B slice's L3,6 (-1%).
-
-    Session 25: also the paired 128x256 beside its loop form, its diagonal peeled at 128 keys (kernel
-    ``peel_narrow``: a 256-key masked tile spilled 240-256 B; in 128-key tiles none, 161 -> 225 KB of pipeline at
-    D=128, 81 -> 129 KB at D=64). H200, settled TFLOPS, loop / peeled: blog fp16 4K 496 / 507, 16K 596 / 583;
-    Llama-3-8B 4 x 4K 522 / 533, 1 x 32K 636 / 618; GPT-2 (D=64) 1 x 32K 426 / 419 (the 256x64 of 16 warps 455:
-    not added there). The plain persistent 128x256 peeled was no faster than the paired one anywhere (428 / 433,
-    528 / 483, 528 / 534, 625 / 604): left out; so is the 16-warp 256x64 at D=64 peeled in two 128-key tiles (sm_90:
-    584 B of stack, 128 B as a persistent paired block).
-
-    Session 47: with a window too (``peel_narrow`` peels its far edge in 128-key tiles; sm_90, bf16, D=128: 198 KB of
-    pipeline and no stack, where the windowed loop form has 165 KB and 24-40 B of stack). H200, Mistral-7B 1 x 32K
-    (window 4096), ``gpu_session.sh narrow-window``, settled / graph TFLOPS: fixed share 524 / 531, paired 531 / 537,
-    against 563 / 563 for the persistent 128x128 peeled and 557 / 581 for one block a peeled 128x128 tile: left
-    out (a window of 4096 keys is 16 of its key tiles, where Llama-3-8B 1 x 32K's causal rows average 64)."""
+    With the masked tiles as straight-line code after the mask-free loop, the compiler gives that loop a deeper
+    K/V pipeline and no stack (sm_90, bf16: 165 KB instead of 99-132 at D=128, 214 instead of 149 for MLA, 198
+    with a window; the paired 128x256 161 -> 225 KB). On the H200's causal cases each ran within 1% of its loop
+    form or ahead. Measured and left out (``docs/cutile-hopper-space.md``): the other shapes peeled, the plain
+    persistent 128x256 peeled, the 16-warp 256x64 peeled, and (session 47) the persistent 128x256 peeled with a
+    window, 6% behind the peeled 128x128 on Mistral-7B 1 x 32K."""
     peeled = [replace(v, peel_diagonal=True) if (v.tile_m, v.tile_n) == (PEELED_TILE, PEELED_TILE) else v
               for v in space]
     paired = replace(HOPPER_STREAMING, paired=True, peel_diagonal=True)
@@ -491,18 +413,9 @@ def peeled_space(space: list[Variant], window: bool) -> list[Variant]:
 def sixteen_warp_space(head_dim: int, causal: bool) -> list[Variant]:
     """Blocks of 16 worker warps (four consumer warpgroups; tileiras 13.5, see ``toolchain``) at head dims whose
     first tile is at most 64 wide (up to 64, and 72-96 as 64 + a tail tile): 256 query rows against 64-key tiles,
-    no spill on sm_90 (96 registers; 83-99 KB of pipeline at D=64, 124-149 KB at D=96).
-
-    Session 15 (H200, do_bench, fp16, B=4, H=32, TFLOPS at 2K / 4K / 16K), D=64 non-causal: 409 / 430 / 472 as a
-    block a tile and 416 / 436 / 475 persistent, against 429 / 440 / 443 for the best 8-warp candidate and 430 /
-    443 / 454 for cuDNN; causal 335 / 393 / 451 against 358 / 386 / 435 (tileiras 13.5; 454 at 16K with 13.4's
-    persistent 128x256, which 13.5 compiles to 412). Measured and left out: 128x128 and 128x64 with 16 warps at
-    D=64 (190-276), and at D=128 every spill-free 16-warp shape (128x64, 128x32, 256x32: 184-449 against 440-598
-    for the 8-warp candidates). Session 16, D=96 (64 + 32): causal 361 / 425 / 487 against 364 / 407 / 467 for the
-    tuner's 8-warp candidates, non-causal 462 / 480 / 509 and 475 / 480 / 496 persistent against 457 / 474 / 490.
-    Session 19 (H200, graph time, bf16, causal, 4 x 4K): persistent with a paired share (``Variant.paired``),
-    Phi-3-mini (D=96) 469 against 438 as a block a tile, GPT-2 (D=64) 404 against 396; at 1 x 32K within 3% of
-    it either way (Phi-3 507 / 502, GPT-2 455 / 467), where the tuner has other candidates ahead."""
+    no spill on sm_90 (96 registers; 83-99 KB of pipeline at D=64, 124-149 KB at D=96). They lead the 8-warp
+    candidates on long rows at D=64 and 96, causal as a persistent block with a paired share too (H200, sessions
+    15, 16 and 19: ``docs/cutile-hopper-space.md``); every other 16-warp shape spilled or trailed."""
     if head_tiles(head_dim)[0] > 64:
         return []
     tall = replace(HOPPER_WIDE, tile_m=256, tile_n=64, num_worker_warps=16)
@@ -512,24 +425,12 @@ def sixteen_warp_space(head_dim: int, causal: bool) -> list[Variant]:
 
 
 def other_forms() -> list[Variant]:
-    """Forms of the kernel the autotuner does not try (they lost on the H200), kept for scripts/sweep.py and
-    checked for correctness with the candidates: the causal persistent kernel with a dynamic scheduler (with
-    bytecode 13.5 only: ``toolchain.DYNAMIC_SCHEDULER``), and two launches with a fixed share. The dynamic
-    scheduler also with loads issued 2 / 4 tiles ahead: causal at D=128 that gets 132 KB of pipeline, as one block
-    per tile does, where 3 / 6 gets 99 KB (sm_90 SASS). Session 17 (H200, tileiras 13.5, do_bench, fp16, B=4, H=32,
-    causal 2K / 4K / 16K TFLOPS): at D=128 412 / 481 / 544 at 2 / 4 against 410 / 468 / 521 at 3 / 6, one block per
-    tile 445 / 496 / 537, flash-attn4 492 / 525 / 588; at D=64 280 / 341 / 397 against 333 / 388 / 436 for one block
-    per tile. Still out of the tuner (it would also need the counter zeroed inside the timed launch).
-
-    Session 20 (H200, bf16 unless fp16, causal, ``scripts/tuner_probe.py --two-launch-of``, settled TFLOPS): two
-    launches with the mask-free one persistent, 128x128 L3,6 or 128x256, with a fixed or a paired share (its mask-free
-    launch gets 167 / 233 KB of pipeline), lost on every case, also where the items are all alike (a window): Mistral
-    1 x 32K 446-466 against 519 for one block per tile, Llama-3-8B 4 x 4K 409-435 against 528 and 1 x 32K 527-552
-    against 640, blog fp16 2K 261-330 against 415, GPT-2 1 x 32K 395-434 against 452, MLA 4 x 4K 406-428 against 495.
-
-    Not the two combined (two launches with the dynamic scheduler): slower than either (session 5), wrong once on
-    chunked prefill (session 6), and tileiras 13.5 fails to compile its mask-free launch with a ragged Skv
-    ("failed to compile Tile IR program", session 17); the kernel's switches still allow it."""
+    """Forms of the kernel the autotuner does not try (they lost on the H200: ``docs/cutile-hopper-space.md``),
+    kept for scripts/sweep.py and checked for correctness with the candidates: the causal persistent kernel with a
+    dynamic scheduler (with bytecode 13.5 only: ``toolchain.DYNAMIC_SCHEDULER``), also with its loads issued 2 / 4
+    tiles ahead (132 KB of pipeline at D=128 where 3 / 6 gets 99), and two launches with a fixed share. Not the two
+    combined: slower than either, and tileiras 13.5 fails to compile its mask-free launch with a ragged Skv; the
+    kernel's switches still allow it."""
     # the dynamic scheduler only where tileiras compiles its loop race-free (toolchain.DYNAMIC_SCHEDULER says why)
     return [*(DYNAMIC_FORMS if toolchain.dynamic_scheduler() else ()), replace(HOPPER_STREAMING, two_launch=True)]
 
