@@ -375,21 +375,17 @@ def peel_narrow(acc, acc_tail, l_i, m_i, q, q_tail, K, V, batch, kv_head, tile_m
     tile masked, the up to k - 1 after it whole. Masked tiles take the causal and the window mask alike."""
     parts = TILE_N // TILE_M  # TILE_M-key tiles in one key tile of the loop
     diagonal = (tile_m * TILE_M + causal_offset) // TILE_M  # in TILE_M-key tiles; every row sees its first key
-    far, far_stop = narrow_far_tiles(tile_m, free_start, causal_offset, window_left, TILE_M, TILE_N)
+    far, far_stop = 0, 0  # a window's far edge: TILE_M-key tiles [far, far_stop)
+    if HAS_WINDOW:
+        far, far_stop = narrow_far_tiles(tile_m, free_start, causal_offset, window_left, TILE_M, TILE_N)
     for i in ct.static_iter(range(2 * parts if HAS_WINDOW else parts)):
-        # tile j runs where j < bound: the whole ones before the diagonal block, the diagonal block itself, then
-        # (a window) the far edge's tiles, none for the first window's query tiles
-        if i < parts - 1:
-            j, bound = free_end * parts + i, diagonal
-        elif i == parts - 1:
-            j, bound = diagonal, diagonal + 1
-        else:
-            j, bound = far + i - parts, far_stop
-        if j < bound:
+        last = i == parts - 1  # the diagonal block, after the whole ones; then a window's far edge
+        j, bound = (far + i - parts, far_stop) if i >= parts else (diagonal if last else free_end * parts + i, diagonal)
+        if last or j < bound:  # the diagonal block always (a run-time branch around it costs the pipeline)
             acc, acc_tail, l_i, m_i = attend_key_tile(
                 acc, acc_tail, l_i, m_i, q, q_tail, K, V, batch, kv_head, j, offs_m, qk_scale, score_scale_log2,
                 kv_len, causal_offset, window_left, window_right, TILE_M, TILE_M, TILE_D, TILE_D_TAIL, TILE_DV,
-                TILE_DV_TAIL, MASKED=i == parts - 1 or i == parts, CAUSAL=True, EVEN_N=EVEN_N, HAS_WINDOW=HAS_WINDOW,
+                TILE_DV_TAIL, MASKED=last or i == parts, CAUSAL=True, EVEN_N=EVEN_N, HAS_WINDOW=HAS_WINDOW,
                 SOFTCAP=SOFTCAP, MAY_BE_EMPTY=False, FAST_MATH=FAST_MATH, K_LATENCY=K_LATENCY, V_LATENCY=V_LATENCY)
     return acc, acc_tail, l_i, m_i
 
