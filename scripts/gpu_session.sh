@@ -74,7 +74,7 @@
 #             d256-wide, the 128x128 forms on Gemma-2 local and global; d64, the 128x128 with the causal diagonal
 #             peeled at D=64; mla, the 8-warp 128x64 peeled (session 27: only the 128x128 at D=256 won)
 #   narrow-window: the persistent 128x256 with a window's far edge peeled beside the space's peeled forms on
-#             Mistral-7B's windowed 1 x 32K (session 47: 6% behind; not in the space)
+#             Mistral-7B's windowed 1 x 32K (session 47: paired 561 settled TFLOPS against 552, fixed share 525)
 #   window:   the windowed cuTile candidates on the edge cases, then settled times on Mistral / Gemma-2 local 1 x 32K
 #   tuner-ab: the causal cases of TUNER_GRIDS (default "models blog"), cutile only, tuned from cold by each dense
 #             tuner of TUNERS (default "exhaustive settled", FMHA_TUNER) into a cache of its own (/tmp/fmha/tuning-T),
@@ -306,8 +306,8 @@ for part in "$@"; do
       memcheck_candidates '*two-launch*' 120
       ;;
     narrow-window)
-      # the persistent 128x256 with a window's far edge peeled at 128 keys (session 47; not in the tuner's space) on
-      # Mistral-7B's windowed 1 x 32K beside the space's peeled forms, outputs checked first (graph and settled time)
+      # the persistent 128x256 with a window's far edge peeled at 128 keys (session 47; the paired one in the tuner's
+      # space) on Mistral-7B's windowed 1 x 32K beside the space's peeled forms, outputs checked first (graph, settled)
       step narrow-window-probe 240 python3 scripts/tuner_probe.py --case "$mistral_long" --methods graph settled \
         --repeats 2 --match '*peeled*' --match '128x256*persistent*' --peeled-of '128x256*persistent*'
       grep -h '"tflops"' "$out/narrow-window-probe.log"

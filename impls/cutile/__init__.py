@@ -394,20 +394,21 @@ def hopper_space(head_dim: int, causal: bool, value_dim: int | None = None, wind
 def peeled_space(space: list[Variant], window: bool) -> list[Variant]:
     """The causal space at head dims whose Q/K tile is 128 wide (65-128 without a tail, MLA's 128 + 64) with the
     diagonal peeled (``Variant.peel_diagonal``) in its 128x128 candidates, which then run it where the shape
-    allows, and (no window) a persistent 128x128 with a paired share and the peel, and the paired 128x256 of the
-    space again with the peel, in 128-key tiles (``kernel.peel_narrow``).
+    allows, the paired 128x256 of the space again with the peel, in 128-key tiles (``kernel.peel_narrow``; with a
+    window its far edge too), and (no window) a persistent 128x128 with a paired share and the peel.
 
     With the masked tiles as straight-line code after the mask-free loop, the compiler gives that loop a deeper
     K/V pipeline and no stack (sm_90, bf16: 165 KB instead of 99-132 at D=128, 214 instead of 149 for MLA, 198
-    with a window; the paired 128x256 161 -> 225 KB). On the H200's causal cases each ran within 1% of its loop
-    form or ahead. Measured and left out (``docs/cutile-hopper-space.md``): the other shapes peeled, the plain
-    persistent 128x256 peeled, the 16-warp 256x64 peeled, and (session 47) the persistent 128x256 peeled with a
-    window, 6% behind the peeled 128x128 on Mistral-7B 1 x 32K."""
+    with a window; the paired 128x256 161 -> 225 KB, with a window 165 -> 225 KB). On the H200's causal cases each
+    ran within 1% of its loop form or ahead; with a window (session 47, Mistral-7B 1 x 32K) the paired 128x256
+    peeled read 561 settled TFLOPS against 552 for the best peeled 128x128. Measured and left out
+    (``docs/cutile-hopper-space.md``): the other shapes peeled, the plain persistent 128x256 peeled (with a window
+    too: 525), and the 16-warp 256x64 peeled."""
     peeled = [replace(v, peel_diagonal=True) if (v.tile_m, v.tile_n) == (PEELED_TILE, PEELED_TILE) else v
               for v in space]
     paired = replace(HOPPER_STREAMING, paired=True, peel_diagonal=True)
     narrow = [replace(v, peel_diagonal=True) for v in space if v.paired and v.tile_n > v.tile_m]  # the 128x256
-    return peeled if window else [*peeled, paired, *narrow]
+    return [*peeled, *narrow] if window else [*peeled, paired, *narrow]
 
 
 def sixteen_warp_space(head_dim: int, causal: bool) -> list[Variant]:
