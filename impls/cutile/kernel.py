@@ -35,7 +35,8 @@ Every step of the blog's optimisation ladder is a compile-time switch of this on
                  instead of in a second loop (and so do a window's far-edge tiles). The compiler then gives the
                  mask-free loop a deeper K/V pipeline (sm_90, 128x128: 165 KB instead of 99-132; 198 KB with a
                  window; MLA 214 instead of 149). Key tiles wider than query tiles peel in tiles of the query
-                 tile's width (``peel_narrow``: the paired 128x256 161 -> 225 KB, no spill).
+                 tile's width (``peel_narrow``: the paired 128x256 161 -> 225 KB, no spill; with a window 165 ->
+                 225 KB). No run-time ``if`` may wrap a masked tile that always runs: it costs the loop its depth.
 - TILE_D_TAIL:   not in the blog: a head dim that is not a power of two (cuTile tiles are) runs as one and a
                  narrower tail tile beside it (96 = 64 + 32, 80 = 64 + 16, 192 = 128 + 64) instead of padded to
                  the next power of two (128, 128, 256): up to a quarter less matrix work and accumulator.
