@@ -6,7 +6,10 @@ No GPU is needed: ``cuda.tile.compilation.export_kernel`` runs the whole compile
 import inspect
 import itertools
 import os
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -32,6 +35,7 @@ from impls.cutile import (
 from impls.cutile.export import export_cubin, export_phases
 
 ARCHS = ["sm_80", "sm_90", "sm_100", "sm_120"]
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def named(launch: tuple) -> dict:
@@ -751,3 +755,24 @@ def test_sm90_wide_block_joins_the_head_dim_256_space_with_its_deep_pipeline():
         usage = sass(export_cubin(HOPPER_WIDE, arch="sm_90", dtype=torch.bfloat16, head_dim=256, causal=True,
                                   softcap=softcap))
         assert usage["stack"] <= most and usage["shared"] > 190_000 and usage["hgmma"] > 0, (softcap, usage)
+
+
+def test_sass_diff_reports_what_moved_between_two_trees():
+    # scripts/sass_diff.py: a change to the pipeline (shared memory) or to the instructions is named, one that
+    # moved nothing reads "same", and a candidate on one side only says which
+    from scripts.sass_diff import compare
+
+    row = {"reg": 168, "stack": 0, "shared": 230544, "digest": "a"}
+    old = {"kept": row, "deepened": {**row, "shared": 197800}, "rescheduled": row, "dropped": row}
+    new = {"kept": row, "deepened": row, "rescheduled": {**row, "digest": "b"}, "added": row}
+    assert compare(old, new) == ["kept: same reg/stack/shared",
+                                 "deepened: shared 197800 -> 230544",
+                                 "rescheduled: same reg/stack/shared (SASS changed)",
+                                 "dropped: gone from the working tree",
+                                 "added: only in the working tree"]
+    # end to end, against the checked-out revision itself (a git worktree, compiled apart): nothing moved
+    one = "64x64:{'occupancy': 2}:L2,4:g-auto"
+    proc = subprocess.run([sys.executable, "scripts/sass_diff.py", "HEAD", "--head-dim", "64", "--no-causal",
+                           "--match", one], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines() == [f"{one}: same reg/stack/shared"], proc.stdout
