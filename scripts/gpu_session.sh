@@ -234,7 +234,6 @@ memcheck_candidates() {  # memcheck_candidates GLOB SECONDS [SELECT]: the cuTile
   wait
   grep -HE "SUMMARY|passed|failed|skipped" "$out/$tool"-*.log
 }
-mistral_long=mistral-7b-bf16-causal-h32:8-s32768x32768-d128-w4096:0  # models' windowed long case
 for part in "$@"; do
   echo "== $part $(date +%T)"
   case "$part" in
@@ -308,8 +307,8 @@ for part in "$@"; do
     narrow-window)
       # the persistent 128x256 with a window's far edge peeled at 128 keys (session 47; the paired one in the tuner's
       # space) on Mistral-7B's windowed 1 x 32K beside the space's peeled forms, outputs checked first (graph, settled)
-      step narrow-window-probe 240 python3 scripts/tuner_probe.py --case "$mistral_long" --methods graph settled \
-        --repeats 2 --match '*peeled*' --match '128x256*persistent*' --peeled-of '128x256*persistent*'
+      step narrow-window-probe 240 python3 scripts/tuner_probe.py --case mistral-7b-bf16-causal-h32:8-s32768x32768-d128-w4096:0 \
+        --methods graph settled --repeats 2 --match '*peeled*' --match '128x256*persistent*' --peeled-of '128x256*persistent*'
       grep -h '"tflops"' "$out/narrow-window-probe.log"
       ;;
     memcheck)

@@ -61,7 +61,8 @@ def digest(cubin: bytes, cuobjdump: str) -> str:
 
 def rows_of(tree: Path, argv: list[str]) -> dict[str, dict]:
     """The candidates of ``tree`` (its own ``impls``), compiled in a process of their own."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")])}
+    paths = [str(tree), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
     out = subprocess.run([sys.executable, __file__, "--emit", *argv], cwd=tree, env=env, capture_output=True,
                          text=True)
     if out.returncode:
@@ -101,7 +102,9 @@ def main() -> None:
         return
     if not args.rev:
         parser.error("a git revision to compare with")
-    argv = [a for a in sys.argv[1:] if a != args.rev]
+    argv = ["--arch", args.arch, "--head-dim", str(args.head_dim), "--causal" if args.causal else "--no-causal",
+            *(["--value-dim", str(args.value_dim)] if args.value_dim else []), *(["--window"] if args.window else []),
+            *(option for glob in args.match for option in ("--match", glob))]  # the options, for both trees
     with tempfile.TemporaryDirectory() as tmp:
         worktree = Path(tmp) / "rev"
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(worktree), args.rev],
