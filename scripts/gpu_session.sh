@@ -120,6 +120,8 @@
 #             flash-attn-4 carry's last call) on PDL_CASES (default: the serving cases of 12(b) a peer led in session 43)
 #   varlen-probe: every cuTile serving candidate on the twins and the uneven packed batches, then
 #             scripts/serving_probe.py --varlen-only (VARLEN_PROBE_ARGS: more, e.g. --varlen-persistent)
+#   varlen-peel: the varlen candidates that peel the causal diagonal: checked (with the windows they peel) and under
+#             memcheck, then each beside its masked loop (serving_probe.py --varlen-peel) on varlen and models-serving
 #   varlen-memcheck: each cuTile varlen candidate on the uneven packed batches under compute-sanitizer memcheck,
 #             one process a candidate, without PyTorch's caching allocator, with each output store of VARLEN_STORES
 #             (default "plain tma"), all at once; VARLEN_PROBE_ARGS=--varlen-stores has varlen-probe time both
@@ -696,6 +698,17 @@ and q1 and b256-) or (kv8192-uniform-p16 and q1 and b256-) or (llama3-8b and q1-
       step varlen-candidates 300 python3 -m pytest tests/test_gpu_candidates.py -k "serving or uneven" -q \
         -p no:cacheprovider
       step varlen-probe 280 python3 scripts/serving_probe.py --varlen-only ${VARLEN_PROBE_ARGS:-}
+      ;;
+    varlen-peel)
+      # the packed prefill's peeled candidates (session 48): checked on the uneven batches and with windows they
+      # peel, then each beside its masked loop on the varlen and models-serving prefills, then under memcheck
+      FMHA_CANDIDATES='*peeled*' step varlen-peel-candidates 200 python3 -m pytest tests/test_gpu_candidates.py \
+        -k "varlen_candidate" -q -p no:cacheprovider -rf
+      for grid in varlen models-serving; do
+        step "varlen-peel-$grid" "${VARLEN_PEEL_LIMIT:-120}" python3 scripts/serving_probe.py --varlen-only \
+          --varlen-peel --varlen-grid "$grid"
+      done
+      MEMCHECK_SHARDS=${MEMCHECK_SHARDS:-4} memcheck_candidates '*peeled*' 200 varlen_candidate
       ;;
     varlen-memcheck)
       # each cuTile varlen candidate on its own under memcheck (a fault ends the process's CUDA context, so one run

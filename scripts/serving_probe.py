@@ -21,7 +21,7 @@ candidate on every ``varlen`` case (``--varlen-grid NAME``: another preset's, wi
 on the equal-length batch beside the dense kernel with the same variant on the same shape (the varlen path should
 cost nothing over dense); ``--varlen-persistent`` adds the persistent
 twin (on the host plan) of every one-block-per-tile candidate, ``--varlen-stores`` times each with both output
-stores. Prints JSON lines.
+stores, ``--varlen-peel`` each candidate that runs peeled beside its masked loop. Prints JSON lines.
 
     python scripts/serving_probe.py --case llama3-8b-paged-bf16-h32:8-q1-kv8192-uniform-p16-d128-b64
 """
@@ -271,11 +271,12 @@ def mask_free_ab(inputs, scale: float, case, oracle, rounds: int = 5) -> None:
 
 
 def probe_varlen(rounds: int = 3, persistent_twins: bool = False, stores: tuple[str, ...] = (),
-                 grid: str = "varlen") -> None:
+                 grid: str = "varlen", peel_pairs: bool = False) -> None:
     """Each varlen candidate on every varlen case of ``grid`` (with its window and softcap), and on an equal-length
     batch beside the dense kernel of the same variant where the grid has the dense twin (``varlen`` does), in
     ``rounds`` interleaved rounds (median); ``persistent_twins``: each one-block-per-tile candidate's persistent
-    twin too; ``stores``: the varlen call once per output store (else FMHA_VARLEN_STORE's)."""
+    twin too; ``stores``: the varlen call once per output store (else FMHA_VARLEN_STORE's); ``peel_pairs``: only
+    the candidates that run peeled on the case (``varlen_resolved``), each beside its masked-loop twin ("loop")."""
     dense = [c.make_inputs("cuda") for c in preset(grid) if c.op == "dense"][:1]
     for varlen_case in [c for c in preset(grid) if c.op == "varlen"]:
         inputs = varlen_case.make_inputs("cuda")
@@ -289,6 +290,10 @@ def probe_varlen(rounds: int = 3, persistent_twins: bool = False, stores: tuple[
             calls = {f"varlen_{store}" if store else "varlen": VarlenCall(variant, inputs, scale=scale, store=store,
                                                                           **variants)
                      for store in stores or (None,)}
+            if peel_pairs:
+                if not next(iter(calls.values())).variant.peel_diagonal:
+                    continue
+                calls["loop"] = VarlenCall(replace(variant, peel_diagonal=False), inputs, scale=scale, **variants)
             if varlen_case.lengths == "equal" and dense:
                 calls["dense"] = Call(variant, *dense[0], causal=True, scale=scale)
             precompile(list(calls.values()))
@@ -297,7 +302,7 @@ def probe_varlen(rounds: int = 3, persistent_twins: bool = False, stores: tuple[
                               **{f"{name}_ms": ms for name, ms in median.items()},
                               "tflops": metrics.flops(varlen_case) / median[next(iter(calls))] / 1e9,
                               "passed": [oracle.check(call()).passed for name, call in calls.items()
-                                         if name.startswith("varlen")]}), flush=True)
+                                         if name.startswith("varlen") or name == "loop"]}), flush=True)
 
 
 def main() -> None:
@@ -309,6 +314,8 @@ def main() -> None:
                         help="varlen: the persistent twin of every one-block-per-tile candidate too")
     parser.add_argument("--varlen-grid", default="varlen",
                         help="the preset whose varlen cases the varlen probe runs (with their window and softcap)")
+    parser.add_argument("--varlen-peel", action="store_true",
+                        help="varlen: each candidate that runs peeled beside its masked-loop twin, interleaved")
     parser.add_argument("--varlen-stores", action="store_true",
                         help=f"varlen: each candidate with each output store ({', '.join(VARLEN_STORES)}), interleaved")
     parser.add_argument("--occupancy", action="append", type=int, default=[], help="cuTile blocks per SM to try")
@@ -352,7 +359,8 @@ def main() -> None:
                      deep_tiles=tuple(args.deep_tile) or DEEP_TILES)
     if not args.skip_varlen:
         probe_varlen(persistent_twins=args.varlen_persistent,
-                     stores=VARLEN_STORES if args.varlen_stores else (), grid=args.varlen_grid)
+                     stores=VARLEN_STORES if args.varlen_stores else (), grid=args.varlen_grid,
+                     peel_pairs=args.varlen_peel)
 
 
 if __name__ == "__main__":

@@ -274,6 +274,7 @@ UNEVEN_VARLEN = [
     ([70, 0, 190, 3], [200, 64, 190, 3], True),
     ([1, 129, 64, 0, 77], [1, 300, 0, 5, 77], False),
     ([64, 1, 200], [0, 1, 333], True),  # the first sequence's rows see no key: zeros
+    ([300, 5, 200, 1], [428, 133, 456, 1], True),  # keys whole 128-row tiles ahead: peeled (varlen_resolved)
 ]
 
 

@@ -21,6 +21,7 @@ else:
     pytest.importorskip("cuda.tile", reason='cuTile not installed: pip install "cuda-tile[tileiras]"')
 
 from impls._sass import find_cuobjdump, sass_summary
+from impls._validate import NO_WINDOW
 from impls.cutile import (
     HOPPER_DYNAMIC,
     HOPPER_STREAMING,
@@ -586,7 +587,7 @@ def test_varlen_launches_compile():
 
     inputs = serving_inputs("varlen-cpu", 0)
     space = varlen_space((9, 0), inputs.head_dim, inputs.causal)
-    assert not any(v.two_launch or v.dynamic or v.paired or v.peel_diagonal for v in space)
+    assert not any(v.two_launch or v.dynamic or v.paired for v in space)
     for head_dim in (64, 128, 256):  # every candidate makes its launch (D=128 causal: the dense space peels)
         cu = torch.tensor([0, 300, 1324], dtype=torch.int32)
         q = torch.empty((1324, 4, head_dim), dtype=torch.bfloat16)
@@ -598,6 +599,61 @@ def test_varlen_launches_compile():
         (grid, kernel, arguments), = call.launches
         assert grid[1:] == ((1, 1) if variant.persistent else (inputs.q.shape[1], inputs.batch))
         assert export_launch(kernel, arguments, arch="sm_90")[:4] == b"\x7fELF"
+
+
+def packed_batch(lengths_q: list[int], lengths_k: list[int], *, causal: bool = True, head_dim: int = 128):
+    """A ``Varlen`` of empty CPU tensors with these per-sequence lengths (for building launches, not running them)."""
+    from impls._serving import Varlen
+
+    cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32) for n in (lengths_q, lengths_k))
+    q = torch.empty((sum(lengths_q), 8, head_dim), dtype=torch.bfloat16)
+    k = torch.empty((sum(lengths_k), 2, head_dim), dtype=torch.bfloat16)
+    return Varlen(q, k, k, cu_q, cu_k, causal=causal)
+
+
+def test_varlen_peels_the_diagonal_where_every_sequence_is_aligned():
+    # A packed batch runs a peeled candidate peeled where every sequence's keys start a whole number of 128-row
+    # tiles before its queries (ragged ends are fine: causal hides the keys past a sequence's end); otherwise, and
+    # without causal, with the masked loop, as a dense call that refuses the peel (the kernel gets DIAGONAL_TILES).
+    from impls.cutile.serving import VarlenCall, varlen_candidates, varlen_resolved, varlen_space
+
+    peeled = [v for v in varlen_space((9, 0), 128, True) if v.peel_diagonal]
+    assert {(v.tile_m, v.tile_n, v.persistent) for v in peeled} >= {(128, 128, False), (128, 256, True)}
+    ragged = packed_batch([300, 5, 1000], [300, 5, 1000])
+    chunked = packed_batch([300, 5, 200], [428, 133, 456])  # keys 128, 128 and 256 ahead of the queries
+    for variant in peeled:
+        for inputs, window, kept in ((ragged, NO_WINDOW, True), (chunked, NO_WINDOW, True),
+                                     (packed_batch([300, 5], [364, 5]), NO_WINDOW, False),  # 64 keys ahead
+                                     (packed_batch([300], [300], causal=False), NO_WINDOW, False),
+                                     (ragged, (256, 0), True), (ragged, (300, 0), False),
+                                     (ragged, (128, 0), variant.tile_n == 128)):  # peel_narrow: left >= TILE_N
+            label = (variant.label(), inputs.seqlens_k(), inputs.causal, window)
+            assert varlen_resolved(variant, inputs, window).peel_diagonal == kept, label
+            launch, = VarlenCall(variant, inputs, scale=0.1, sm_count=132, window=window).launches
+            assert named(launch)["DIAGONAL_TILES"] == (1 if kept else 0), label
+    unaligned = varlen_candidates((9, 0), packed_batch([300, 5], [364, 5]))
+    assert not any(v.peel_diagonal for v in unaligned) and len(unaligned) == len(set(unaligned))
+    assert any(v.peel_diagonal for v in varlen_candidates((9, 0), ragged))
+
+
+def test_sm90_peeled_varlen_candidates_deepen_the_pipeline_without_spilling():
+    # As the dense kernel's (test_sm90_peeled_candidates_deepen_the_pipeline_without_spilling), the packed
+    # prefill's peeled candidates get a deeper K/V pipeline than their masked loop (sm_90, tileiras 13.5, D=128:
+    # persistent 128x256 165 -> 230 KB, 128x128 99 / 132 -> 165 KB; with a window 198 and 230 KB).
+    from impls.cutile.export import export_launch
+    from impls.cutile.serving import VarlenCall, varlen_space
+
+    inputs = packed_batch([3000, 1100, 5100], [3000, 1100, 5100])
+    for window in (NO_WINDOW, (4096, 0)):
+        for variant in varlen_space((9, 0), 128, True, window=window != NO_WINDOW):
+            if not variant.peel_diagonal or not variant.persistent:
+                continue
+            usage, looped = (sass(export_launch(*VarlenCall(form, inputs, scale=0.1, sm_count=132,
+                                                            window=window).launches[0][1:], arch="sm_90"))
+                             for form in (variant, replace(variant, peel_diagonal=False)))
+            label = (variant.label(), window)
+            assert usage["stack"] <= 8 and usage["hgmma"] > 0, (label, usage)
+            assert usage["shared"] >= 1.2 * looped["shared"], (label, usage["shared"], looped["shared"])
 
 
 @pytest.mark.parametrize(("causal", "window"), [(True, (4096, 0)), (False, (300, 200))])

@@ -204,3 +204,13 @@ def test_every_decode_form_over_fp8_keeps_bf16_queries_of_any_magnitude(monkeypa
 @pytest.mark.parametrize("lengths_q, lengths_k, causal", UNEVEN_VARLEN)
 def test_every_varlen_candidate_on_uneven_batches(lengths_q: list[int], lengths_k: list[int], causal: bool):
     check_serving_candidates(uneven_varlen(lengths_q, lengths_k, causal, "cuda"))
+
+
+@pytest.mark.parametrize("window", [(256, 0), (384, 0)])
+@pytest.mark.parametrize("lengths_q, lengths_k", [([700, 130, 1000], [700, 130, 1000]),
+                                                  ([300, 5, 200, 1], [428, 133, 456, 1])])
+def test_every_varlen_candidate_with_a_window_it_peels(lengths_q: list[int], lengths_k: list[int],
+                                                       window: tuple[int, int]):
+    """Windows whose left size is whole 128-key tiles (at least 256): the peeled candidates run the window's far
+    edge as straight-line code too (``varlen_resolved`` keeps their peel), on ragged and chunked batches."""
+    check_serving_candidates(uneven_varlen(lengths_q, lengths_k, True, "cuda"), window)

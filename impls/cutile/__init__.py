@@ -126,6 +126,11 @@ class Variant:
         refusal = self.peel_refusal(causal=causal, q_len=q_len, kv_len=kv_len, phase=phase, window=window)
         if refusal:
             raise ValueError(f"{self.label()}: the diagonal cannot be peeled: {refusal}")
+        return self.peeled_tiles()
+
+    def peeled_tiles(self) -> int:
+        """The masked diagonal tiles each query tile runs where the diagonal is peeled: TILE_M / TILE_N of them
+        where query tiles are the wider, else one (``peel_narrow`` runs it at the query tile's width)."""
         return max(self.tile_m // self.tile_n, 1)
 
     def peel_refusal(self, *, causal: bool, q_len: int | None, kv_len: int, phase: int = 0,

@@ -147,6 +147,7 @@ def fmha_varlen(
     TILE_M: ConstInt, TILE_N: ConstInt,
     CAUSAL: ConstBool, HAS_WINDOW: ConstBool, SOFTCAP: ConstFloat, FAST_MATH: ConstBool, REVERSE_ORDER: ConstBool,
     K_LATENCY: ConstInt, V_LATENCY: ConstInt, HEAD_GROUP: ConstInt, PERSISTENT: ConstBool, OUT_TMA: ConstBool,
+    DIAGONAL_TILES: ConstInt,
 ):
     """Packed variable-length prefill: the same query-tile work as ``fmha_fwd``, on one sequence of the batch.
 
@@ -169,7 +170,10 @@ def fmha_varlen(
 
     A sliding window (HAS_WINDOW, bounds ``window_left`` / ``window_right`` in keys) and SOFTCAP apply within each
     sequence, bottom-right like the causal mask, as in ``fmha_fwd``; the host's plan costs a query tile by the key
-    tiles its window shows.
+    tiles its window shows. DIAGONAL_TILES: the causal diagonal (and a window's far edge) peeled as in ``fmha_fwd``,
+    where every sequence's keys start a whole number of query tiles' widths before its queries
+    (``impls.cutile.serving.varlen_resolved``): a sequence's ragged last query tile needs no more mask than the
+    causal one, since no row of the sequence sees a key past its end.
     """
     if PERSISTENT:
         first = ct.gather(WorkStarts, ct.bid(0)).item()
@@ -179,7 +183,7 @@ def fmha_varlen(
             attend_sequence_tile(Q, K, V, Out, CuSeqlensQ, CuSeqlensK, rest // max_tiles, rest % max_tiles,
                                  item % num_heads, qk_scale, window_left, window_right, num_heads, group, TILE_D,
                                  TILE_D_TAIL, TILE_DV, TILE_DV_TAIL, TILE_M, TILE_N, CAUSAL, HAS_WINDOW, SOFTCAP,
-                                 FAST_MATH, K_LATENCY, V_LATENCY, True, OUT_TMA)
+                                 FAST_MATH, K_LATENCY, V_LATENCY, True, OUT_TMA, DIAGONAL_TILES)
     else:
         num_m = ct.num_blocks(0)
         tile_m, batch_head = work_item(block_item(num_m, num_heads), num_m, ct.num_blocks(2) * num_heads,
@@ -187,12 +191,13 @@ def fmha_varlen(
         attend_sequence_tile(Q, K, V, Out, CuSeqlensQ, CuSeqlensK, batch_head // num_heads, tile_m,
                              batch_head % num_heads, qk_scale, window_left, window_right, num_heads, group, TILE_D,
                              TILE_D_TAIL, TILE_DV, TILE_DV_TAIL, TILE_M, TILE_N, CAUSAL, HAS_WINDOW, SOFTCAP,
-                             FAST_MATH, K_LATENCY, V_LATENCY, False, OUT_TMA)
+                             FAST_MATH, K_LATENCY, V_LATENCY, False, OUT_TMA, DIAGONAL_TILES)
 
 
 def attend_sequence_tile(Q, K, V, Out, CuSeqlensQ, CuSeqlensK, batch, tile_m, head, qk_scale, window_left,
                          window_right, num_heads, group, TILE_D, TILE_D_TAIL, TILE_DV, TILE_DV_TAIL, TILE_M, TILE_N,
-                         CAUSAL, HAS_WINDOW, SOFTCAP, FAST_MATH, K_LATENCY, V_LATENCY, PLANNED, OUT_TMA):
+                         CAUSAL, HAS_WINDOW, SOFTCAP, FAST_MATH, K_LATENCY, V_LATENCY, PLANNED, OUT_TMA,
+                         DIAGONAL_TILES):
     """Query tile ``tile_m`` of sequence ``batch``, one head, of a packed batch (``fmha_varlen``). PLANNED: the
     host's plan holds only tiles with query rows, so there is no run-time check (inside a persistent loop it
     made the compiler lay the tile's work out twice, sm_90: 96 HGMMA instead of 48, and spill)."""
@@ -207,8 +212,8 @@ def attend_sequence_tile(Q, K, V, Out, CuSeqlensQ, CuSeqlensK, batch, tile_m, he
         attend_query_tile(Q, K, V, Out.slice(axis=2, start=q_start, stop=q_end), Q, Q, Q, tile_m, head, qk_scale,
                           (k_end - k_start) - (q_end - q_start), window_left, window_right, num_heads, group, TILE_D,
                           TILE_D_TAIL, TILE_DV, TILE_DV_TAIL, TILE_M, TILE_N, CAUSAL, CAUSAL, HAS_WINDOW, SOFTCAP,
-                          FAST_MATH, True, False, K_LATENCY, V_LATENCY, WHOLE, q_row0=q_start, kv_row0=k_start,
-                          kv_len=k_end - k_start, ROW_OFFSETS=True, OUT_TMA=OUT_TMA)
+                          FAST_MATH, True, False, K_LATENCY, V_LATENCY, WHOLE, DIAGONAL_TILES, q_row0=q_start,
+                          kv_row0=k_start, kv_len=k_end - k_start, ROW_OFFSETS=True, OUT_TMA=OUT_TMA)
 
 
 def block_item(num_m, num_heads):
@@ -323,7 +328,7 @@ def attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_
         acc, acc_tail, l_i, m_i = peel_narrow(
             acc, acc_tail, l_i, m_i, q, q_tail, K, V, batch, kv_head, tile_m, free_start, free_end, offs_m, qk_scale,
             score_scale_log2, kv_len, causal_offset, window_left, window_right, TILE_M, TILE_N, TILE_D, TILE_D_TAIL,
-            TILE_DV, TILE_DV_TAIL, EVEN_N, HAS_WINDOW, SOFTCAP, FAST_MATH, K_LATENCY, V_LATENCY)
+            TILE_DV, TILE_DV_TAIL, EVEN_N, HAS_WINDOW, SOFTCAP, FAST_MATH, K_LATENCY, V_LATENCY, kv_row0, ROW_OFFSETS)
     elif DIAGONAL_TILES > 0:  # peeled: the masked tiles as straight-line code (a static_iter is unrolled), no loop
         for i in ct.static_iter(range(2 * DIAGONAL_TILES if HAS_WINDOW else DIAGONAL_TILES)):
             far = i >= DIAGONAL_TILES  # a window's far-edge tiles, after the diagonal's: any order will do
@@ -364,7 +369,8 @@ def attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_
 
 def peel_narrow(acc, acc_tail, l_i, m_i, q, q_tail, K, V, batch, kv_head, tile_m, free_start, free_end, offs_m,
                 qk_scale, score_scale_log2, kv_len, causal_offset, window_left, window_right, TILE_M, TILE_N, TILE_D,
-                TILE_D_TAIL, TILE_DV, TILE_DV_TAIL, EVEN_N, HAS_WINDOW, SOFTCAP, FAST_MATH, K_LATENCY, V_LATENCY):
+                TILE_D_TAIL, TILE_DV, TILE_DV_TAIL, EVEN_N, HAS_WINDOW, SOFTCAP, FAST_MATH, K_LATENCY, V_LATENCY,
+                kv_row0=0, ROW_OFFSETS=False):
     """A causal diagonal peeled where key tiles are wider than query tiles (TILE_N = k * TILE_M, lengths in whole
     tiles): the keys past the mask-free loop run in tiles of TILE_M keys, the query tile's width. Only the last
     of them, its diagonal block, is masked; the up to k - 1 before it, which every row sees whole, run without a
@@ -387,7 +393,8 @@ def peel_narrow(acc, acc_tail, l_i, m_i, q, q_tail, K, V, batch, kv_head, tile_m
                 acc, acc_tail, l_i, m_i, q, q_tail, K, V, batch, kv_head, j, offs_m, qk_scale, score_scale_log2,
                 kv_len, causal_offset, window_left, window_right, TILE_M, TILE_M, TILE_D, TILE_D_TAIL, TILE_DV,
                 TILE_DV_TAIL, MASKED=last or i == parts, CAUSAL=True, EVEN_N=EVEN_N, HAS_WINDOW=HAS_WINDOW,
-                SOFTCAP=SOFTCAP, MAY_BE_EMPTY=False, FAST_MATH=FAST_MATH, K_LATENCY=K_LATENCY, V_LATENCY=V_LATENCY)
+                SOFTCAP=SOFTCAP, MAY_BE_EMPTY=False, FAST_MATH=FAST_MATH, K_LATENCY=K_LATENCY, V_LATENCY=V_LATENCY,
+                kv_row0=kv_row0, ROW_OFFSETS=ROW_OFFSETS)
     return acc, acc_tail, l_i, m_i
 
 

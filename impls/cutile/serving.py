@@ -307,14 +307,17 @@ class VarlenCall(Launches):
     def __init__(self, variant: Variant, inputs: Varlen, *, scale: float, out: torch.Tensor | None = None,
                  sm_count: int | None = None, store: str | None = None, window: tuple[int, int] = NO_WINDOW,
                  softcap: float = 0.0) -> None:
-        self.variant = variant
+        self.variant = variant = varlen_resolved(variant, inputs, window)
         self.out = inputs.output_like() if out is None else out
         q, k, v, o = (t.transpose(0, 1)[None] for t in (inputs.q, inputs.k, inputs.v, self.out))
         heads = inputs.q.shape[1]
         bounds = window_bounds(window, inputs.causal)  # per sequence, bottom-right, as the dense kernel's
-        constants = variant.constants(head_dim=inputs.head_dim, causal=inputs.causal, kv_len=inputs.max_seqlen_k,
-                                      itemsize=inputs.q.element_size(), value_dim=inputs.v.shape[-1],
-                                      window=kernel_window(window, inputs.causal), softcap=softcap)
+        # one call's constants, the diagonal's aside: the sequences' lengths differ (varlen_resolved decided it)
+        constants = replace(variant, peel_diagonal=False).constants(
+            head_dim=inputs.head_dim, causal=inputs.causal, kv_len=inputs.max_seqlen_k,
+            itemsize=inputs.q.element_size(), value_dim=inputs.v.shape[-1],
+            window=kernel_window(window, inputs.causal), softcap=softcap)
+        constants["DIAGONAL_TILES"] = variant.peeled_tiles() if variant.peel_diagonal else 0
         self.store = store or varlen_output_store()
         self.plan = None
         if variant.persistent:
@@ -344,17 +347,39 @@ class VarlenCall(Launches):
 def varlen_space(capability: tuple[int, int], head_dim: int, causal: bool, window: bool = False) -> list[Variant]:
     """The dense search space's forms with one block per query tile, and its persistent forms with a fixed
     share, which here run the host's plan (``varlen_work_plan``: its own order and balance, so the dense share's
-    ``paired`` and ``dynamic`` flags mean nothing here and are dropped). Not the two-launch forms, and the causal
-    diagonal in the masked loop: a peeled diagonal (``Variant.peel_refusal``) needs one query length for every
-    query tile, and the packed sequences each have their own."""
+    ``paired`` and ``dynamic`` flags mean nothing here and are dropped). Not the two-launch forms. The peeled
+    forms stay: a packed batch runs them where ``varlen_resolved`` keeps their peel."""
     space = []
     for variant in search_space(capability, head_dim, causal=causal, window=window):
         if variant.two_launch or variant.dynamic:
             continue
-        planned = replace(variant, paired=False, peel_diagonal=False)
+        planned = replace(variant, paired=False)
         if planned not in space:
             space.append(planned)
     return space
+
+
+def varlen_resolved(variant: Variant, inputs: Varlen, window: tuple[int, int] = NO_WINDOW) -> Variant:
+    """The form a packed batch runs: a peeled diagonal kept where every sequence's would be peeled in a dense call
+    of its offset (keys less queries) and whole query tiles (``Variant.peel_refusal``), else the masked loop. A
+    sequence's ragged last query tile needs no mask past the causal one: none of its rows sees a key past the
+    sequence's end, and the rows past its end are never stored."""
+    if not variant.peel_diagonal:
+        return variant
+    whole = variant.tile_m  # a stand-in query length of whole tiles
+    kernel_bounds = kernel_window(window, inputs.causal)
+    for offset in sorted({k - q for q, k in zip(inputs.seqlens_q(), inputs.seqlens_k(), strict=True)}):
+        if variant.peel_refusal(causal=inputs.causal, q_len=whole, kv_len=whole + offset, window=kernel_bounds):
+            return replace(variant, peel_diagonal=False)
+    return variant
+
+
+def varlen_candidates(capability: tuple[int, int], inputs: Varlen, window: tuple[int, int] = NO_WINDOW
+                      ) -> list[Variant]:
+    """``varlen_space`` as this packed batch runs it (``varlen_resolved``; a peel it refuses is then its twin's
+    double, kept once)."""
+    space = varlen_space(capability, inputs.head_dim, inputs.causal, window=window != NO_WINDOW)
+    return list(dict.fromkeys(varlen_resolved(variant, inputs, window) for variant in space))
 
 
 @register("cutile", op="varlen", family="cutile", dtypes=HALF, devices=("cuda",), head_dims=HEAD_DIMS,
@@ -368,13 +393,13 @@ def prepare_varlen(inputs: Varlen, *, scale: float, window: tuple[int, int] = NO
     heads_by_batch(heads, inputs.batch)  # refused before tuning: the one-block-per-tile candidates' grid axes
     window = inputs.binding_window(window)
     variants = {"window": window, "softcap": softcap}
+    space = varlen_candidates(torch.cuda.get_device_capability(inputs.q.device), inputs, window)
     shape = ("varlen", inputs.q.dtype, head_dim, inputs.causal, heads // inputs.k.shape[1],
              length_class(inputs.max_seqlen_q), length_class(inputs.max_seqlen_k), parallel_class(inputs.batch * heads),
              store,  # picks made with one output store are not reused with the other
-             *variant_tags(window != NO_WINDOW, softcap))
+             *variant_tags(window != NO_WINDOW, softcap),
+             *("peeled",) * any(v.peel_diagonal for v in space))  # batches that can peel tune apart
     out = inputs.output_like()
-    space = varlen_space(torch.cuda.get_device_capability(inputs.q.device), head_dim, inputs.causal,
-                         window=window != NO_WINDOW)
     variant, cached = tuned(shape, inputs.q.device, space, lambda candidate: VarlenCall(
         candidate, inputs, scale=scale, out=out, store=store, **variants))
     call = VarlenCall(variant, inputs, scale=scale, store=store, **variants)
