@@ -617,8 +617,11 @@ def test_varlen_peels_the_diagonal_where_every_sequence_is_aligned():
     # without causal, with the masked loop, as a dense call that refuses the peel (the kernel gets DIAGONAL_TILES).
     from impls.cutile.serving import VarlenCall, varlen_candidates, varlen_resolved, varlen_space
 
-    peeled = [v for v in varlen_space((9, 0), 128, True) if v.peel_diagonal]
-    assert {(v.tile_m, v.tile_n, v.persistent) for v in peeled} >= {(128, 128, False), (128, 256, True)}
+    unwindowed, windowed = ([v for v in varlen_space((9, 0), 128, True, window=window) if v.peel_diagonal]
+                            for window in (False, True))
+    assert {(v.tile_m, v.tile_n, v.persistent) for v in unwindowed} == {(128, 128, False), (128, 128, True)}
+    assert (128, 256, True) in {(v.tile_m, v.tile_n, v.persistent) for v in windowed}  # with a window only
+    peeled = list(dict.fromkeys(unwindowed + windowed))
     ragged = packed_batch([300, 5, 1000], [300, 5, 1000])
     chunked = packed_batch([300, 5, 200], [428, 133, 456])  # keys 128, 128 and 256 ahead of the queries
     for variant in peeled:
@@ -639,7 +642,7 @@ def test_varlen_peels_the_diagonal_where_every_sequence_is_aligned():
 def test_sm90_peeled_varlen_candidates_deepen_the_pipeline_without_spilling():
     # As the dense kernel's (test_sm90_peeled_candidates_deepen_the_pipeline_without_spilling), the packed
     # prefill's peeled candidates get a deeper K/V pipeline than their masked loop (sm_90, tileiras 13.5, D=128:
-    # persistent 128x256 165 -> 230 KB, 128x128 99 / 132 -> 165 KB; with a window 198 and 230 KB).
+    # the persistent 128x128 99 -> 165 KB; with a window 99 / 132 -> 198 KB, the persistent 128x256 165 -> 230 KB).
     from impls.cutile.export import export_launch
     from impls.cutile.serving import VarlenCall, varlen_space
 

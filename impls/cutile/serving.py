@@ -348,10 +348,15 @@ def varlen_space(capability: tuple[int, int], head_dim: int, causal: bool, windo
     """The dense search space's forms with one block per query tile, and its persistent forms with a fixed
     share, which here run the host's plan (``varlen_work_plan``: its own order and balance, so the dense share's
     ``paired`` and ``dynamic`` flags mean nothing here and are dropped). Not the two-launch forms. The peeled
-    forms stay: a packed batch runs them where ``varlen_resolved`` keeps their peel."""
+    forms stay (a packed batch runs them where ``varlen_resolved`` keeps their peel), the 128x256 one, its
+    diagonal peeled in 128-key tiles, only with a window. Session 48 (H100, each peeled candidate beside its
+    masked loop, ``gpu_session.sh varlen-peel``): the 128x128 ones 1-6% ahead on most batches; the persistent
+    128x256 10% ahead on Mistral-7B's windowed 64K in 16, behind by 3-14% on four of the six batches without
+    a window and never the fastest there (the tuner picked it once at 64K in 16: 582 TFLOPS against 607)."""
     space = []
     for variant in search_space(capability, head_dim, causal=causal, window=window):
-        if variant.two_launch or variant.dynamic:
+        if variant.two_launch or variant.dynamic or (variant.peel_diagonal and variant.tile_n > variant.tile_m
+                                                     and not window):
             continue
         planned = replace(variant, paired=False)
         if planned not in space:
