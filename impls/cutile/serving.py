@@ -350,9 +350,9 @@ def varlen_space(capability: tuple[int, int], head_dim: int, causal: bool, windo
     ``paired`` and ``dynamic`` flags mean nothing here and are dropped). Not the two-launch forms. The peeled
     forms stay (a packed batch runs them where ``varlen_resolved`` keeps their peel), the 128x256 one, its
     diagonal peeled in 128-key tiles, only with a window. Session 48 (H100, each peeled candidate beside its
-    masked loop, ``gpu_session.sh varlen-peel``): the 128x128 ones 1-6% ahead on most batches; the persistent
-    128x256 10% ahead on Mistral-7B's windowed 64K in 16, behind by 3-14% on four of the six batches without
-    a window and never the fastest there (the tuner picked it once at 64K in 16: 582 TFLOPS against 607)."""
+    masked loop, ``gpu_session.sh varlen-peel``): the 128x128 ones ahead on 20 of 22 pairs (up to 7%); the
+    persistent 128x256 10% ahead on Mistral-7B's windowed 64K in 16, 3-12% slower on four of the six batches
+    without a window and never the fastest there (the tuner picked it once at 64K in 16: 582 TFLOPS against 607)."""
     space = []
     for variant in search_space(capability, head_dim, causal=causal, window=window):
         if variant.two_launch or variant.dynamic or (variant.peel_diagonal and variant.tile_n > variant.tile_m
