@@ -768,14 +768,15 @@ def test_a_kernel_and_its_hints_are_made_once():
 @pytest.mark.parametrize("capability", [(8, 0), (9, 0), (10, 0), (12, 0)])
 def test_every_candidate_of_every_gpu_preset_case_makes_its_launches(monkeypatch, capability):
     """What the tuners try on the GPU presets, built on the CPU without compiling: each dense case's candidates
-    (``candidates``, its window bound as ``prepare_tuned`` binds it) and each varlen case's (``varlen_space``).
+    (``candidates``, its window bound as ``prepare_tuned`` binds it) and each varlen case's (``varlen_candidates``,
+    with its window and softcap).
     A form some shape refuses at launch time fails here, not on the GPU (session 24's peeled diagonal reached the
     varlen space, which has no one query length, and refused every causal D=128 varlen case there)."""
     import impls.cutile
     from impls._serving import Varlen
     from impls._validate import binding_window
     from impls.cutile import Call, candidates
-    from impls.cutile.serving import VarlenCall, varlen_space
+    from impls.cutile.serving import VarlenCall, varlen_candidates
     from suite.cases import PRESETS
 
     monkeypatch.setattr(impls.cutile, "_sm_count", lambda *args, **kwargs: 132)  # persistent grids size by SMs
@@ -795,8 +796,9 @@ def test_every_candidate_of_every_gpu_preset_case_makes_its_launches(monkeypatch
             cu = torch.tensor([0, *itertools.accumulate(case.seqlens())], dtype=torch.int32)
             q, k = (torch.empty((case.sq, heads, case.d), dtype=case.torch_dtype) for heads in (case.hq, case.hkv))
             inputs = Varlen(q, k, k, cu, cu.clone(), causal=case.causal)
-            calls = [VarlenCall(variant, inputs, scale=0.125, sm_count=132)
-                     for variant in varlen_space(capability, case.d, case.causal)]
+            window = inputs.binding_window(case.window)  # as prepare_varlen binds it
+            calls = [VarlenCall(variant, inputs, scale=0.125, sm_count=132, window=window, softcap=case.softcap)
+                     for variant in varlen_candidates(capability, inputs, window)]
         else:
             continue
         assert calls and all(call.launches for call in calls), case.id
