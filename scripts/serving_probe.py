@@ -45,6 +45,7 @@ from impls.cutile.serving import (
     VarlenCall,
     decode_space_for,
     plan_candidates,
+    varlen_resolved,
     varlen_space,
 )
 from impls.triton_fa import DECODE_SPACE as TRITON_SPACE
@@ -287,12 +288,12 @@ def probe_varlen(rounds: int = 3, persistent_twins: bool = False, stores: tuple[
                              window=varlen_case.window != NO_WINDOW)
         twins = [replace(v, persistent=True) for v in space if persistent_twins and not v.persistent]
         for variant in space + [twin for twin in twins if twin not in space]:
+            if peel_pairs and not varlen_resolved(variant, inputs, varlen_case.window).peel_diagonal:
+                continue  # neither made nor timed: it would run its masked loop here
             calls = {f"varlen_{store}" if store else "varlen": VarlenCall(variant, inputs, scale=scale, store=store,
                                                                           **variants)
                      for store in stores or (None,)}
             if peel_pairs:
-                if not next(iter(calls.values())).variant.peel_diagonal:
-                    continue
                 calls["loop"] = VarlenCall(replace(variant, peel_diagonal=False), inputs, scale=scale, **variants)
             if varlen_case.lengths == "equal" and dense:
                 calls["dense"] = Call(variant, *dense[0], causal=True, scale=scale)

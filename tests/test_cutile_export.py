@@ -34,6 +34,7 @@ from impls.cutile import (
     tile_d,
 )
 from impls.cutile.export import export_cubin, export_phases
+from suite.cases import uneven_varlen
 
 ARCHS = ["sm_80", "sm_90", "sm_100", "sm_120"]
 ROOT = Path(__file__).resolve().parent.parent
@@ -601,16 +602,6 @@ def test_varlen_launches_compile():
         assert export_launch(kernel, arguments, arch="sm_90")[:4] == b"\x7fELF"
 
 
-def packed_batch(lengths_q: list[int], lengths_k: list[int], *, causal: bool = True, head_dim: int = 128):
-    """A ``Varlen`` of empty CPU tensors with these per-sequence lengths (for building launches, not running them)."""
-    from impls._serving import Varlen
-
-    cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32) for n in (lengths_q, lengths_k))
-    q = torch.empty((sum(lengths_q), 8, head_dim), dtype=torch.bfloat16)
-    k = torch.empty((sum(lengths_k), 2, head_dim), dtype=torch.bfloat16)
-    return Varlen(q, k, k, cu_q, cu_k, causal=causal)
-
-
 def test_varlen_peels_the_diagonal_where_every_sequence_is_aligned():
     # A packed batch runs a peeled candidate peeled where every sequence's keys start a whole number of 128-row
     # tiles before its queries (ragged ends are fine: causal hides the keys past a sequence's end); otherwise, and
@@ -622,20 +613,21 @@ def test_varlen_peels_the_diagonal_where_every_sequence_is_aligned():
     assert {(v.tile_m, v.tile_n, v.persistent) for v in unwindowed} == {(128, 128, False), (128, 128, True)}
     assert (128, 256, True) in {(v.tile_m, v.tile_n, v.persistent) for v in windowed}  # with a window only
     peeled = list(dict.fromkeys(unwindowed + windowed))
-    ragged = packed_batch([300, 5, 1000], [300, 5, 1000])
-    chunked = packed_batch([300, 5, 200], [428, 133, 456])  # keys 128, 128 and 256 ahead of the queries
+    ragged = uneven_varlen([300, 5, 1000], [300, 5, 1000], True, "cpu")
+    chunked = uneven_varlen([300, 5, 200], [428, 133, 456], True, "cpu")  # keys 128, 128 and 256 ahead
+    unaligned = uneven_varlen([300, 5], [364, 5], True, "cpu")  # 64 keys ahead
+    full = uneven_varlen([300], [300], False, "cpu")
     for variant in peeled:
         for inputs, window, kept in ((ragged, NO_WINDOW, True), (chunked, NO_WINDOW, True),
-                                     (packed_batch([300, 5], [364, 5]), NO_WINDOW, False),  # 64 keys ahead
-                                     (packed_batch([300], [300], causal=False), NO_WINDOW, False),
+                                     (unaligned, NO_WINDOW, False), (full, NO_WINDOW, False),
                                      (ragged, (256, 0), True), (ragged, (300, 0), False),
                                      (ragged, (128, 0), variant.tile_n == 128)):  # peel_narrow: left >= TILE_N
             label = (variant.label(), inputs.seqlens_k(), inputs.causal, window)
             assert varlen_resolved(variant, inputs, window).peel_diagonal == kept, label
             launch, = VarlenCall(variant, inputs, scale=0.1, sm_count=132, window=window).launches
             assert named(launch)["DIAGONAL_TILES"] == (1 if kept else 0), label
-    unaligned = varlen_candidates((9, 0), packed_batch([300, 5], [364, 5]))
-    assert not any(v.peel_diagonal for v in unaligned) and len(unaligned) == len(set(unaligned))
+    resolved = varlen_candidates((9, 0), unaligned)
+    assert not any(v.peel_diagonal for v in resolved) and len(resolved) == len(set(resolved))
     assert any(v.peel_diagonal for v in varlen_candidates((9, 0), ragged))
 
 
@@ -646,7 +638,7 @@ def test_sm90_peeled_varlen_candidates_deepen_the_pipeline_without_spilling():
     from impls.cutile.export import export_launch
     from impls.cutile.serving import VarlenCall, varlen_space
 
-    inputs = packed_batch([3000, 1100, 5100], [3000, 1100, 5100])
+    inputs = uneven_varlen([3000, 1100, 5100], [3000, 1100, 5100], True, "cpu")
     for window in (NO_WINDOW, (4096, 0)):
         for variant in varlen_space((9, 0), 128, True, window=window != NO_WINDOW):
             if not variant.peel_diagonal or not variant.persistent:
