@@ -33,16 +33,34 @@ def find_cuobjdump() -> str | None:
     return str(bundled) if bundled.exists() else None
 
 
-def sass_summary(cubin: bytes, cuobjdump: str | None = None) -> dict[str, int]:
-    """Registers, stack and shared bytes per thread/block, and counts of the instructions in ``COUNTED``
-    (LDL/STL are local-memory loads and stores: spills)."""
+def sass_text(cubin: bytes, cuobjdump: str | None = None, *, option: str = "-sass") -> str:
+    """``cuobjdump OPTION`` of a cubin (default: its SASS)."""
     cuobjdump = cuobjdump or find_cuobjdump()
     if cuobjdump is None:
         raise FileNotFoundError("cuobjdump not found: pip install nvidia-cuda-cuobjdump (or triton, which ships it)")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        res = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([cuobjdump, option, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def hgmma_runs(cubin: bytes, cuobjdump: str | None = None) -> list[int]:
+    """How many warpgroup MMAs (HGMMA) the kernel issues between consecutive waits for them to finish
+    (``WARPGROUP.DEPBAR``), in program order: each wait drains the tensor cores, so a matrix product issued as
+    two runs with a wait between costs one drain more than as one run."""
+    runs, count = [], 0
+    for line in sass_text(cubin, cuobjdump).splitlines():
+        if "HGMMA" in line:
+            count += 1
+        elif "WARPGROUP.DEPBAR" in line and count:
+            runs.append(count)
+            count = 0
+    return runs
+
+
+def sass_summary(cubin: bytes, cuobjdump: str | None = None) -> dict[str, int]:
+    """Registers, stack and shared bytes per thread/block, and counts of the instructions in ``COUNTED``
+    (LDL/STL are local-memory loads and stores: spills)."""
+    res, sass = (sass_text(cubin, cuobjdump, option=option) for option in ("-res-usage", "-sass"))
     usage = {k.lower(): int(v) for k, v in re.findall(r"(REG|STACK|SHARED):(\d+)", res)}
     return {**usage, **{name: sass.count(op) for name, op in COUNTED.items()}}

@@ -20,7 +20,7 @@ if os.environ.get("CI"):
 else:
     pytest.importorskip("cuda.tile", reason='cuTile not installed: pip install "cuda-tile[tileiras]"')
 
-from impls._sass import find_cuobjdump, sass_summary
+from impls._sass import find_cuobjdump, hgmma_runs, sass_summary
 from impls._validate import NO_WINDOW
 from impls.cutile import (
     HOPPER_DYNAMIC,
@@ -46,11 +46,16 @@ def named(launch: tuple) -> dict:
     return dict(zip(inspect.signature(kernel._pyfunc).parameters, arguments, strict=True))
 
 
+def needs_cuobjdump() -> None:
+    """Skips where cuobjdump is missing, except in CI."""
+    if not find_cuobjdump() and not os.environ.get("CI"):
+        pytest.skip("needs cuobjdump (pip install nvidia-cuda-cuobjdump, or triton)")
+
+
 def sass(cubin: bytes) -> dict[str, int]:
     """Registers, stack, shared memory and instruction counts of a cubin (skips where cuobjdump is missing,
     except in CI)."""
-    if not find_cuobjdump() and not os.environ.get("CI"):
-        pytest.skip("needs cuobjdump (pip install nvidia-cuda-cuobjdump, or triton)")
+    needs_cuobjdump()
     return sass_summary(cubin)
 
 
@@ -154,6 +159,20 @@ def test_mla_candidates_compile_without_spills(causal):
         assert usage["stack"] == 0 and usage["hgmma"] > 0, (variant.label(), even_n, usage)
     q = torch.empty((1, 2, 100, 192), device="meta", dtype=torch.bfloat16)
     assert Variant(64, 64, two_launch=True).state(q, 128)[2].shape == (1, 2, 100, 128)
+
+
+def test_sm90_mla_key_tile_runs_its_matrix_products_unbroken():
+    # MLA's Q K^T (Q/K 192 = 128 + 64) reads its 64-column tail from the head tile's load (kernel.head_and_tail).
+    # Loaded apart, the compiler waited for the first product before it issued the second: 8 HGMMAs, a wait
+    # (WARPGROUP.DEPBAR), 4 more, every key tile. Blocks of 128 query rows now issue the 12 as one run; the
+    # one-warpgroup blocks keep two loads (kernel.one_load), which the test of their spills covers.
+    needs_cuobjdump()
+    for variant in search_space((9, 0), 192, causal=True, value_dim=128):
+        if variant.tile_m < 128:
+            continue
+        runs = hgmma_runs(export_cubin(variant, arch="sm_90", dtype=torch.bfloat16, head_dim=192, value_dim=128,
+                                       causal=True, even_n=True))
+        assert 12 in runs and 4 not in runs, (variant.label(), runs)
 
 
 def test_head_dims_pad_to_the_next_power_of_two():

@@ -206,6 +206,13 @@ def test_every_varlen_candidate_on_uneven_batches(lengths_q: list[int], lengths_
     check_serving_candidates(uneven_varlen(lengths_q, lengths_k, causal, "cuda"))
 
 
+@pytest.mark.parametrize("lengths_q, lengths_k, causal", [UNEVEN_VARLEN[0], UNEVEN_VARLEN[-1]])
+def test_every_varlen_candidate_with_a_64_column_tail(lengths_q: list[int], lengths_k: list[int], causal: bool):
+    """Head dim 192 (128 + 64): the 128-row candidates read K's and V's tail from the first tile's load
+    (``kernel.one_load``), through the varlen kernel's row-offset views too."""
+    check_serving_candidates(uneven_varlen(lengths_q, lengths_k, causal, "cuda", head_dim=192))
+
+
 @pytest.mark.parametrize("window", [(256, 0), (384, 0)])
 @pytest.mark.parametrize("lengths_q, lengths_k", [([700, 130, 1000], [700, 130, 1000]),
                                                   ([300, 5, 200, 1], [428, 133, 456, 1])])

@@ -39,7 +39,9 @@ Every step of the blog's optimisation ladder is a compile-time switch of this on
                  225 KB). No run-time ``if`` may wrap a masked tile that always runs: it costs the loop its depth.
 - TILE_D_TAIL:   not in the blog: a head dim that is not a power of two (cuTile tiles are) runs as one and a
                  narrower tail tile beside it (96 = 64 + 32, 80 = 64 + 16, 192 = 128 + 64) instead of padded to
-                 the next power of two (128, 128, 256): up to a quarter less matrix work and accumulator.
+                 the next power of two (128, 128, 256): up to a quarter less matrix work and accumulator. A
+                 64-column tail comes from the first tile's load (``one_load``), so that the two products
+                 run without a wait between them.
 
 Measured on an H200 and dropped (docs/h200-results-*.md, docs/h200-session11-*.md, git history):
 FlashAttention-4's lazy rescaling (a block-wide vote costs more than the multiplies it saves), a
@@ -69,6 +71,7 @@ ConstFloat = ct.Constant[float]
 
 INV_LOG_2 = 1.0 / math.log(2)  # exp(x) == exp2(x * INV_LOG_2)
 ZERO_PAD = ct.PaddingMode.ZERO  # ragged K/V tiles read zeros (0 * garbage could be NaN)
+ONE_LOAD_TAIL = 64  # a head dim's tail tile this wide or wider comes from its first tile's load (head_and_tail)
 # PHASE: the whole forward in one launch, or its masked / mask-free halves (see the module docstring).
 WHOLE, DIAGONAL, OFF_DIAGONAL = 0, 1, 2
 ARRAYS = ("Q", "K", "V", "Out", "MaxState", "SumState", "AccState", "NextItem")
@@ -450,10 +453,16 @@ def attend_key_tile(acc, acc_tail, l_i, m_i, q, q_tail, K, V, batch, kv_head, j,
                          HAS_WINDOW)
     p, alpha, l_i, m_new = softmax_step(qk, l_i, m_i, score_scale_log2, MAY_BE_EMPTY, FAST_MATH)
     p = p.astype(V.dtype)  # tensor cores take P in the input dtype
-    acc = ct.mma(p, load_rows(V, batch, kv_head, j, TILE_N, TILE_DV, 0, V_LATENCY, kv_row0, ROW_OFFSETS), acc * alpha)
-    if TILE_DV_TAIL > 0:
-        v_tail = load_rows(V, batch, kv_head, j, TILE_N, TILE_DV_TAIL, TILE_DV, V_LATENCY, kv_row0, ROW_OFFSETS)
-        acc_tail = ct.mma(p, v_tail, acc_tail * alpha)
+    if one_load(TILE_M, TILE_DV_TAIL):
+        values = load_rows(V, batch, kv_head, j, TILE_N, 2 * TILE_DV, 0, V_LATENCY, kv_row0, ROW_OFFSETS)
+        v, v_tail = head_and_tail(values, TILE_DV, TILE_DV_TAIL, axis=1)
+        acc, acc_tail = ct.mma(p, v, acc * alpha), ct.mma(p, v_tail, acc_tail * alpha)
+    else:
+        acc = ct.mma(p, load_rows(V, batch, kv_head, j, TILE_N, TILE_DV, 0, V_LATENCY, kv_row0, ROW_OFFSETS),
+                     acc * alpha)
+        if TILE_DV_TAIL > 0:
+            v_tail = load_rows(V, batch, kv_head, j, TILE_N, TILE_DV_TAIL, TILE_DV, V_LATENCY, kv_row0, ROW_OFFSETS)
+            acc_tail = ct.mma(p, v_tail, acc_tail * alpha)
     return acc, acc_tail, l_i, m_new
 
 
@@ -519,12 +528,45 @@ def scores(q, q_tail, K, batch, kv_head, j, qk_scale, TILE_M, TILE_N, TILE_D, TI
            K_LATENCY, kv_row0=0, ROW_OFFSETS=False):
     """Q K^T for key tile j, in float32, unscaled (over the tail columns too, where there is a tail); with
     SOFTCAP, tanh(Q K^T * qk_scale / SOFTCAP) (the online softmax multiplies by SOFTCAP)."""
-    qk = ct.mma(q, load_keys(K, batch, kv_head, j, TILE_N, TILE_D, 0, K_LATENCY, kv_row0, ROW_OFFSETS),
-                ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32))
-    if TILE_D_TAIL > 0:
-        qk = ct.mma(q_tail, load_keys(K, batch, kv_head, j, TILE_N, TILE_D_TAIL, TILE_D, K_LATENCY, kv_row0,
-                                      ROW_OFFSETS), qk)
+    if one_load(TILE_M, TILE_D_TAIL):
+        keys = load_keys(K, batch, kv_head, j, TILE_N, 2 * TILE_D, 0, K_LATENCY, kv_row0, ROW_OFFSETS)
+        k, k_tail = head_and_tail(keys, TILE_D, TILE_D_TAIL, axis=0)
+        qk = ct.mma(q_tail, k_tail, ct.mma(q, k, ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32)))
+    else:
+        qk = ct.mma(q, load_keys(K, batch, kv_head, j, TILE_N, TILE_D, 0, K_LATENCY, kv_row0, ROW_OFFSETS),
+                    ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32))
+        if TILE_D_TAIL > 0:
+            qk = ct.mma(q_tail, load_keys(K, batch, kv_head, j, TILE_N, TILE_D_TAIL, TILE_D, K_LATENCY, kv_row0,
+                                          ROW_OFFSETS), qk)
     return capped(qk, qk_scale, SOFTCAP, FAST_MATH)
+
+
+def one_load(TILE_M, TAIL):
+    """Whether a head dim's tail tile of width TAIL comes from its first tile's load (``head_and_tail``): where the
+    tail is ONE_LOAD_TAIL columns or more (Q/K 192 = 128 + 64), in blocks of 128 query rows or more.
+
+    Elsewhere the compiler did not gain by it (sm_90 SASS, tileiras 13.5, session 49): with a tail of 32 (D=96,
+    D=160) it still split the load in two and kept the wait between the products, and the wider buffer cost 25-33
+    KB of shared memory (8 B of stack in the 16-warp 256x64 block); MLA's 64x128 block of one warpgroup went from
+    128 registers and 108 KB to 255 and 222 KB (no second block an SM)."""
+    return TAIL >= ONE_LOAD_TAIL and TILE_M >= 128
+
+
+def head_and_tail(tile, WIDTH, TAIL, axis):
+    """A tile loaded 2 * WIDTH wide along ``axis`` (the head dim; what lies past it reads zeros), cut into its
+    first WIDTH columns and the TAIL columns after them: the operands of a head dim's two matrix products
+    (``TILE_D_TAIL``), from one buffer.
+
+    Loaded as two tiles, each has a buffer and a barrier of its own, and the compiler waits for the first product
+    to finish (to free its buffer) before it issues the second: the tensor cores drain once more per key tile
+    (sm_90 SASS, tileiras 13.5, session 49: MLA's Q K^T ran as 8 HGMMAs, a wait, 4 more; cut from one load, the 12
+    follow each other with one wait). H100, MLA, settled TFLOPS, two loads / one (two runs, before and after):
+    4 x 4K 505 / 514-519 (128x128 L2,4, peeled), 524 / 534 (persistent paired); 1 x 32K 559 / 588-590 (L2,4),
+    602 / 608-612 (L3,6)."""
+    other = tile.shape[1 - axis]
+    head_shape, tail_shape = ((WIDTH, other), (TAIL, other)) if axis == 0 else ((other, WIDTH), (other, TAIL))
+    tail_index = (WIDTH // TAIL, 0) if axis == 0 else (0, WIDTH // TAIL)
+    return ct.extract(tile, (0, 0), shape=head_shape), ct.extract(tile, tail_index, shape=tail_shape)
 
 
 def capped(qk, qk_scale, SOFTCAP, FAST_MATH):
