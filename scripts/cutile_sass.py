@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from impls._sass import sass_summary
+from impls._sass import hgmma_runs, sass_summary
 from impls.cutile import LADDER, search_space
 from impls.cutile.export import export_phases
 
@@ -22,6 +22,9 @@ def main() -> None:
     p.add_argument("--no-ladder", action="store_true")
     p.add_argument("--window", action="store_true", help="with the sliding-window masks (the ladder has none)")
     p.add_argument("--softcap", type=float, default=0.0, help="with this softcap (0: none)")
+    p.add_argument("--runs", action="store_true",
+                   help="also the HGMMAs issued between waits for them, in program order (a wait drains the tensor "
+                        "cores: MLA's Q K^T ran as 8, a wait, 4 before session 49)")
     a = p.parse_args()
     variants = {"window": a.window, "softcap": a.softcap, "value_dim": a.value_dim}
     capability = (int(a.arch[3:-1]), int(a.arch[-1]))
@@ -31,7 +34,8 @@ def main() -> None:
               for v in search_space(capability, a.head_dim, causal=a.causal, value_dim=a.value_dim)]
     for name, variant in named:
         for phase, cubin in export_phases(variant, arch=a.arch, head_dim=a.head_dim, causal=a.causal, **variants):
-            print(f"{name + phase:70s} {sass_summary(cubin)}", flush=True)
+            runs = f" runs {hgmma_runs(cubin)}" if a.runs else ""
+            print(f"{name + phase:70s} {sass_summary(cubin)}{runs}", flush=True)
 
 
 if __name__ == "__main__":
