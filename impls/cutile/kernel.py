@@ -545,10 +545,11 @@ def one_load(TILE_M, TAIL):
     """Whether a head dim's tail tile of width TAIL comes from its first tile's load (``head_and_tail``): where the
     tail is ONE_LOAD_TAIL columns or more (Q/K 192 = 128 + 64), in blocks of 128 query rows or more.
 
-    Elsewhere the compiler did not gain by it (sm_90 SASS, tileiras 13.5, session 49): with a tail of 32 (D=96,
-    D=160) it still split the load in two and kept the wait between the products, and the wider buffer cost 25-33
-    KB of shared memory (8 B of stack in the 16-warp 256x64 block); MLA's 64x128 block of one warpgroup went from
-    128 registers and 108 KB to 255 and 222 KB (no second block an SM)."""
+    Elsewhere it was not measured to gain (sm_90 SASS, tileiras 13.5, session 49): with a tail of 32 the 16-warp
+    256x64 (D=96) and the 128x128 at D=160 kept their waits between the products, and the wider buffer cost 25-33 KB
+    of shared memory (8-16 B of stack in the 16-warp block); MLA's 64x128 block of one warpgroup went from 128
+    registers and 108 KB to 255 and 222 KB (no second block an SM). The 8-warp 128x128 at D=96, which waits after
+    every HGMMA with two loads, chains its Q K^T with one: not yet timed (docs/session49-2026-11-26.md)."""
     return TAIL >= ONE_LOAD_TAIL and TILE_M >= 128
 
 
