@@ -8,8 +8,9 @@ tuner kept 64x128 with occupancy 2 at causal 2K-8K where the sweep measured 128x
 
 For each case this times every candidate of the tuner's space three ways, in this process, on a settled GPU:
 ``exhaustive_search`` (its mean), graph time (``impls._tuning.graph_ms``, 20 calls a replay, the suite's graph
-mode) and do_bench (median, L2 flushed), twice each, and prints one JSON line per candidate and a summary line
-per case with each method's pick and what that pick costs under graph time.
+mode) and do_bench (median, L2 flushed), twice each, and prints one JSON line per candidate (TFLOPS at its best
+and at its median time, per method) and a summary line per case with each method's pick and what that pick costs
+under graph time.
 
     python scripts/tuner_probe.py --case fp16-causal-h32:32-s4096x4096-d128-b4 [--case ...]
 
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from dataclasses import replace
 from fnmatch import fnmatchcase
 
@@ -125,7 +127,8 @@ def probe(case_id: str, repeats: int, wide_persistent: bool, head_groups: list[i
     best = {}
     for label, by_method in times.items():
         row = {method: round(work / (min(ms) * 1e9), 1) for method, ms in by_method.items() if ms}
-        print(json.dumps({"case": case_id, "candidate": label, "tflops": row}), flush=True)
+        median = {method: round(work / (statistics.median(ms) * 1e9), 1) for method, ms in by_method.items() if ms}
+        print(json.dumps({"case": case_id, "candidate": label, "tflops": row, "median_tflops": median}), flush=True)
         for method, tflops in row.items():
             if tflops > best.get(method, ("", 0.0))[1]:
                 best[method] = (label, tflops)
