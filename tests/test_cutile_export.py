@@ -30,7 +30,6 @@ from impls.cutile import (
     Variant,
     head_tiles,
     other_forms,
-    paired_shallow_forms,
     search_space,
     tile_d,
 )
@@ -202,20 +201,6 @@ def test_sm90_head_tail_candidates_do_not_spill(causal):
     for variant in search_space((9, 0), 96, causal=causal):
         usage = sass(export_cubin(variant, arch="sm_90", dtype=torch.bfloat16, head_dim=96, causal=causal))
         assert usage["stack"] == 0 and usage["hgmma"] > 0, (variant.label(), usage)
-
-
-def test_sm90_paired_shallow_forms_only_at_64_plus_32():
-    # Phi-3's D=96 (64 + 32), causal without a window: the paired 128x256 with loads 2 / 4 tiles ahead, with the
-    # masked loop and peeled, joins the space there only. With whole key tiles neither spills, L2,4 holds a deeper
-    # K/V pipeline than L3,6 (173 against 140 KB), and the peel deepens it again (198 KB).
-    forms = paired_shallow_forms()
-    assert all(v in search_space((9, 0), 96, causal=True) for v in forms)
-    for head_dim, causal, window in ((96, False, False), (96, True, True), (80, True, False), (128, True, False)):
-        assert not set(forms) & set(search_space((9, 0), head_dim, causal=causal, window=window)), head_dim
-    loop, peeled, deep = (sass(export_cubin(v, arch="sm_90", dtype=torch.bfloat16, head_dim=96, causal=True))
-                          for v in (*forms, replace(forms[0], k_latency=3, v_latency=6)))
-    assert loop["stack"] == peeled["stack"] == 0, (loop, peeled)
-    assert peeled["shared"] > loop["shared"] > deep["shared"], (peeled["shared"], loop["shared"], deep["shared"])
 
 
 @pytest.mark.parametrize(("head_dim", "value_dim", "window"),

@@ -48,7 +48,6 @@ CASES = [
     Case(1, 4, 2, 768, 768, 128, "bf16", True, window=(256, 0)),  # the window's far edge peeled too
     Case(1, 4, 2, 512, 1024, 128, "bf16", True, window=(384, 0)),  # and with a window of an odd count of 128 keys
     Case(2, 4, 4, 512, 512, 192, "bf16", True, dv=128),
-    Case(1, 4, 2, 512, 512, 96, "bf16", True),  # 64 + 32: the paired 128x256 peeled (paired_shallow_forms)
     # batch x heads past 65535, CUDA's cap on one grid axis: heads and sequences each get an axis (heads_by_batch)
     Case(4097, 16, 4, 20, 50, 64, "bf16", True),
 ]

@@ -357,8 +357,7 @@ def hopper_space(head_dim: int, causal: bool, value_dim: int | None = None, wind
     - Causal: one block a tile (64x128 with occupancy 2, 128x128 of 8 warps), heaviest first over as many heads as
       L2 holds. Any mask in a persistent loop body keeps its pipeline shallow (99 KB), so the persistent causal
       candidates are the 128x256 (half the masked loop's trips), with a fixed or a paired share (mirror pairs of
-      query tiles; at 64 + 32 also with shallower loads, ``paired_shallow_forms``), and the peeled forms of
-      ``peeled_space``.
+      query tiles), and the peeled forms of ``peeled_space``.
     - A sliding window: the items past the first window all cost the same, so the persistent 128x128 (128x64 at
       D=256) join.
     - Head dims: a V head dim (the accumulator's width) over 128 takes half the rows per warpgroup (128x64, and the
@@ -391,24 +390,10 @@ def hopper_space(head_dim: int, causal: bool, value_dim: int | None = None, wind
         streams.append(replace(streaming, tile_n=256))
         if causal:  # and with a fixed share of mirror pairs of query tiles (kernel PAIRED; session 19)
             streams.append(replace(streaming, tile_n=256, paired=True))
-    if causal and not window and head_tiles(head_dim) == (64, 32):  # D=81-96 (Phi-3's 96)
-        streams += paired_shallow_forms()
     space = space + streams + (sixteen_warp_space(head_dim, causal) if toolchain.sixteen_warps() else [])
     if causal and head_tiles(head_dim)[0] == PEELED_TILE and accumulator == PEELED_TILE:
         space = peeled_space(space, window)
     return space
-
-
-def paired_shallow_forms() -> list[Variant]:
-    """The causal paired 128x256 with its loads issued 2 / 4 tiles ahead (L2,4) instead of 3 / 6, with the masked
-    loop and with the diagonal peeled in 128-key tiles (``kernel.peel_narrow``), at head dims that run as 64 + 32
-    (81-96). sm_90, tileiras 13.5, D=96, whole key tiles: no stack; 173 KB of K/V pipeline against 140 at L3,6, and
-    198 KB peeled (165 peeled at L3,6); 32 B of stack with a ragged last key tile, as at L3,6. H100, Phi-3-mini,
-    settled TFLOPS in two probes on one machine (session 50): 1 x 32K 551 / 549 for L2,4 with the loop against
-    522 / 518 for L3,6, the space's best there (L2,4 peeled 526-528); 4 x 4K 452 / 449 for L2,4 peeled against
-    440 / 443 for the paired 16-warp 256x64, the best of the space."""
-    shallow = replace(HOPPER_STREAMING, tile_n=256, paired=True, k_latency=2, v_latency=4)
-    return [shallow, replace(shallow, peel_diagonal=True)]
 
 
 def peeled_space(space: list[Variant], window: bool) -> list[Variant]:
