@@ -548,8 +548,10 @@ def one_load(TILE_M, TAIL):
     Elsewhere it was not measured to gain (sm_90 SASS, tileiras 13.5, session 49): with a tail of 32 the 16-warp
     256x64 (D=96) and the 128x128 at D=160 kept their waits between the products, and the wider buffer cost 25-33 KB
     of shared memory (8-16 B of stack in the 16-warp block); MLA's 64x128 block of one warpgroup went from 128
-    registers and 108 KB to 255 and 222 KB (no second block an SM). The 8-warp 128x128 at D=96, which waits after
-    every HGMMA with two loads, chains its Q K^T with one: not yet timed (docs/session49-2026-11-26.md)."""
+    registers and 108 KB to 255 and 222 KB (no second block an SM). At D=96 the 8-warp 128-row blocks with one load
+    chain their Q K^T (runs of 6 HGMMAs instead of 1) but lost on the H100 (session 50, Phi-3, settled TFLOPS, one
+    load / two): 128x128 365-370 / 381-385 at 4 x 4K, 403-415 / 428-439 at 1 x 32K; the paired 128x256 353-356 / 424
+    and 398 / 544; 128x64 of occupancy 2 359-360 / 412."""
     return TAIL >= ONE_LOAD_TAIL and TILE_M >= 128
 
 
