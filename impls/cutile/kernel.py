@@ -545,13 +545,10 @@ def one_load(TILE_M, TAIL):
     """Whether a head dim's tail tile of width TAIL comes from its first tile's load (``head_and_tail``): where the
     tail is ONE_LOAD_TAIL columns or more (Q/K 192 = 128 + 64), in blocks of 128 query rows or more.
 
-    Elsewhere it was not measured to gain (sm_90 SASS, tileiras 13.5, session 49): with a tail of 32 the 16-warp
-    256x64 (D=96) and the 128x128 at D=160 kept their waits between the products, and the wider buffer cost 25-33 KB
-    of shared memory (8-16 B of stack in the 16-warp block); MLA's 64x128 block of one warpgroup went from 128
-    registers and 108 KB to 255 and 222 KB (no second block an SM). At D=96 the 8-warp 128-row blocks with one load
-    chain their Q K^T (runs of 6 HGMMAs instead of 1) but lost on the H100 (session 50, Phi-3, settled TFLOPS, one
-    load / two): 128x128 365-370 / 381-385 at 4 x 4K, 403-415 / 428-439 at 1 x 32K; the paired 128x256 353-356 / 424
-    and 398 / 544; 128x64 of occupancy 2 359-360 / 412."""
+    Elsewhere it lost (sm_90, tileiras 13.5; docs/cutile-hopper-space.md, sessions 49 and 50): with a tail of 32 the
+    16-warp 256x64 (D=96) and the 128x128 at D=160 kept their waits between the products and paid 25-33 KB of shared
+    memory; MLA's 64x128 block of one warpgroup went from 128 registers to 255; at D=96 the 8-warp 128-row blocks
+    chained their Q K^T but ran 3-27% slower on an H100."""
     return TAIL >= ONE_LOAD_TAIL and TILE_M >= 128
 
 
