@@ -31,7 +31,9 @@
 #             its seconds, default 570; MODELS_REST_MS: --rest-ms, default auto),
 #             graph timing and energy per call (ENERGY_MS, default 1000 ms of calls after each benchmark; 0: none), in
 #             the flash-attn-4 carry's last call (with .gpu-fi and .gpu-fi-aot carried there too, FlashInfer needs no
-#             JIT; without .gpu-fi-aot, fi-models in the second call compiles its modules: about 400 s)
+#             JIT; without .gpu-fi-aot, fi-models in the second call compiles its modules: about 400 s; then run
+#             MODELS_IMPLS="sdpa sdpa-flash sdpa-efficient flex" in a call of its own between the carry's two parts,
+#             carrying neither: the first part's unpacked files stay under /tmp; H200, session 50)
 #   fi-aot:   FlashInfer's checks of FI_GRIDS (default "models serving varlen"; carry .gpu-fi) compile its modules, which
 #             come back as $OUT/flashinfer-aot.tar.xz: copied to .gpu-fi-aot/ here and carried beside .gpu-fi, later
 #             calls load them ahead of time (scripts/flashinfer_env.sh) instead of compiling them (minutes a chain)
