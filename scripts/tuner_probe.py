@@ -126,8 +126,8 @@ def probe(case_id: str, repeats: int, wide_persistent: bool, head_groups: list[i
     work = flops(case)
     best = {}
     for label, by_method in times.items():
-        row = {method: round(work / (min(ms) * 1e9), 1) for method, ms in by_method.items() if ms}
-        median = {method: round(work / (statistics.median(ms) * 1e9), 1) for method, ms in by_method.items() if ms}
+        row, median = ({method: round(work / (pick(ms) * 1e9), 1) for method, ms in by_method.items() if ms}
+                       for pick in (min, statistics.median))  # each method's TFLOPS at its best and median time
         print(json.dumps({"case": case_id, "candidate": label, "tflops": row, "median_tflops": median}), flush=True)
         for method, tflops in row.items():
             if tflops > best.get(method, ("", 0.0))[1]:

@@ -560,9 +560,7 @@ def head_and_tail(tile, WIDTH, TAIL, axis):
     Loaded as two tiles, each has a buffer and a barrier of its own, and the compiler waits for the first product
     to finish (to free its buffer) before it issues the second: the tensor cores drain once more per key tile
     (sm_90 SASS, tileiras 13.5, session 49: MLA's Q K^T ran as 8 HGMMAs, a wait, 4 more; cut from one load, the 12
-    follow each other with one wait). H100, MLA, settled TFLOPS, two loads / one (two runs, before and after):
-    4 x 4K 505 / 514-519 (128x128 L2,4, peeled), 524 / 534 (persistent paired); 1 x 32K 559 / 588-590 (L2,4),
-    602 / 608-612 (L3,6)."""
+    follow each other with one wait, +1.7-3.2% on an H100; docs/cutile-hopper-space.md has the table)."""
     other = tile.shape[1 - axis]
     head_shape, tail_shape = ((WIDTH, other), (TAIL, other)) if axis == 0 else ((other, WIDTH), (other, TAIL))
     tail_index = (WIDTH // TAIL, 0) if axis == 0 else (0, WIDTH // TAIL)
