@@ -32,6 +32,7 @@ import argparse
 import json
 import time
 from dataclasses import replace
+from fnmatch import fnmatchcase
 
 import torch
 
@@ -272,14 +273,15 @@ def mask_free_ab(inputs, scale: float, case, oracle, rounds: int = 5) -> None:
 
 
 def probe_varlen(rounds: int = 3, persistent_twins: bool = False, stores: tuple[str, ...] = (),
-                 grid: str = "varlen", peel_pairs: bool = False) -> None:
+                 grid: str = "varlen", peel_pairs: bool = False, match: str = "*") -> None:
     """Each varlen candidate on every varlen case of ``grid`` (with its window and softcap), and on an equal-length
     batch beside the dense kernel of the same variant where the grid has the dense twin (``varlen`` does), in
     ``rounds`` interleaved rounds (median); ``persistent_twins``: each one-block-per-tile candidate's persistent
     twin too; ``stores``: the varlen call once per output store (else FMHA_VARLEN_STORE's); ``peel_pairs``: only
-    the candidates that run peeled on the case (``varlen_resolved``), each beside its masked-loop twin ("loop")."""
+    the candidates that run peeled on the case (``varlen_resolved``), each beside its masked-loop twin ("loop");
+    ``match``: only the cases whose id matches this glob."""
     dense = [c.make_inputs("cuda") for c in preset(grid) if c.op == "dense"][:1]
-    for varlen_case in [c for c in preset(grid) if c.op == "varlen"]:
+    for varlen_case in [c for c in preset(grid) if c.op == "varlen" and fnmatchcase(c.id, match)]:
         inputs = varlen_case.make_inputs("cuda")
         scale = inputs.head_dim ** -0.5
         variants = {"window": varlen_case.window, "softcap": varlen_case.softcap}
@@ -315,6 +317,8 @@ def main() -> None:
                         help="varlen: the persistent twin of every one-block-per-tile candidate too")
     parser.add_argument("--varlen-grid", default="varlen",
                         help="the preset whose varlen cases the varlen probe runs (with their window and softcap)")
+    parser.add_argument("--varlen-match", default="*", metavar="GLOB",
+                        help="varlen: only the cases whose id matches GLOB")
     parser.add_argument("--varlen-peel", action="store_true",
                         help="varlen: each candidate that runs peeled beside its masked-loop twin, interleaved")
     parser.add_argument("--varlen-stores", action="store_true",
@@ -361,7 +365,7 @@ def main() -> None:
     if not args.skip_varlen:
         probe_varlen(persistent_twins=args.varlen_persistent,
                      stores=VARLEN_STORES if args.varlen_stores else (), grid=args.varlen_grid,
-                     peel_pairs=args.varlen_peel)
+                     peel_pairs=args.varlen_peel, match=args.varlen_match)
 
 
 if __name__ == "__main__":
