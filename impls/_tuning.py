@@ -47,6 +47,11 @@ TUNERS = ("settled", "exhaustive", "sustained")
 # TFLOPS) and the settled timing put the persistent paired 256x64 and 128x128 ahead (452 / 449 against 427).
 # 10% takes those in, at about 0.7 s of settled timing a finalist; not yet A/B'd in the suite at 10%.
 FINALIST_MARGIN = 0.10
+# A tuning cache entry may hold, beside the chosen config, why the tuner chose it: under this key the settled
+# tuner's finalists with their search and settled times. The benchmark's config then carries it, so that a
+# published run shows what decided each pick after the machine that tuned is gone (session 51: two H200s picked
+# differently for one case, and neither's reason was left).
+EVIDENCE = "finalists"
 
 
 def mode() -> str:
@@ -342,11 +347,17 @@ def settled_times(calls: list[Callable[[], object]], *, seconds: float = SETTLE_
     return [statistics.fmean(ms) for ms in passes_ms]
 
 
-def settled_fastest(candidates: Iterable[tuple[Any, Callable[[], object]]], **timing: Any) -> Any:
-    """The candidate whose call ``settled_times`` finds fastest (``timing``: its keyword arguments)."""
+def settled_ranking(candidates: Iterable[tuple[Any, Callable[[], object]]], **timing: Any) -> list[tuple[Any, float]]:
+    """(candidate, milliseconds per call) by ``settled_times`` (``timing``: its keyword arguments), fastest first."""
     candidates = list(candidates)
     times = settled_times([call for _, call in candidates], **timing)
-    return candidates[min(range(len(candidates)), key=times.__getitem__)][0]
+    return sorted(((candidate, ms) for (candidate, _), ms in zip(candidates, times, strict=True)),
+                  key=lambda entry: entry[1])
+
+
+def settled_fastest(candidates: Iterable[tuple[Any, Callable[[], object]]], **timing: Any) -> Any:
+    """The candidate whose call ``settled_times`` finds fastest (``timing``: its keyword arguments)."""
+    return settled_ranking(candidates, **timing)[0][0]
 
 
 def interleaved_medians(time_round: Callable[[], list[float]], rounds: int) -> list[float]:

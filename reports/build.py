@@ -254,7 +254,7 @@ def case_table(run: Run, case_id: str, baseline: str) -> list[dict[str, Any]]:
             "watts": _num(m.energy.get("avg_power_w")),
             "sm_mhz": _num(m.energy.get("sm_clock_mhz")),
             "sm_mhz_timed": _num(m.gpu_state.get("sm_clock_mhz")),
-            "config": ", ".join(f"{k}={v}" for k, v in m.config.items()),
+            "config": config_summary(m.config),
             "kernels": kernel_summary(m.kernels),
         })
     return rows
@@ -284,6 +284,16 @@ def cache_twins(run: Run, preset: str) -> list[dict[str, Any]]:
 def twin_columns(run: Run, preset: str, rows: list[dict[str, Any]]) -> list[str]:
     """The implementations of ``cache_twins`` rows, in the preset's leaderboard order."""
     return [b["impl"] for b in leaderboard(run, preset) if any(b["impl"] in row["ratios"] for row in rows)]
+
+
+def config_summary(config: dict[str, Any]) -> str:
+    """A benchmark's config as ``key=value`` pairs; a tuner's finalists (``impls._tuning.EVIDENCE``: a list of
+    each variant's times) as each one's settled time per call, the search's in brackets, fastest first."""
+    def shown(value: Any) -> str:
+        if isinstance(value, list) and value and all(isinstance(f, dict) and "variant" in f for f in value):
+            return "; ".join(f"{f['variant']} {f.get('settled_us')} us ({f.get('search_us')})" for f in value)
+        return str(value)
+    return ", ".join(f"{key}={shown(value)}" for key, value in config.items())
 
 
 def kernel_summary(kernels: dict[str, dict], top: int = 3) -> str:

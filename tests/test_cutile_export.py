@@ -265,10 +265,11 @@ def test_search_space_holds_single_launches_only():
                 assert all(v.paired for v in space if causal and v.persistent and v.num_worker_warps == 16)
 
 
-def test_settled_tuner_times_again_only_the_candidates_near_the_searchs_best(monkeypatch):
+def test_settled_tuner_times_again_only_the_candidates_near_the_searchs_best(monkeypatch, tmp_path):
     # FMHA_TUNER=settled: exhaustive_search first; the candidates within FINALIST_MARGIN of its best are timed
     # again each at its own sustained clocks, and that decides. Where the search alone decides (the default),
-    # its best is the pick.
+    # its best is the pick. The settled pick keeps its finalists' times in the tuning cache, beside the config,
+    # and a later process reads them back with the pick.
     import impls.cutile as cutile
     from impls import _tuning
 
@@ -278,31 +279,43 @@ def test_settled_tuner_times_again_only_the_candidates_near_the_searchs_best(mon
                              successes=[SimpleNamespace(config=v, mean_us=t) for v, t in times.items()])
     retimed = []
 
-    def settled_fastest(candidates):
+    def settled_ranking(candidates):  # the suite's way, the search's third is fastest
         candidates = list(candidates)
         retimed.extend(variant for variant, _ in candidates)
         assert all(call.variant is variant for variant, call in candidates)
-        return candidates[-1][0]
+        settled_ms = {space[0]: 0.1234, space[2]: 0.1171}
+        return sorted(((variant, settled_ms[variant]) for variant, _ in candidates), key=lambda entry: entry[1])
 
-    monkeypatch.setenv("FMHA_TUNING", "off")
+    monkeypatch.setenv("FMHA_TUNING_CACHE", str(tmp_path))
+    monkeypatch.setattr(cutile, "_TUNED", {})
     monkeypatch.setattr(cutile, "precompile", lambda calls: calls)
     monkeypatch.setattr(cutile, "settle_gpu", lambda device: None)
     monkeypatch.setattr(cutile, "exhaustive_timings", lambda calls: result)
-    monkeypatch.setattr(cutile, "settled_fastest", settled_fastest)
+    monkeypatch.setattr(cutile, "settled_ranking", settled_ranking)
     monkeypatch.setattr(cutile.TUNING, "key", lambda device, shape: repr(shape))
     picks = {}
     for tuner in ("exhaustive", "settled"):
         monkeypatch.setenv("FMHA_TUNER", tuner)
-        picks[tuner], cached = cutile.tuned(("test-shape", tuner), torch.device("cpu"), space,
-                                            lambda v: SimpleNamespace(variant=v))
-        assert not cached
-    assert picks == {"exhaustive": space[0], "settled": space[2]}
+        picks[tuner] = cutile.tuned(("test-shape", tuner), torch.device("cpu"), space,
+                                    lambda v: SimpleNamespace(variant=v))
+        assert not picks[tuner].cached
+    assert {tuner: pick.choice for tuner, pick in picks.items()} == {"exhaustive": space[0], "settled": space[2]}
     assert retimed == [space[0], space[2]]  # fastest first; 140 us is more than FINALIST_MARGIN behind
     assert _tuning.FINALIST_MARGIN == 0.10
+    finalists = [{"variant": space[2].label(), "search_us": 109.0, "settled_us": 117.1},
+                 {"variant": space[0].label(), "search_us": 100.0, "settled_us": 123.4}]
+    assert picks["exhaustive"].finalists is None and picks["settled"].finalists == finalists
+    assert picks["settled"].provenance() == {"chosen": "autotuned", _tuning.EVIDENCE: finalists}
+    assert picks["exhaustive"].provenance() == {"chosen": "autotuned"}
+    # another process: the pick and its evidence from the cache, the config without it
+    monkeypatch.setattr(cutile, "_TUNED", {})
+    again = cutile.tuned(("test-shape", "settled"), torch.device("cpu"), space, lambda v: pytest.fail("re-tuned"))
+    assert again == (space[2], True, finalists)
+    assert again.provenance() == {"chosen": "tuning cache", _tuning.EVIDENCE: finalists}
     # a search with one finalist needs no second round
     result.successes[2] = SimpleNamespace(config=space[2], mean_us=150.0)
-    pick, _ = cutile.tuned(("test-shape", "alone"), torch.device("cpu"), space, lambda v: SimpleNamespace(variant=v))
-    assert pick == space[0] and retimed == [space[0], space[2]]
+    pick = cutile.tuned(("test-shape", "alone"), torch.device("cpu"), space, lambda v: SimpleNamespace(variant=v))
+    assert pick.choice == space[0] and pick.finalists is None and retimed == [space[0], space[2]]
 
 
 @pytest.mark.parametrize("head_dim", [40, 64])

@@ -84,6 +84,21 @@ def test_report_shows_the_energy_of_a_call_where_nvml_measured_it(results, tmp_p
     assert "2.1 (700, 1605)" in html
 
 
+def test_case_tables_show_what_decided_a_tuned_pick(results, tmp_path):
+    # A settled tuner's pick carries its finalists' times in the config (impls._tuning.EVIDENCE); the case
+    # table shows each one's settled time per call and the search's, fastest first, not a dict's repr.
+    data = json.loads(results.read_text())
+    finalists = [{"variant": "128x256:persistent:peeled", "search_us": 5412.3, "settled_us": 5398.1},
+                 {"variant": "128x128:persistent:peeled", "search_us": 5390.0, "settled_us": 5571.6}]
+    data["benchmarks"][0]["extra_info"]["config"] = {"tile_n": 256, "chosen": "tuning cache", "finalists": finalists}
+    tuned = tmp_path / "tuned.json"
+    tuned.write_text(json.dumps(data))
+    html = write_report([tuned], tmp_path / "t.html").read_text()
+    assert ("tile_n=256, chosen=tuning cache, finalists=128x256:persistent:peeled 5398.1 us (5412.3); "
+            "128x128:persistent:peeled 5571.6 us (5390.0)") in html
+    assert "{&#39;variant&#39;" not in html and "{'variant'" not in html
+
+
 def test_case_tables_show_the_sm_clock_each_benchmark_was_timed_at(results, tmp_path):
     data = json.loads(results.read_text())
     assert "SM MHz" not in write_report([results], tmp_path / "cpu.html").read_text()  # no NVML: no column

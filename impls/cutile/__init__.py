@@ -18,19 +18,20 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
 from impls._registry import HALF, Prepared, heads_by_batch, length_class, module_available, parallel_class, register
 from impls._tuning import (
+    EVIDENCE,
     TUNERS,
     TuningCache,
     dense_tuner,
     family_sources,
     finalists,
     settle_gpu,
-    settled_fastest,
+    settled_ranking,
     sustained_fastest,
 )
 from impls._validate import NO_WINDOW, binding_window, window_bounds
@@ -513,16 +514,32 @@ for _name, (_variant, _what) in LADDER.items():
 # Tune once per machine: the chosen variant per shape class, on disk (impls/_tuning.py), and in the process.
 TUNING = TuningCache("cutile", family_sources(__file__), ["cuda-tile"],
                      toolchain.describe)
-_TUNED: dict[str, tuple[Any, bool]] = {}
+_TUNED: dict[str, Tuned] = {}
 Choice = TypeVar("Choice")
 
 
-def remembered(key: str, search: Callable[[], dict], build: Callable[..., Choice]) -> tuple[Choice, bool]:
+class Tuned(NamedTuple):
+    """A tuner's pick: the choice, whether it came from the tuning cache, and what decided it where the tuner
+    kept that (``_tuning.EVIDENCE``: the settled tuner's finalists and their times), else None."""
+
+    choice: Any
+    cached: bool
+    finalists: list[dict] | None = None
+
+    def provenance(self) -> dict[str, Any]:
+        """What a prepared call's config says of its pick."""
+        return {"chosen": "tuning cache" if self.cached else "autotuned",
+                **({EVIDENCE: self.finalists} if self.finalists else {})}
+
+
+def remembered(key: str, search: Callable[[], dict], build: Callable[..., Choice]) -> Tuned:
     """The choice for tuning key ``key``, made once per process: ``build(**config)`` of the config in the tuning
-    cache, or of ``search()``'s result (stored there); and whether it came from the cache."""
+    cache, or of ``search()``'s result (stored there), with whether it came from the cache and the evidence the
+    entry keeps beside the config."""
     if key not in _TUNED:
-        config, cached = TUNING.lookup(key, search)
-        _TUNED[key] = (build(**config), cached)
+        entry, cached = TUNING.lookup(key, search)
+        config = {name: value for name, value in entry.items() if name != EVIDENCE}
+        _TUNED[key] = Tuned(build(**config), cached, entry.get(EVIDENCE))
     return _TUNED[key]
 
 
@@ -582,13 +599,13 @@ def exhaustive_timings(calls: list[Launches]):
 
 
 def tuned(shape: tuple, device: torch.device, space: list[Variant],
-          make_call: Callable[[Variant], Launches]) -> tuple[Variant, bool]:
+          make_call: Callable[[Variant], Launches]) -> Tuned:
     """The fastest variant of ``space`` for shape class ``shape`` (``make_call`` prepares one candidate; all
-    share one output), and whether it came from the tuning cache. ``FMHA_TUNER`` says how candidates are timed:
-    ``settled`` (default: ``cuda.tile.tune.exhaustive_search``, then the candidates within ``FINALIST_MARGIN`` of
-    its best again by ``settled_times``, each alone at the clocks it sustains, as the suite times),
-    ``exhaustive`` (the search alone) or ``sustained`` (``sustained_fastest``: graph replays interleaved). Each
-    method's picks are cached apart."""
+    share one output), whether it came from the tuning cache, and the finalists' times where there were several.
+    ``FMHA_TUNER`` says how candidates are timed: ``settled`` (default: ``cuda.tile.tune.exhaustive_search``,
+    then the candidates within ``FINALIST_MARGIN`` of its best again by ``settled_times``, each alone at the
+    clocks it sustains, as the suite times), ``exhaustive`` (the search alone) or ``sustained``
+    (``sustained_fastest``: graph replays interleaved). Each method's picks are cached apart."""
     method = dense_tuner()
 
     def search() -> dict:
@@ -604,14 +621,18 @@ def tuned(shape: tuple, device: torch.device, space: list[Variant],
                 near = finalists((m.config, m.mean_us) for m in result.successes)
                 if len(near) > 1:
                     by_variant = {call.variant: call for call in calls}
-                    return settled_fastest((variant, by_variant[variant]) for variant in near).describe()
+                    ranked = settled_ranking((variant, by_variant[variant]) for variant in near)
+                    search_us = {m.config: m.mean_us for m in result.successes}
+                    return {**ranked[0][0].describe(), EVIDENCE: [
+                        {"variant": variant.label(), "search_us": round(search_us[variant], 1),
+                         "settled_us": round(ms * 1e3, 1)} for variant, ms in ranked]}
             return result.best.config.describe()
 
     shape = shape if method == TUNERS[0] else (*shape, f"tuner={method}")  # each method's picks kept apart
     return remembered(TUNING.key(device, shape), search, Variant)
 
 
-def tune(q, k, v, *, causal: bool, scale: float, **variants) -> tuple[Variant, bool]:
+def tune(q, k, v, *, causal: bool, scale: float, **variants) -> Tuned:
     """The best variant of the search space for this dense shape class; ``variants``: window, softcap (as the
     call will run)."""
     q, k, v = (t.contiguous() for t in (q, k, v))  # once here, not once per candidate
@@ -641,9 +662,9 @@ def prepare_tuned(q, k, v, *, causal: bool, scale: float, **variants) -> Prepare
     heads_by_batch(q.shape[1], q.shape[0])
     if "window" in variants:  # one that hides no key runs as no window: no masked loop before the free tiles
         variants["window"] = binding_window(variants["window"], causal, q.shape[2], k.shape[2])
-    variant, cached = tune(q, k, v, causal=causal, scale=scale, **variants)
-    return Call(variant, q, k, v, causal=causal, scale=scale, **variants).prepared(
-        chosen="tuning cache" if cached else "autotuned", tuner=dense_tuner())
+    picked = tune(q, k, v, causal=causal, scale=scale, **variants)
+    return Call(picked.choice, q, k, v, causal=causal, scale=scale, **variants).prepared(
+        **picked.provenance(), tuner=dense_tuner())
 
 
 from impls.cutile import serving  # noqa: E402, F401 - registers the paged decode and varlen entries

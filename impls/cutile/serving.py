@@ -275,9 +275,9 @@ def prepare_paged(inputs: PagedKV, *, scale: float, window: tuple[int, int] = NO
         return fastest((call.variant, call) for call in calls).describe()
 
     key = TUNING.key(inputs.q.device, decode_shape_class(inputs, window_left, softcap))
-    variant, cached = remembered(key, search, DecodeVariant)
-    return DecodeCall(variant, inputs, scale=scale, sm_count=sm_count, window_left=window_left,
-                      softcap=softcap).prepared(chosen="tuning cache" if cached else "autotuned")
+    picked = remembered(key, search, DecodeVariant)
+    return DecodeCall(picked.choice, inputs, scale=scale, sm_count=sm_count, window_left=window_left,
+                      softcap=softcap).prepared(**picked.provenance())
 
 
 VARLEN_STORES = ("plain", "tma")
@@ -405,7 +405,7 @@ def prepare_varlen(inputs: Varlen, *, scale: float, window: tuple[int, int] = NO
              *variant_tags(window != NO_WINDOW, softcap),
              *("peeled",) * any(v.peel_diagonal for v in space))  # batches that can peel tune apart
     out = inputs.output_like()
-    variant, cached = tuned(shape, inputs.q.device, space, lambda candidate: VarlenCall(
+    picked = tuned(shape, inputs.q.device, space, lambda candidate: VarlenCall(
         candidate, inputs, scale=scale, out=out, store=store, **variants))
-    call = VarlenCall(variant, inputs, scale=scale, store=store, **variants)
-    return call.prepared(chosen="tuning cache" if cached else "autotuned", tuner=dense_tuner(), **call.schedule())
+    call = VarlenCall(picked.choice, inputs, scale=scale, store=store, **variants)
+    return call.prepared(**picked.provenance(), tuner=dense_tuner(), **call.schedule())
