@@ -18,7 +18,7 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import torch
 
@@ -514,15 +514,14 @@ for _name, (_variant, _what) in LADDER.items():
 # Tune once per machine: the chosen variant per shape class, on disk (impls/_tuning.py), and in the process.
 TUNING = TuningCache("cutile", family_sources(__file__), ["cuda-tile"],
                      toolchain.describe)
-_TUNED: dict[str, Tuned] = {}
 Choice = TypeVar("Choice")
 
 
-class Tuned(NamedTuple):
+class Tuned(NamedTuple, Generic[Choice]):
     """A tuner's pick: the choice, whether it came from the tuning cache, and what decided it where the tuner
     kept that (``_tuning.EVIDENCE``: the settled tuner's finalists and their times), else None."""
 
-    choice: Any
+    choice: Choice
     cached: bool
     finalists: list[dict] | None = None
 
@@ -532,7 +531,10 @@ class Tuned(NamedTuple):
                 **({EVIDENCE: self.finalists} if self.finalists else {})}
 
 
-def remembered(key: str, search: Callable[[], dict], build: Callable[..., Choice]) -> Tuned:
+_TUNED: dict[str, Tuned[Any]] = {}
+
+
+def remembered(key: str, search: Callable[[], dict], build: Callable[..., Choice]) -> Tuned[Choice]:
     """The choice for tuning key ``key``, made once per process: ``build(**config)`` of the config in the tuning
     cache, or of ``search()``'s result (stored there), with whether it came from the cache and the evidence the
     entry keeps beside the config."""
@@ -599,7 +601,7 @@ def exhaustive_timings(calls: list[Launches]):
 
 
 def tuned(shape: tuple, device: torch.device, space: list[Variant],
-          make_call: Callable[[Variant], Launches]) -> Tuned:
+          make_call: Callable[[Variant], Launches]) -> Tuned[Variant]:
     """The fastest variant of ``space`` for shape class ``shape`` (``make_call`` prepares one candidate; all
     share one output), whether it came from the tuning cache, and the finalists' times where there were several.
     ``FMHA_TUNER`` says how candidates are timed: ``settled`` (default: ``cuda.tile.tune.exhaustive_search``,
@@ -632,7 +634,7 @@ def tuned(shape: tuple, device: torch.device, space: list[Variant],
     return remembered(TUNING.key(device, shape), search, Variant)
 
 
-def tune(q, k, v, *, causal: bool, scale: float, **variants) -> Tuned:
+def tune(q, k, v, *, causal: bool, scale: float, **variants) -> Tuned[Variant]:
     """The best variant of the search space for this dense shape class; ``variants``: window, softcap (as the
     call will run)."""
     q, k, v = (t.contiguous() for t in (q, k, v))  # once here, not once per candidate
