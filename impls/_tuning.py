@@ -355,11 +355,6 @@ def settled_ranking(candidates: Iterable[tuple[Any, Callable[[], object]]], **ti
                   key=lambda entry: entry[1])
 
 
-def settled_fastest(candidates: Iterable[tuple[Any, Callable[[], object]]], **timing: Any) -> Any:
-    """The candidate whose call ``settled_times`` finds fastest (``timing``: its keyword arguments)."""
-    return settled_ranking(candidates, **timing)[0][0]
-
-
 def interleaved_medians(time_round: Callable[[], list[float]], rounds: int) -> list[float]:
     """Each candidate's median over ``rounds`` calls of ``time_round`` (one time per candidate, in order)."""
     samples = [time_round() for _ in range(max(rounds, 1))]

@@ -502,5 +502,4 @@ def test_settled_times_settle_each_call_on_itself_and_alternate_the_order(monkey
     assert _tuning.settled_times(["a", "b"], rounds=3) == pytest.approx([1.25, 1.5])
     assert events == ["a", "b", "b", "a"]
     monkeypatch.setattr(_tuning, "settled_times", lambda calls, **timing: [3.0, 1.0, 2.0])
-    assert _tuning.settled_fastest([("x", None), ("y", None), ("z", None)]) == "y"
     assert _tuning.settled_ranking([("x", None), ("y", None), ("z", None)]) == [("y", 1.0), ("z", 2.0), ("x", 3.0)]

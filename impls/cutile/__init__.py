@@ -620,11 +620,11 @@ def tuned(shape: tuple, device: torch.device, space: list[Variant],
             settle_gpu(device)  # compiling was a pause: time every candidate at sustained clocks
             result = exhaustive_timings(calls)
             if method == "settled":  # the search's finalists again, each at the clocks it sustains
-                near = finalists((m.config, m.mean_us) for m in result.successes)
+                search_us = {m.config: m.mean_us for m in result.successes}
+                near = finalists(search_us.items())
                 if len(near) > 1:
                     by_variant = {call.variant: call for call in calls}
                     ranked = settled_ranking((variant, by_variant[variant]) for variant in near)
-                    search_us = {m.config: m.mean_us for m in result.successes}
                     return {**ranked[0][0].describe(), EVIDENCE: [
                         {"variant": variant.label(), "search_us": round(search_us[variant], 1),
                          "settled_us": round(ms * 1e3, 1)} for variant, ms in ranked]}
