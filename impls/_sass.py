@@ -58,6 +58,22 @@ def hgmma_runs(cubin: bytes, cuobjdump: str | None = None) -> list[int]:
     return runs
 
 
+def softmax_overlap(cubin: bytes, cuobjdump: str | None = None) -> int:
+    """How many warpgroup MMAs (HGMMA) are issued between two of the softmax's exponentials (``MUFU.EX2``) with no
+    wait for the tensor cores (``WARPGROUP.DEPBAR``) between them: products that run while the softmax does
+    (FlashAttention-3's intra-warpgroup overlap, ``kernel.free_tiles_deferred``). 0 where every product waits for
+    the softmax before it or is waited for before the softmax goes on."""
+    overlapped, pending, seen_exp = 0, 0, False
+    for line in sass_text(cubin, cuobjdump).splitlines():
+        if "WARPGROUP.DEPBAR" in line:
+            pending, seen_exp = 0, False
+        elif "MUFU.EX2" in line:
+            overlapped, pending, seen_exp = overlapped + pending, 0, True
+        elif "HGMMA" in line and seen_exp:
+            pending += 1
+    return overlapped
+
+
 def sass_summary(cubin: bytes, cuobjdump: str | None = None) -> dict[str, int]:
     """Registers, stack and shared bytes per thread/block, and counts of the instructions in ``COUNTED``
     (LDL/STL are local-memory loads and stores: spills)."""

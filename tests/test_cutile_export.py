@@ -20,7 +20,7 @@ if os.environ.get("CI"):
 else:
     pytest.importorskip("cuda.tile", reason='cuTile not installed: pip install "cuda-tile[tileiras]"')
 
-from impls._sass import find_cuobjdump, hgmma_runs, sass_summary
+from impls._sass import find_cuobjdump, hgmma_runs, sass_summary, softmax_overlap
 from impls._validate import NO_WINDOW
 from impls.cutile import (
     HOPPER_DYNAMIC,
@@ -162,6 +162,28 @@ def test_mla_candidates_compile_without_spills(causal):
     assert Variant(64, 64, two_launch=True).state(q, 128)[2].shape == (1, 2, 100, 128)
 
 
+@pytest.mark.parametrize(("head_dim", "value_dim"), [(128, None), (192, 128), (256, None)])
+def test_deferred_candidates_overlap_the_softmax_with_the_previous_tiles_product(head_dim, value_dim):
+    # Variant.defer_pv (session 52): written with each mask-free tile's P V issued in the next step, the causal
+    # candidates that won with it on the H200 (MLA's peeled 128x128 forms, D=128's peeled one-block-a-tile 128x128,
+    # D=256's 128x64) issue P V's HGMMAs between the next tile's exponentials, with no stack; written plainly, the
+    # compiler waits for each product before or after the softmax (sm_90, tileiras 13.5: it overlaps them by
+    # itself only in the non-causal persistent loop). Only causal spaces without a window take them.
+    space = search_space((9, 0), head_dim, causal=True, value_dim=value_dim)
+    deferred = [v for v in space if v.defer_pv]
+    assert len(deferred) == (3 if value_dim else 1 if head_dim == 128 else 2)
+    assert all(replace(v, defer_pv=False) in space for v in deferred)
+    for window, causal in ((True, True), (False, False)):
+        assert not any(v.defer_pv for v in search_space((9, 0), head_dim, causal=causal, value_dim=value_dim,
+                                                        window=window))
+    for variant in deferred:
+        cubins = [export_cubin(v, arch="sm_90", dtype=torch.bfloat16, head_dim=head_dim, value_dim=value_dim,
+                               causal=True) for v in (variant, replace(variant, defer_pv=False))]
+        usage = sass(cubins[0])
+        assert usage["stack"] == 0 and usage["hgmma"] > 0, (variant.label(), usage)
+        assert softmax_overlap(cubins[0]) > 0 == softmax_overlap(cubins[1]), variant.label()
+
+
 def test_head_dims_pad_to_the_next_power_of_two():
     assert [tile_d(d) for d in (16, 32, 40, 64, 80, 96, 128, 136, 192, 256)] == [
         16, 32, 64, 64, 128, 128, 128, 256, 256, 256]
@@ -216,7 +238,7 @@ def test_sm90_peeled_candidates_deepen_the_pipeline_without_spilling(head_dim, v
     for variant in peeled:
         usage, looped = (sass(export_cubin(v, arch="sm_90", dtype=torch.bfloat16, head_dim=head_dim,
                                            value_dim=value_dim, causal=True, window=window))
-                         for v in (variant, replace(variant, peel_diagonal=False)))
+                         for v in (variant, replace(variant, peel_diagonal=False, defer_pv=False)))
         assert usage["stack"] == 0 and usage["hgmma"] > 0, (variant.label(), usage)
         assert usage["shared"] > looped["shared"], (variant.label(), usage["shared"], looped["shared"])
         if variant.tile_n > variant.tile_m:  # peel_narrow: 165 -> 225 KB, causal and windowed alike; a run-time
@@ -614,6 +636,10 @@ def test_varlen_launches_compile():
         packed = Varlen(q, q[:, :2], q[:, :2], cu, cu, causal=True)
         for variant in varlen_space((9, 0), head_dim, True):
             assert VarlenCall(variant, packed, scale=0.125, sm_count=132).launches
+    deferred = replace(HOPPER_WIDE, peel_diagonal=True, defer_pv=True)  # in the dense space; dense only
+    assert deferred in search_space((9, 0), 128, causal=True) and deferred not in varlen_space((9, 0), 128, True)
+    with pytest.raises(ValueError, match="defer_pv runs in the dense kernel only"):
+        VarlenCall(deferred, packed, scale=0.125, sm_count=132)
     for variant in (space[0], next(v for v in space if v.persistent)):
         call = VarlenCall(variant, inputs, scale=0.125, sm_count=132)
         (grid, kernel, arguments), = call.launches

@@ -69,6 +69,7 @@ class Variant:
     paired: bool = False  # persistent, causal: a fixed share of mirror pairs of query tiles (kernel PAIRED)
     head_tail: bool = True  # a head dim that is not a power of two: one and a tail tile, not padded (head_tiles)
     peel_diagonal: bool = False  # causal, aligned: the diagonal's masked tiles as straight-line code, no loop
+    defer_pv: bool = False  # each mask-free tile's P V in the next step, beside its softmax (kernel DEFER_PV)
 
     def __post_init__(self) -> None:
         # the kernel takes PAIRED only for a persistent fixed share of heaviest-first causal work: refuse the rest
@@ -114,7 +115,7 @@ class Variant:
                 "FAST_MATH": self.fast_math, "LOOP_SPLIT": self.loop_split, "MASK_BRANCH": self.mask_branch,
                 "REVERSE_ORDER": self.reverse_order, "K_LATENCY": self.k_latency, "V_LATENCY": self.v_latency,
                 "HEAD_GROUP": group, "PERSISTENT": self.persistent, "DYNAMIC": self.dynamic, "PAIRED": self.paired,
-                "PHASE": phase,
+                "PHASE": phase, "DEFER_PV": self.defer_pv,
                 "DIAGONAL_TILES": self.diagonal_tiles(causal=causal, q_len=q_len, kv_len=kv_len, phase=phase,
                                                       window=window)}
 
@@ -232,7 +233,7 @@ class Variant:
         """A short name: tiles, hints, latencies and the switches that differ from the defaults."""
         flags = (("nosplit", not self.loop_split), ("branch", self.mask_branch), ("persistent", self.persistent),
                  ("dynamic", self.dynamic), ("paired", self.paired), ("two-launch", self.two_launch),
-                 ("peeled", self.peel_diagonal), ("padded", not self.head_tail))
+                 ("peeled", self.peel_diagonal), ("padded", not self.head_tail), ("deferred", self.defer_pv))
         switches = "".join(f":{flag}" for flag, on in flags if on)
         group = {1: "", None: ":g-auto"}.get(self.head_group, f":g{self.head_group}")
         return f"{self.tile_m}x{self.tile_n}:{self.hints()}:L{self.k_latency},{self.v_latency}{switches}{group}"
@@ -371,8 +372,9 @@ def hopper_space(head_dim: int, causal: bool, value_dim: int | None = None, wind
         # D=256 cap 50, settled TFLOPS: 1 x 32K 564 / 553 at L2,4 / L3,6 against 572 / 564 one block a tile; 4 x 4K
         # 511 / 498 against 497 / 510). The 128x128 block (``wide``) leads there (session 27, below).
         tall = replace(wide, tile_n=64, persistent=not causal, k_latency=3, v_latency=6)
-        return [Variant(64, 64, occupancy=1, head_group=None), replace(wide, tile_n=64), tall, wide,
-                *([replace(tall, persistent=True)] if even_items else [])]
+        space = [Variant(64, 64, occupancy=1, head_group=None), replace(wide, tile_n=64), tall, wide,
+                 *([replace(tall, persistent=True)] if even_items else [])]
+        return space + deferred_forms(space, causal, window, mla=False)
     space = [Variant(64, 64, occupancy=2, head_group=None), Variant(128, 64, occupancy=2, head_group=None),
              Variant(64, 128, occupancy=2, head_group=None), wide, replace(wide, k_latency=3, v_latency=6),
              replace(wide, tile_n=256)]
@@ -394,7 +396,7 @@ def hopper_space(head_dim: int, causal: bool, value_dim: int | None = None, wind
     space = space + streams + (sixteen_warp_space(head_dim, causal) if toolchain.sixteen_warps() else [])
     if causal and head_tiles(head_dim)[0] == PEELED_TILE and accumulator == PEELED_TILE:
         space = peeled_space(space, window)
-    return space
+    return space + deferred_forms(space, causal, window, mla=width > accumulator)
 
 
 def peeled_space(space: list[Variant], window: bool) -> list[Variant]:
@@ -415,6 +417,31 @@ def peeled_space(space: list[Variant], window: bool) -> list[Variant]:
     paired = replace(HOPPER_STREAMING, paired=True, peel_diagonal=True)
     narrow = [replace(v, peel_diagonal=True) for v in space if v.paired and v.tile_n > v.tile_m]  # the 128x256
     return [*peeled, *narrow] if window else [*peeled, paired, *narrow]
+
+
+def deferred_forms(space: list[Variant], causal: bool, window: bool, mla: bool) -> list[Variant]:
+    """The candidates of ``space`` again with each mask-free key tile's P V deferred to the next step
+    (``Variant.defer_pv``, kernel ``free_tiles_deferred``), where that won on the H200 (session 52,
+    ``docs/cutile-hopper-space.md``): causal without a window, the one-block-a-tile 128x128 with the diagonal peeled
+    (L2,4; at MLA's Q/K 192 every peeled 128x128) and, with a 256-wide accumulator, the one-block-a-tile 128x64.
+
+    Written so, the compiler issues the deferred P V beside the next tile's softmax (FlashAttention-3's
+    intra-warpgroup overlap), which it does by itself only in the non-causal persistent loop: sm_90, tileiras 13.5,
+    no stack, 193-225 KB of pipeline. Settled TFLOPS, two H200s: MLA 4 x 4K 527 / 533 -> 560 / 574, 1 x 32K 596 /
+    609 -> 640 / 651; Gemma-2 global 1 x 32K 592 -> 607; Llama-3-8B 4 x 4K 524 -> 533. Measured and left out:
+    non-causal (the compiler's own overlap is faster), a window (Mistral-7B 1 x 32K 564 -> 543), D=64's blocks (7-10%
+    slower; the 16-warp persistent one 35% where causal), the 128x256 (360 B of stack), D=96 (its tail's products
+    already wait one by one)."""
+    if not causal or window:
+        return []
+
+    def wins(v: Variant) -> bool:
+        if v.tile_n == 64:  # the two-warpgroup 128x64 blocks of a 256-wide accumulator
+            return v.tile_m == 128 and v.num_worker_warps == HOPPER_WIDE.num_worker_warps and not v.persistent
+        return v.peel_diagonal and v.tile_n == v.tile_m == PEELED_TILE and (mla or (
+            not v.persistent and (v.k_latency, v.v_latency) == (HOPPER_WIDE.k_latency, HOPPER_WIDE.v_latency)))
+
+    return [replace(v, defer_pv=True) for v in space if wins(v)]
 
 
 def sixteen_warp_space(head_dim: int, causal: bool) -> list[Variant]:

@@ -37,6 +37,9 @@ Every step of the blog's optimisation ladder is a compile-time switch of this on
                  window; MLA 214 instead of 149). Key tiles wider than query tiles peel in tiles of the query
                  tile's width (``peel_narrow``: the paired 128x256 161 -> 225 KB, no spill; with a window 165 ->
                  225 KB). No run-time ``if`` may wrap a masked tile that always runs: it costs the loop its depth.
+- DEFER_PV:      not in the blog: each mask-free key tile's P V issued in the next step, beside that tile's
+                 softmax (``free_tiles_deferred``), which the compiler then overlaps with it as FlashAttention-3
+                 does; it does so by itself only in the non-causal persistent loop.
 - TILE_D_TAIL:   not in the blog: a head dim that is not a power of two (cuTile tiles are) runs as one and a
                  narrower tail tile beside it (96 = 64 + 32, 80 = 64 + 16, 192 = 128 + 64) instead of padded to
                  the next power of two (128, 128, 256): up to a quarter less matrix work and accumulator. A
@@ -93,7 +96,7 @@ def fmha_fwd(
     CAUSAL: ConstBool, EVEN_N: ConstBool, HAS_WINDOW: ConstBool, SOFTCAP: ConstFloat,
     FAST_MATH: ConstBool, LOOP_SPLIT: ConstBool, MASK_BRANCH: ConstBool, REVERSE_ORDER: ConstBool,
     K_LATENCY: ConstInt, V_LATENCY: ConstInt, HEAD_GROUP: ConstInt, PERSISTENT: ConstBool, DYNAMIC: ConstBool,
-    PAIRED: ConstBool, PHASE: ConstInt, DIAGONAL_TILES: ConstInt,
+    PAIRED: ConstBool, PHASE: ConstInt, DIAGONAL_TILES: ConstInt, DEFER_PV: ConstBool,
 ):
     """One block per work item (grid: query tiles x heads x batch), or PERSISTENT: a grid of one block per SM
     slot, each taking every ``num_blocks``-th item in turn. The state arrays (B, Hq, Sq) float32 for the max
@@ -114,7 +117,8 @@ def fmha_fwd(
             attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_head, qk_scale,
                               causal_offset, window_left, window_right, num_heads, group, TILE_D, TILE_D_TAIL,
                               TILE_DV, TILE_DV_TAIL, TILE_M, TILE_N, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP, FAST_MATH,
-                              LOOP_SPLIT, MASK_BRANCH, K_LATENCY, V_LATENCY, PHASE, DIAGONAL_TILES)
+                              LOOP_SPLIT, MASK_BRANCH, K_LATENCY, V_LATENCY, PHASE, DIAGONAL_TILES,
+                              DEFER_PV=DEFER_PV)
             linear = ct.num_blocks(0) + ct.atomic_add(NextItem, 0, 1)
     elif PERSISTENT and PAIRED and heaviest_first:  # pair p: items 2p and 2p + 1 of the paired order
         for step in range(paired_steps(ct.bid(0), ct.num_blocks(0), num_items)):
@@ -122,20 +126,22 @@ def fmha_fwd(
             attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_head, qk_scale,
                               causal_offset, window_left, window_right, num_heads, group, TILE_D, TILE_D_TAIL,
                               TILE_DV, TILE_DV_TAIL, TILE_M, TILE_N, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP, FAST_MATH,
-                              LOOP_SPLIT, MASK_BRANCH, K_LATENCY, V_LATENCY, PHASE, DIAGONAL_TILES)
+                              LOOP_SPLIT, MASK_BRANCH, K_LATENCY, V_LATENCY, PHASE, DIAGONAL_TILES,
+                              DEFER_PV=DEFER_PV)
     elif PERSISTENT:
         for linear in range(ct.bid(0), num_items, ct.num_blocks(0)):
             tile_m, batch_head = work_item(linear, num_m, num_bh, heaviest_first, HEAD_GROUP)
             attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_head, qk_scale,
                               causal_offset, window_left, window_right, num_heads, group, TILE_D, TILE_D_TAIL,
                               TILE_DV, TILE_DV_TAIL, TILE_M, TILE_N, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP, FAST_MATH,
-                              LOOP_SPLIT, MASK_BRANCH, K_LATENCY, V_LATENCY, PHASE, DIAGONAL_TILES)
+                              LOOP_SPLIT, MASK_BRANCH, K_LATENCY, V_LATENCY, PHASE, DIAGONAL_TILES,
+                              DEFER_PV=DEFER_PV)
     else:
         tile_m, batch_head = work_item(block_item(num_m, num_heads), num_m, num_bh, heaviest_first, HEAD_GROUP)
         attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_head, qk_scale,
                           causal_offset, window_left, window_right, num_heads, group, TILE_D, TILE_D_TAIL, TILE_DV,
                           TILE_DV_TAIL, TILE_M, TILE_N, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP, FAST_MATH, LOOP_SPLIT,
-                          MASK_BRANCH, K_LATENCY, V_LATENCY, PHASE, DIAGONAL_TILES)
+                          MASK_BRANCH, K_LATENCY, V_LATENCY, PHASE, DIAGONAL_TILES, DEFER_PV=DEFER_PV)
 
 
 @ct.kernel
@@ -273,7 +279,7 @@ def attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_
                       window_left, window_right, num_heads, group, TILE_D, TILE_D_TAIL, TILE_DV, TILE_DV_TAIL, TILE_M,
                       TILE_N, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP, FAST_MATH, LOOP_SPLIT, MASK_BRANCH, K_LATENCY,
                       V_LATENCY, PHASE, DIAGONAL_TILES=0, q_row0=0, kv_row0=0, kv_len=-1, ROW_OFFSETS=False,
-                      OUT_TMA=True):
+                      OUT_TMA=True, DEFER_PV=False):
     """Output rows ``tile_m`` of one (batch, query head): the whole FlashAttention forward for one Q tile, or
     the masked (DIAGONAL) or mask-free (OFF_DIAGONAL) part of it.
 
@@ -316,7 +322,12 @@ def attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_
     # its pipeline depth (sm_90: 128 x 256 tiles spilled with three loops, not with two). DIAGONAL runs only the
     # masked tiles, OFF_DIAGONAL only the mask-free ones; MASK_BRANCH runs the mask-free run and the masked one
     # after it as one loop with a run-time branch.
-    if PHASE != DIAGONAL and not MASK_BRANCH:
+    if PHASE != DIAGONAL and not MASK_BRANCH and DEFER_PV:
+        acc, acc_tail, l_i, m_i = free_tiles_deferred(
+            acc, acc_tail, l_i, m_i, q, q_tail, K, V, batch, kv_head, free_start, free_end, kv_len, qk_scale,
+            score_scale_log2, TILE_M, TILE_N, TILE_D, TILE_D_TAIL, TILE_DV, TILE_DV_TAIL, SOFTCAP, FAST_MATH,
+            K_LATENCY, V_LATENCY)
+    elif PHASE != DIAGONAL and not MASK_BRANCH:
         for j in range(free_start, free_end):
             acc, acc_tail, l_i, m_i = attend_key_tile(
                 acc, acc_tail, l_i, m_i, q, q_tail, K, V, batch, kv_head, j, offs_m, qk_scale, score_scale_log2,
@@ -453,17 +464,52 @@ def attend_key_tile(acc, acc_tail, l_i, m_i, q, q_tail, K, V, batch, kv_head, j,
                          HAS_WINDOW)
     p, alpha, l_i, m_new = softmax_step(qk, l_i, m_i, score_scale_log2, MAY_BE_EMPTY, FAST_MATH)
     p = p.astype(V.dtype)  # tensor cores take P in the input dtype
+    acc, acc_tail = values_product(acc * alpha, acc_tail * alpha, p, V, batch, kv_head, j, TILE_M, TILE_N, TILE_DV,
+                                   TILE_DV_TAIL, V_LATENCY, kv_row0, ROW_OFFSETS)
+    return acc, acc_tail, l_i, m_new
+
+
+def values_product(acc, acc_tail, p, V, batch, kv_head, j, TILE_M, TILE_N, TILE_DV, TILE_DV_TAIL, V_LATENCY,
+                   kv_row0=0, ROW_OFFSETS=False):
+    """``acc + P V`` for value tile j (and the tail's accumulator, where V's head dim has a tail)."""
     if one_load(TILE_M, TILE_DV_TAIL):
         values = load_rows(V, batch, kv_head, j, TILE_N, 2 * TILE_DV, 0, V_LATENCY, kv_row0, ROW_OFFSETS)
         v, v_tail = head_and_tail(values, TILE_DV, TILE_DV_TAIL, axis=1)
-        acc, acc_tail = ct.mma(p, v, acc * alpha), ct.mma(p, v_tail, acc_tail * alpha)
+        acc, acc_tail = ct.mma(p, v, acc), ct.mma(p, v_tail, acc_tail)
     else:
-        acc = ct.mma(p, load_rows(V, batch, kv_head, j, TILE_N, TILE_DV, 0, V_LATENCY, kv_row0, ROW_OFFSETS),
-                     acc * alpha)
+        acc = ct.mma(p, load_rows(V, batch, kv_head, j, TILE_N, TILE_DV, 0, V_LATENCY, kv_row0, ROW_OFFSETS), acc)
         if TILE_DV_TAIL > 0:
             v_tail = load_rows(V, batch, kv_head, j, TILE_N, TILE_DV_TAIL, TILE_DV, V_LATENCY, kv_row0, ROW_OFFSETS)
-            acc_tail = ct.mma(p, v_tail, acc_tail * alpha)
-    return acc, acc_tail, l_i, m_new
+            acc_tail = ct.mma(p, v_tail, acc_tail)
+    return acc, acc_tail
+
+
+def free_tiles_deferred(acc, acc_tail, l_i, m_i, q, q_tail, K, V, batch, kv_head, free_start, free_end, kv_len,
+                        qk_scale, score_scale_log2, TILE_M, TILE_N, TILE_D, TILE_D_TAIL, TILE_DV, TILE_DV_TAIL,
+                        SOFTCAP, FAST_MATH, K_LATENCY, V_LATENCY):
+    """The mask-free key tiles with each tile's P V deferred to the next step (DEFER_PV): step j issues Q K^T of
+    tile j, then P V of tile j - 1 (its P and rescale factor kept from the step before), then tile j's softmax,
+    which does not depend on that product, so the compiler runs the two side by side (FlashAttention-3's
+    intra-warpgroup overlap; sm_90 SASS: the product's HGMMAs issued between the softmax's exponentials). The last
+    tile's P V follows the loop. The first step's P is zeros, times tile ``free_start``, which every row sees
+    whole; an empty loop's drain reads the tile just past the keys (zeros in a dense array), so no key that a row
+    must not see is multiplied, not even by zero (0 * NaN is NaN). Dense kernel only: in a packed batch the rows
+    past a sequence's keys are the next sequence's."""
+    p = ct.full((TILE_M, TILE_N), 0.0, dtype=V.dtype)
+    alpha = ct.full((TILE_M, 1), 1.0, dtype=ct.float32)
+    for j in range(free_start, free_end):
+        qk = scores(q, q_tail, K, batch, kv_head, j, qk_scale, TILE_M, TILE_N, TILE_D, TILE_D_TAIL, SOFTCAP,
+                    FAST_MATH, K_LATENCY)
+        acc, acc_tail = values_product(acc * alpha, acc_tail * alpha, p, V, batch, kv_head, max(j - 1, free_start),
+                                       TILE_M, TILE_N, TILE_DV, TILE_DV_TAIL, V_LATENCY)
+        p, alpha, l_i, m_i = softmax_step(qk, l_i, m_i, score_scale_log2, False, FAST_MATH)
+        p = p.astype(V.dtype)
+    empty = max(1 - (free_end - free_start), 0)  # 1 where the loop ran no step
+    drain = free_end - 1 + empty * (ct.cdiv(kv_len, TILE_N) + 1 - free_end)  # branch-free (a run-time ``if`` costs
+    # the loop its pipeline): the last tile, or where the loop was empty the tile just past the keys
+    acc, acc_tail = values_product(acc * alpha, acc_tail * alpha, p, V, batch, kv_head, drain, TILE_M, TILE_N, TILE_DV,
+                                   TILE_DV_TAIL, V_LATENCY)
+    return acc, acc_tail, l_i, m_i
 
 
 def load_rows(A, batch, head, row_tile, ROWS, WIDTH, FIRST_COLUMN, LATENCY, row0=0, ROW_OFFSETS=False):

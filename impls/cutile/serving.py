@@ -307,6 +307,10 @@ class VarlenCall(Launches):
     def __init__(self, variant: Variant, inputs: Varlen, *, scale: float, out: torch.Tensor | None = None,
                  sm_count: int | None = None, store: str | None = None, window: tuple[int, int] = NO_WINDOW,
                  softcap: float = 0.0) -> None:
+        if variant.defer_pv:
+            raise ValueError(f"{variant.label()}: defer_pv runs in the dense kernel only (its empty loop's drain reads "
+                             "the tile past the keys, zeros in a dense array but the next sequence's rows in a "
+                             "packed one)")
         self.variant = variant = varlen_resolved(variant, inputs, window)
         self.out = inputs.output_like() if out is None else out
         q, k, v, o = (t.transpose(0, 1)[None] for t in (inputs.q, inputs.k, inputs.v, self.out))
@@ -347,16 +351,17 @@ class VarlenCall(Launches):
 def varlen_space(capability: tuple[int, int], head_dim: int, causal: bool, window: bool = False) -> list[Variant]:
     """The dense search space's forms with one block per query tile, and its persistent forms with a fixed
     share, which here run the host's plan (``varlen_work_plan``: its own order and balance, so the dense share's
-    ``paired`` and ``dynamic`` flags mean nothing here and are dropped). Not the two-launch forms. The peeled
-    forms stay (a packed batch runs them where ``varlen_resolved`` keeps their peel), the 128x256 one, its
-    diagonal peeled in 128-key tiles, only with a window. Session 48 (H100, each peeled candidate beside its
-    masked loop, ``gpu_session.sh varlen-peel``): the 128x128 ones ahead on 20 of 22 pairs (up to 7%); the
-    persistent 128x256 10% ahead on Mistral-7B's windowed 64K in 16, 3-12% slower on four of the six batches
-    without a window and never the fastest there (the tuner picked it once at 64K in 16: 582 TFLOPS against 607)."""
+    ``paired`` and ``dynamic`` flags mean nothing here and are dropped). Not the two-launch forms, nor the deferred
+    P V (``Variant.defer_pv``: dense only). The peeled forms stay (a packed batch runs them where
+    ``varlen_resolved`` keeps their peel), the 128x256 one, its diagonal peeled in 128-key tiles, only with a
+    window. Session 48 (H100, each peeled candidate beside its masked loop, ``gpu_session.sh varlen-peel``): the
+    128x128 ones ahead on 20 of 22 pairs (up to 7%); the persistent 128x256 10% ahead on Mistral-7B's windowed 64K
+    in 16, 3-12% slower on four of the six batches without a window and never the fastest there (the tuner picked
+    it once at 64K in 16: 582 TFLOPS against 607)."""
     space = []
     for variant in search_space(capability, head_dim, causal=causal, window=window):
-        if variant.two_launch or variant.dynamic or (variant.peel_diagonal and variant.tile_n > variant.tile_m
-                                                     and not window):
+        if variant.two_launch or variant.dynamic or variant.defer_pv or (
+                variant.peel_diagonal and variant.tile_n > variant.tile_m and not window):
             continue
         planned = replace(variant, paired=False)
         if planned not in space:
