@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from impls._sass import hgmma_runs, sass_summary
+from impls._sass import hgmma_runs, sass_summary, softmax_overlap
 from impls.cutile import LADDER, search_space
 from impls.cutile.export import export_phases
 
@@ -25,6 +25,9 @@ def main() -> None:
     p.add_argument("--runs", action="store_true",
                    help="also the HGMMAs issued between waits for them, in program order (a wait drains the tensor "
                         "cores: MLA's Q K^T ran as 8, a wait, 4 before session 49)")
+    p.add_argument("--overlap", action="store_true",
+                   help="also how many HGMMAs run between the softmax's exponentials, with no wait between (the "
+                        "deferred P V's overlap, Variant.defer_pv; 0 where each product waits or is waited for)")
     a = p.parse_args()
     variants = {"window": a.window, "softcap": a.softcap, "value_dim": a.value_dim}
     capability = (int(a.arch[3:-1]), int(a.arch[-1]))
@@ -35,7 +38,8 @@ def main() -> None:
     for name, variant in named:
         for phase, cubin in export_phases(variant, arch=a.arch, head_dim=a.head_dim, causal=a.causal, **variants):
             runs = f" runs {hgmma_runs(cubin)}" if a.runs else ""
-            print(f"{name + phase:70s} {sass_summary(cubin)}{runs}", flush=True)
+            overlap = f" overlap {softmax_overlap(cubin)}" if a.overlap else ""
+            print(f"{name + phase:70s} {sass_summary(cubin)}{runs}{overlap}", flush=True)
 
 
 if __name__ == "__main__":

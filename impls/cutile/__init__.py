@@ -427,11 +427,11 @@ def deferred_forms(space: list[Variant], causal: bool, window: bool, mla: bool) 
 
     Written so, the compiler issues the deferred P V beside the next tile's softmax (FlashAttention-3's
     intra-warpgroup overlap), which it does by itself only in the non-causal persistent loop: sm_90, tileiras 13.5,
-    no stack, 193-225 KB of pipeline. Settled TFLOPS, two H200s: MLA 4 x 4K 527 / 533 -> 560 / 574, 1 x 32K 596 /
-    609 -> 640 / 651; Gemma-2 global 1 x 32K 592 -> 607; Llama-3-8B 4 x 4K 524 -> 533. Measured and left out:
-    non-causal (the compiler's own overlap is faster), a window (Mistral-7B 1 x 32K 564 -> 543), D=64's blocks (7-10%
-    slower; the 16-warp persistent one 35% where causal), the 128x256 (360 B of stack), D=96 (its tail's products
-    already wait one by one)."""
+    no stack, 193-225 KB of pipeline. Settled TFLOPS, best plain -> best deferred, on three H200s: MLA 4 x 4K
+    527-533 -> 560-574, 1 x 32K 596-609 -> 640-653; Gemma-2 global 1 x 32K 592-595 -> 607; Llama-3-8B 4 x 4K
+    524-526 -> 530-533. Measured and left out: non-causal (the compiler's own overlap is faster), a window
+    (Mistral-7B 1 x 32K 564 -> 543), D=64's blocks (7-10% slower; the 16-warp persistent one 35% where causal), the
+    128x256 (360 B of stack), D=96 (its tail's products already wait one by one)."""
     if not causal or window:
         return []
 
