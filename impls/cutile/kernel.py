@@ -322,19 +322,20 @@ def attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_
     # its pipeline depth (sm_90: 128 x 256 tiles spilled with three loops, not with two). DIAGONAL runs only the
     # masked tiles, OFF_DIAGONAL only the mask-free ones; MASK_BRANCH runs the mask-free run and the masked one
     # after it as one loop with a run-time branch.
-    if PHASE != DIAGONAL and not MASK_BRANCH and DEFER_PV:
-        acc, acc_tail, l_i, m_i = free_tiles_deferred(
-            acc, acc_tail, l_i, m_i, q, q_tail, K, V, batch, kv_head, free_start, free_end, kv_len, qk_scale,
-            score_scale_log2, TILE_M, TILE_N, TILE_D, TILE_D_TAIL, TILE_DV, TILE_DV_TAIL, SOFTCAP, FAST_MATH,
-            K_LATENCY, V_LATENCY)
-    elif PHASE != DIAGONAL and not MASK_BRANCH:
-        for j in range(free_start, free_end):
-            acc, acc_tail, l_i, m_i = attend_key_tile(
-                acc, acc_tail, l_i, m_i, q, q_tail, K, V, batch, kv_head, j, offs_m, qk_scale, score_scale_log2,
-                kv_len, causal_offset, window_left, window_right, TILE_M, TILE_N, TILE_D, TILE_D_TAIL, TILE_DV,
-                TILE_DV_TAIL, MASKED=False, CAUSAL=CAUSAL, EVEN_N=EVEN_N, HAS_WINDOW=HAS_WINDOW, SOFTCAP=SOFTCAP,
-                MAY_BE_EMPTY=False, FAST_MATH=FAST_MATH, K_LATENCY=K_LATENCY, V_LATENCY=V_LATENCY, kv_row0=kv_row0,
-                ROW_OFFSETS=ROW_OFFSETS)
+    if PHASE != DIAGONAL and not MASK_BRANCH:
+        if DEFER_PV:
+            acc, acc_tail, l_i, m_i = free_tiles_deferred(
+                acc, acc_tail, l_i, m_i, q, q_tail, K, V, batch, kv_head, free_start, free_end, kv_len, qk_scale,
+                score_scale_log2, TILE_M, TILE_N, TILE_D, TILE_D_TAIL, TILE_DV, TILE_DV_TAIL, SOFTCAP, FAST_MATH,
+                K_LATENCY, V_LATENCY)
+        else:
+            for j in range(free_start, free_end):
+                acc, acc_tail, l_i, m_i = attend_key_tile(
+                    acc, acc_tail, l_i, m_i, q, q_tail, K, V, batch, kv_head, j, offs_m, qk_scale, score_scale_log2,
+                    kv_len, causal_offset, window_left, window_right, TILE_M, TILE_N, TILE_D, TILE_D_TAIL, TILE_DV,
+                    TILE_DV_TAIL, MASKED=False, CAUSAL=CAUSAL, EVEN_N=EVEN_N, HAS_WINDOW=HAS_WINDOW,
+                    SOFTCAP=SOFTCAP, MAY_BE_EMPTY=False, FAST_MATH=FAST_MATH, K_LATENCY=K_LATENCY,
+                    V_LATENCY=V_LATENCY, kv_row0=kv_row0, ROW_OFFSETS=ROW_OFFSETS)
     # The mask-free launch has no masked loop at all, not even an empty one, and neither has a kernel that needs
     # no mask (its mask-free loop ran every tile): a loop the compiler cannot prove empty keeps its pipeline
     # shallow (132 KB instead of 198 on sm_90).
