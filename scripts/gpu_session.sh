@@ -77,11 +77,12 @@
 #             peeled at D=64; mla, the 8-warp 128x64 peeled (session 27: only the 128x128 at D=256 won);
 #             deferred (not in the default list), the space's forms with P V deferred (Variant.defer_pv) beside the
 #             same forms without, on MLA, Llama-3-8B 4 x 4K and Gemma-2 global 1 x 32K (session 52); d64-narrow
-#             (not in the default list either), the two-warpgroup 128x64 at D=64, one block a tile and persistent,
-#             whose loop the compiler overlaps by itself (sm_90 SASS, session 52; not yet timed at D=64);
-#             deferred-paired, the persistent paired 128x128 peeled with the deferral at L2,4 beside the space's
-#             peeled forms (at D=128 only L2,4 gets the overlap in the SASS; the L3,6 one measured in session 52
-#             has none and lost) on blog 2K / 4K and the 4 x 4K GQA cases
+#             (not in the default list either), the two-warpgroup 128x64 at D=64 beside the 16-warp 256x64: one block
+#             a tile at L2,4 and L3,6, persistent, and causal also paired, peeled and deferred (session 53: 10-20%
+#             behind the 256x64 on GPT-2 1 x 32K and fa3's D=64 rows, causal or not, though the compiler overlaps its
+#             loop by itself); deferred-paired, the persistent paired 128x128 peeled with the deferral at L2,4 beside
+#             the space's peeled forms on blog 2K / 4K and the 4 x 4K GQA cases (session 53: 2-6% behind one block a
+#             peeled tile with the deferral, which led all four)
 #   narrow-window: the persistent 128x256 with a window's far edge peeled beside the space's peeled forms on
 #             Mistral-7B's windowed 1 x 32K (session 47: paired 561 settled TFLOPS against 552, fixed share 525)
 #   window:   the windowed cuTile candidates on the edge cases, then settled times on Mistral / Gemma-2 local 1 x 32K
@@ -516,9 +517,14 @@ for part in "$@"; do
           deferred-paired) probe "$group" "fp16-causal-h32:32-s2048x2048-d128-b4 fp16-causal-h32:32-s4096x4096-d128-b4
               llama3-8b-bf16-causal-h32:8-s4096x4096-d128-b4 llama3-70b-tp8-bf16-causal-h8:1-s4096x4096-d128-b4" \
               --match '128x128*peeled*' --add persistent=1,paired=1,peel_diagonal=1,defer_pv=1 ;;
-          d64-narrow) probe "$group" "gpt2-bf16-causal-h12:12-s32768x32768-d64 fp16-causal-h32:32-s16384x16384-d64
-              fp16-full-h32:32-s4096x4096-d64-b4 fp16-full-h32:32-s16384x16384-d64" --match '256x64*' \
-              --add tile_n=64 --add tile_n=64,k_latency=3,v_latency=6 --add tile_n=64,persistent=1,k_latency=3,v_latency=6 ;;
+          d64-narrow)
+            probe "$group" "gpt2-bf16-causal-h12:12-s32768x32768-d64 fp16-causal-h32:32-s16384x16384-d64
+              fp16-causal-h32:32-s4096x4096-d64-b4" --match '256x64*' --add tile_n=64 \
+              --add tile_n=64,k_latency=3,v_latency=6 --add tile_n=64,persistent=1,paired=1 --add tile_n=64,peel_diagonal=1 \
+              --add tile_n=64,persistent=1,paired=1,peel_diagonal=1 --add tile_n=64,defer_pv=1
+            probe "$group-full" "fp16-full-h32:32-s16384x16384-d64 fp16-full-h32:32-s4096x4096-d64-b4" --match '256x64*' \
+              --add tile_n=64 --add tile_n=64,k_latency=3,v_latency=6 --add tile_n=64,persistent=1,k_latency=3,v_latency=6 \
+              --add tile_n=64,persistent=1 ;;
           mla) probe "$group" "deepseek-v3-mla-tp8-bf16-causal-h16:16-s4096x4096-d192-dv128-b4
               deepseek-v3-mla-tp8-bf16-causal-h16:16-s32768x32768-d192-dv128" --match '128x128*' \
               --add tile_n=64 --add tile_n=64,peel_diagonal=1 --add tile_n=64,peel_diagonal=1,k_latency=3,v_latency=6 \
