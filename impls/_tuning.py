@@ -12,6 +12,7 @@ config, which still goes into every benchmark's JSON.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import fcntl
 import functools
@@ -82,10 +83,28 @@ def _version(dist: str) -> str | None:
 
 @functools.cache
 def source_hash(paths: tuple[Path, ...]) -> str:
+    """A digest of what the modules at ``paths`` compute: their code, not their comments, docstrings or layout, so
+    that a note added to a search space's docstring keeps the tuning picks (and a tune of minutes) valid."""
     digest = hashlib.sha256()
     for path in paths:
-        digest.update(path.read_bytes())
+        digest.update(_code_only(path.read_bytes()))
     return digest.hexdigest()[:16]
+
+
+def _code_only(source: bytes) -> bytes:
+    """The module's code without docstrings, as Python writes its syntax tree back (``ast.unparse``: no comments, one
+    layout); the source itself where it does not parse."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return source
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.unparse(tree).encode()
 
 
 def family_sources(package_init: str) -> list[Path]:
