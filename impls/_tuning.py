@@ -8,6 +8,11 @@ config, which still goes into every benchmark's JSON.
 ``FMHA_TUNING=off`` neither reads nor writes the cache, ``FMHA_TUNING=retune`` tunes again and overwrites
 (the suite's ``--no-tuning-cache`` and ``--retune`` set them). ``FMHA_TUNING_CACHE=DIR`` moves the files from
 ``~/.cache/fmha-bench``. A file that cannot be read or parsed is ignored, and rewritten on the next store.
+
+A process that shares its GPU with others running at the same time (``FMHA_GPU_SHARED=1``, which
+``suite/sharding.py`` sets in pytest-xdist workers that outnumber the GPUs) tunes nothing and stores nothing: its
+timings would measure the other processes' load as much as its candidates, and a pick stored from them would be
+what later benchmarks run. It runs the cache's pick where there is one, else its tuner's fixed config.
 """
 
 from __future__ import annotations
@@ -53,6 +58,15 @@ FINALIST_MARGIN = 0.10
 # published run shows what decided each pick after the machine that tuned is gone (session 51: two H200s picked
 # differently for one case, and neither's reason was left).
 EVIDENCE = "finalists"
+
+
+# Where a lookup's config came from (a prepared call's config says it as "chosen").
+CACHED, TUNED, UNTUNED = "tuning cache", "autotuned", "fixed (GPU shared: not tuned)"
+
+
+def shares_gpu() -> bool:
+    """Whether this process shares its GPU with others that run at the same time (``FMHA_GPU_SHARED=1``)."""
+    return os.environ.get("FMHA_GPU_SHARED") == "1"
 
 
 def mode() -> str:
@@ -170,14 +184,17 @@ class TuningCache:
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
-    def lookup(self, key: str, tune: Callable[[], dict]) -> tuple[dict, bool]:
-        """The cached config for ``key``, or ``tune()``'s result, stored. Returns (config, from_cache)."""
+    def lookup(self, key: str, tune: Callable[[], dict], fixed: Callable[[], dict]) -> tuple[dict, str]:
+        """The cached config for ``key``; or where this process shares its GPU (``shares_gpu``), ``fixed()``'s,
+        not stored; or ``tune()``'s result, stored. Returns (config, CACHED, UNTUNED or TUNED)."""
         cached = self.get(key)
         if cached is not None:
-            return cached, True
+            return cached, CACHED
+        if shares_gpu():
+            return fixed(), UNTUNED
         config = tune()
         self.put(key, config)
-        return config, False
+        return config, TUNED
 
 
 def _event_ms(fn: Callable[[], object]) -> float:

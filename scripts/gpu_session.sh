@@ -136,9 +136,9 @@
 #             one process a candidate, without PyTorch's caching allocator, with each output store of VARLEN_STORES
 #             (default "plain tma"), all at once; VARLEN_PROBE_ARGS=--varlen-stores has varlen-probe time both
 #   node:     (several GPUs) issue 14's evidence, PER_GPU workers a GPU (default: the cores / GPUs), as two parts
-#             that each fit one call: node-correct (the correctness preset cold and warm over all GPUs, cold over
-#             one; heartbeats time a stopped pass) and node-bench (the fleet check of blog; blog on one GPU and
-#             sharded over all). They replace session 5's shard-correct and shard-bench.
+#             that each fit one call, back to back on one machine: node-correct (the correctness preset cold over all
+#             GPUs and over one; heartbeats time a stopped pass) and node-bench (the same warm, blog's checks to tune
+#             its shapes, the fleet check of blog, blog on one GPU and sharded over all); NODE_PASSES picks passes.
 # The side-by-side serving run with every implementation, in the three calls of the flash-attn-4 carry (caches
 # under /tmp/fmha live as long as the machine; FlashInfer needs `source scripts/flashinfer_env.sh`):
 #   serve-prime: (call 1) serving correctness of the implementations without a carried package, 16 workers:
@@ -772,36 +772,56 @@ for v in varlen_space((9, 0), 128, True): print(v.label().replace(' ', '?'))")
         --out "$out/dynamic-sweep.json"
       ;;
     node|node-correct|node-bench)
-      # issue 14's evidence, PER_GPU workers a GPU (default: the cores / GPUs); logs in $out/<part>-logs.tgz
+      # issue 14's evidence, PER_GPU workers a GPU (default: the cores / GPUs); logs in $out/<part>-logs.tgz. The
+      # cold passes (node-correct) fill the caches the warm ones and the blog part (node-bench, the next call on the
+      # same machine) start from: NODE_PASSES picks passes by name (default: the part's own)
       gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
       per_gpu=${PER_GPU:-$(( $(nproc) / gpus ))}
       logs=$(mktemp -d) results=$out
       python3 -c "import pytest; print('pytest', pytest.__version__)"
+      case $part in
+        node-correct) passes=${NODE_PASSES:-"cold-all cold-one"} ;;
+        node-bench) passes=${NODE_PASSES:-"warm-all warm-one blog-prime fleet blog-one blog-all"} ;;
+        *) passes=${NODE_PASSES:-"cold-all cold-one warm-all warm-one blog-prime fleet blog-one blog-all"} ;;
+      esac
       correct=(python3 -m pytest suite -k correctness --grid gpu -q -p no:cacheprovider --dist loadgroup
                --max-worker-restart 2)
+      blog_impls=(--impl cutile --impl triton --impl sdpa-cudnn --impl sdpa --impl flash-attn4)
       blog=(python3 -m pytest suite -k benchmark --grid blog --timing graph -q -p no:cacheprovider --rounds 7
-            --round-ms 10 --impl cutile --impl triton --impl sdpa-cudnn --impl sdpa --impl flash-attn4)
+            --round-ms 10 "${blog_impls[@]}")
       caches() {  # caches NAME: every tuning and compile cache in a folder of its own (a cold pass starts empty)
         export FMHA_TUNING_CACHE=/tmp/$1/tuning CUDA_TILE_CACHE_DIR=/tmp/$1/cutile TRITON_CACHE_DIR=/tmp/$1/triton \
           TORCHINDUCTOR_CACHE_DIR=/tmp/$1/inductor
       }
       (
         out=$logs
-        if [ "$part" != node-bench ]; then  # the correctness preset, cold then warm, over all GPUs and over one
-          caches node-all
-          step "correct-cold-${gpus}gpu" 200 "${correct[@]}" -n $((per_gpu * gpus)) --heartbeat="$logs/cold-all.hb"
-          step "correct-warm-${gpus}gpu" 60 "${correct[@]}" -n $((per_gpu * gpus)) --heartbeat="$logs/warm-all.hb"
-          caches node-one
-          CUDA_VISIBLE_DEVICES=0 step correct-cold-1gpu 250 "${correct[@]}" -n "$per_gpu" \
-            --heartbeat="$logs/cold-one.hb"
-        fi
-        if [ "$part" != node-correct ]; then  # the fleet check of blog; blog on one GPU and sharded over all
-          caches node-all
-          step fleet 120 "${blog[@]}" -n "$gpus" --dist each --benchmark-json="$results/fleet-blog.json"
-          CUDA_VISIBLE_DEVICES=0 step blog-1gpu 60 "${blog[@]}" -n 1 --benchmark-json="$results/blog-1gpu.json"
-          step "blog-${gpus}gpu" 45 "${blog[@]}" -n "$gpus" --dist loadgroup \
-            --benchmark-json="$results/blog-${gpus}gpu.json"
-        fi
+        for pass in $passes; do
+          case $pass in  # the correctness preset over all GPUs and over one, cold then warm; blog's checks tune
+            cold-all|warm-all)
+              caches node-all
+              step "correct-$pass-${gpus}gpu" "$([ "$pass" = cold-all ] && echo 240 || echo 90)" "${correct[@]}" \
+                -n $((per_gpu * gpus)) --heartbeat="$logs/$pass.hb" --benchmark-json="$logs/$pass.json" ;;
+            cold-one|warm-one)
+              caches node-one
+              CUDA_VISIBLE_DEVICES=0 step "correct-$pass-1gpu" "$([ "$pass" = cold-one ] && echo 330 || echo 90)" \
+                "${correct[@]}" -n "$per_gpu" --heartbeat="$logs/$pass.hb" --benchmark-json="$logs/$pass.json" ;;
+            blog-prime)  # the blog shapes' tuning, one case a worker, so that the benchmarks below time no tune
+              caches node-all
+              step blog-prime 220 python3 -m pytest suite -k correctness --grid blog -q -p no:cacheprovider \
+                "${blog_impls[@]}" -n "$gpus" --dist load ;;
+            fleet)  # the fleet check of blog: every benchmark on every GPU
+              caches node-all
+              step fleet 150 "${blog[@]}" -n "$gpus" --dist each --benchmark-json="$results/fleet-blog.json" ;;
+            blog-one)
+              caches node-all
+              CUDA_VISIBLE_DEVICES=0 step blog-1gpu 70 "${blog[@]}" -n 1 --benchmark-json="$results/blog-1gpu.json" ;;
+            blog-all)
+              caches node-all
+              step "blog-${gpus}gpu" 60 "${blog[@]}" -n "$gpus" --dist loadgroup \
+                --benchmark-json="$results/blog-${gpus}gpu.json" ;;
+            *) echo "unknown node pass: $pass" >&2 ;;
+          esac
+        done
       )
       python3 - "$logs"/*.hb <<'PY'
 import sys  # each pass's span from its heartbeats

@@ -478,8 +478,9 @@ def pytest_benchmark_update_json(config: pytest.Config, benchmarks, output_json:
 def _heartbeat(config: pytest.Config, event: str, nodeid: str) -> None:
     path = config.getoption("--heartbeat")
     if path:
+        worker = os.environ.get("PYTEST_XDIST_WORKER")  # which process ran it: a sharded pass's critical path
         with open(path, "a") as f:
-            f.write(json.dumps({"event": event, "nodeid": nodeid, "t": time.time()}) + "\n")
+            f.write(json.dumps({"event": event, "nodeid": nodeid, "t": time.time(), "worker": worker}) + "\n")
 
 
 @pytest.hookimpl(hookwrapper=True)

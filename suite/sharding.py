@@ -2,9 +2,10 @@
 
 It must run before CUDA initialises in the worker, so the root ``conftest.py`` calls it before anything asks
 torch about devices; this module imports nothing that touches CUDA. With ``-n`` equal to the number of GPUs,
-every GPU runs one worker, and each worker (alone on its GPU) times its benchmarks; with more workers than
-GPUs they share round-robin and pytest-benchmark stays off. ``FMHA_NO_PIN=1`` leaves ``CUDA_VISIBLE_DEVICES``
-alone.
+every GPU runs one worker, and each worker (alone on its GPU, ``FMHA_GPU_EXCLUSIVE=1``) times its benchmarks;
+with more workers than GPUs they share round-robin (``FMHA_GPU_SHARED=1``): pytest-benchmark stays off and our
+tuners time nothing (``impls/_tuning.py``). ``FMHA_NO_PIN=1`` leaves ``CUDA_VISIBLE_DEVICES`` alone (every worker
+then on the first visible GPU).
 """
 
 from __future__ import annotations
@@ -30,15 +31,19 @@ def visible_gpus(environ: MutableMapping[str, str] = os.environ) -> list[str]:
 def pin_worker_to_gpu(environ: MutableMapping[str, str] = os.environ) -> str | None:
     """Restrict an xdist worker to one GPU; returns that GPU's id, or None (not a worker, no GPU, opted out)."""
     worker = environ.get("PYTEST_XDIST_WORKER")
-    if not worker or environ.get("FMHA_NO_PIN") == "1":
+    if not worker:
         return None
     gpus = visible_gpus(environ)
     if not gpus:
         return None
+    pinned = environ.get("FMHA_NO_PIN") != "1"
+    workers = int(environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    # alone on its GPU, a worker's timings can be trusted; beside others, they time the others' load too
+    environ["FMHA_GPU_EXCLUSIVE" if workers <= (len(gpus) if pinned else 1) else "FMHA_GPU_SHARED"] = "1"
+    if not pinned:
+        return None
     gpu = gpus[int(worker.removeprefix("gw")) % len(gpus)]
     environ["CUDA_VISIBLE_DEVICES"] = gpu
-    if int(environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) <= len(gpus):
-        environ["FMHA_GPU_EXCLUSIVE"] = "1"  # this worker is alone on its GPU: its timings can be trusted
     return gpu
 
 

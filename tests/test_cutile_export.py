@@ -309,6 +309,7 @@ def test_settled_tuner_times_again_only_the_candidates_near_the_searchs_best(mon
         return sorted(((variant, settled_ms[variant]) for variant, _ in candidates), key=lambda entry: entry[1])
 
     monkeypatch.setenv("FMHA_TUNING_CACHE", str(tmp_path))
+    monkeypatch.delenv("FMHA_GPU_SHARED", raising=False)
     monkeypatch.setattr(cutile, "_TUNED", {})
     monkeypatch.setattr(cutile, "precompile", lambda calls: calls)
     monkeypatch.setattr(cutile, "settle_gpu", lambda device: None)
@@ -320,7 +321,7 @@ def test_settled_tuner_times_again_only_the_candidates_near_the_searchs_best(mon
         monkeypatch.setenv("FMHA_TUNER", tuner)
         picks[tuner] = cutile.tuned(("test-shape", tuner), torch.device("cpu"), space,
                                     lambda v: SimpleNamespace(variant=v))
-        assert not picks[tuner].cached
+        assert picks[tuner].source == _tuning.TUNED
     assert {tuner: pick.choice for tuner, pick in picks.items()} == {"exhaustive": space[0], "settled": space[2]}
     assert retimed == [space[0], space[2]]  # fastest first; 140 us is more than FINALIST_MARGIN behind
     assert _tuning.FINALIST_MARGIN == 0.10
@@ -332,12 +333,17 @@ def test_settled_tuner_times_again_only_the_candidates_near_the_searchs_best(mon
     # another process: the pick and its evidence from the cache, the config without it
     monkeypatch.setattr(cutile, "_TUNED", {})
     again = cutile.tuned(("test-shape", "settled"), torch.device("cpu"), space, lambda v: pytest.fail("re-tuned"))
-    assert again == (space[2], True, finalists)
+    assert again == (space[2], _tuning.CACHED, finalists)
     assert again.provenance() == {"chosen": "tuning cache", _tuning.EVIDENCE: finalists}
     # a search with one finalist needs no second round
     result.successes[2] = SimpleNamespace(config=space[2], mean_us=150.0)
     pick = cutile.tuned(("test-shape", "alone"), torch.device("cpu"), space, lambda v: SimpleNamespace(variant=v))
     assert pick.choice == space[0] and pick.finalists is None and retimed == [space[0], space[2]]
+    # a process that shares its GPU runs the space's first candidate, untimed, and stores nothing
+    monkeypatch.setenv("FMHA_GPU_SHARED", "1")
+    shared = cutile.tuned(("test-shape", "shared"), torch.device("cpu"), space[::-1], lambda v: pytest.fail("timed"))
+    assert shared == (space[2], _tuning.UNTUNED, None) and shared.provenance() == {"chosen": _tuning.UNTUNED}
+    assert cutile.TUNING.get(repr(("test-shape", "shared"))) is None
 
 
 @pytest.mark.parametrize("head_dim", [40, 64])

@@ -218,15 +218,19 @@ def test_tuning_cache_modes(tmp_path, monkeypatch):
         calls.append(1)
         return {"BLOCK": 64 * len(calls)}
 
+    def fixed():
+        return {"BLOCK": 16}
+
+    monkeypatch.delenv("FMHA_GPU_SHARED", raising=False)
     monkeypatch.setenv("FMHA_TUNING", "on")
-    assert cache.lookup("k", tune) == ({"BLOCK": 64}, False)
-    assert cache.lookup("k", tune) == ({"BLOCK": 64}, True) and len(calls) == 1  # tuned once
+    assert cache.lookup("k", tune, fixed) == ({"BLOCK": 64}, _tuning.TUNED)
+    assert cache.lookup("k", tune, fixed) == ({"BLOCK": 64}, _tuning.CACHED) and len(calls) == 1  # tuned once
     monkeypatch.setenv("FMHA_TUNING", "retune")
-    assert cache.lookup("k", tune) == ({"BLOCK": 128}, False)  # tuned again, overwritten
+    assert cache.lookup("k", tune, fixed) == ({"BLOCK": 128}, _tuning.TUNED)  # tuned again, overwritten
     monkeypatch.setenv("FMHA_TUNING", "on")
     assert cache.get("k") == {"BLOCK": 128}
     monkeypatch.setenv("FMHA_TUNING", "off")
-    assert cache.lookup("k", tune) == ({"BLOCK": 192}, False)
+    assert cache.lookup("k", tune, fixed) == ({"BLOCK": 192}, _tuning.TUNED)
     monkeypatch.setenv("FMHA_TUNING", "on")
     assert cache.get("k") == {"BLOCK": 128}  # off neither read nor wrote
     (tmp_path / "toy.json").write_text("{torn")
@@ -234,6 +238,20 @@ def test_tuning_cache_modes(tmp_path, monkeypatch):
     monkeypatch.setenv("FMHA_TUNING", "sometimes")
     with pytest.raises(ValueError, match="FMHA_TUNING='sometimes'"):
         cache.get("k")
+
+
+def test_a_process_sharing_its_gpu_neither_tunes_nor_stores(tmp_path, monkeypatch):
+    """Beside other processes on its GPU (xdist workers outnumbering the GPUs) a tuner would time their load: the
+    cache's pick where there is one, else the fixed config, and nothing stored for the processes after it."""
+    monkeypatch.setenv("FMHA_TUNING_CACHE", str(tmp_path))
+    monkeypatch.setenv("FMHA_TUNING", "on")
+    monkeypatch.setenv("FMHA_GPU_SHARED", "1")
+    cache = _tuning.TuningCache("toy", [Path(__file__)], ["torch"])
+    assert cache.lookup("k", lambda: pytest.fail("tuned on a shared GPU"), lambda: {"BLOCK": 16}) == (
+        {"BLOCK": 16}, _tuning.UNTUNED)
+    assert cache.get("k") is None and not (tmp_path / "toy.json").exists()
+    cache.put("k", {"BLOCK": 64})  # tuned earlier, alone
+    assert cache.lookup("k", lambda: pytest.fail("tuned"), lambda: {"BLOCK": 16}) == ({"BLOCK": 64}, _tuning.CACHED)
 
 
 def test_the_key_names_the_compiler_where_given(monkeypatch):
@@ -329,19 +347,28 @@ def test_xdist_workers_results_merge_into_one_file(sharded):
     assert any(line.split()[:2] == ["all", str(checked)] for line in summary.splitlines() if line.strip()), summary
 
 
-@pytest.mark.parametrize(("environ", "expected"), [
-    ({"PYTEST_XDIST_WORKER": "gw1", "CUDA_VISIBLE_DEVICES": "3,5"}, "5"),
-    ({"PYTEST_XDIST_WORKER": "gw2", "CUDA_VISIBLE_DEVICES": "3,5"}, "3"),  # more workers than GPUs: round robin
-    ({"CUDA_VISIBLE_DEVICES": "3,5"}, None),  # not a worker
-    ({"PYTEST_XDIST_WORKER": "gw0", "CUDA_VISIBLE_DEVICES": ""}, None),  # no GPU
-    ({"PYTEST_XDIST_WORKER": "gw0", "CUDA_VISIBLE_DEVICES": "0,1", "FMHA_NO_PIN": "1"}, None),
+W2 = {"PYTEST_XDIST_WORKER_COUNT": "2"}
+W3 = {"PYTEST_XDIST_WORKER_COUNT": "3"}
+
+
+@pytest.mark.parametrize(("environ", "expected", "flag"), [
+    ({"PYTEST_XDIST_WORKER": "gw1", "CUDA_VISIBLE_DEVICES": "3,5", **W2}, "5", "FMHA_GPU_EXCLUSIVE"),
+    # more workers than GPUs: round robin, each GPU shared
+    ({"PYTEST_XDIST_WORKER": "gw2", "CUDA_VISIBLE_DEVICES": "3,5", **W3}, "3", "FMHA_GPU_SHARED"),
+    ({"CUDA_VISIBLE_DEVICES": "3,5"}, None, None),  # not a worker
+    ({"PYTEST_XDIST_WORKER": "gw0", "CUDA_VISIBLE_DEVICES": ""}, None, None),  # no GPU
+    # not pinned: every worker on the first GPU
+    ({"PYTEST_XDIST_WORKER": "gw0", "CUDA_VISIBLE_DEVICES": "0,1", "FMHA_NO_PIN": "1", **W2}, None, "FMHA_GPU_SHARED"),
+    ({"PYTEST_XDIST_WORKER": "gw0", "CUDA_VISIBLE_DEVICES": "0,1", "FMHA_NO_PIN": "1"}, None, "FMHA_GPU_EXCLUSIVE"),
 ])
-def test_each_xdist_worker_is_pinned_to_one_gpu(environ, expected):
+def test_each_xdist_worker_is_pinned_to_one_gpu(environ, expected, flag):
     from suite.sharding import pin_worker_to_gpu
 
     before = dict(environ)
     assert pin_worker_to_gpu(environ) == expected
     assert environ["CUDA_VISIBLE_DEVICES"] == (expected if expected else before["CUDA_VISIBLE_DEVICES"])
+    flags = {"FMHA_GPU_EXCLUSIVE", "FMHA_GPU_SHARED"}
+    assert flags & set(environ) == ({flag} if flag else set())
 
 
 def test_sharded_benchmarks_merge_into_one_file(sharded):

@@ -545,30 +545,30 @@ Choice = TypeVar("Choice")
 
 
 class Tuned(NamedTuple, Generic[Choice]):
-    """A tuner's pick: the choice, whether it came from the tuning cache, and what decided it where the tuner
-    kept that (``_tuning.EVIDENCE``: the settled tuner's finalists and their times), else None."""
+    """A tuner's pick: the choice, where it came from (``_tuning``'s CACHED, TUNED or UNTUNED), and what decided it
+    where the tuner kept that (``_tuning.EVIDENCE``: the settled tuner's finalists and their times), else None."""
 
     choice: Choice
-    cached: bool
+    source: str
     finalists: list[dict] | None = None
 
     def provenance(self) -> dict[str, Any]:
         """What a prepared call's config says of its pick."""
-        return {"chosen": "tuning cache" if self.cached else "autotuned",
-                **({EVIDENCE: self.finalists} if self.finalists else {})}
+        return {"chosen": self.source, **({EVIDENCE: self.finalists} if self.finalists else {})}
 
 
 _TUNED: dict[str, Tuned[Any]] = {}
 
 
-def remembered(key: str, search: Callable[[], dict], build: Callable[..., Choice]) -> Tuned[Choice]:
+def remembered(key: str, search: Callable[[], dict], build: Callable[..., Choice],
+               fixed: Callable[[], dict]) -> Tuned[Choice]:
     """The choice for tuning key ``key``, made once per process: ``build(**config)`` of the config in the tuning
-    cache, or of ``search()``'s result (stored there), with whether it came from the cache and the evidence the
-    entry keeps beside the config."""
+    cache, of ``fixed()``'s where the GPU is shared (``TuningCache.lookup``), or of ``search()``'s result (stored
+    there), with where it came from and the evidence the entry keeps beside the config."""
     if key not in _TUNED:
-        entry, cached = TUNING.lookup(key, search)
+        entry, source = TUNING.lookup(key, search, fixed)
         config = {name: value for name, value in entry.items() if name != EVIDENCE}
-        _TUNED[key] = Tuned(build(**config), cached, entry.get(EVIDENCE))
+        _TUNED[key] = Tuned(build(**config), source, entry.get(EVIDENCE))
     return _TUNED[key]
 
 
@@ -630,7 +630,8 @@ def exhaustive_timings(calls: list[Launches]):
 def tuned(shape: tuple, device: torch.device, space: list[Variant],
           make_call: Callable[[Variant], Launches]) -> Tuned[Variant]:
     """The fastest variant of ``space`` for shape class ``shape`` (``make_call`` prepares one candidate; all
-    share one output), whether it came from the tuning cache, and the finalists' times where there were several.
+    share one output; on a shared GPU the first, untimed), where it came from, and the finalists' times where there
+    were several.
     ``FMHA_TUNER`` says how candidates are timed: ``settled`` (default: ``cuda.tile.tune.exhaustive_search``,
     then the candidates within ``FINALIST_MARGIN`` of its best again by ``settled_times``, each alone at the
     clocks it sustains, as the suite times), ``exhaustive`` (the search alone) or ``sustained``
@@ -658,7 +659,7 @@ def tuned(shape: tuple, device: torch.device, space: list[Variant],
             return result.best.config.describe()
 
     shape = shape if method == TUNERS[0] else (*shape, f"tuner={method}")  # each method's picks kept apart
-    return remembered(TUNING.key(device, shape), search, Variant)
+    return remembered(TUNING.key(device, shape), search, Variant, space[0].describe)
 
 
 def tune(q, k, v, *, causal: bool, scale: float, **variants) -> Tuned[Variant]:

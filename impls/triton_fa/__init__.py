@@ -45,6 +45,8 @@ POW2_HEAD_DIMS = (16, 32, 64, 128, 256)
 def block_d(head_dim: int) -> int:
     return 1 << (head_dim - 1).bit_length()
 
+# One config that runs every head dim (one pipeline stage): under the interpreter, and on a GPU that other processes
+# share, where the autotuner would time their load (impls/_tuning.py, shares_gpu).
 INTERPRETER_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1, "USE_TMA": False}
 # (BLOCK_M, BLOCK_N, num_warps, num_stages). Measured on an H200 (fp16, D=128, 2K/8K, causal and not):
 # 128x64 with 8 warps led (418-461 TFLOPS), 128x128/8 warps close behind; 4 warps on 128 rows fell to ~120.
@@ -191,9 +193,9 @@ def prepared_launch(args: tuple, meta: dict, grid, out: torch.Tensor, *, pointer
     """The timed call: ``attention_fwd`` with ``args`` and ``meta``, its config from the tuning cache or the
     autotuner (keyed on ``shape_class``); under the interpreter one fixed config. Runs once (compile, tune)."""
     kernel = plain_kernel()
+    fixed = {**INTERPRETER_CONFIG, "USE_TMA": tma and not pointer}
     if interpreting():  # the autotuner times on a GPU
-        config = {**INTERPRETER_CONFIG, "USE_TMA": tma and not pointer}
-        source = "fixed (interpreter)"
+        config, source = fixed, "fixed (interpreter)"
     else:
         def tune() -> dict:
             precompile(kernel, args, meta, grid, configs(pointer, tma))
@@ -203,8 +205,7 @@ def prepared_launch(args: tuple, meta: dict, grid, out: torch.Tensor, *, pointer
             return _describe(tuner.best_config)
 
         key = TUNING.key(out.device, (f"pointer={pointer}", f"tma={tma}", out.dtype, *shape_class))
-        config, cached = TUNING.lookup(key, tune)
-        source = "tuning cache" if cached else "autotuned"
+        config, source = TUNING.lookup(key, tune, lambda: fixed)
     launch_grid = grid(config)
 
     def run() -> torch.Tensor:
@@ -378,6 +379,7 @@ DECODE_SPACE = decode_space(DECODE_TILES)
 # Decode config entries for the launch, not constexprs of the split kernel: the split plan, and PDL (programmatic
 # dependent launch of both kernels, decode.py's USE_PDL; by default on where a step splits: the comment above).
 LAUNCH_KEYS = (*DECODE_PLANS[0], "PDL")
+# the decode's one config, likewise under the interpreter and on a shared GPU
 INTERPRETER_DECODE_CONFIG = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "MASK_FREE": True,
                              "PLAN_PROGRAMS": PROGRAMS_PER_SM}
 INTERPRETER_SM_COUNT = 8  # the interpreter has no SMs: with these and one-tile chunks the CPU cases split
@@ -523,9 +525,8 @@ def prepare_paged(inputs, *, scale: float, window: tuple[int, int] = NO_WINDOW, 
             return fastest(decode_candidates(
                 DECODE_SPACE, lambda candidate: paged_launch(inputs, scale, candidate, window_left, softcap)))
 
-        config, cached = TUNING.lookup(TUNING.key(inputs.q.device, decode_shape_class(inputs, window_left, softcap)),
-                                       tune)
-        source = "tuning cache" if cached else "autotuned"
+        config, source = TUNING.lookup(TUNING.key(inputs.q.device, decode_shape_class(inputs, window_left, softcap)),
+                                       tune, lambda: INTERPRETER_DECODE_CONFIG)
     run, plan = paged_launch(inputs, scale, config, window_left, softcap)
     run()  # compile outside any timed region
     return Prepared(run, config={**config, **plan, "chosen": source})
