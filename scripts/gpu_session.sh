@@ -138,7 +138,8 @@
 #   node:     (several GPUs) issue 14's evidence, PER_GPU workers a GPU (default: the cores / GPUs), as two parts
 #             that each fit one call, back to back on one machine: node-correct (the correctness preset cold over all
 #             GPUs and over one; heartbeats time a stopped pass) and node-bench (the same warm, blog's checks to tune
-#             its shapes, the fleet check of blog, blog on one GPU and sharded over all); NODE_PASSES picks passes.
+#             its shapes, the fleet check of blog, blog on one GPU and sharded over all); NODE_PASSES picks passes,
+#             NODE_PASS_S caps each correctness pass's seconds.
 # The side-by-side serving run with every implementation, in the three calls of the flash-attn-4 carry (caches
 # under /tmp/fmha live as long as the machine; FlashInfer needs `source scripts/flashinfer_env.sh`):
 #   serve-prime: (call 1) serving correctness of the implementations without a carried package, 16 workers:
@@ -789,6 +790,7 @@ for v in varlen_space((9, 0), 128, True): print(v.label().replace(' ', '?'))")
       blog_impls=(--impl cutile --impl triton --impl sdpa-cudnn --impl sdpa --impl flash-attn4)
       blog=(python3 -m pytest suite -k benchmark --grid blog --timing graph -q -p no:cacheprovider --rounds 7
             --round-ms 10 "${blog_impls[@]}")
+      capped() { echo $(( ${NODE_PASS_S:-$1} < $1 ? ${NODE_PASS_S:-$1} : $1 )); }  # a pass's limit, NODE_PASS_S at most
       caches() {  # caches NAME: every tuning and compile cache in a folder of its own (a cold pass starts empty)
         export FMHA_TUNING_CACHE=/tmp/$1/tuning CUDA_TILE_CACHE_DIR=/tmp/$1/cutile TRITON_CACHE_DIR=/tmp/$1/triton \
           TORCHINDUCTOR_CACHE_DIR=/tmp/$1/inductor
@@ -799,11 +801,11 @@ for v in varlen_space((9, 0), 128, True): print(v.label().replace(' ', '?'))")
           case $pass in  # the correctness preset over all GPUs and over one, cold then warm; blog's checks tune
             cold-all|warm-all)
               caches node-all
-              step "correct-$pass-${gpus}gpu" "$([ "$pass" = cold-all ] && echo 240 || echo 90)" "${correct[@]}" \
+              step "correct-$pass-${gpus}gpu" "$(capped "$([ "$pass" = cold-all ] && echo 240 || echo 90)")" "${correct[@]}" \
                 -n $((per_gpu * gpus)) --heartbeat="$logs/$pass.hb" --benchmark-json="$logs/$pass.json" ;;
             cold-one|warm-one)
               caches node-one
-              CUDA_VISIBLE_DEVICES=0 step "correct-$pass-1gpu" "$([ "$pass" = cold-one ] && echo 330 || echo 90)" \
+              CUDA_VISIBLE_DEVICES=0 step "correct-$pass-1gpu" "$(capped "$([ "$pass" = cold-one ] && echo 330 || echo 90)")" \
                 "${correct[@]}" -n "$per_gpu" --heartbeat="$logs/$pass.hb" --benchmark-json="$logs/$pass.json" ;;
             blog-prime)  # the blog shapes' tuning, one case a worker, so that the benchmarks below time no tune
               caches node-all
