@@ -129,6 +129,9 @@ def run_state(config: pytest.Config) -> RunState:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "cases(*cases): run this test on these cases instead of the grid")
+    # pytest-xdist declares the marker the collection below puts on every case; without xdist (``-p no:xdist``)
+    # the suite runs in one process, and the strict marker check would refuse it
+    config.addinivalue_line("markers", "xdist_group(name): pytest-xdist's --dist loadgroup runs a group on one worker")
     requested = config.getoption("--device")
     device = torch.device(requested or ("cuda" if torch.cuda.is_available() else "cpu"))
     try:

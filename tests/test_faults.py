@@ -144,3 +144,12 @@ def test_a_mistyped_selection_is_a_usage_error_naming_the_choices(option, says, 
     assert proc.returncode == pytest.ExitCode.USAGE_ERROR, output[-2000:]
     assert says in output and known in output.split(says, 1)[1]
     assert "Traceback" not in output and "INTERNALERROR" not in output
+
+
+def test_the_suite_runs_without_pytest_xdist(tmp_path):
+    """Every case carries an ``xdist_group`` marker for ``--dist loadgroup``; with xdist switched off (or not
+    installed) the strict marker check must not refuse the run."""
+    proc, data = run_suite(tmp_path, "-p", "no:xdist", "-k", "correctness", "--impl", "naive")
+    assert proc.returncode == pytest.ExitCode.OK, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "INTERNALERROR" not in proc.stdout + proc.stderr
+    assert statuses(data, "naive") == {"passed": 4}
