@@ -2,9 +2,13 @@
 (prepare = validation, tuning or the tuning cache, compile and first call; oracle; check), and the slowest tests.
 
     python scripts/where_time_goes.py results/correct.json [--top 20]
+    python scripts/where_time_goes.py --heartbeat results/correct.hb [--top 8]
 
 Reads the ``seconds`` each outcome carries (``suite/plugin.py``, ``Recorder.timer``); a run killed part-way
 still has them for every test that finished, and the worker files (``NAME.gwK.json``) are read if given.
+``--heartbeat`` reads a sharded pass's heartbeat file instead (``--heartbeat`` of the suite: each test's start
+and finish, and its xdist worker): what bounded the pass, the workers busy to its end, the heaviest
+``xdist_group`` groups (a group runs on one worker) and the tests still running when it ended.
 """
 
 from __future__ import annotations
@@ -23,11 +27,48 @@ def outcomes(paths: list[Path]) -> list[dict]:
             if o.get("seconds")]
 
 
+def critical_path(path: Path, top: int) -> None:
+    """A sharded pass from its heartbeat file: span against the busy time of its workers and groups."""
+    from suite.isolation import heartbeat_events
+
+    started: dict[str, tuple[float, str | None]] = {}
+    spans: dict[str, float] = {}
+    events = heartbeat_events(path)
+    t0 = min(e["t"] for e in events)
+    for e in events:
+        if e["event"] == "start":
+            started[e["nodeid"]] = (e["t"] - t0, e.get("worker"))
+        elif e["nodeid"] in started:
+            spans[e["nodeid"]] = e["t"] - t0 - started[e["nodeid"]][0]
+    busy, last, groups = defaultdict(float), defaultdict(float), defaultdict(float)
+    for nodeid, seconds in spans.items():
+        start, worker = started[nodeid]
+        busy[worker] += seconds
+        last[worker] = max(last[worker], start + seconds)
+        groups[nodeid.rpartition("@")[2] if "@" in nodeid else "(no group)"] += seconds
+    end = max(last.values(), default=0.0)
+    total = sum(spans.values())
+    print(f"{len(spans)} tests finished in {end:.0f} s on {len(busy)} workers: {total:.0f} s of tests, "
+          f"{total / max(len(busy), 1):.0f} s a worker")
+    print("busy to the end:", ", ".join(f"{w} {last[w]:.0f} s" for w in sorted(last, key=last.get)[::-1][:top]))
+    heaviest = sorted(groups.items(), key=lambda kv: -kv[1])[:top]
+    print("heaviest groups:", ", ".join(f"{group} {seconds:.0f} s" for group, seconds in heaviest))
+    for nodeid in started.keys() - spans.keys():
+        start, worker = started[nodeid]
+        print(f"still running at the end: {nodeid} (on {worker} from {start:.0f} s)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("paths", nargs="+", type=Path)
     parser.add_argument("--top", type=int, default=15, help="how many of the slowest tests to list")
+    parser.add_argument("--heartbeat", action="store_true", help="the paths are heartbeat files of sharded passes")
     args = parser.parse_args()
+    if args.heartbeat:
+        for path in args.paths:
+            print(f"{path}:")
+            critical_path(path, args.top)
+        return
     found = outcomes(args.paths)
     per_impl: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for o in found:

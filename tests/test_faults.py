@@ -153,3 +153,20 @@ def test_the_suite_runs_without_pytest_xdist(tmp_path):
     assert proc.returncode == pytest.ExitCode.OK, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "INTERNALERROR" not in proc.stdout + proc.stderr
     assert statuses(data, "naive") == {"passed": 4}
+
+
+def test_where_time_goes_finds_what_bounded_a_sharded_pass(tmp_path):
+    """A heartbeat file (each test's start and finish with its worker) gives the pass's span, the workers busy to
+    its end, the heaviest groups and the tests cut off by its end."""
+    heartbeat = tmp_path / "pass.hb"
+    events = [("start", "t::a[1]@slow", 0.0, "gw0"), ("finish", "t::a[1]@slow", 30.0, "gw0"),
+              ("start", "t::a[2]@slow", 30.0, "gw0"), ("finish", "t::a[2]@slow", 50.0, "gw0"),
+              ("start", "t::b[1]@fast", 0.0, "gw1"), ("finish", "t::b[1]@fast", 5.0, "gw1"),
+              ("start", "t::b[2]@fast", 5.0, "gw1")]  # cut off
+    heartbeat.write_text("".join(json.dumps({"event": e, "nodeid": n, "t": 1000 + t, "worker": w}) + "\n"
+                                 for e, n, t, w in events))
+    out = subprocess.run([sys.executable, "scripts/where_time_goes.py", "--heartbeat", str(heartbeat)], cwd=ROOT,
+                         capture_output=True, text=True, check=True, env=child_env()).stdout
+    assert "3 tests finished in 50 s on 2 workers: 55 s of tests, 28 s a worker" in out, out
+    assert "busy to the end: gw0 50 s, gw1 5 s" in out and "heaviest groups: slow 50 s, fast 5 s" in out
+    assert "still running at the end: t::b[2]@fast (on gw1 from 5 s)" in out
