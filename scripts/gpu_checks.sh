@@ -5,7 +5,8 @@
 #              implementation recorded, ours asserted); a device-side fault (out-of-bounds store) under --isolate;
 #              spread over WORKERS pytest-xdist workers on the one GPU (default 8 where it has 100 GB or more, else 1:
 #              four tests past 2**31 elements side by side need about 100 GB; on an H200 the cuTile autotuner's cold
-#              tunes made one process take more than 370 s, 8 workers 371 s for all but the candidates, session 44)
+#              tunes made one process take more than 370 s, 8 workers 371 s for all but the candidates, session 44;
+#              since session 54 workers that share the GPU run our tuners' fixed configs and tune nothing)
 #   memcheck, racecheck: compute-sanitizer over every autotune candidate of triton and cutile, each launched
 #              once on the edge cases of tests/test_gpu_candidates.py (causal and not, GQA/MQA, ragged, Sq != Skv)
 set -u

@@ -142,9 +142,9 @@
 #             NODE_PASS_S caps each correctness pass's seconds.
 # The side-by-side serving run with every implementation, in the three calls of the flash-attn-4 carry (caches
 # under /tmp/fmha live as long as the machine; FlashInfer needs `source scripts/flashinfer_env.sh`):
-#   serve-prime: (call 1) serving correctness of the implementations without a carried package, 16 workers:
-#             fills the cuTile, Triton and inductor compile caches (no tuning cache: 16 processes, 8 under 100 GB, share the
-#             GPU); then ours again in one process, tuning on an idle GPU into the tuning cache
+#   serve-prime: (call 1) serving correctness of the implementations without a carried package, 16 workers (8 under
+#             100 GB) that share the GPU, so that our tuners run their fixed configs (impls/_tuning.py): fills the
+#             compile caches; then ours again in one process, tuning on an idle GPU into the tuning cache
 #   serve-flashinfer: (call 2) FlashInfer's serving correctness within FI_CORRECT_LIMIT s (330): its JIT compiles the
 #             kernels (minutes), or, with .gpu-fi-aot carried (fi-aot), loads them ahead of time (10 s on an H100, session
 #             29). Without .gpu-fi-aot the models-serving modules took longer than that on an H200 (session 51: 9 of 18
