@@ -8,7 +8,6 @@ import warnings
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
 
 from impls._registry import Unsupported, probe, register
 from impls._validate import NO_WINDOW
@@ -27,6 +26,9 @@ def _sdpa_kwargs(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -
     if causal and q.shape[2] == k.shape[2]:
         kwargs["is_causal"] = True
     elif causal:  # the contract's bottom-right alignment; SDPA's is_causal is top-left
+        # imported here: its module imports torch._dynamo, 1.2 s of every process's start where no case needs it
+        from torch.nn.attention.bias import causal_lower_right
+
         kwargs["attn_mask"] = causal_lower_right(q.shape[2], k.shape[2])
     return kwargs
 
