@@ -798,27 +798,22 @@ for v in varlen_space((9, 0), 128, True): print(v.label().replace(' ', '?'))")
       (
         out=$logs
         for pass in $passes; do
+          case $pass in cold-one|warm-one) caches node-one ;; *) caches node-all ;; esac
           case $pass in  # the correctness preset over all GPUs and over one, cold then warm; blog's checks tune
             cold-all|warm-all)
-              caches node-all
               step "correct-$pass-${gpus}gpu" "$(capped "$([ "$pass" = cold-all ] && echo 240 || echo 90)")" "${correct[@]}" \
                 -n $((per_gpu * gpus)) --heartbeat="$logs/$pass.hb" --benchmark-json="$logs/$pass.json" ;;
             cold-one|warm-one)
-              caches node-one
               CUDA_VISIBLE_DEVICES=0 step "correct-$pass-1gpu" "$(capped "$([ "$pass" = cold-one ] && echo 330 || echo 90)")" \
                 "${correct[@]}" -n "$per_gpu" --heartbeat="$logs/$pass.hb" --benchmark-json="$logs/$pass.json" ;;
             blog-prime)  # the blog shapes' tuning, one case a worker, so that the benchmarks below time no tune
-              caches node-all
               step blog-prime 220 python3 -m pytest suite -k correctness --grid blog -q -p no:cacheprovider \
                 "${blog_impls[@]}" -n "$gpus" --dist load ;;
             fleet)  # the fleet check of blog: every benchmark on every GPU
-              caches node-all
               step fleet 150 "${blog[@]}" -n "$gpus" --dist each --benchmark-json="$results/fleet-blog.json" ;;
             blog-one)
-              caches node-all
               CUDA_VISIBLE_DEVICES=0 step blog-1gpu 70 "${blog[@]}" -n 1 --benchmark-json="$results/blog-1gpu.json" ;;
             blog-all)
-              caches node-all
               step "blog-${gpus}gpu" 60 "${blog[@]}" -n "$gpus" --dist loadgroup \
                 --benchmark-json="$results/blog-${gpus}gpu.json" ;;
             *) echo "unknown node pass: $pass" >&2 ;;

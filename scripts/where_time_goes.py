@@ -40,20 +40,19 @@ def critical_path(path: Path, top: int) -> None:
             started[e["nodeid"]] = (e["t"] - t0, e.get("worker"))
         elif e["nodeid"] in started:
             spans[e["nodeid"]] = e["t"] - t0 - started[e["nodeid"]][0]
-    busy, last, groups = defaultdict(float), defaultdict(float), defaultdict(float)
+    last, groups = defaultdict(float), defaultdict(float)  # each worker's last finish; each group's test time
     for nodeid, seconds in spans.items():
         start, worker = started[nodeid]
-        busy[worker] += seconds
         last[worker] = max(last[worker], start + seconds)
         groups[nodeid.rpartition("@")[2] if "@" in nodeid else "(no group)"] += seconds
     end = max(last.values(), default=0.0)
     total = sum(spans.values())
-    print(f"{len(spans)} tests finished in {end:.0f} s on {len(busy)} workers: {total:.0f} s of tests, "
-          f"{total / max(len(busy), 1):.0f} s a worker")
+    print(f"{len(spans)} tests finished in {end:.0f} s on {len(last)} workers: {total:.0f} s of tests, "
+          f"{total / max(len(last), 1):.0f} s a worker")
     print("busy to the end:", ", ".join(f"{w} {last[w]:.0f} s" for w in sorted(last, key=last.get)[::-1][:top]))
     heaviest = sorted(groups.items(), key=lambda kv: -kv[1])[:top]
     print("heaviest groups:", ", ".join(f"{group} {seconds:.0f} s" for group, seconds in heaviest))
-    for nodeid in started.keys() - spans.keys():
+    for nodeid in sorted(started.keys() - spans.keys(), key=lambda n: started[n][0]):
         start, worker = started[nodeid]
         print(f"still running at the end: {nodeid} (on {worker} from {start:.0f} s)")
 

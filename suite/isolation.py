@@ -66,7 +66,8 @@ def child_args(config: pytest.Config) -> list[str]:
 
 
 def heartbeat_events(path: Path) -> list[dict]:
-    """The events of a heartbeat file (``--heartbeat``): ``{"event": "start" | "finish", "nodeid", "t"}``."""
+    """The events of a heartbeat file (``--heartbeat``): ``{"event": "start" | "finish", "nodeid", "t", "worker"}``
+    (the xdist worker, None outside xdist; files written before session 54 have no "worker")."""
     events = []
     if path.exists():
         for line in path.read_text().splitlines():
