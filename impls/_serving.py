@@ -470,7 +470,11 @@ def varlen_work_plan(seqlens_q: list[int], seqlens_k: list[int], heads: int, til
     and its lightest: every pair of a sequence costs the same, the dense kernel's ``paired`` share), heavy tile
     first. Units of equal cost keep the order sequence, head, pair, so that the blocks running at once share few
     heads' K/V, as in the dense kernel. Sequences without query rows give no work. ``window``: the kernels'
-    (left, right) bounds, which make the tiles past a sequence's first window all cost the same."""
+    (left, right) bounds, which make the tiles past a sequence's first window all cost the same.
+
+    Equal pairs leave a last round: 768 pairs on 132 blocks give the busiest block 6 against a mean of 5.82, 3%
+    of the launch idle (``split_tail``). So the trailing pairs, in that order, are split into their tiles where
+    that shortens the busiest block's work: their light tiles fill the last round."""
     max_tiles = max(-(-n // tile_m) for n in seqlens_q)
     units = []  # (cost, items)
     for sequence, (len_q, len_k) in enumerate(zip(seqlens_q, seqlens_k, strict=True)):
@@ -480,17 +484,43 @@ def varlen_work_plan(seqlens_q: list[int], seqlens_k: list[int], heads: int, til
             groups = [sorted({tiles - 1 - i, i}, reverse=True) for i in range((tiles + 1) // 2)]
         else:
             groups = [[t] for t in range(tiles)]
-        group_cost = [sum(cost[t] for t in group) for group in groups]
         for head in range(heads):
-            for group, work in zip(groups, group_cost, strict=True):
-                units.append((work, [(sequence * max_tiles + t) * heads + head for t in group]))
-    units.sort(key=lambda unit: -unit[0])  # stable: equal costs keep their order
-    blocks = max(min(slots, len(units)), 1)
-    load = [(0, block) for block in range(blocks)]  # a heap of (work so far, block)
-    shares: list[list[int]] = [[] for _ in range(blocks)]
-    for cost, items in units:
-        work, block = heapq.heappop(load)
-        shares[block].extend(items)
-        heapq.heappush(load, (work + cost, block))
+            for group in groups:
+                units.append([(cost[t], (sequence * max_tiles + t) * heads + head) for t in group])
+    shares = split_tail(units, max(min(slots, len(units)), 1))
     starts = (0, *itertools.accumulate(len(share) for share in shares))
     return WorkPlan(starts, tuple(itertools.chain.from_iterable(shares)), max_tiles, heads)
+
+
+# split_tail's tries: the share of the trailing units split into their items, smallest first; a try is kept
+# where its busiest block has at most SPLIT_TAIL_SLACK more work than the best try's.
+SPLIT_TAIL_SHARES = (0, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1)
+SPLIT_TAIL_SLACK = 1.002
+
+
+def split_tail(units: list[list[tuple[int, int]]], blocks: int) -> list[list[int]]:
+    """Each block's items: ``units`` (each a list of (cost, item) run together) shared longest processing time
+    first (``longest_first``), with the trailing units split into their items. Of ``SPLIT_TAIL_SHARES`` the
+    smallest share whose busiest block is within ``SPLIT_TAIL_SLACK`` of the best: a split unit's items may
+    run on different blocks, the heavy one early and the light one late, where it fills a round that whole units
+    leave part empty. Simulated, causal: GPT-2 1 x 32K (768 pairs of 256-row tiles, 132 blocks) 0.970 -> 0.997 of
+    a perfect share, Phi-3 1 x 32K (4,096 pairs) 0.970 -> 1.000, four 4K sequences of 16 heads 0.970 -> 0.995."""
+    shares = SPLIT_TAIL_SHARES if any(len(unit) > 1 for unit in units) else (0,)
+    tries = []
+    for share in shares:
+        keep = len(units) - round(share * len(units))
+        tries.append(longest_first(units[:keep] + [[item] for unit in units[keep:] for item in unit], blocks))
+    best = min(busiest for busiest, _ in tries)
+    return next(shares for busiest, shares in tries if busiest <= best * SPLIT_TAIL_SLACK)
+
+
+def longest_first(units: list[list[tuple[int, int]]], blocks: int) -> tuple[int, list[list[int]]]:
+    """(the busiest block's work, each block's items): units heaviest first (a stable sort: equal costs keep their
+    order), each to the block with the least work so far."""
+    load = [(0, block) for block in range(blocks)]  # a heap of (work so far, block)
+    shares: list[list[int]] = [[] for _ in range(blocks)]
+    for unit in sorted(units, key=lambda unit: -sum(cost for cost, _ in unit)):
+        work, block = heapq.heappop(load)
+        shares[block].extend(item for _, item in unit)
+        heapq.heappush(load, (work + sum(cost for cost, _ in unit), block))
+    return max(work for work, _ in load), shares

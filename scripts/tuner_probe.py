@@ -26,7 +26,9 @@ the persistent 128x256 with a paired share where the space lacks it; ``--peeled-
 candidates (paired ones too) again with the causal diagonal peeled out of the loop (``Variant.peel_diagonal``),
 where the case's lengths allow it, outputs checked first; ``--add FIELD=VALUE,...`` adds a candidate outside the
 space, the Hopper two-warpgroup block (``HOPPER_WIDE``) with those fields of ``Variant`` changed (e.g.
-``tile_n=256,persistent=1,k_latency=3,v_latency=6``; outputs checked first), where the case's shape allows it.
+``tile_n=256,persistent=1,k_latency=3,v_latency=6``; outputs checked first), where the case's shape allows it;
+``--planned-of GLOB`` adds the matching paired candidates again taking the host's plan instead
+(``Variant.planned``: the last round of equal pairs filled with split ones), outputs checked first.
 """
 
 from __future__ import annotations
@@ -64,7 +66,8 @@ def added(spec: str):
 
 def probe(case_id: str, repeats: int, wide_persistent: bool, head_groups: list[int], match: list[str],
           methods: list[str], paired_of: list[str], two_launch_of: list[str], wide_paired: bool = False,
-          check: bool = False, peeled_of: list[str] | None = None, add: list[str] | None = None) -> None:
+          check: bool = False, peeled_of: list[str] | None = None, add: list[str] | None = None,
+          planned_of: list[str] | None = None) -> None:
     from impls.cutile import HOPPER_STREAMING, Call, exhaustive_timings, kernel_window, precompile, search_space
 
     case = case_by_id(case_id)
@@ -93,12 +96,14 @@ def probe(case_id: str, repeats: int, wide_persistent: bool, head_groups: list[i
     extras = [added(spec) for spec in add or []]  # those the case's shape allows (a peel needs whole tiles)
     space += [var for var in extras if not (var.peel_diagonal and var.peel_refusal(
         causal=case.causal, q_len=case.sq, kv_len=case.skv, window=window)) and var not in space]
+    space += [replace(var, paired=False, planned=True) for var in list(space)
+              if var.paired and like(var, planned_of or [])]
     # the paired order takes no head group: only the others again with one
     space += [replace(var, head_group=group) for var in space for group in head_groups
-              if case.causal and not var.paired]
+              if case.causal and not (var.paired or var.planned)]
     calls = precompile([Call(var, q, k, v, out=out, causal=case.causal, scale=case.d ** -0.5, **case.variants)
                         for var in space])
-    if two_launch_of or peeled_of or add or check:  # forms outside the tuner's space: outputs against float64 first
+    if two_launch_of or peeled_of or add or planned_of or check:  # outside the tuner's space: outputs checked first
         oracle = Oracle.dense(q, k, v, causal=case.causal, scale=case.d ** -0.5, **case.variants)
         passed = []
         for call in calls:
@@ -169,12 +174,15 @@ def main() -> None:
     parser.add_argument("--add", action="append", default=[], metavar="FIELD=VALUE,...",
                         help="a candidate outside the space: HOPPER_WIDE with these Variant fields changed "
                              "(repeatable; outputs checked first)")
+    parser.add_argument("--planned-of", action="append", default=[], metavar="GLOB",
+                        help="causal: paired candidates with a label like this again taking the host's plan "
+                             "(Variant.planned; outputs checked first)")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     args = parser.parse_args()
     for case_id in args.case:
         probe(case_id, args.repeats, args.wide_persistent, args.head_groups, args.match, args.methods, args.paired_of,
               args.two_launch_of, wide_paired=args.wide_paired, check=args.check, peeled_of=args.peeled_of,
-              add=args.add)
+              add=args.add, planned_of=args.planned_of)
 
 
 if __name__ == "__main__":

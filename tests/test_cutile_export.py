@@ -170,7 +170,7 @@ def test_deferred_candidates_overlap_the_softmax_with_the_previous_tiles_product
     # compiler waits for each product before or after the softmax (sm_90, tileiras 13.5: it overlaps them by
     # itself only in the non-causal persistent loop). Only causal spaces without a window take them.
     space = search_space((9, 0), head_dim, causal=True, value_dim=value_dim)
-    deferred = [v for v in space if v.defer_pv]
+    deferred = [v for v in space if v.defer_pv and not v.planned]  # the planned twins: their own test
     assert len(deferred) == (3 if value_dim else 1 if head_dim == 128 else 2)
     assert all(replace(v, defer_pv=False) in space for v in deferred)
     for window, causal in ((True, True), (False, False)):
@@ -246,13 +246,51 @@ def test_sm90_peeled_candidates_deepen_the_pipeline_without_spilling(head_dim, v
             assert usage["shared"] >= 1.3 * looped["shared"], (variant.label(), usage["shared"], looped["shared"])
 
 
+@pytest.mark.parametrize(("head_dim", "value_dim"), [(64, None), (128, None), (192, 128)])
+def test_sm90_planned_candidates_compile_as_their_paired_twins(head_dim, value_dim):
+    # Variant.planned changes where a persistent block's items come from (the host's plan, by loads) and nothing
+    # in the loop: the same registers, no stack and the same K/V pipeline as the paired form.
+    planned = [v for v in search_space((9, 0), head_dim, causal=True, value_dim=value_dim) if v.planned]
+    assert planned
+    for variant in planned:
+        usage, paired = (sass(export_cubin(v, arch="sm_90", dtype=torch.bfloat16, head_dim=head_dim,
+                                           value_dim=value_dim, causal=True))
+                         for v in (variant, replace(variant, planned=False, paired=True)))
+        assert usage["stack"] == 0 and usage["hgmma"] == paired["hgmma"] > 0, (variant.label(), usage)
+        assert {f: usage[f] for f in ("reg", "shared")} == {f: paired[f] for f in ("reg", "shared")}, variant.label()
+
+
+def test_planned_share_runs_each_query_tile_once_from_the_hosts_plan(monkeypatch):
+    # The plan's arrays as the kernel reads them: block b runs WorkItems[WorkStarts[b]:WorkStarts[b + 1]], an item
+    # (batch * num_m + query tile) * heads + head, decoded here as fmha_fwd decodes it.
+    import impls.cutile
+
+    monkeypatch.setattr(impls.cutile, "_sm_count", lambda *args, **kwargs: 5)
+    batch, heads, q_len, kv_len, num_m = 2, 3, 1000, 1100, 8  # 128-row tiles, the last one ragged
+    q = torch.empty((batch, heads, q_len, 64))
+    variant = replace(HOPPER_STREAMING, tile_n=256, planned=True)
+    starts, items = variant.state(q, kv_len=kv_len)[-2:]
+    assert starts.dtype == items.dtype == torch.int32 and len(starts) == variant.grid(q)[0] + 1 == 6
+    assert starts[0] == 0 and starts[-1] == len(items) and bool((starts[1:] >= starts[:-1]).all())
+    decoded = [(rest % num_m, rest // num_m * heads + item % heads) for item in items.tolist()
+               for rest in [item // heads]]
+    assert sorted(decoded) == [(t, bh) for t in range(num_m) for bh in range(batch * heads)]
+    assert all(t.numel() == 1 for t in Variant(64, 64).state(q)[-2:])  # no plan: placeholders
+
+
+@pytest.mark.parametrize("other", [dict(persistent=False), dict(paired=True), dict(dynamic=True)])
+def test_planned_share_refuses_any_other_share(other):
+    with pytest.raises(ValueError, match="planned"):
+        replace(HOPPER_STREAMING, planned=True, **other)
+
+
 def test_two_launch_variants_pass_the_softmax_state_between_launches():
     # The first launch is one block per query tile in plain order; both share a float32 state workspace.
     split = Variant(128, 128, num_worker_warps=8, persistent=True, dynamic=True, two_launch=True)
     diagonal = split.diagonal()
     assert not diagonal.persistent and not diagonal.reverse_order and diagonal.two_launch
     q = torch.empty((2, 4, 300, 96), device="meta", dtype=torch.float16)
-    m, s, acc, counter = split.state(q)
+    m, s, acc, counter, _, _ = split.state(q)
     assert m.shape == s.shape == (2, 4, 300) and acc.shape == (2, 4, 300, 128)
     assert {t.dtype for t in (m, s, acc)} == {torch.float32}
     assert counter.shape == (1,) and counter.dtype == torch.int32
@@ -279,12 +317,16 @@ def test_search_space_holds_single_launches_only():
                 space = search_space(capability, head_dim, causal=causal)
                 assert space and not any(v.two_launch or v.dynamic for v in space)
                 persistent = [(v.tile_m, v.tile_n, v.paired) for v in space
-                              if causal and v.persistent and v.num_worker_warps != 16]
+                              if causal and v.persistent and v.num_worker_warps != 16 and not v.planned]
                 hopper_wide = causal and capability == (9, 0) and head_dim in (64, 96, 128)
                 peeled = [(128, 128, True), (128, 256, True)] if hopper_wide and head_dim == 128 else []  # peeled_space
                 assert persistent == ([(128, 256, False), (128, 256, True), *peeled] if hopper_wide else [])
                 # tileiras 13.5's blocks of 16 warps: causal and persistent only with a paired share
-                assert all(v.paired for v in space if causal and v.persistent and v.num_worker_warps == 16)
+                assert all(v.paired or v.planned for v in space
+                           if causal and v.persistent and v.num_worker_warps == 16)
+                # every paired candidate again taking the host's plan, and no other planned one
+                assert [replace(v, paired=False, planned=True) for v in space if v.paired] == [
+                    v for v in space if v.planned]
 
 
 def test_settled_tuner_times_again_only_the_candidates_near_the_searchs_best(monkeypatch, tmp_path):
@@ -398,7 +440,7 @@ def test_a_two_launch_call_runs_the_diagonal_first_then_the_mask_free_part():
     state = split.state(q)
     launches = split.launches(q, k, v, q, state, causal=True, scale=0.125)
     assert [args[phase] for _, _, args in launches] == [DIAGONAL, OFF_DIAGONAL]
-    assert all(args[4:8] == state for _, _, args in launches)  # both launches see one workspace
+    assert all(args[4:10] == state for _, _, args in launches)  # both launches see one workspace
     (_, _, whole), = Variant(64, 64).launches(q, k, v, q, Variant(64, 64).state(q), causal=True, scale=0.125)
     assert whole[phase] == WHOLE
 

@@ -23,6 +23,7 @@ from typing import Any, Generic, NamedTuple, TypeVar
 import torch
 
 from impls._registry import HALF, Prepared, heads_by_batch, length_class, module_available, parallel_class, register
+from impls._serving import varlen_work_plan
 from impls._tuning import (
     EVIDENCE,
     TUNERS,
@@ -34,7 +35,7 @@ from impls._tuning import (
     settled_ranking,
     sustained_fastest,
 )
-from impls._validate import NO_WINDOW, binding_window, window_bounds
+from impls._validate import NO_WINDOW, UNBOUNDED, binding_window, window_bounds
 from impls.cutile import toolchain
 
 HEAD_DIMS = tuple(range(16, 257, 8))  # the autotuned kernel: a head dim pads to the next power of two
@@ -67,6 +68,7 @@ class Variant:
     two_launch: bool = False  # the masked tiles in a launch of their own, then the mask-free ones (kernel PHASE)
     dynamic: bool = False  # persistent: the next work item from an atomic counter (kernel DYNAMIC)
     paired: bool = False  # persistent, causal: a fixed share of mirror pairs of query tiles (kernel PAIRED)
+    planned: bool = False  # persistent: the host's plan of mirror pairs, its last round filled (kernel PLANNED)
     head_tail: bool = True  # a head dim that is not a power of two: one and a tail tile, not padded (head_tiles)
     peel_diagonal: bool = False  # causal, aligned: the diagonal's masked tiles as straight-line code, no loop
     defer_pv: bool = False  # each mask-free tile's P V in the next step, beside its softmax (kernel DEFER_PV)
@@ -78,6 +80,10 @@ class Variant:
         if self.paired and conflict:
             raise ValueError(f"paired: an order for a persistent block's fixed share of heaviest-first work items, "
                              f"not for {conflict}")
+        conflict = ("one block per item" if not self.persistent else "a dynamic scheduler" if self.dynamic
+                    else "a fixed paired share" if self.paired else None)
+        if self.planned and conflict:
+            raise ValueError(f"planned: a persistent block's share of the host's plan, not {conflict}")
 
     def heads_per_group(self, *, causal: bool, kv_len: int, head_dim: int, itemsize: int) -> int:
         """HEAD_GROUP for this launch: 1 unless the causal blocks run heaviest first. The automatic choice keeps
@@ -115,7 +121,7 @@ class Variant:
                 "FAST_MATH": self.fast_math, "LOOP_SPLIT": self.loop_split, "MASK_BRANCH": self.mask_branch,
                 "REVERSE_ORDER": self.reverse_order, "K_LATENCY": self.k_latency, "V_LATENCY": self.v_latency,
                 "HEAD_GROUP": group, "PERSISTENT": self.persistent, "DYNAMIC": self.dynamic, "PAIRED": self.paired,
-                "PHASE": phase, "DEFER_PV": self.defer_pv,
+                "PLANNED": self.planned, "PHASE": phase, "DEFER_PV": self.defer_pv,
                 "DIAGONAL_TILES": self.diagonal_tiles(causal=causal, q_len=q_len, kv_len=kv_len, phase=phase,
                                                       window=window)}
 
@@ -206,18 +212,41 @@ class Variant:
     def diagonal(self) -> Variant:
         """Launch 1 of a two-launch variant: one block per query tile, all alike (a tile or two of masked work
         each), in plain order."""
-        return replace(self, persistent=False, reverse_order=False, paired=False)
+        return replace(self, persistent=False, reverse_order=False, paired=False, planned=False)
 
-    def state(self, q: torch.Tensor, value_dim: int | None = None) -> tuple[torch.Tensor, ...]:
+    def state(self, q: torch.Tensor, value_dim: int | None = None, *, kv_len: int | None = None,
+              causal: bool = True, window: tuple[int, int] | None = None) -> tuple[torch.Tensor, ...]:
         """The kernel's workspace: the softmax state the two launches pass on (max and sum (B, Hq, Sq) and the
-        unnormalised accumulator (B, Hq, Sq, TILE_DV), all float32, the kernel's own precision), then the
-        dynamic scheduler's counter (one int32, zeroed before every launch). Unused parts are placeholders."""
+        unnormalised accumulator (B, Hq, Sq, TILE_DV), all float32, the kernel's own precision), the dynamic
+        scheduler's counter (one int32, zeroed before every launch), then the host's plan (``work_plan``; for Skv
+        ``kv_len``, default Sq, and the kernel's ``window`` bounds). Unused parts are placeholders."""
         rows = q.shape[:3] if self.two_launch else (1, 1, 1)
         width = tile_d(value_dim or q.shape[-1]) if self.two_launch else 1
         return (torch.empty(rows, dtype=torch.float32, device=q.device),
                 torch.empty(rows, dtype=torch.float32, device=q.device),
                 torch.empty((*rows, width), dtype=torch.float32, device=q.device),
-                torch.zeros((1,), dtype=torch.int32, device=q.device))
+                torch.zeros((1,), dtype=torch.int32, device=q.device),
+                *self.work_plan(q, q.shape[2] if kv_len is None else kv_len, causal, window))
+
+    def work_plan(self, q: torch.Tensor, kv_len: int, causal: bool,
+                  window: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """PLANNED's arrays, WorkStarts (one more than ``grid``'s blocks) and WorkItems: every (batch, head)'s query
+        tiles as one sequence each of the varlen plan (``impls._serving.varlen_work_plan``, whose item encoding the
+        kernel decodes), or placeholders. On the meta device (compiling without a GPU) placeholders are enough."""
+        placeholder = torch.zeros((1,), dtype=torch.int32, device=q.device)
+        if not self.planned:
+            return placeholder, placeholder
+        batch, heads, q_len = q.shape[:3]
+        if q.device.type == "meta":
+            tiles = batch * heads * math.ceil(q_len / self.tile_m)
+            return placeholder, torch.empty((tiles,), dtype=torch.int32, device=q.device)
+        blocks = self.grid(q)[0]
+        bounds = window or (UNBOUNDED, UNBOUNDED)
+        plan = varlen_work_plan([q_len] * batch, [kv_len] * batch, heads, self.tile_m, self.tile_n, causal, blocks,
+                                bounds)
+        starts = plan.starts + (plan.starts[-1],) * (blocks - plan.blocks)  # blocks past the plan's: no work
+        return (torch.tensor(starts, dtype=torch.int32, device=q.device),
+                torch.tensor(plan.items, dtype=torch.int32, device=q.device))
 
     def grid(self, q) -> tuple[int, int, int]:
         tiles = math.ceil(q.shape[2] / self.tile_m)
@@ -232,7 +261,8 @@ class Variant:
     def label(self) -> str:
         """A short name: tiles, hints, latencies and the switches that differ from the defaults."""
         flags = (("nosplit", not self.loop_split), ("branch", self.mask_branch), ("persistent", self.persistent),
-                 ("dynamic", self.dynamic), ("paired", self.paired), ("two-launch", self.two_launch),
+                 ("dynamic", self.dynamic), ("paired", self.paired), ("planned", self.planned),
+                 ("two-launch", self.two_launch),
                  ("peeled", self.peel_diagonal), ("padded", not self.head_tail), ("deferred", self.defer_pv))
         switches = "".join(f":{flag}" for flag, on in flags if on)
         group = {1: "", None: ":g-auto"}.get(self.head_group, f":g{self.head_group}")
@@ -396,7 +426,16 @@ def hopper_space(head_dim: int, causal: bool, value_dim: int | None = None, wind
     space = space + streams + (sixteen_warp_space(head_dim, causal) if toolchain.sixteen_warps() else [])
     if causal and head_tiles(head_dim)[0] == PEELED_TILE and accumulator == PEELED_TILE:
         space = peeled_space(space, window)
-    return space + deferred_forms(space, causal, window, mla=width > accumulator)
+    return planned_forms(space + deferred_forms(space, causal, window, mla=width > accumulator))
+
+
+def planned_forms(space: list[Variant]) -> list[Variant]:
+    """``space`` and its paired candidates again taking the host's plan (``Variant.planned``): the same mirror
+    pairs, shared longest first, with the trailing ones split into their tiles where that fills the last round.
+    Equal pairs leave it part empty: 768 on 132 blocks (GPT-2 1 x 32K) give the busiest block 6 against a mean of
+    5.82, and every ``models`` case that a paired form runs loses about 3% of its launch so (simulated,
+    ``impls._serving.split_tail``). Both stay candidates until the H200 has timed them side by side."""
+    return space + [replace(v, paired=False, planned=True) for v in space if v.paired]
 
 
 def peeled_space(space: list[Variant], window: bool) -> list[Variant]:
@@ -517,7 +556,7 @@ class Call(Launches):
         self.variant = variant = variant.resolved(causal=causal, q_len=q.shape[2], kv_len=k.shape[2], window=window)
         self.q, self.k, self.v = (t.contiguous() for t in (q, k, v))  # a no-op for the contract's usual layout
         self.out = self.q.new_empty((*self.q.shape[:3], self.v.shape[-1])) if out is None else out
-        self.state = variant.state(self.q, self.v.shape[-1])
+        self.state = variant.state(self.q, self.v.shape[-1], kv_len=self.k.shape[2], causal=causal, window=window)
         self.launches = variant.launches(self.q, self.k, self.v, self.out, self.state, causal=causal, scale=scale,
                                          **variants)
 

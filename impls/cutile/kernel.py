@@ -24,6 +24,10 @@ Every step of the blog's optimisation ladder is a compile-time switch of this on
 - PAIRED:        not in the blog: the other cure for that, with a fixed share. A causal query tile t of num_m
                  sees about t + 1 key tiles, so tiles t and num_m - 1 - t of one head cost the same together: a
                  persistent block takes such mirror pairs in turn, heavy tile first (see ``paired_item``).
+- PLANNED:       not in the blog: a persistent block runs the work items the host planned for it, as FlashInfer's
+                 plan() does: mirror pairs shared longest-first, the trailing ones split into their tiles to fill
+                 the last round that equal pairs leave part empty (``impls._serving.varlen_work_plan``; 768 pairs
+                 on 132 blocks: the busiest runs 6 where the mean is 5.82).
 - PHASE:         not in the blog: the masked tiles and the mask-free tiles in two launches of this kernel.
                  Any mask in the loop body keeps the compiler's K/V pipeline shallow (99-132 KB on sm_90, where
                  a mask-free loop gets 198 KB), so launch 1 (DIAGONAL) runs only the masked tiles of every query
@@ -77,13 +81,13 @@ ZERO_PAD = ct.PaddingMode.ZERO  # ragged K/V tiles read zeros (0 * garbage could
 ONE_LOAD_TAIL = 64  # a head dim's tail tile this wide or wider comes from its first tile's load (head_and_tail)
 # PHASE: the whole forward in one launch, or its masked / mask-free halves (see the module docstring).
 WHOLE, DIAGONAL, OFF_DIAGONAL = 0, 1, 2
-ARRAYS = ("Q", "K", "V", "Out", "MaxState", "SumState", "AccState", "NextItem")
+ARRAYS = ("Q", "K", "V", "Out", "MaxState", "SumState", "AccState", "NextItem", "WorkStarts", "WorkItems")
 
 
 @ct.kernel
 def fmha_fwd(
     Q, K, V, Out,
-    MaxState, SumState, AccState, NextItem,
+    MaxState, SumState, AccState, NextItem, WorkStarts, WorkItems,
     qk_scale: float,
     causal_offset: int,
     window_left: int, window_right: int,
@@ -96,12 +100,14 @@ def fmha_fwd(
     CAUSAL: ConstBool, EVEN_N: ConstBool, HAS_WINDOW: ConstBool, SOFTCAP: ConstFloat,
     FAST_MATH: ConstBool, LOOP_SPLIT: ConstBool, MASK_BRANCH: ConstBool, REVERSE_ORDER: ConstBool,
     K_LATENCY: ConstInt, V_LATENCY: ConstInt, HEAD_GROUP: ConstInt, PERSISTENT: ConstBool, DYNAMIC: ConstBool,
-    PAIRED: ConstBool, PHASE: ConstInt, DIAGONAL_TILES: ConstInt, DEFER_PV: ConstBool,
+    PAIRED: ConstBool, PLANNED: ConstBool, PHASE: ConstInt, DIAGONAL_TILES: ConstInt, DEFER_PV: ConstBool,
 ):
     """One block per work item (grid: query tiles x heads x batch), or PERSISTENT: a grid of one block per SM
     slot, each taking every ``num_blocks``-th item in turn. The state arrays (B, Hq, Sq) float32 for the max
     and the sum, (B, Hq, Sq, at least TILE_DV + TILE_DV_TAIL) for the accumulator, are read and written only by
-    a split PHASE; NextItem (one int32, zero at launch) only by a DYNAMIC one.
+    a split PHASE; NextItem (one int32, zero at launch) only by a DYNAMIC one; WorkStarts and WorkItems (int32, the
+    host's plan: block b runs ``WorkItems[WorkStarts[b]:WorkStarts[b + 1]]``, each item
+    ``(batch * num_m + query tile) * num_heads + head``) only by a PLANNED one.
 
     The three scheduling forms call ``attend_query_tile`` each with the same arguments. One ``while`` loop for
     all three (a non-persistent block running it once) compiles worse (session 12, sm_90 SASS): the persistent
@@ -123,6 +129,16 @@ def fmha_fwd(
     elif PERSISTENT and PAIRED and heaviest_first:  # pair p: items 2p and 2p + 1 of the paired order
         for step in range(paired_steps(ct.bid(0), ct.num_blocks(0), num_items)):
             tile_m, batch_head = paired_item(paired_linear(step, ct.bid(0), ct.num_blocks(0), num_items), num_m)
+            attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_head, qk_scale,
+                              causal_offset, window_left, window_right, num_heads, group, TILE_D, TILE_D_TAIL,
+                              TILE_DV, TILE_DV_TAIL, TILE_M, TILE_N, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP, FAST_MATH,
+                              LOOP_SPLIT, MASK_BRANCH, K_LATENCY, V_LATENCY, PHASE, DIAGONAL_TILES,
+                              DEFER_PV=DEFER_PV)
+    elif PERSISTENT and PLANNED:  # the host's plan: this block's items, in order
+        for i in range(ct.gather(WorkStarts, ct.bid(0)).item(), ct.gather(WorkStarts, ct.bid(0) + 1).item()):
+            item = ct.gather(WorkItems, i).item()
+            rest = item // num_heads
+            tile_m, batch_head = rest % num_m, rest // num_m * num_heads + item % num_heads
             attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_head, qk_scale,
                               causal_offset, window_left, window_right, num_heads, group, TILE_D, TILE_D_TAIL,
                               TILE_DV, TILE_DV_TAIL, TILE_M, TILE_N, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP, FAST_MATH,
