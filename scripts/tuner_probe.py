@@ -28,7 +28,9 @@ where the case's lengths allow it, outputs checked first; ``--add FIELD=VALUE,..
 space, the Hopper two-warpgroup block (``HOPPER_WIDE``) with those fields of ``Variant`` changed (e.g.
 ``tile_n=256,persistent=1,k_latency=3,v_latency=6``; outputs checked first), where the case's shape allows it;
 ``--planned-of GLOB`` adds the matching paired candidates again taking the host's plan instead
-(``Variant.planned``: the last round of equal pairs filled with split ones), outputs checked first.
+(``Variant.planned``: the last round of equal pairs filled with split ones), outputs checked first;
+``--whole-pairs`` makes every planned candidate's plan of whole pairs only (the paired share's, read from the
+plan: what the split itself gains, apart from reading the plan).
 """
 
 from __future__ import annotations
@@ -178,7 +180,13 @@ def main() -> None:
                         help="causal: paired candidates with a label like this again taking the host's plan "
                              "(Variant.planned; outputs checked first)")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument("--whole-pairs", action="store_true",
+                        help="planned candidates: a plan of whole mirror pairs, none split (the paired share's)")
     args = parser.parse_args()
+    if args.whole_pairs:
+        import impls._serving
+
+        impls._serving.SPLIT_TAIL_SHARES = (0,)
     for case_id in args.case:
         probe(case_id, args.repeats, args.wide_persistent, args.head_groups, args.match, args.methods, args.paired_of,
               args.two_launch_of, wide_paired=args.wide_paired, check=args.check, peeled_of=args.peeled_of,
