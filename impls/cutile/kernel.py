@@ -134,9 +134,11 @@ def fmha_fwd(
                               TILE_DV, TILE_DV_TAIL, TILE_M, TILE_N, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP, FAST_MATH,
                               LOOP_SPLIT, MASK_BRANCH, K_LATENCY, V_LATENCY, PHASE, DIAGONAL_TILES,
                               DEFER_PV=DEFER_PV)
-    elif PERSISTENT and PLANNED:  # the host's plan: this block's items, in order
-        for i in range(ct.gather(WorkStarts, ct.bid(0)).item(), ct.gather(WorkStarts, ct.bid(0) + 1).item()):
-            item = ct.gather(WorkItems, i).item()
+    elif PERSISTENT and PLANNED:  # the host's plan: this block's items, in order, each read one item ahead
+        start = ct.gather(WorkStarts, ct.bid(0)).item()
+        item = ct.gather(WorkItems, start).item()  # gathers past the end read 0 (bounds-checked), and go unused
+        for i in range(start, ct.gather(WorkStarts, ct.bid(0) + 1).item()):
+            upcoming = ct.gather(WorkItems, i + 1).item()
             rest = item // num_heads
             tile_m, batch_head = rest % num_m, rest // num_m * num_heads + item % num_heads
             attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_head, qk_scale,
@@ -144,6 +146,7 @@ def fmha_fwd(
                               TILE_DV, TILE_DV_TAIL, TILE_M, TILE_N, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP, FAST_MATH,
                               LOOP_SPLIT, MASK_BRANCH, K_LATENCY, V_LATENCY, PHASE, DIAGONAL_TILES,
                               DEFER_PV=DEFER_PV)
+            item = upcoming
     elif PERSISTENT:
         for linear in range(ct.bid(0), num_items, ct.num_blocks(0)):
             tile_m, batch_head = work_item(linear, num_m, num_bh, heaviest_first, HEAD_GROUP)
