@@ -434,7 +434,12 @@ def planned_forms(space: list[Variant]) -> list[Variant]:
     pairs, shared longest first, with the trailing ones split into their tiles where that fills the last round.
     Equal pairs leave it part empty: 768 on 132 blocks (GPT-2 1 x 32K) give the busiest block 6 against a mean of
     5.82, and every ``models`` case that a paired form runs loses about 3% of its launch so (simulated,
-    ``impls._serving.split_tail``). Both stay candidates until the H200 has timed them side by side."""
+    ``impls._serving.split_tail``). Both stay candidates: the tuner picks by settled time, and neither wins
+    everywhere (session 55, ``docs/cutile-hopper-space.md``). H200, settled TFLOPS, planned / paired 128x256: GPT-2
+    1 x 32K 489-491 / 469-472; Phi-3 1 x 32K 537 / 528 with each item's index read one item ahead (485 before,
+    though both compiled to the same registers, pipeline and HGMMA runs); the Llama-3-70B slice's 1 x 32K 601 / 647.
+    The tuner picked a planned form on 11 of the 18 ``models`` cases and on the causal ``blog`` / ``fa3`` rows from
+    2K but two."""
     return space + [replace(v, paired=False, planned=True) for v in space if v.paired]
 
 
