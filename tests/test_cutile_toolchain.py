@@ -97,7 +97,8 @@ def test_a_readable_request_is_offered_and_opens_the_sixteen_warp_space(bytecode
     assert toolchain.sixteen_warps() and requires("cuda") is None and toolchain.describe()["bytecode"] == "13.5"
     for head_dim in (64, 96):
         assert hopper_space(head_dim, False)[-2:] == sixteen_warp_space(head_dim, False)
-        assert search_space((9, 0), head_dim, causal=True)[-2:] == sixteen_warp_space(head_dim, True)
+        causal = [v for v in search_space((9, 0), head_dim, causal=True) if not v.planned]  # less the planned twins
+        assert causal[-2:] == sixteen_warp_space(head_dim, True)
     assert all(v.num_worker_warps != 16 for v in hopper_space(128, False))
     assert all(v.num_worker_warps != 16 for v in search_space((10, 0), 64, causal=False))  # Hopper's only
 
