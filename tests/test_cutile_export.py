@@ -249,14 +249,16 @@ def test_sm90_peeled_candidates_deepen_the_pipeline_without_spilling(head_dim, v
 @pytest.mark.parametrize(("head_dim", "value_dim"), [(64, None), (128, None), (192, 128)])
 def test_sm90_planned_candidates_compile_as_their_paired_twins(head_dim, value_dim):
     # Variant.planned changes where a persistent block's items come from (the host's plan, by loads) and nothing
-    # in the loop: the same registers, no stack and the same K/V pipeline as the paired form.
+    # in the loop: the same registers, K/V pipeline and products as the paired form, and no more stack. (A few bytes
+    # of stack come and go with the compiler: tileiras 13.4 gives the D=128 128x256 8 B in both forms, 13.5 the
+    # paired D=64 one 8 B and its planned twin none.)
     planned = [v for v in search_space((9, 0), head_dim, causal=True, value_dim=value_dim) if v.planned]
     assert planned
     for variant in planned:
         usage, paired = (sass(export_cubin(v, arch="sm_90", dtype=torch.bfloat16, head_dim=head_dim,
                                            value_dim=value_dim, causal=True))
                          for v in (variant, replace(variant, planned=False, paired=True)))
-        assert usage["stack"] == 0 and usage["hgmma"] == paired["hgmma"] > 0, (variant.label(), usage)
+        assert usage["stack"] <= paired["stack"] and usage["hgmma"] == paired["hgmma"] > 0, (variant.label(), usage)
         assert {f: usage[f] for f in ("reg", "shared")} == {f: paired[f] for f in ("reg", "shared")}, variant.label()
 
 
