@@ -505,10 +505,10 @@ def split_tail(units: list[list[tuple[int, int]]], blocks: int) -> list[list[int
     run on different blocks, the heavy one early and the light one late, where it fills a round that whole units
     leave part empty. Simulated, causal: GPT-2 1 x 32K (768 pairs of 256-row tiles, 132 blocks) 0.970 -> 0.997 of
     a perfect share, Phi-3 1 x 32K (4,096 pairs) 0.970 -> 1.000, four 4K sequences of 16 heads 0.970 -> 0.995."""
-    shares = SPLIT_TAIL_SHARES if any(len(unit) > 1 for unit in units) else (0,)
+    fractions = SPLIT_TAIL_SHARES if any(len(unit) > 1 for unit in units) else (0,)
     tries = []
-    for share in shares:
-        keep = len(units) - round(share * len(units))
+    for fraction in fractions:
+        keep = len(units) - round(fraction * len(units))
         tries.append(longest_first(units[:keep] + [[item] for unit in units[keep:] for item in unit], blocks))
     best = min(busiest for busiest, _ in tries)
     return next(shares for busiest, shares in tries if busiest <= best * SPLIT_TAIL_SLACK)
@@ -517,10 +517,11 @@ def split_tail(units: list[list[tuple[int, int]]], blocks: int) -> list[list[int
 def longest_first(units: list[list[tuple[int, int]]], blocks: int) -> tuple[int, list[list[int]]]:
     """(the busiest block's work, each block's items): units heaviest first (a stable sort: equal costs keep their
     order), each to the block with the least work so far."""
+    costed = sorted(((sum(cost for cost, _ in unit), unit) for unit in units), key=lambda pair: -pair[0])
     load = [(0, block) for block in range(blocks)]  # a heap of (work so far, block)
     shares: list[list[int]] = [[] for _ in range(blocks)]
-    for unit in sorted(units, key=lambda unit: -sum(cost for cost, _ in unit)):
+    for cost, unit in costed:
         work, block = heapq.heappop(load)
         shares[block].extend(item for _, item in unit)
-        heapq.heappush(load, (work + sum(cost for cost, _ in unit), block))
+        heapq.heappush(load, (work + cost, block))
     return max(work for work, _ in load), shares

@@ -139,8 +139,8 @@ def fmha_fwd(
         item = ct.gather(WorkItems, start).item()  # gathers past the end read 0 (bounds-checked), and go unused
         for i in range(start, ct.gather(WorkStarts, ct.bid(0) + 1).item()):
             upcoming = ct.gather(WorkItems, i + 1).item()
-            rest = item // num_heads
-            tile_m, batch_head = rest % num_m, rest // num_m * num_heads + item % num_heads
+            batch, tile_m, head = planned_item(item, num_m, num_heads)
+            batch_head = batch * num_heads + head
             attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_head, qk_scale,
                               causal_offset, window_left, window_right, num_heads, group, TILE_D, TILE_D_TAIL,
                               TILE_DV, TILE_DV_TAIL, TILE_M, TILE_N, CAUSAL, EVEN_N, HAS_WINDOW, SOFTCAP, FAST_MATH,
@@ -206,12 +206,11 @@ def fmha_varlen(
     if PERSISTENT:
         first = ct.gather(WorkStarts, ct.bid(0)).item()
         for i in range(first, ct.gather(WorkStarts, ct.bid(0) + 1).item()):
-            item = ct.gather(WorkItems, i).item()
-            rest = item // num_heads
-            attend_sequence_tile(Q, K, V, Out, CuSeqlensQ, CuSeqlensK, rest // max_tiles, rest % max_tiles,
-                                 item % num_heads, qk_scale, window_left, window_right, num_heads, group, TILE_D,
-                                 TILE_D_TAIL, TILE_DV, TILE_DV_TAIL, TILE_M, TILE_N, CAUSAL, HAS_WINDOW, SOFTCAP,
-                                 FAST_MATH, K_LATENCY, V_LATENCY, True, OUT_TMA, DIAGONAL_TILES)
+            sequence, tile_m, head = planned_item(ct.gather(WorkItems, i).item(), max_tiles, num_heads)
+            attend_sequence_tile(Q, K, V, Out, CuSeqlensQ, CuSeqlensK, sequence, tile_m, head, qk_scale,
+                                 window_left, window_right, num_heads, group, TILE_D, TILE_D_TAIL, TILE_DV,
+                                 TILE_DV_TAIL, TILE_M, TILE_N, CAUSAL, HAS_WINDOW, SOFTCAP, FAST_MATH, K_LATENCY,
+                                 V_LATENCY, True, OUT_TMA, DIAGONAL_TILES)
     else:
         num_m = ct.num_blocks(0)
         tile_m, batch_head = work_item(block_item(num_m, num_heads), num_m, ct.num_blocks(2) * num_heads,
@@ -242,6 +241,13 @@ def attend_sequence_tile(Q, K, V, Out, CuSeqlensQ, CuSeqlensK, batch, tile_m, he
                           TILE_D_TAIL, TILE_DV, TILE_DV_TAIL, TILE_M, TILE_N, CAUSAL, CAUSAL, HAS_WINDOW, SOFTCAP,
                           FAST_MATH, True, False, K_LATENCY, V_LATENCY, WHOLE, DIAGONAL_TILES, q_row0=q_start,
                           kv_row0=k_start, kv_len=k_end - k_start, ROW_OFFSETS=True, OUT_TMA=OUT_TMA)
+
+
+def planned_item(item, max_tiles, num_heads):
+    """(sequence, query tile, head) of a host plan's item ``(sequence * max_tiles + query tile) * num_heads + head``
+    (``impls._serving.WorkPlan``); a dense batch's sequences are its batch entries."""
+    rest = item // num_heads
+    return rest // max_tiles, rest % max_tiles, item % num_heads
 
 
 def block_item(num_m, num_heads):
