@@ -21,7 +21,8 @@ candidate on every ``varlen`` case (``--varlen-grid NAME``: another preset's, wi
 on the equal-length batch beside the dense kernel with the same variant on the same shape (the varlen path should
 cost nothing over dense); ``--varlen-persistent`` adds the persistent
 twin (on the host plan) of every one-block-per-tile candidate, ``--varlen-stores`` times each with both output
-stores, ``--varlen-peel`` each candidate that runs peeled beside its masked loop. Prints JSON lines.
+stores, ``--varlen-peel`` each candidate that runs peeled beside its masked loop, ``--varlen-whole-pairs`` each
+persistent candidate beside itself on a plan of whole units (what the plan's split tail gains). Prints JSON lines.
 
     python scripts/serving_probe.py --case llama3-8b-paged-bf16-h32:8-q1-kv8192-uniform-p16-d128-b64
 """
@@ -33,10 +34,12 @@ import json
 import time
 from dataclasses import replace
 from fnmatch import fnmatchcase
+from unittest import mock
 
 import torch
 
 import impls
+import impls._serving
 from impls._tuning import graph_ms
 from impls._validate import NO_WINDOW
 from impls.cutile import Call, _sm_count, precompile
@@ -273,13 +276,14 @@ def mask_free_ab(inputs, scale: float, case, oracle, rounds: int = 5) -> None:
 
 
 def probe_varlen(rounds: int = 3, persistent_twins: bool = False, stores: tuple[str, ...] = (),
-                 grid: str = "varlen", peel_pairs: bool = False, match: str = "*") -> None:
+                 grid: str = "varlen", peel_pairs: bool = False, match: str = "*", whole_pairs: bool = False) -> None:
     """Each varlen candidate on every varlen case of ``grid`` (with its window and softcap), and on an equal-length
     batch beside the dense kernel of the same variant where the grid has the dense twin (``varlen`` does), in
     ``rounds`` interleaved rounds (median); ``persistent_twins``: each one-block-per-tile candidate's persistent
     twin too; ``stores``: the varlen call once per output store (else FMHA_VARLEN_STORE's); ``peel_pairs``: only
     the candidates that run peeled on the case (``varlen_resolved``), each beside its masked-loop twin ("loop");
-    ``match``: only the cases whose id matches this glob."""
+    ``whole_pairs``: only the persistent candidates, each beside itself on a plan of whole units, none split
+    ("whole": ``split_tail``'s gain); ``match``: only the cases whose id matches this glob."""
     dense = [c.make_inputs("cuda") for c in preset(grid) if c.op == "dense"][:1]
     for varlen_case in [c for c in preset(grid) if c.op == "varlen" and fnmatchcase(c.id, match)]:
         inputs = varlen_case.make_inputs("cuda")
@@ -292,11 +296,16 @@ def probe_varlen(rounds: int = 3, persistent_twins: bool = False, stores: tuple[
         for variant in space + [twin for twin in twins if twin not in space]:
             if peel_pairs and not varlen_resolved(variant, inputs, varlen_case.window).peel_diagonal:
                 continue  # neither made nor timed: it would run its masked loop here
+            if whole_pairs and not variant.persistent:
+                continue  # only a persistent block runs the host's plan
             calls = {f"varlen_{store}" if store else "varlen": VarlenCall(variant, inputs, scale=scale, store=store,
                                                                           **variants)
                      for store in stores or (None,)}
             if peel_pairs:
                 calls["loop"] = VarlenCall(replace(variant, peel_diagonal=False), inputs, scale=scale, **variants)
+            if whole_pairs:  # the plan is made when the call is prepared
+                with mock.patch.object(impls._serving, "SPLIT_TAIL_SHARES", (0,)):
+                    calls["whole"] = VarlenCall(variant, inputs, scale=scale, **variants)
             if varlen_case.lengths == "equal" and dense:
                 calls["dense"] = Call(variant, *dense[0], causal=True, scale=scale)
             precompile(list(calls.values()))
@@ -305,7 +314,8 @@ def probe_varlen(rounds: int = 3, persistent_twins: bool = False, stores: tuple[
                               **{f"{name}_ms": ms for name, ms in median.items()},
                               "tflops": metrics.flops(varlen_case) / median[next(iter(calls))] / 1e9,
                               "passed": [oracle.check(call()).passed for name, call in calls.items()
-                                         if name.startswith("varlen") or name == "loop"]}), flush=True)
+                                         if name.startswith("varlen") or name in ("loop", "whole")]}),
+                  flush=True)
 
 
 def main() -> None:
@@ -321,6 +331,8 @@ def main() -> None:
                         help="varlen: only the cases whose id matches GLOB")
     parser.add_argument("--varlen-peel", action="store_true",
                         help="varlen: each candidate that runs peeled beside its masked-loop twin, interleaved")
+    parser.add_argument("--varlen-whole-pairs", action="store_true",
+                        help="varlen: each persistent candidate beside itself on a plan of whole units, interleaved")
     parser.add_argument("--varlen-stores", action="store_true",
                         help=f"varlen: each candidate with each output store ({', '.join(VARLEN_STORES)}), interleaved")
     parser.add_argument("--occupancy", action="append", type=int, default=[], help="cuTile blocks per SM to try")
@@ -365,7 +377,7 @@ def main() -> None:
     if not args.skip_varlen:
         probe_varlen(persistent_twins=args.varlen_persistent,
                      stores=VARLEN_STORES if args.varlen_stores else (), grid=args.varlen_grid,
-                     peel_pairs=args.varlen_peel, match=args.varlen_match)
+                     peel_pairs=args.varlen_peel, match=args.varlen_match, whole_pairs=args.varlen_whole_pairs)
 
 
 if __name__ == "__main__":

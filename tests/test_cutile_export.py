@@ -690,7 +690,11 @@ def test_varlen_launches_compile():
 
     inputs = serving_inputs("varlen-cpu", 0)
     space = varlen_space((9, 0), inputs.head_dim, inputs.causal)
-    assert not any(v.two_launch or v.dynamic or v.paired for v in space)
+    assert not any(v.two_launch or v.dynamic or v.paired or v.planned for v in space)
+    for head_dim in (64, 96, 128, 192, 256):  # the dense space's planned twins would time a candidate twice here
+        for window in (False, True):
+            forms = varlen_space((9, 0), head_dim, True, window=window)
+            assert len(forms) == len(set(forms)), (head_dim, window)
     for head_dim in (64, 128, 256):  # every candidate makes its launch (D=128 causal: the dense space peels)
         cu = torch.tensor([0, 300, 1324], dtype=torch.int32)
         q = torch.empty((1324, 4, head_dim), dtype=torch.bfloat16)

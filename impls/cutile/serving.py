@@ -356,7 +356,8 @@ class VarlenCall(Launches):
 def varlen_space(capability: tuple[int, int], head_dim: int, causal: bool, window: bool = False) -> list[Variant]:
     """The dense search space's forms with one block per query tile, and its persistent forms with a fixed
     share, which here run the host's plan (``varlen_work_plan``: its own order and balance, so the dense share's
-    ``paired`` and ``dynamic`` flags mean nothing here and are dropped). Not the two-launch forms, nor the deferred
+    ``paired``, ``planned`` and ``dynamic`` flags mean nothing here and are dropped: a planned twin is its paired
+    candidate again). Not the two-launch forms, nor the deferred
     P V (``Variant.defer_pv``: dense only). The peeled forms stay (a packed batch runs them where
     ``varlen_resolved`` keeps their peel), the 128x256 one, its diagonal peeled in 128-key tiles, only with a
     window. Session 48 (H100, each peeled candidate beside its masked loop, ``gpu_session.sh varlen-peel``): the
@@ -368,7 +369,7 @@ def varlen_space(capability: tuple[int, int], head_dim: int, causal: bool, windo
         if variant.two_launch or variant.dynamic or variant.defer_pv or (
                 variant.peel_diagonal and variant.tile_n > variant.tile_m and not window):
             continue
-        planned = replace(variant, paired=False)
+        planned = replace(variant, paired=False, planned=False)
         if planned not in space:
             space.append(planned)
     return space
