@@ -274,6 +274,9 @@ for part in "$@"; do
       # a tune cut short by its limit goes on in serve-flashinfer (the tuning cache lives in /tmp/fmha)
       step tune 260 "${tune[@]}" || { [ $? = 124 ] && touch /tmp/fmha/tune-unfinished; }
       ;;
+    serve-tune)  # our kernels' checks of SERVE_GRIDS alone, tuning into the cache (a chain's first call)
+      step tune "${SERVE_TUNE_LIMIT:-300}" "${tune[@]}"
+      ;;
     serve-flashinfer)
       step fi-correct "${FI_CORRECT_LIMIT:-330}" python3 -m pytest suite -k correctness -q -p no:cacheprovider -rf \
         --impl flashinfer "${full[@]}" --durations=8
