@@ -212,7 +212,7 @@ def test_head_dims_run_as_a_power_of_two_and_a_narrower_tail():
     assert Variant(64, 64, head_tail=False).head_tiles(96) == (128, 0, 128, 0)
 
 
-@pytest.mark.parametrize("head_dim", [40, 96, 128, 192, 256])
+@pytest.mark.parametrize("head_dim", [32, 40, 80, 96, 128, 192, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_sm90_two_warpgroup_candidate_never_spills(head_dim, causal):
     # Issue 13: every head dim has a candidate of the Hopper space without stack, whatever the keys' raggedness
