@@ -98,7 +98,8 @@ def _version(dist: str) -> str | None:
 @functools.cache
 def source_hash(paths: tuple[Path, ...]) -> str:
     """A digest of what the modules at ``paths`` compute: their code, not their comments, docstrings or layout, so
-    that a note added to a search space's docstring keeps the tuning picks (and a tune of minutes) valid."""
+    that a note added to a search space's docstring keeps the tuning picks (and a tune of minutes) valid; nor the
+    Python version that reads them, so that a cache keyed where one Python runs matches where another does."""
     digest = hashlib.sha256()
     for path in paths:
         digest.update(_code_only(path.read_bytes()))
@@ -106,8 +107,8 @@ def source_hash(paths: tuple[Path, ...]) -> str:
 
 
 def _code_only(source: bytes) -> bytes:
-    """The module's code without docstrings, as Python writes its syntax tree back (``ast.unparse``: no comments, one
-    layout); the source itself where it does not parse."""
+    """The module's syntax tree without docstrings, written out field by field (``_canonical``); the source itself
+    where it does not parse."""
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
@@ -116,7 +117,19 @@ def _code_only(source: bytes) -> bytes:
     for node in ast.walk(tree):
         if isinstance(node, documented) and ast.get_docstring(node, clean=False) is not None:
             node.body = node.body[1:] or [ast.Pass()]
-    return ast.unparse(tree).encode()
+    return _canonical(tree).encode()
+
+
+def _canonical(node: Any) -> str:
+    """A syntax tree as text that every Python from 3.11 writes alike: each node's type and its fields, those left
+    empty skipped (3.12 gives functions an empty ``type_params``). Not ``ast.unparse``, which writes an f-string's
+    inner quotes one way before 3.12 and another from it, so one kernel had two digests (session 56)."""
+    if isinstance(node, ast.AST):
+        fields = ((name, getattr(node, name, None)) for name in node._fields)
+        return f"{type(node).__name__}({','.join(f'{n}={_canonical(v)}' for n, v in fields if v not in (None, []))})"
+    if isinstance(node, list):
+        return f"[{','.join(map(_canonical, node))}]"
+    return repr(node)
 
 
 def family_sources(package_init: str) -> list[Path]:

@@ -439,7 +439,8 @@ def planned_forms(space: list[Variant]) -> list[Variant]:
     1 x 32K 489-491 / 469-472; Phi-3 1 x 32K 537 / 528 with each item's index read one item ahead (485 before,
     though both compiled to the same registers, pipeline and HGMMA runs); the Llama-3-70B slice's 1 x 32K 601 / 647.
     The tuner picked a planned form on 11 of the 18 ``models`` cases and on the causal ``blog`` / ``fa3`` rows from
-    2K but two."""
+    2K but two (session 55, before the read-ahead); with it, on 5 of the 18 on another H200 (session 56: both Phi-3
+    and GPT-2 cases, Mistral-7B 1 x 32K; the D=128 forms are near-ties there)."""
     return space + [replace(v, paired=False, planned=True) for v in space if v.paired]
 
 
