@@ -412,6 +412,20 @@ for part in "$@"; do
       step tails-sweep 150 python3 scripts/sweep.py --d 96 --seqlens 4096 16384 --which sdpa cutile --tuner-space \
         --match 'sdpa-cudnn' --match 'cutile:*' --out "$out/tails-sweep.json"
       ;;
+    noncausal)
+      # issue 15's largest gap (fa3 non-causal, flash-attn4 ahead by 5-11%): the space's candidates beside shapes it
+      # leaves out, settled time, outputs checked first: at D=64 the 16-warp 256x128 (128 B of stack on sm_90,
+      # never timed there) and the persistent 128x256 at latencies 2 / 4; at D=128 the persistent 128x256 (not in
+      # the non-causal space; sm_90, tileiras 13.5: 165 KB of pipeline and no stack with whole key tiles, against
+      # 198 KB for the persistent 128x128)
+      step noncausal-d64 280 python3 scripts/tuner_probe.py --methods settled --case fp16-full-h32:32-s4096x4096-d64-b4 \
+        --case fp16-full-h32:32-s16384x16384-d64 --add tile_m=256,tile_n=128,num_worker_warps=16 \
+        --add tile_m=256,tile_n=128,num_worker_warps=16,persistent=1 --add tile_n=256,persistent=1
+      step noncausal-d128 250 python3 scripts/tuner_probe.py --methods settled --case fp16-full-h16:16-s4096x4096-d128-b4 \
+        --case fp16-full-h16:16-s16384x16384-d128 --add tile_n=256,persistent=1 \
+        --add tile_n=256,persistent=1,k_latency=3,v_latency=6
+      grep -h picks "$out"/noncausal-d*.log
+      ;;
     tuner)
       step tuner 300 python3 scripts/tuner_probe.py --wide-persistent --case fp16-causal-h32:32-s2048x2048-d128-b4 \
         --case fp16-causal-h32:32-s8192x8192-d128-b4 --case llama3-8b-bf16-causal-h32:8-s4096x4096-d128-b4 \
