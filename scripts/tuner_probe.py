@@ -91,15 +91,16 @@ def probe(case_id: str, repeats: int, wide_persistent: bool, head_groups: list[i
     space = [var for var in space if like(var, match or ["*"])]
     space += [replace(var, persistent=True, paired=True) for var in pairable]
     window = kernel_window(case.variants.get("window", NO_WINDOW), case.causal)
-    space += [replace(var, peel_diagonal=True) for var in list(space) if case.causal and like(var, peeled_of or [])
+    peeled = [replace(var, peel_diagonal=True) for var in space if case.causal and like(var, peeled_of or [])
               and not var.peel_refusal(causal=True, q_len=case.sq, kv_len=case.skv, window=window)]
+    space += [var for var in peeled if var not in space]  # the space has some peeled forms itself
     space += [replace(var, persistent=True, paired=paired, two_launch=True) for var in splittable
               for paired in (False, True)]
     extras = [added(spec) for spec in add or []]  # those the case's shape allows (a peel needs whole tiles)
     space += [var for var in extras if not (var.peel_diagonal and var.peel_refusal(
         causal=case.causal, q_len=case.sq, kv_len=case.skv, window=window)) and var not in space]
-    space += [replace(var, paired=False, planned=True) for var in list(space)
-              if var.paired and like(var, planned_of or [])]
+    planned = [replace(var, paired=False, planned=True) for var in space if var.paired and like(var, planned_of or [])]
+    space += [var for var in planned if var not in space]  # and every paired form's planned twin (planned_forms)
     # the paired order takes no head group: only the others again with one
     space += [replace(var, head_group=group) for var in space for group in head_groups
               if case.causal and not (var.paired or var.planned)]
