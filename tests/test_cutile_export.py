@@ -757,7 +757,9 @@ def test_sm90_peeled_varlen_candidates_deepen_the_pipeline_without_spilling():
                                                             window=window).launches[0][1:], arch="sm_90"))
                              for form in (variant, replace(variant, peel_diagonal=False)))
             label = (variant.label(), window)
-            assert usage["stack"] <= 8 and usage["hgmma"] > 0, (label, usage)
+            # No stack: until session 57 the persistent 128x128 spilled 8 B, which reading each item one ahead
+            # (as the dense planned loop does) took away, with tileiras 13.4 and 13.5.
+            assert usage["stack"] == 0 and usage["ldl"] == usage["stl"] == 0 and usage["hgmma"] > 0, (label, usage)
             assert usage["shared"] >= 1.2 * looped["shared"], (label, usage["shared"], looped["shared"])
 
 

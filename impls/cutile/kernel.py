@@ -203,14 +203,17 @@ def fmha_varlen(
     (``impls.cutile.serving.varlen_resolved``): a sequence's ragged last query tile needs no more mask than the
     causal one, since no row of the sequence sees a key past its end.
     """
-    if PERSISTENT:
-        first = ct.gather(WorkStarts, ct.bid(0)).item()
-        for i in range(first, ct.gather(WorkStarts, ct.bid(0) + 1).item()):
-            sequence, tile_m, head = planned_item(ct.gather(WorkItems, i).item(), max_tiles, num_heads)
+    if PERSISTENT:  # each item read one ahead, as in ``fmha_fwd``'s planned loop
+        start = ct.gather(WorkStarts, ct.bid(0)).item()
+        item = ct.gather(WorkItems, start).item()  # gathers past the end read 0 (bounds-checked), and go unused
+        for i in range(start, ct.gather(WorkStarts, ct.bid(0) + 1).item()):
+            upcoming = ct.gather(WorkItems, i + 1).item()
+            sequence, tile_m, head = planned_item(item, max_tiles, num_heads)
             attend_sequence_tile(Q, K, V, Out, CuSeqlensQ, CuSeqlensK, sequence, tile_m, head, qk_scale,
                                  window_left, window_right, num_heads, group, TILE_D, TILE_D_TAIL, TILE_DV,
                                  TILE_DV_TAIL, TILE_M, TILE_N, CAUSAL, HAS_WINDOW, SOFTCAP, FAST_MATH, K_LATENCY,
                                  V_LATENCY, True, OUT_TMA, DIAGONAL_TILES)
+            item = upcoming
     else:
         num_m = ct.num_blocks(0)
         tile_m, batch_head = work_item(block_item(num_m, num_heads), num_m, ct.num_blocks(2) * num_heads,
