@@ -9,8 +9,13 @@ of the CPU preset would cost more than the preset itself.
   ``score_mod``;
 - varlen: the packed batch as one sequence with a document mask (a query sees the keys of its own sequence,
   causal within it), so no padding is computed;
-- paged decode is not registered: flex computes whole key blocks and masks scores, so the unused cache slots
-  of a block reach ``P @ V`` as ``0 * value``, which is NaN when a slot holds NaN (the contract allows it).
+- paged decode: PyTorch's own recipe (``torch.nn.attention.experimental._paged_attention``): the cache as one
+  physical sequence of pages, a block mask whose key blocks are pages (block size = page size) listing each
+  sequence's pages by the block table, and a ``mask_mod`` that maps a physical slot back to its position in the
+  sequence. Built directly from the block table here: the recipe's (batch, pages) inverse table is 4 GB at 256
+  sequences of 32K tokens. Flex computes whole key blocks and masks scores, so the unused slots of a partial last
+  page reach ``P @ V`` as ``0 * value``, NaN where a slot holds NaN (the contract allows it): it runs only where
+  every length is a whole number of pages, and only compiled on a GPU (eager flex scores every page of the cache).
 """
 
 from __future__ import annotations
@@ -56,6 +61,11 @@ def _prepared(q, k, v, mask_mod, *, scale: float, score_mod=None) -> Prepared:
     q_len, kv_len = q.shape[-2], k.shape[-2]
     block_mask = None if mask_mod is None else create_block_mask(
         mask_mod, B=None, H=None, Q_LEN=q_len, KV_LEN=kv_len, device=q.device)
+    return _flex_call(q, k, v, block_mask, scale=scale, score_mod=score_mod)
+
+
+def _flex_call(q, k, v, block_mask, *, scale: float, score_mod=None) -> Prepared:
+    """The call of flex over these tensors, compiled by a first call (on a GPU: outside any timed region)."""
     flex = flex_function(q.device.type)
     gqa = q.shape[1] != k.shape[1]
 
@@ -63,7 +73,7 @@ def _prepared(q, k, v, mask_mod, *, scale: float, score_mod=None) -> Prepared:
         return flex(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa)
 
     try:
-        call()  # compiles on a GPU: outside any timed region
+        call()
     except (RuntimeError, NotImplementedError, torch._dynamo.exc.BackendCompilerFailed) as exc:
         raise Unsupported(" ".join(str(exc).split())[:300]) from exc
     return Prepared(call, config={"compiled": q.is_cuda, "block_size": getattr(block_mask, "BLOCK_SIZE", None)})
@@ -137,3 +147,67 @@ def flex_varlen(inputs, *, scale: float, window: tuple[int, int] = NO_WINDOW, so
     q, k, v = (t.transpose(0, 1)[None] for t in (inputs.q, inputs.k, inputs.v))  # (1, H, total, D)
     prepared = _prepared(q, k, v, document, scale=scale, score_mod=_softcap_mod(softcap))
     return Prepared(lambda: prepared()[0].transpose(0, 1), prepared.config)
+
+
+def paged_block_mask(inputs, window_left: int):
+    """The block mask of a paged decode over the physical cache ``(1, Hkv, num_pages * page_size, D)``: per sequence,
+    its pages as key blocks, full where every new token sees the whole page, partial (masked) at the causal edge and
+    a window's far edge. Refuses a page that the table places at two positions."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    batch, sq = inputs.q.shape[:2]
+    page, num_pages = inputs.page_size, inputs.k_cache.shape[0]
+    device = inputs.q.device
+    lengths = inputs.cache_seqlens.long()
+    pages = -(-lengths // page)
+    table = inputs.block_table.long()
+    index = torch.arange(table.shape[1], device=device)[None, :]  # (1, max_pages): a page's place in its sequence
+    listed = index < pages[:, None]
+    logical = torch.full((num_pages,), -1, dtype=torch.long, device=device)  # a physical page's place, -1: none
+    logical[table[listed]] = index.expand_as(table)[listed]
+    if not bool((logical[table[listed]] == index.expand_as(table)[listed]).all()):
+        raise Unsupported("a page stands at two positions of the block table: the mask maps each physical page "
+                          "back to one position")
+
+    first_query = (lengths - sq)[:, None]  # the position of the first new token; the last is at lengths - 1
+    start, end = index * page, (index + 1) * page - 1  # a page's first and last positions
+    seen_by_all = listed & (end <= first_query)
+    seen_by_any = listed.clone()
+    if window_left >= 0:
+        seen_by_all &= start >= lengths[:, None] - 1 - window_left
+        seen_by_any &= end >= first_query - window_left
+
+    def blocks(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(count, indices) of the kept pages of each sequence, their physical numbers first in each row, the rows
+        as long as the cache's page count (BlockMask builds its dense form from them)."""
+        order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices
+        indices = torch.zeros((batch, 1, 1, num_pages), dtype=torch.int32, device=device)
+        indices[..., :table.shape[1]] = table.gather(1, order).to(torch.int32)[:, None, None]
+        return keep.sum(1).to(torch.int32)[:, None, None], indices
+
+    def visible(b, h, q_idx, kv_idx):
+        physical = kv_idx // page
+        place = logical[physical]
+        position = place * page + kv_idx % page
+        query = q_idx + lengths[b] - sq
+        mine = (place >= 0) & (table[b, place.clamp(min=0)] == physical)  # eager flex asks of every slot
+        return mine & _within(position, query, window_left, 0)
+
+    return BlockMask.from_kv_blocks(*blocks(seen_by_any & ~seen_by_all), *blocks(seen_by_all),
+                                    BLOCK_SIZE=(128, page), mask_mod=visible, seq_lengths=(sq, num_pages * page))
+
+
+@register("flex", op="paged", family="sdpa", requires=requires, devices=("cuda",), variants=("window", "softcap"),
+          description="torch FlexAttention, compiled, over the paged cache with a paged block mask (key block = "
+                      "page, PyTorch's paged-attention recipe); whole pages only")
+def flex_paged(inputs, *, scale: float, window: tuple[int, int] = NO_WINDOW, softcap: float = 0.0):
+    page = inputs.page_size
+    ragged = next(((b, n) for b, n in enumerate(inputs.seqlens) if n % page), None)
+    if ragged:
+        raise Unsupported(f"cache_seqlens[{ragged[0]}] = {ragged[1]} ends inside a page of {page}: flex computes "
+                          "whole pages, so the unused slots past a length reach P @ V as 0 x value, NaN where a "
+                          "slot holds NaN (the contract allows it)")
+    q = inputs.q.transpose(1, 2)  # (B, Hq, Sq, D) against the cache as one batch: (1, Hkv, pages * page, D)
+    k, v = (c.flatten(0, 1).transpose(0, 1)[None] for c in (inputs.k_cache, inputs.v_cache))
+    prepared = _flex_call(q, k, v, paged_block_mask(inputs, window[0]), scale=scale, score_mod=_softcap_mod(softcap))
+    return Prepared(lambda: prepared().transpose(1, 2), prepared.config)

@@ -150,7 +150,9 @@
 #             29). Without .gpu-fi-aot the models-serving modules took longer than that on an H200 (session 51: 9 of 18
 #             checks in 330 s, the other 9 in 236 s of a second serve-flashinfer call, carrying .gpu-fa4b, before
 #             serve-all), so that chain takes four calls
-#   serve-all: (call 3) serving and varlen benchmarks, every implementation, graph timing
+#   serve-all: (call 3) serving and varlen benchmarks, every implementation (SERVE_IMPLS, space-separated, to pick:
+#             flex's paged entry, new in session 57, compiles once per uniform decode case, a cost not yet measured),
+#             graph timing
 set -u
 out=${OUT:-results}
 # pytest-xdist 3.8 ignores xdist_group (--dist loadgroup) under pytest 9, which the image has: a carried .whl/ with
@@ -285,9 +287,9 @@ for part in "$@"; do
       fi
       ;;
     serve-all)
+      read -r -a serve_impls <<< "${SERVE_IMPLS:-cutile triton flash-attn4 flashinfer sdpa flex naive}"
       step serve-all 540 python3 -m pytest suite "${bench[@]}" "${full[@]}" --timing graph \
-        --impl cutile --impl triton --impl flash-attn4 --impl flashinfer --impl sdpa --impl flex --impl naive \
-        --benchmark-json="$out/${SERVE_NAME:-serving-all}.json"
+        "${serve_impls[@]/#/--impl=}" --benchmark-json="$out/${SERVE_NAME:-serving-all}.json"
       ;;
     sanitize)
       step memcheck 200 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest suite -k correctness \

@@ -140,13 +140,14 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(str(error)) from None
     if config.getoption("--only-impl"):
         selected = [i for i in selected if i.name == config.getoption("--only-impl")]
-    unavailable = {i.name: r for i in selected if (r := i.availability(device.type))}
+    reasons = {(i.op, i.name): r for i in selected if (r := i.availability(device.type))}
     if config.getoption("--retune") or config.getoption("--no-tuning-cache"):
         # Read by impls._tuning, in this process and in the children of --isolate.
         os.environ["FMHA_TUNING"] = "retune" if config.getoption("--retune") else "off"
     rest_ms = config.getoption("--rest-ms")
     config.stash[STATE_KEY] = RunState(
-        device=device, impls=[i for i in selected if i.name not in unavailable], unavailable=unavailable,
+        device=device, impls=[i for i in selected if (i.op, i.name) not in reasons],
+        unavailable=unavailable_by_name(selected, reasons),
         rest=RestPolicy(None if rest_ms == "auto" else rest_ms / 1e3),
     )
     if device.type == "cuda" and config.getoption("benchmark_timer", None) == "time.perf_counter":
@@ -155,6 +156,19 @@ def pytest_configure(config: pytest.Config) -> None:
     if wants_file and not benchmark_json(config):
         Path("results").mkdir(exist_ok=True)
         config.option.benchmark_json = Path("results") / "benchmark.json"
+
+
+def unavailable_by_name(selected: list[impls.Impl], reasons: dict[tuple[str, str], str]) -> dict[str, str]:
+    """The reasons an implementation cannot run here, under its name where none of its operations can, else under
+    ``name (op)`` for each operation that cannot (flex's paged entry needs a GPU, its dense one does not)."""
+    ops = defaultdict(list)
+    for impl in selected:
+        ops[impl.name].append(impl.op)
+    unavailable = {}
+    for (op, name), reason in reasons.items():
+        whole = all((other, name) in reasons for other in ops[name])
+        unavailable[name if whole else f"{name} ({op})"] = reason
+    return unavailable
 
 
 def benchmark_json(config: pytest.Config) -> Path | None:

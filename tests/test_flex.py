@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from impls import flex
+from impls._validate import NO_WINDOW
 
 
 def test_compile_per_case_compiles_every_new_shape_past_dynamos_default_limit_of_eight() -> None:
@@ -20,3 +22,63 @@ def test_compile_per_case_compiles_every_new_shape_past_dynamos_default_limit_of
         assert torch.equal(doubled(torch.ones(n)), torch.full((n,), 2.0))
     assert len(graphs) == len(shapes)
     assert torch._dynamo.config.fail_on_recompile_limit_hit  # past the new limit: an error, never eager
+
+
+def whole_page_inputs(new_tokens: int):
+    """A paged twin (scattered pages, GQA 2) whose lengths are whole pages of 16 (as flex's paged entry requires),
+    every unused slot finite: eager flex on CPU weights every slot of the cache, the unused ones by exactly 0."""
+    import dataclasses
+
+    from suite.cases import paged
+
+    inputs = paged(("", 4, 2, 64), 3, 100, lengths="longtail", sq=new_tokens).make_inputs("cpu")
+    page = inputs.page_size
+    lengths = torch.tensor([max(new_tokens, n) // page * page for n in inputs.seqlens], dtype=torch.int32)
+    return dataclasses.replace(inputs, cache_seqlens=torch.clamp(lengths, min=page),
+                               k_cache=inputs.k_cache.nan_to_num(), v_cache=inputs.v_cache.nan_to_num())
+
+
+@pytest.mark.parametrize("new_tokens", [1, 4])
+@pytest.mark.parametrize(("window", "softcap"), [(NO_WINDOW, 0.0), ((40, 0), 0.0), (NO_WINDOW, 30.0)])
+def test_paged_block_mask_lists_each_sequences_pages_full_or_partial(new_tokens, window, softcap) -> None:
+    """The paged block mask (key block = page) gives the oracle's output, and lists a page of a sequence as full
+    exactly where every new token sees all its slots, as partial where some token sees some: on CPU flex runs
+    eagerly, over the mask_mod alone, so the lists are checked against the mask_mod slot by slot."""
+    from suite.checks import Oracle
+
+    inputs = whole_page_inputs(new_tokens)
+    mask = flex.paged_block_mask(inputs, window[0])
+    q = inputs.q.transpose(1, 2)
+    k, v = (c.flatten(0, 1).transpose(0, 1)[None] for c in (inputs.k_cache, inputs.v_cache))
+    out = flex.flex_function("cpu")(q, k, v, block_mask=mask, score_mod=flex._softcap_mod(softcap), enable_gqa=True,
+                                    scale=0.125).transpose(1, 2)
+    result = Oracle.serving(inputs, scale=0.125, window=window, softcap=softcap).check(out)
+    assert result.passed, result.message
+
+    page, slots = inputs.page_size, inputs.k_cache.shape[0] * inputs.page_size
+    for b in range(inputs.q.shape[0]):
+        seen = torch.stack([torch.stack([mask.mask_mod(torch.tensor(b), 0, torch.tensor(i), torch.tensor(s))
+                                         for s in range(slots)]) for i in range(new_tokens)]).view(new_tokens, -1, page)
+        full = {int(p) for p in mask.full_kv_indices[b, 0, 0, :int(mask.full_kv_num_blocks[b, 0, 0])]}
+        partial = {int(p) for p in mask.kv_indices[b, 0, 0, :int(mask.kv_num_blocks[b, 0, 0])]}
+        assert full == {p for p in range(seen.shape[1]) if seen[:, p].all()}
+        assert partial == {p for p in range(seen.shape[1]) if seen[:, p].any() and not seen[:, p].all()}
+
+
+def test_paged_flex_refuses_what_it_would_get_wrong() -> None:
+    """A length inside a page (flex would weight the slots past it by 0, and 0 x NaN is NaN) and a page at two
+    places of the table are refused with the reason; on CPU the registry refuses it (eager flex scores every slot)."""
+    import dataclasses
+
+    import impls
+
+    inputs = whole_page_inputs(1)
+    ragged = dataclasses.replace(inputs, cache_seqlens=inputs.cache_seqlens - 1)
+    with pytest.raises(impls.Unsupported, match=r"cache_seqlens\[0\] = \d+ ends inside a page of 16"):
+        flex.flex_paged(ragged, scale=0.125)
+    table = inputs.block_table.clone()
+    table[1, 0] = table[0, 1]  # page at place 1 of sequence 0 and place 0 of sequence 1
+    with pytest.raises(impls.Unsupported, match="two positions"):
+        flex.flex_paged(dataclasses.replace(inputs, block_table=table), scale=0.125)
+    with pytest.raises(impls.Unsupported, match="cuda only"):
+        impls.get("flex", "paged").prepare(inputs)

@@ -184,3 +184,17 @@ def test_grid_axes_of_heads_and_sequences():
     assert heads_by_batch(32, 4096) == (32, 4096)  # 131072 programs, neither axis past the cap
     with pytest.raises(Unsupported, match=f"kv heads = {GRID_AXIS_MAX + 1}: .* caps at {GRID_AXIS_MAX}"):
         heads_by_batch(GRID_AXIS_MAX + 1, 1, "kv heads")
+
+
+def test_an_operation_that_cannot_run_here_leaves_its_siblings_running():
+    """flex's paged entry needs a GPU, its dense and varlen ones do not: on CPU only the paged one is left out of
+    the run, and the summary names it by its operation."""
+    from suite.plugin import unavailable_by_name
+
+    if torch.cuda.is_available():
+        pytest.skip("every operation runs here")
+    selected = select(["flex", "cutile"])
+    reasons = {(i.op, i.name): r for i in selected if (r := i.availability("cpu"))}
+    unavailable = unavailable_by_name(selected, reasons)
+    assert set(unavailable) == {"flex (paged)", "cutile"}
+    assert {i.op for i in selected if i.name == "flex" and (i.op, i.name) not in reasons} == {"dense", "varlen"}
