@@ -82,3 +82,26 @@ def test_paged_flex_refuses_what_it_would_get_wrong() -> None:
         flex.flex_paged(dataclasses.replace(inputs, block_table=table), scale=0.125)
     with pytest.raises(impls.Unsupported, match="cuda only"):
         impls.get("flex", "paged").prepare(inputs)
+
+
+def test_compiled_paged_flex_reads_only_the_pages_its_block_mask_lists() -> None:
+    """Compiled (inductor's CPU kernel, as on a GPU), flex visits only the pages the mask lists: the spare pages
+    and the table entries past each sequence's pages hold NaN, and the output is the oracle's. One compile, ~20 s."""
+    import dataclasses
+
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from suite.cases import paged
+    from suite.checks import Oracle
+
+    inputs = paged(("", 4, 2, 64), 3, 100, lengths="longtail", sq=4).make_inputs("cpu")
+    page = inputs.page_size
+    lengths = torch.tensor([max(4, n) // page * page for n in inputs.seqlens], dtype=torch.int32).clamp(min=page)
+    inputs = dataclasses.replace(inputs, cache_seqlens=lengths)  # whole pages; NaN stays in the unused ones
+    q = inputs.q.transpose(1, 2)
+    k, v = (c.flatten(0, 1).transpose(0, 1)[None] for c in (inputs.k_cache, inputs.v_cache))
+    assert torch.isnan(k).any() and torch.isnan(v).any()
+    out = torch.compile(flex_attention, dynamic=False)(q, k, v, block_mask=flex.paged_block_mask(inputs, -1),
+                                                        enable_gqa=True, scale=0.125)
+    result = Oracle.serving(inputs, scale=0.125).check(out.transpose(1, 2))
+    assert result.passed, result.message
