@@ -150,6 +150,7 @@
 #             29). Without .gpu-fi-aot the models-serving modules took longer than that on an H200 (session 51: 9 of 18
 #             checks in 330 s, the other 9 in 236 s of a second serve-flashinfer call, carrying .gpu-fa4b, before
 #             serve-all), so that chain takes four calls
+#   flex-paged: flex's paged decode checks alone (FLEX_PAGED_LIMIT s, 300), to learn its compile cost per case
 #   serve-all: (call 3) serving and varlen benchmarks, every implementation (SERVE_IMPLS, space-separated, to pick:
 #             flex's paged entry, new in session 57, compiles once per uniform decode case, a cost not yet measured),
 #             graph timing
@@ -275,6 +276,11 @@ for part in "$@"; do
         --dist load --no-tuning-cache
       # a tune cut short by its limit goes on in serve-flashinfer (the tuning cache lives in /tmp/fmha)
       step tune 260 "${tune[@]}" || { [ $? = 124 ] && touch /tmp/fmha/tune-unfinished; }
+      ;;
+    flex-paged)  # flex's paged entry (session 57) alone, before it joins serve-all: its checks on the serving grids
+      # (a length inside a page is refused at once), with the slowest prepares (each case compiles) listed
+      step flex-paged "${FLEX_PAGED_LIMIT:-300}" python3 -m pytest suite -k "correctness and paged" -q \
+        -p no:cacheprovider -rfs --impl flex "${full[@]}" --durations=12
       ;;
     serve-tune)  # our kernels' checks of SERVE_GRIDS alone, tuning into the cache (a chain's first call)
       step tune "${SERVE_TUNE_LIMIT:-300}" "${tune[@]}"
