@@ -178,12 +178,15 @@ def paged_block_mask(inputs, window_left: int):
         seen_by_any &= end >= first_query - window_left
 
     def blocks(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(count, indices) of the kept pages of each sequence, their physical numbers first in each row, the rows
-        as long as the cache's page count (BlockMask builds its dense form from them)."""
+        """(count, indices) of the kept pages of each sequence, their physical numbers first in each row, then 0
+        (a table entry past a sequence's pages may hold anything), the rows as long as the cache's page count
+        (BlockMask builds its dense form from them)."""
         order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices
+        count = keep.sum(1)
+        kept = torch.where(index < count[:, None], table.gather(1, order), 0)
         indices = torch.zeros((batch, 1, 1, num_pages), dtype=torch.int32, device=device)
-        indices[..., :table.shape[1]] = table.gather(1, order).to(torch.int32)[:, None, None]
-        return keep.sum(1).to(torch.int32)[:, None, None], indices
+        indices[..., :table.shape[1]] = kept.to(torch.int32)[:, None, None]
+        return count.to(torch.int32)[:, None, None], indices
 
     def visible(b, h, q_idx, kv_idx):
         physical = kv_idx // page

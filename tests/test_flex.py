@@ -34,7 +34,11 @@ def whole_page_inputs(new_tokens: int):
     inputs = paged(("", 4, 2, 64), 3, 100, lengths="longtail", sq=new_tokens).make_inputs("cpu")
     page = inputs.page_size
     lengths = torch.tensor([max(new_tokens, n) // page * page for n in inputs.seqlens], dtype=torch.int32)
-    return dataclasses.replace(inputs, cache_seqlens=torch.clamp(lengths, min=page),
+    lengths = torch.clamp(lengths, min=page)
+    table = inputs.block_table.clone()
+    for b, n in enumerate(lengths.tolist()):
+        table[b, n // page:] = -(10**6)  # entries past a sequence's pages may hold anything
+    return dataclasses.replace(inputs, cache_seqlens=lengths, block_table=table,
                                k_cache=inputs.k_cache.nan_to_num(), v_cache=inputs.v_cache.nan_to_num())
 
 
