@@ -93,6 +93,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "only that implementation's case (see suite/isolation.py)")
     group.addoption("--case-timeout", type=float, default=300.0,
                     help="with --isolate: seconds one test may run before its process is killed (default 300)")
+    group.addoption("--list-impls", action="store_true",
+                    help="list the implementations (of --impl, default all) of every operation: family, the "
+                         "variants they take, whether they can run on this device or why not; then exit")
     group.addoption("--only-impl", default=None, help=argparse.SUPPRESS)  # set by --isolate for its children
     group.addoption("--heartbeat", default=None, help=argparse.SUPPRESS)  # likewise
 
@@ -127,6 +130,25 @@ def run_state(config: pytest.Config) -> RunState:
     return config.stash[STATE_KEY]
 
 
+def pytest_cmdline_main(config: pytest.Config) -> int | None:
+    """``--list-impls``: the registry as a table, without collecting or running anything."""
+    if not config.getoption("--list-impls"):
+        return None
+    requested = config.getoption("--device")
+    device = requested or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        selected = impls.select(config.getoption("--impl"))
+    except ValueError as error:
+        raise pytest.UsageError(str(error)) from None
+    rows = [("operation", "implementation", "family", "variants", f"on {device}")]
+    rows += [(i.op, i.name, i.family, ",".join(i.variants) or "-", i.availability(device) or "runs")
+             for i in sorted(selected, key=lambda i: (grid.OPS.index(i.op), i.name))]
+    widths = [max(len(row[col]) for row in rows) for col in range(4)]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row[:4], widths, strict=True)) + "  " + row[4])
+    return 0
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "cases(*cases): run this test on these cases instead of the grid")
     # pytest-xdist declares the marker the collection below puts on every case; without xdist (``-p no:xdist``)
@@ -158,7 +180,7 @@ def pytest_configure(config: pytest.Config) -> None:
         config.option.benchmark_json = Path("results") / "benchmark.json"
 
 
-def unavailable_by_name(selected: list[impls.Impl], reasons: dict[tuple[str, str], str]) -> dict[str, str]:
+def unavailable_by_name(selected: list[Impl], reasons: dict[tuple[str, str], str]) -> dict[str, str]:
     """The reasons an implementation cannot run here, under its name where none of its operations can, else under
     ``name (op)`` for each operation that cannot (flex's paged entry needs a GPU, its dense one does not)."""
     ops = defaultdict(list)

@@ -198,3 +198,26 @@ def test_an_operation_that_cannot_run_here_leaves_its_siblings_running():
     unavailable = unavailable_by_name(selected, reasons)
     assert set(unavailable) == {"flex (paged)", "cutile"}
     assert {i.op for i in selected if i.name == "flex" and (i.op, i.name) not in reasons} == {"dense", "varlen"}
+
+
+def test_list_impls_prints_the_registry_and_runs_nothing():
+    """``pytest --list-impls``: one row an operation and implementation, with whether it runs here or why not."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from suite.isolation import child_env
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-m", "pytest", "--list-impls", "--impl", "flex", "--impl", "naive",
+                           "-p", "no:cacheprovider"], cwd=root, capture_output=True, text=True, timeout=120,
+                          env=child_env())
+    assert done.returncode == 0, done.stderr
+    rows = [line.split() for line in done.stdout.splitlines()]
+    assert rows[0][:4] == ["operation", "implementation", "family", "variants"]
+    listed = {(row[0], row[1]): " ".join(row[4:]) for row in rows[1:]}
+    assert set(listed) == {(op, name) for op in ("dense", "paged", "varlen") for name in ("flex", "naive")}
+    assert listed["dense", "naive"] == "runs"
+    if not torch.cuda.is_available():
+        assert listed["paged", "flex"].startswith("runs on cuda only")
+    assert "passed" not in done.stdout and "collected" not in done.stdout
