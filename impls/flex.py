@@ -149,6 +149,12 @@ def flex_varlen(inputs, *, scale: float, window: tuple[int, int] = NO_WINDOW, so
     return Prepared(lambda: prepared()[0].transpose(0, 1), prepared.config)
 
 
+def physical_cache(inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V caches ``(num_pages, page_size, Hkv, D)`` as the one physical sequence flex reads,
+    ``(1, Hkv, num_pages * page_size, D)`` (views, no copy)."""
+    return tuple(c.flatten(0, 1).transpose(0, 1)[None] for c in (inputs.k_cache, inputs.v_cache))
+
+
 def paged_block_mask(inputs, window_left: int):
     """The block mask of a paged decode over the physical cache ``(1, Hkv, num_pages * page_size, D)``: per sequence,
     its pages as key blocks, full where every new token sees the whole page, partial (masked) at the causal edge and
@@ -163,9 +169,10 @@ def paged_block_mask(inputs, window_left: int):
     table = inputs.block_table.long()
     index = torch.arange(table.shape[1], device=device)[None, :]  # (1, max_pages): a page's place in its sequence
     listed = index < pages[:, None]
+    listed_pages, places = table[listed], index.expand_as(table)[listed]
     logical = torch.full((num_pages,), -1, dtype=torch.long, device=device)  # a physical page's place, -1: none
-    logical[table[listed]] = index.expand_as(table)[listed]
-    if not bool((logical[table[listed]] == index.expand_as(table)[listed]).all()):
+    logical[listed_pages] = places
+    if not bool((logical[listed_pages] == places).all()):
         raise Unsupported("a page stands at two positions of the block table: the mask maps each physical page "
                           "back to one position")
 
@@ -210,7 +217,7 @@ def flex_paged(inputs, *, scale: float, window: tuple[int, int] = NO_WINDOW, sof
         raise Unsupported(f"cache_seqlens[{ragged[0]}] = {ragged[1]} ends inside a page of {page}: flex computes "
                           "whole pages, so the unused slots past a length reach P @ V as 0 x value, NaN where a "
                           "slot holds NaN (the contract allows it)")
-    q = inputs.q.transpose(1, 2)  # (B, Hq, Sq, D) against the cache as one batch: (1, Hkv, pages * page, D)
-    k, v = (c.flatten(0, 1).transpose(0, 1)[None] for c in (inputs.k_cache, inputs.v_cache))
-    prepared = _flex_call(q, k, v, paged_block_mask(inputs, window[0]), scale=scale, score_mod=_softcap_mod(softcap))
+    q = inputs.q.transpose(1, 2)  # (B, Hq, Sq, D) against the cache as one batch
+    prepared = _flex_call(q, *physical_cache(inputs), paged_block_mask(inputs, window[0]), scale=scale,
+                          score_mod=_softcap_mod(softcap))
     return Prepared(lambda: prepared().transpose(1, 2), prepared.config)

@@ -130,18 +130,27 @@ def run_state(config: pytest.Config) -> RunState:
     return config.stash[STATE_KEY]
 
 
+def device_and_selection(config: pytest.Config) -> tuple[torch.device, list[Impl]]:
+    """The device a run uses (``--device``, default cuda where there is one) and the implementations its ``--impl``
+    globs (and ``--isolate``'s ``--only-impl``) pick, whether or not they can run there."""
+    requested = config.getoption("--device")
+    device = torch.device(requested or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        selected = impls.select(config.getoption("--impl"))
+    except ValueError as error:  # a glob that names nothing: a usage error, not a traceback
+        raise pytest.UsageError(str(error)) from None
+    if config.getoption("--only-impl"):
+        selected = [i for i in selected if i.name == config.getoption("--only-impl")]
+    return device, selected
+
+
 def pytest_cmdline_main(config: pytest.Config) -> int | None:
     """``--list-impls``: the registry as a table, without collecting or running anything."""
     if not config.getoption("--list-impls"):
         return None
-    requested = config.getoption("--device")
-    device = requested or ("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        selected = impls.select(config.getoption("--impl"))
-    except ValueError as error:
-        raise pytest.UsageError(str(error)) from None
-    rows = [("operation", "implementation", "family", "variants", f"on {device}")]
-    rows += [(i.op, i.name, i.family, ",".join(i.variants) or "-", i.availability(device) or "runs")
+    device, selected = device_and_selection(config)
+    rows = [("operation", "implementation", "family", "variants", f"on {device.type}")]
+    rows += [(i.op, i.name, i.family, ",".join(i.variants) or "-", i.availability(device.type) or "runs")
              for i in sorted(selected, key=lambda i: (grid.OPS.index(i.op), i.name))]
     widths = [max(len(row[col]) for row in rows) for col in range(4)]
     for row in rows:
@@ -154,14 +163,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # pytest-xdist declares the marker the collection below puts on every case; without xdist (``-p no:xdist``)
     # the suite runs in one process, and the strict marker check would refuse it
     config.addinivalue_line("markers", "xdist_group(name): pytest-xdist's --dist loadgroup runs a group on one worker")
-    requested = config.getoption("--device")
-    device = torch.device(requested or ("cuda" if torch.cuda.is_available() else "cpu"))
-    try:
-        selected = impls.select(config.getoption("--impl"))
-    except ValueError as error:  # a glob that names nothing: a usage error, not a traceback
-        raise pytest.UsageError(str(error)) from None
-    if config.getoption("--only-impl"):
-        selected = [i for i in selected if i.name == config.getoption("--only-impl")]
+    device, selected = device_and_selection(config)
     reasons = {(i.op, i.name): r for i in selected if (r := i.availability(device.type))}
     if config.getoption("--retune") or config.getoption("--no-tuning-cache"):
         # Read by impls._tuning, in this process and in the children of --isolate.

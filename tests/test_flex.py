@@ -24,9 +24,10 @@ def test_compile_per_case_compiles_every_new_shape_past_dynamos_default_limit_of
     assert torch._dynamo.config.fail_on_recompile_limit_hit  # past the new limit: an error, never eager
 
 
-def whole_page_inputs(new_tokens: int):
-    """A paged twin (scattered pages, GQA 2) whose lengths are whole pages of 16 (as flex's paged entry requires),
-    every unused slot finite: eager flex on CPU weights every slot of the cache, the unused ones by exactly 0."""
+def whole_page_inputs(new_tokens: int, *, keep_nan: bool = False):
+    """A paged twin (scattered pages, GQA 2) whose lengths are whole pages of 16 (as flex's paged entry requires).
+    Unless ``keep_nan``, every unused slot finite (eager flex on CPU weights every slot of the cache, the unused ones
+    by exactly 0) and the table's entries past a sequence's pages far out of range."""
     import dataclasses
 
     from suite.cases import paged
@@ -35,6 +36,8 @@ def whole_page_inputs(new_tokens: int):
     page = inputs.page_size
     lengths = torch.tensor([max(new_tokens, n) // page * page for n in inputs.seqlens], dtype=torch.int32)
     lengths = torch.clamp(lengths, min=page)
+    if keep_nan:
+        return dataclasses.replace(inputs, cache_seqlens=lengths)
     table = inputs.block_table.clone()
     for b, n in enumerate(lengths.tolist()):
         table[b, n // page:] = -(10**6)  # entries past a sequence's pages may hold anything
@@ -53,7 +56,7 @@ def test_paged_block_mask_lists_each_sequences_pages_full_or_partial(new_tokens,
     inputs = whole_page_inputs(new_tokens)
     mask = flex.paged_block_mask(inputs, window[0])
     q = inputs.q.transpose(1, 2)
-    k, v = (c.flatten(0, 1).transpose(0, 1)[None] for c in (inputs.k_cache, inputs.v_cache))
+    k, v = flex.physical_cache(inputs)
     out = flex.flex_function("cpu")(q, k, v, block_mask=mask, score_mod=flex._softcap_mod(softcap), enable_gqa=True,
                                     scale=0.125).transpose(1, 2)
     result = Oracle.serving(inputs, scale=0.125, window=window, softcap=softcap).check(out)
@@ -91,19 +94,13 @@ def test_paged_flex_refuses_what_it_would_get_wrong() -> None:
 def test_compiled_paged_flex_reads_only_the_pages_its_block_mask_lists() -> None:
     """Compiled (inductor's CPU kernel, as on a GPU), flex visits only the pages the mask lists: the spare pages
     and the table entries past each sequence's pages hold NaN, and the output is the oracle's. One compile, ~20 s."""
-    import dataclasses
-
     from torch.nn.attention.flex_attention import flex_attention
 
-    from suite.cases import paged
     from suite.checks import Oracle
 
-    inputs = paged(("", 4, 2, 64), 3, 100, lengths="longtail", sq=4).make_inputs("cpu")
-    page = inputs.page_size
-    lengths = torch.tensor([max(4, n) // page * page for n in inputs.seqlens], dtype=torch.int32).clamp(min=page)
-    inputs = dataclasses.replace(inputs, cache_seqlens=lengths)  # whole pages; NaN stays in the unused ones
+    inputs = whole_page_inputs(4, keep_nan=True)
     q = inputs.q.transpose(1, 2)
-    k, v = (c.flatten(0, 1).transpose(0, 1)[None] for c in (inputs.k_cache, inputs.v_cache))
+    k, v = flex.physical_cache(inputs)
     assert torch.isnan(k).any() and torch.isnan(v).any()
     out = torch.compile(flex_attention, dynamic=False)(q, k, v, block_mask=flex.paged_block_mask(inputs, -1),
                                                         enable_gqa=True, scale=0.125)
