@@ -75,8 +75,15 @@ def _flex_call(q, k, v, block_mask, *, scale: float, score_mod=None) -> Prepared
     try:
         call()
     except (RuntimeError, NotImplementedError, torch._dynamo.exc.BackendCompilerFailed) as exc:
-        raise Unsupported(" ".join(str(exc).split())[:300]) from exc
+        raise Unsupported(compile_error(exc)) from exc
     return Prepared(call, config={"compiled": q.is_cuda, "block_size": getattr(block_mask, "BLOCK_SIZE", None)})
+
+
+def compile_error(exc: Exception, limit: int = 300) -> str:
+    """The reason a flex call failed, in one line: the error's last line, where an inductor worker's traceback
+    (``SubprocException``) puts the cause (out of shared memory, say), not its head."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[-1] if lines else ''}"[:limit]
 
 
 def _zero_empty_rows(out: torch.Tensor, q_len: int, kv_len: int) -> torch.Tensor:

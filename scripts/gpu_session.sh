@@ -426,10 +426,11 @@ for part in "$@"; do
       # never timed there) and the persistent 128x256 at latencies 2 / 4; at D=128 the persistent 128x256 (not in
       # the non-causal space; sm_90, tileiras 13.5: 165 KB of pipeline and no stack with whole key tiles, against
       # 198 KB for the persistent 128x128)
-      step noncausal-d64 280 python3 scripts/tuner_probe.py --methods settled --case fp16-full-h32:32-s4096x4096-d64-b4 \
+      dims=" ${NONCAUSAL_DIMS:-64 128} "  # one call may take one head dim, the next the other
+      [[ $dims == *" 64 "* ]] && step noncausal-d64 280 python3 scripts/tuner_probe.py --methods settled --case fp16-full-h32:32-s4096x4096-d64-b4 \
         --case fp16-full-h32:32-s16384x16384-d64 --add tile_m=256,tile_n=128,num_worker_warps=16 \
         --add tile_m=256,tile_n=128,num_worker_warps=16,persistent=1 --add tile_n=256,persistent=1
-      step noncausal-d128 250 python3 scripts/tuner_probe.py --methods settled --case fp16-full-h16:16-s4096x4096-d128-b4 \
+      [[ $dims == *" 128 "* ]] && step noncausal-d128 250 python3 scripts/tuner_probe.py --methods settled --case fp16-full-h16:16-s4096x4096-d128-b4 \
         --case fp16-full-h16:16-s16384x16384-d128 --add tile_n=256,persistent=1 \
         --add tile_n=256,persistent=1,k_latency=3,v_latency=6
       grep -h picks "$out"/noncausal-d*.log

@@ -106,3 +106,15 @@ def test_compiled_paged_flex_reads_only_the_pages_its_block_mask_lists() -> None
                                                         enable_gqa=True, scale=0.125)
     result = Oracle.serving(inputs, scale=0.125).check(out.transpose(1, 2))
     assert result.passed, result.message
+
+
+def test_a_compile_failure_is_reported_by_its_cause():
+    """An inductor worker's error arrives as a whole traceback: the reason given is its last line, the cause."""
+    traceback = ("An exception occurred in a subprocess: Name=triton_tem_fused_flex_attention_0\n"
+                 "Traceback (most recent call last):\n  File \"subproc_pool.py\", line 457, in do_job\n"
+                 "    result = job()\n"
+                 "triton.runtime.errors.OutOfResources: out of resource: shared memory, Required: 264192\n\n")
+    reason = flex.compile_error(RuntimeError(traceback))
+    assert reason == ("RuntimeError: triton.runtime.errors.OutOfResources: out of resource: shared memory, "
+                      "Required: 264192")
+    assert flex.compile_error(RuntimeError("")) == "RuntimeError: "
