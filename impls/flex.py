@@ -21,6 +21,7 @@ of the CPU preset would cost more than the preset itself.
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -79,11 +80,20 @@ def _flex_call(q, k, v, block_mask, *, scale: float, score_mod=None) -> Prepared
     return Prepared(call, config={"compiled": q.is_cuda, "block_size": getattr(block_mask, "BLOCK_SIZE", None)})
 
 
+# lines torch adds to every compile error, which name no cause
+_BOILERPLATE = ("Set TORCHDYNAMO_VERBOSE", "For even more developer context", "You can suppress this exception")
+_RAISED = re.compile(r"^[\w.]*(Error|Exception|Resources)\b[^:]*:")  # "module.SomeError: ...", a raise's last line
+
+
 def compile_error(exc: Exception, limit: int = 300) -> str:
-    """The reason a flex call failed, in one line: the error's last line, where an inductor worker's traceback
-    (``SubprocException``) puts the cause (out of shared memory, say), not its head."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    return f"{type(exc).__name__}: {lines[-1] if lines else ''}"[:limit]
+    """The reason a flex call failed, in one line: the last error raised in its message, where an inductor
+    worker's traceback (``SubprocException``) puts the cause (out of shared memory, say), not its head, and not
+    the hints torch appends to every error."""
+    lines = [line.strip() for line in str(exc).splitlines()
+             if line.strip() and not line.strip().startswith(_BOILERPLATE)]
+    raised = [line for line in lines if _RAISED.match(line)]
+    cause = (raised or lines or [""])[-1]
+    return f"{type(exc).__name__}: {cause}"[:limit]
 
 
 def _zero_empty_rows(out: torch.Tensor, q_len: int, kv_len: int) -> torch.Tensor:

@@ -109,12 +109,16 @@ def test_compiled_paged_flex_reads_only_the_pages_its_block_mask_lists() -> None
 
 
 def test_a_compile_failure_is_reported_by_its_cause():
-    """An inductor worker's error arrives as a whole traceback: the reason given is its last line, the cause."""
-    traceback = ("An exception occurred in a subprocess: Name=triton_tem_fused_flex_attention_0\n"
+    """An inductor worker's error arrives as a whole traceback with torch's hints after it: the reason given is
+    the last error raised in it, the cause."""
+    traceback = ("SubprocException: An exception occurred in a subprocess:\n\nName=triton_tem_fused_flex_attention_0\n"
                  "Traceback (most recent call last):\n  File \"subproc_pool.py\", line 457, in do_job\n"
                  "    result = job()\n"
-                 "triton.runtime.errors.OutOfResources: out of resource: shared memory, Required: 264192\n\n")
+                 "triton.runtime.errors.OutOfResources: out of resource: shared memory, Required: 264192\n\n"
+                 "Set TORCHDYNAMO_VERBOSE=1 for the internal stack trace (please do this especially if you're "
+                 "reporting a bug to PyTorch). For even more developer context, set TORCH_LOGS=\"+dynamo\"\n")
     reason = flex.compile_error(RuntimeError(traceback))
     assert reason == ("RuntimeError: triton.runtime.errors.OutOfResources: out of resource: shared memory, "
                       "Required: 264192")
+    assert flex.compile_error(RuntimeError("no kernel for this shape")) == "RuntimeError: no kernel for this shape"
     assert flex.compile_error(RuntimeError("")) == "RuntimeError: "
