@@ -82,7 +82,8 @@ def _flex_call(q, k, v, block_mask, *, scale: float, score_mod=None) -> Prepared
 
 # lines torch adds to every compile error, which name no cause
 _BOILERPLATE = ("Set TORCHDYNAMO_VERBOSE", "For even more developer context", "You can suppress this exception")
-_RAISED = re.compile(r"^[\w.]*(Error|Exception|Resources)\b[^:]*:")  # "module.SomeError: ...", a raise's last line
+# a raise's last line: "module.SomeError: ..." or, as Triton's compiler prints it, "SomeError('...')"
+_RAISED = re.compile(r"^[\w.]*(Error|Exception|Resources)(: |\()")
 
 
 def compile_error(exc: Exception, limit: int = 300) -> str:

@@ -120,5 +120,14 @@ def test_a_compile_failure_is_reported_by_its_cause():
     reason = flex.compile_error(RuntimeError(traceback))
     assert reason == ("RuntimeError: triton.runtime.errors.OutOfResources: out of resource: shared memory, "
                       "Required: 264192")
+    # torch 2.11 on an H200, a physical cache of 2^31 elements or more (session 58): Triton's compile error
+    # names the line first and the cause after the source excerpt
+    triton_error = ("CompilationError: at 194:23:\n\n    acc, l_i, m_i = forward_inner(\n"
+                    "        block_n_start, block_n_end if block_n_end <= block_n_last_valid else block_n_last_valid,\n"
+                    "                       ^\nAssertionError('Ternary expression with dynamic condition has "
+                    "inconsistent types int64 and int32')\n\nSet TORCHDYNAMO_VERBOSE=1 for the internal stack trace\n")
+    assert flex.compile_error(RuntimeError(triton_error)) == (
+        "RuntimeError: AssertionError('Ternary expression with dynamic condition has inconsistent types int64 and "
+        "int32')")
     assert flex.compile_error(RuntimeError("no kernel for this shape")) == "RuntimeError: no kernel for this shape"
     assert flex.compile_error(RuntimeError("")) == "RuntimeError: "
