@@ -47,14 +47,17 @@ def whole_page_inputs(new_tokens: int, *, keep_nan: bool = False):
 
 @pytest.mark.parametrize("new_tokens", [1, 4])
 @pytest.mark.parametrize(("window", "softcap"), [(NO_WINDOW, 0.0), ((40, 0), 0.0), (NO_WINDOW, 30.0)])
-def test_paged_block_mask_lists_each_sequences_pages_full_or_partial(new_tokens, window, softcap) -> None:
+@pytest.mark.parametrize("full_blocks", [False, True])
+def test_paged_block_mask_lists_each_sequences_pages_full_or_partial(new_tokens, window, softcap,
+                                                                     full_blocks) -> None:
     """The paged block mask (key block = page) gives the oracle's output, and lists a page of a sequence as full
-    exactly where every new token sees all its slots, as partial where some token sees some: on CPU flex runs
-    eagerly, over the mask_mod alone, so the lists are checked against the mask_mod slot by slot."""
+    exactly where every new token sees all its slots (``full_blocks``; else nothing as full), as partial where some
+    token sees some (else every page some token sees): on CPU flex runs eagerly, over the mask_mod alone, so the
+    lists are checked against the mask_mod slot by slot."""
     from suite.checks import Oracle
 
     inputs = whole_page_inputs(new_tokens)
-    mask = flex.paged_block_mask(inputs, window[0])
+    mask = flex.paged_block_mask(inputs, window[0], full_blocks=full_blocks)
     q = inputs.q.transpose(1, 2)
     k, v = flex.physical_cache(inputs)
     out = flex.flex_function("cpu")(q, k, v, block_mask=mask, score_mod=flex._softcap_mod(softcap), enable_gqa=True,
@@ -66,10 +69,16 @@ def test_paged_block_mask_lists_each_sequences_pages_full_or_partial(new_tokens,
     for b in range(inputs.q.shape[0]):
         seen = torch.stack([torch.stack([mask.mask_mod(torch.tensor(b), 0, torch.tensor(i), torch.tensor(s))
                                          for s in range(slots)]) for i in range(new_tokens)]).view(new_tokens, -1, page)
-        full = {int(p) for p in mask.full_kv_indices[b, 0, 0, :int(mask.full_kv_num_blocks[b, 0, 0])]}
         partial = {int(p) for p in mask.kv_indices[b, 0, 0, :int(mask.kv_num_blocks[b, 0, 0])]}
-        assert full == {p for p in range(seen.shape[1]) if seen[:, p].all()}
-        assert partial == {p for p in range(seen.shape[1]) if seen[:, p].any() and not seen[:, p].all()}
+        whole = {p for p in range(seen.shape[1]) if seen[:, p].all()}
+        some = {p for p in range(seen.shape[1]) if seen[:, p].any()}
+        if not full_blocks:
+            assert mask.full_kv_num_blocks is None
+            assert partial == some
+            continue
+        full = {int(p) for p in mask.full_kv_indices[b, 0, 0, :int(mask.full_kv_num_blocks[b, 0, 0])]}
+        assert full == whole
+        assert partial == some - whole
 
 
 def test_paged_flex_refuses_what_it_would_get_wrong() -> None:
