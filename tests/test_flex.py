@@ -81,6 +81,21 @@ def test_paged_block_mask_lists_each_sequences_pages_full_or_partial(new_tokens,
         assert partial == some - whole
 
 
+@pytest.mark.parametrize(("batch", "length", "kv_heads", "full"), [
+    (1, 32768, 8, True),  # one sequence fills the cache: it covers all 32 ranges
+    (64, 8192, 8, True),  # 512 kv heads for 132 SMs: one range
+    (256, 8192, 1, True),
+    (16, 32768, 8, False),  # two ranges, each sequence within one: 128 programs busy of 256
+    (16, 32768, 1, False),  # 16 ranges: 16 programs busy of 256
+    (64, 8192, 1, False),
+])
+def test_full_blocks_only_where_flex_decoding_splits_every_sequence(batch, length, kv_heads, full) -> None:
+    """The H200's measured cases (132 SMs, a spare page of 64 slots in the cache): full blocks where every sequence
+    covers every one of the decoding kernel's key ranges, partial blocks elsewhere."""
+    slots = batch * length + 64
+    assert flex.full_blocks_split_well([length] * batch, slots, kv_heads, sms=132) is full
+
+
 def test_paged_flex_refuses_what_it_would_get_wrong() -> None:
     """A length inside a page (flex would weight the slots past it by 0, and 0 x NaN is NaN) and a page at two
     places of the table are refused with the reason; on CPU the registry refuses it (eager flex scores every slot)."""
