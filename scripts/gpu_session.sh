@@ -232,6 +232,10 @@ fi_aot() {  # FlashInfer's modules of this machine (compiled here, or carried) a
   tar -cf - -C $aot . | xz -6 -T0 > "$out/flashinfer-aot.tar.xz"
   echo "fi-aot: $(ls $aot | wc -l) modules, $(du -h "$out/flashinfer-aot.tar.xz" | cut -f1)"
 }
+bundle_logs() {  # bundle_logs NAME: $out/NAME-*.log as one $out/NAME-logs.tgz (the device returns 8 files at most:
+  # session 58 lost a run's JSON behind eight memcheck logs)
+  tar -czf "$out/$1-logs.tgz" -C "$out" $(cd "$out" && ls "$1"-*.log) && rm -f "$out/$1"-*.log
+}
 tuner_picks='"check": false|picks'  # tuner_probe.py's failed checks and each case's picks
 memcheck_candidates() {  # memcheck_candidates GLOB SECONDS [SELECT]: the cuTile candidates whose label matches GLOB
   # on the edge cases of tests/test_gpu_candidates.py (pytest -k SELECT) under compute-sanitizer's SANITIZER_TOOL
@@ -252,6 +256,7 @@ memcheck_candidates() {  # memcheck_candidates GLOB SECONDS [SELECT]: the cuTile
   done
   wait
   grep -HE "SUMMARY|passed|failed|skipped" "$out/$tool"-*.log
+  bundle_logs "$tool"
 }
 for part in "$@"; do
   echo "== $part $(date +%T)"
@@ -790,6 +795,7 @@ for v in varlen_space((9, 0), 128, True): print(v.label().replace(' ', '?'))")
           | tail -1)"
       done
       set +f
+      bundle_logs varlen-memcheck
       ;;
     dynamic)
       step dynamic 150 python3 scripts/sweep.py --seqlens 2048 8192 16384 --causal both --which sdpa cutile \
