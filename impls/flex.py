@@ -188,14 +188,18 @@ def full_blocks_split_well(lengths: list[int], slots: int, kv_heads: int, sms: i
     return all(-(-n // per_split) >= splits for n in lengths)
 
 
-def paged_block_mask(inputs, window_left: int, *, full_blocks: bool = False):
+def paged_block_mask(inputs, window_left: int, *, full_blocks: bool = False, listed_only: bool = False):
     """The block mask of a paged decode over the physical cache ``(1, Hkv, num_pages * page_size, D)``: per sequence,
     its pages as key blocks. Refuses a page that the table places at two positions.
 
     ``full_blocks``: the pages every new token sees whole listed as full blocks (no mask_mod), the rest as partial
     (the causal edge, a window's far edge). Off, every page is partial, masked by the mask_mod: flex's decoding
     kernel then splits each sequence's own pages over its programs, where with full blocks it may leave them to one
-    (``full_blocks_split_well``)."""
+    (``full_blocks_split_well``).
+
+    ``listed_only``: the mask_mod is asked only of the pages the block lists give each sequence (compiled flex, which
+    skips the others), so it maps a slot to its position and no more. Otherwise (eager flex asks of every slot) it
+    also checks that the page is the sequence's own, a second lookup per slot."""
     from torch.nn.attention.flex_attention import BlockMask
 
     batch, sq = inputs.q.shape[:2]
@@ -236,9 +240,10 @@ def paged_block_mask(inputs, window_left: int, *, full_blocks: bool = False):
         physical = kv_idx // page
         place = logical[physical]
         position = place * page + kv_idx % page
-        query = q_idx + lengths[b] - sq
-        mine = (place >= 0) & (table[b, place.clamp(min=0)] == physical)  # eager flex asks of every slot
-        return mine & _within(position, query, window_left, 0)
+        seen = _within(position, q_idx + lengths[b] - sq, window_left, 0)
+        if listed_only:
+            return seen
+        return seen & (place >= 0) & (table[b, place.clamp(min=0)] == physical)  # the sequence's own page
 
     full = blocks(seen_by_all) if full_blocks else (None, None)
     return BlockMask.from_kv_blocks(*blocks(seen_by_any & ~seen_by_all if full_blocks else seen_by_any), *full,
@@ -261,6 +266,6 @@ def flex_paged(inputs, *, scale: float, window: tuple[int, int] = NO_WINDOW, sof
     # 0.95 ms with, 1.14 ms without, where the mask_mod runs on every page (session 58)
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
     full = full_blocks_split_well(inputs.seqlens, k.shape[2], k.shape[1], sms)
-    prepared = _flex_call(q, k, v, paged_block_mask(inputs, window[0], full_blocks=full), scale=scale,
-                          score_mod=_softcap_mod(softcap))
+    mask = paged_block_mask(inputs, window[0], full_blocks=full, listed_only=True)  # compiled: listed pages only
+    prepared = _flex_call(q, k, v, mask, scale=scale, score_mod=_softcap_mod(softcap))
     return Prepared(lambda: prepared().transpose(1, 2), prepared.config)

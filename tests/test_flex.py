@@ -66,9 +66,16 @@ def test_paged_block_mask_lists_each_sequences_pages_full_or_partial(new_tokens,
     assert result.passed, result.message
 
     page, slots = inputs.page_size, inputs.k_cache.shape[0] * inputs.page_size
-    for b in range(inputs.q.shape[0]):
-        seen = torch.stack([torch.stack([mask.mask_mod(torch.tensor(b), 0, torch.tensor(i), torch.tensor(s))
+    lean = flex.paged_block_mask(inputs, window[0], full_blocks=full_blocks, listed_only=True).mask_mod
+
+    def slot_by_slot(mask_mod, b: int) -> torch.Tensor:  # (new token, page, slot in page)
+        return torch.stack([torch.stack([mask_mod(torch.tensor(b), 0, torch.tensor(i), torch.tensor(s))
                                          for s in range(slots)]) for i in range(new_tokens)]).view(new_tokens, -1, page)
+
+    for b in range(inputs.q.shape[0]):
+        seen = slot_by_slot(mask.mask_mod, b)
+        listed = [p for p in range(seen.shape[1]) if seen[:, p].any()]
+        assert torch.equal(slot_by_slot(lean, b)[:, listed], seen[:, listed])  # the compiled entry's mask_mod
         partial = {int(p) for p in mask.kv_indices[b, 0, 0, :int(mask.kv_num_blocks[b, 0, 0])]}
         whole = {p for p in range(seen.shape[1]) if seen[:, p].all()}
         some = {p for p in range(seen.shape[1]) if seen[:, p].any()}
@@ -115,9 +122,11 @@ def test_paged_flex_refuses_what_it_would_get_wrong() -> None:
         impls.get("flex", "paged").prepare(inputs)
 
 
-def test_compiled_paged_flex_reads_only_the_pages_its_block_mask_lists() -> None:
+@pytest.mark.parametrize(("full_blocks", "window"), [(False, NO_WINDOW), (True, (40, 0))])
+def test_compiled_paged_flex_reads_only_the_pages_its_block_mask_lists(full_blocks, window) -> None:
     """Compiled (inductor's CPU kernel, as on a GPU), flex visits only the pages the mask lists: the spare pages
-    and the table entries past each sequence's pages hold NaN, and the output is the oracle's. One compile, ~20 s."""
+    and the table entries past each sequence's pages hold NaN, and the output is the oracle's, with the mask_mod
+    the entry compiles (``listed_only``). One compile each, ~20 s."""
     from torch.nn.attention.flex_attention import flex_attention
 
     from suite.checks import Oracle
@@ -126,9 +135,9 @@ def test_compiled_paged_flex_reads_only_the_pages_its_block_mask_lists() -> None
     q = inputs.q.transpose(1, 2)
     k, v = flex.physical_cache(inputs)
     assert torch.isnan(k).any() and torch.isnan(v).any()
-    out = torch.compile(flex_attention, dynamic=False)(q, k, v, block_mask=flex.paged_block_mask(inputs, -1),
-                                                        enable_gqa=True, scale=0.125)
-    result = Oracle.serving(inputs, scale=0.125).check(out.transpose(1, 2))
+    mask = flex.paged_block_mask(inputs, window[0], full_blocks=full_blocks, listed_only=True)
+    out = torch.compile(flex_attention, dynamic=False)(q, k, v, block_mask=mask, enable_gqa=True, scale=0.125)
+    result = Oracle.serving(inputs, scale=0.125, window=window).check(out.transpose(1, 2))
     assert result.passed, result.message
 
 
