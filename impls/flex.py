@@ -65,20 +65,22 @@ def _prepared(q, k, v, mask_mod, *, scale: float, score_mod=None) -> Prepared:
     return _flex_call(q, k, v, block_mask, scale=scale, score_mod=score_mod)
 
 
-def _flex_call(q, k, v, block_mask, *, scale: float, score_mod=None) -> Prepared:
+def _flex_call(q, k, v, block_mask, *, scale: float, score_mod=None, kernel_options: dict | None = None) -> Prepared:
     """The call of flex over these tensors, compiled by a first call (on a GPU: outside any timed region)."""
     flex = flex_function(q.device.type)
     gqa = q.shape[1] != k.shape[1]
 
     def call() -> torch.Tensor:
-        return flex(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+        return flex(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa,
+                    kernel_options=kernel_options)
 
     try:
         call()
     except (RuntimeError, NotImplementedError, torch._dynamo.exc.BackendCompilerFailed) as exc:
         raise Unsupported(compile_error(exc)) from exc
     return Prepared(call, config={"compiled": q.is_cuda, "block_size": getattr(block_mask, "BLOCK_SIZE", None),
-                                  "full_blocks": getattr(block_mask, "full_kv_num_blocks", None) is not None})
+                                  "full_blocks": getattr(block_mask, "full_kv_num_blocks", None) is not None,
+                                  **({"kernel_options": kernel_options} if kernel_options else {})})
 
 
 # lines torch adds to every compile error, which name no cause
@@ -188,6 +190,13 @@ def full_blocks_split_well(lengths: list[int], slots: int, kv_heads: int, sms: i
     return all(-(-n // per_split) >= splits for n in lengths)
 
 
+def paged_kernel_options(group: int, page: int) -> dict | None:
+    """flex's kernel options for a paged decode with ``group`` query heads a kv head: none where its decoding
+    kernel runs (it packs a power-of-two group), else key tiles of at most a page for its main kernel, whose own
+    (64 or 128 keys) must divide a key block and so refuse pages of 16 (Qwen2.5-7B's group of 7, session 58)."""
+    return None if group & (group - 1) == 0 else {"BLOCK_N": min(page, 64)}
+
+
 def paged_block_mask(inputs, window_left: int, *, full_blocks: bool = False, listed_only: bool = False):
     """The block mask of a paged decode over the physical cache ``(1, Hkv, num_pages * page_size, D)``: per sequence,
     its pages as key blocks. Refuses a page that the table places at two positions.
@@ -267,5 +276,6 @@ def flex_paged(inputs, *, scale: float, window: tuple[int, int] = NO_WINDOW, sof
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
     full = full_blocks_split_well(inputs.seqlens, k.shape[2], k.shape[1], sms)
     mask = paged_block_mask(inputs, window[0], full_blocks=full, listed_only=True)  # compiled: listed pages only
-    prepared = _flex_call(q, k, v, mask, scale=scale, score_mod=_softcap_mod(softcap))
+    prepared = _flex_call(q, k, v, mask, scale=scale, score_mod=_softcap_mod(softcap),
+                          kernel_options=paged_kernel_options(q.shape[1] // k.shape[1], page))
     return Prepared(lambda: prepared().transpose(1, 2), prepared.config)

@@ -103,6 +103,15 @@ def test_full_blocks_only_where_flex_decoding_splits_every_sequence(batch, lengt
     assert flex.full_blocks_split_well([length] * batch, slots, kv_heads, sms=132) is full
 
 
+def test_paged_kernel_options_narrow_the_main_kernels_key_tile_to_a_page() -> None:
+    """Groups that flex's decoding kernel packs (powers of two) keep its own choice; any other group runs the main
+    kernel, whose key tile must divide a page."""
+    assert flex.paged_kernel_options(1, 16) is None and flex.paged_kernel_options(8, 16) is None
+    assert flex.paged_kernel_options(7, 16) == {"BLOCK_N": 16}
+    assert flex.paged_kernel_options(7, 128) == {"BLOCK_N": 64}
+    assert 128 % flex.paged_kernel_options(3, 128)["BLOCK_N"] == 0
+
+
 def test_paged_flex_refuses_what_it_would_get_wrong() -> None:
     """A length inside a page (flex would weight the slots past it by 0, and 0 x NaN is NaN) and a page at two
     places of the table are refused with the reason; on CPU the registry refuses it (eager flex scores every slot)."""
