@@ -287,6 +287,12 @@ for part in "$@"; do
       step flex-paged "${FLEX_PAGED_LIMIT:-300}" python3 -m pytest suite -k "correctness and paged" -q \
         -p no:cacheprovider -rfs --impl flex "${full[@]}" --durations=12
       ;;
+    flex-probe)  # flex's paged forms side by side (scripts/flex_paged_probe.py; FLEX_PROBE_ARGS: its options, e.g.
+      # "--peer flashinfer" after sourcing scripts/flashinfer_env.sh), outputs checked
+      read -r -a probe_args <<< "${FLEX_PROBE_ARGS:-}"
+      step flex-probe "${FLEX_PROBE_LIMIT:-300}" python3 scripts/flex_paged_probe.py "${probe_args[@]}"
+      grep -h '"variant"' "$out/flex-probe.log"
+      ;;
     serve-tune)  # our kernels' checks of SERVE_GRIDS alone, tuning into the cache (a chain's first call)
       step tune "${SERVE_TUNE_LIMIT:-300}" "${tune[@]}"
       ;;

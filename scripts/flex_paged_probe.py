@@ -1,0 +1,98 @@
+"""flex's paged decode in each of its forms, side by side on a GPU (session 58's open question).
+
+For each case: the entry's own choice (``impls.flex.flex_paged``), full blocks, every page partial, and, where full
+blocks split badly (``impls.flex.full_blocks_split_well``: torch's decoding template cuts its ranges from the whole
+physical cache), full blocks with ``SPLIT_KV`` raised so that every sequence covers as many ranges as torch's
+``get_split_k`` aims at (``split_kv_covering``), then each ``--peer``. Timed in alternation (a CUDA graph
+of 20 calls, the median of ``--rounds``), each output checked against the float64 oracle. Prints JSON lines.
+
+    python scripts/flex_paged_probe.py --case llama3-70b-tp8-paged-bf16-h8:1-q1-kv32768-uniform-p16-d128-b16 \
+        --peer flashinfer
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+import impls
+from impls import flex
+from impls._tuning import graph_ms
+from suite import metrics
+from suite.cases import case_by_id
+from suite.checks import Oracle
+
+# one case a regime: one split (full blocks pay), a few splits, many splits, a single sequence
+DEFAULT_CASES = ("llama3-8b-paged-bf16-h32:8-q1-kv8192-uniform-p16-d128-b64",
+                 "llama3-8b-paged-bf16-h32:8-q1-kv8192-uniform-p16-d128-b16",
+                 "llama3-70b-tp8-paged-bf16-h8:1-q1-kv32768-uniform-p16-d128-b16",
+                 "llama3-8b-paged-bf16-h32:8-q1-kv32768-uniform-p16-d128")
+
+
+def split_kv_covering(lengths: list[int], slots: int, kv_heads: int, sms: int) -> int:
+    """SPLIT_KV for full blocks such that the shortest sequence still covers ``get_split_k``'s number of ranges:
+    ranges of the whole cache ``slots`` long, each at most that sequence's length over that number."""
+    aimed = max(sms // max(len(lengths) * kv_heads, 1) * 2, 1)
+    per_split = max(-(-min(lengths) // aimed), 1)
+    return -(-slots // per_split)
+
+
+def forms(inputs, scale: float, peers: list[str]) -> dict:
+    """The calls to compare by name, each made (and compiled by a first call) only when asked for."""
+    q = inputs.q.transpose(1, 2)
+    k, v = flex.physical_cache(inputs)
+    group, page = q.shape[1] // k.shape[1], inputs.page_size
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+
+    def form(full_blocks: bool, **options):
+        def make():
+            mask = flex.paged_block_mask(inputs, -1, full_blocks=full_blocks, listed_only=True)
+            merged = (flex.paged_kernel_options(group, page) or {}) | options
+            prepared = flex._flex_call(q, k, v, mask, scale=scale, kernel_options=merged or None)
+            return lambda: prepared().transpose(1, 2)
+        return make
+
+    def registered(name: str):
+        return lambda: impls.get(name, "paged").prepare(inputs, scale=scale)
+
+    calls = {"flex (entry)": registered("flex"), "flex full blocks": form(True), "flex partial blocks": form(False)}
+    if not flex.full_blocks_split_well(inputs.seqlens, k.shape[2], k.shape[1], sms):  # else torch's split is right
+        split = split_kv_covering(inputs.seqlens, k.shape[2], k.shape[1], sms)
+        calls[f"flex full blocks, SPLIT_KV {split}"] = form(True, SPLIT_KV=split)
+    return calls | {name: registered(name) for name in peers}
+
+
+def probe(case_id: str, peers: list[str], rounds: int) -> None:
+    case = case_by_id(case_id)
+    inputs = case.make_inputs("cuda")
+    scale, oracle = inputs.head_dim ** -0.5, Oracle.serving(inputs)
+    calls = {}
+    for name, make in forms(inputs, scale, peers).items():
+        try:
+            calls[name] = make()
+        except Exception as exc:  # a form or peer that cannot run this case: say why, go on
+            print(json.dumps({"case": case_id, "variant": name, "error": flex.compile_error(exc)}), flush=True)
+    times = {name: [] for name in calls}
+    for _ in range(rounds):  # in alternation, so that clock drift falls on all alike
+        for name, call in calls.items():
+            times[name].append(graph_ms(call, repeats=20))
+    for name, call in calls.items():
+        ms = sorted(times[name])[rounds // 2]
+        print(json.dumps({"case": case_id, "variant": name, "ms": ms, "gbps": metrics.kv_bytes(case) / ms / 1e6,
+                          "passed": oracle.check(call()).passed}), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--case", action="append", help=f"a paged case id (repeatable; default {DEFAULT_CASES})")
+    parser.add_argument("--peer", action="append", default=[], help="a registered paged implementation to time too")
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    for case_id in args.case or DEFAULT_CASES:
+        probe(case_id, args.peer, args.rounds)
+
+
+if __name__ == "__main__":
+    main()
