@@ -151,6 +151,7 @@
 #             checks in 330 s, the other 9 in 236 s of a second serve-flashinfer call, carrying .gpu-fa4b, before
 #             serve-all), so that chain takes four calls
 #   flex-paged: flex's paged decode checks alone (FLEX_PAGED_LIMIT s, 300), to learn its compile cost per case
+#   flex-probe: scripts/flex_paged_probe.py (FLEX_PROBE_ARGS, FLEX_PROBE_LIMIT s, 300): flex's paged forms in alternation
 #   serve-all: (call 3) serving and varlen benchmarks, every implementation (SERVE_IMPLS, space-separated, to pick:
 #             flex's paged entry, new in session 57, compiles once per uniform decode case, a cost not yet measured),
 #             graph timing
