@@ -176,18 +176,20 @@ def physical_cache(inputs) -> tuple[torch.Tensor, torch.Tensor]:
     return tuple(c.flatten(0, 1).transpose(0, 1)[None] for c in (inputs.k_cache, inputs.v_cache))
 
 
-def full_blocks_split_well(lengths: list[int], slots: int, kv_heads: int, sms: int) -> bool:
-    """Whether flex's decoding kernel keeps all its programs busy over a paged cache whose mask has full blocks.
+def full_blocks_split_well(visible: list[int], slots: int, kv_heads: int, sms: int) -> bool:
+    """Whether flex's decoding kernel keeps all its programs busy over a paged cache whose mask has full blocks;
+    ``visible``: the keys each sequence's new tokens see (its length, or a window's span).
 
-    With full blocks, torch 2.11's ``flex_decode`` template cuts the keys into SPLIT_KV ranges of the whole physical
-    cache (``slots`` long, every sequence's pages), not of each sequence's own pages (a TODO there). SPLIT_KV is
-    ``get_split_k``'s: two programs an SM over the batch's kv heads. A sequence then covers only the ranges its
-    length reaches, and with many sequences in the cache one program streams all of it. Full blocks pay where
-    every sequence still covers every range: one split (the kv heads fill the SMs) or one sequence filling the cache.
+    With full blocks, torch 2.11's ``flex_decode`` template cuts each sequence's list of pages into SPLIT_KV ranges
+    as long as if the list held the whole physical cache (``slots`` long, every sequence's pages), not its own
+    pages (a TODO there). SPLIT_KV is ``get_split_k``'s: two programs an SM over the batch's kv heads. A sequence
+    then covers only the ranges its own list reaches, and with many sequences in the cache one program streams all
+    of it. Full blocks pay where every sequence still covers every range: one split (the kv heads fill the SMs) or
+    one sequence filling the cache.
     """
-    splits = max(sms // max(len(lengths) * kv_heads, 1) * 2, 1)
+    splits = max(sms // max(len(visible) * kv_heads, 1) * 2, 1)
     per_split = -(-slots // splits)
-    return all(-(-n // per_split) >= splits for n in lengths)
+    return all(-(-n // per_split) >= splits for n in visible)
 
 
 def paged_kernel_options(group: int, page: int) -> dict | None:
@@ -274,7 +276,9 @@ def flex_paged(inputs, *, scale: float, window: tuple[int, int] = NO_WINDOW, sof
     # H200, Llama-3-70B's slice 16 x 32K: 3.2 ms with full blocks, 0.26 ms without; 8B 64 x 8K (one split):
     # 0.95 ms with, 1.14 ms without, where the mask_mod runs on every page (session 58)
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
-    full = full_blocks_split_well(inputs.seqlens, k.shape[2], k.shape[1], sms)
+    sq, left = q.shape[2], window[0]
+    visible = [n if left < 0 else min(n, left + sq) for n in inputs.seqlens]  # a window lists only its span's pages
+    full = full_blocks_split_well(visible, k.shape[2], k.shape[1], sms)
     mask = paged_block_mask(inputs, window[0], full_blocks=full, listed_only=True)  # compiled: listed pages only
     prepared = _flex_call(q, k, v, mask, scale=scale, score_mod=_softcap_mod(softcap),
                           kernel_options=paged_kernel_options(q.shape[1] // k.shape[1], page))

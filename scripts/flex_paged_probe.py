@@ -66,6 +66,9 @@ def forms(inputs, scale: float, peers: list[str]) -> dict:
 
 def probe(case_id: str, peers: list[str], rounds: int) -> None:
     case = case_by_id(case_id)
+    if case.variants:  # the forms below build the plain causal mask, no window, no softcap
+        print(json.dumps({"case": case_id, "error": "a case with a window or a softcap: not probed"}), flush=True)
+        return
     inputs = case.make_inputs("cuda")
     scale, oracle = inputs.head_dim ** -0.5, Oracle.serving(inputs)
     calls = {}
