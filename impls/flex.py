@@ -176,18 +176,24 @@ def physical_cache(inputs) -> tuple[torch.Tensor, torch.Tensor]:
     return tuple(c.flatten(0, 1).transpose(0, 1)[None] for c in (inputs.k_cache, inputs.v_cache))
 
 
+def decode_splits(batch: int, kv_heads: int, sms: int) -> int:
+    """SPLIT_KV as torch 2.11's flex decoding picks it (``get_split_k``): two programs an SM over the batch's kv
+    heads, at least one."""
+    return max(sms // max(batch * kv_heads, 1) * 2, 1)
+
+
 def full_blocks_split_well(visible: list[int], slots: int, kv_heads: int, sms: int) -> bool:
     """Whether flex's decoding kernel keeps all its programs busy over a paged cache whose mask has full blocks;
     ``visible``: the keys each sequence's new tokens see (its length, or a window's span).
 
     With full blocks, torch 2.11's ``flex_decode`` template cuts each sequence's list of pages into SPLIT_KV ranges
     as long as if the list held the whole physical cache (``slots`` long, every sequence's pages), not its own
-    pages (a TODO there). SPLIT_KV is ``get_split_k``'s: two programs an SM over the batch's kv heads. A sequence
+    pages (a TODO there). SPLIT_KV is ``decode_splits``. A sequence
     then covers only the ranges its own list reaches, and with many sequences in the cache one program streams all
     of it. Full blocks pay where every sequence still covers every range: one split (the kv heads fill the SMs) or
     one sequence filling the cache.
     """
-    splits = max(sms // max(len(visible) * kv_heads, 1) * 2, 1)
+    splits = decode_splits(len(visible), kv_heads, sms)
     per_split = -(-slots // splits)
     return all(-(-n // per_split) >= splits for n in visible)
 
@@ -279,7 +285,7 @@ def flex_paged(inputs, *, scale: float, window: tuple[int, int] = NO_WINDOW, sof
     sq, left = q.shape[2], window[0]
     visible = [n if left < 0 else min(n, left + sq) for n in inputs.seqlens]  # a window lists only its span's pages
     full = full_blocks_split_well(visible, k.shape[2], k.shape[1], sms)
-    mask = paged_block_mask(inputs, window[0], full_blocks=full, listed_only=True)  # compiled: listed pages only
+    mask = paged_block_mask(inputs, left, full_blocks=full, listed_only=True)  # compiled: listed pages only
     prepared = _flex_call(q, k, v, mask, scale=scale, score_mod=_softcap_mod(softcap),
                           kernel_options=paged_kernel_options(q.shape[1] // k.shape[1], page))
     return Prepared(lambda: prepared().transpose(1, 2), prepared.config)

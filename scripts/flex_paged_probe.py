@@ -4,10 +4,11 @@ For each case: the entry's own choice (``impls.flex.flex_paged``), full blocks, 
 blocks split badly (``impls.flex.full_blocks_split_well``: torch's decoding template cuts its ranges from the whole
 physical cache), full blocks with ``SPLIT_KV`` raised so that every sequence covers as many ranges as torch's
 ``get_split_k`` aims at (``split_kv_covering``), then each ``--peer``. Timed in alternation (a CUDA graph
-of 20 calls, the median of ``--rounds``), each output checked against the float64 oracle. Prints JSON lines.
+of 20 calls, the median of ``--rounds``), each output checked against the float64 oracle
+(``serving_probe.report_alternating``). Prints JSON lines. Needs the repository on PYTHONPATH.
 
-    python scripts/flex_paged_probe.py --case llama3-70b-tp8-paged-bf16-h8:1-q1-kv32768-uniform-p16-d128-b16 \
-        --peer flashinfer
+    PYTHONPATH=$PWD python scripts/flex_paged_probe.py \
+        --case llama3-70b-tp8-paged-bf16-h8:1-q1-kv32768-uniform-p16-d128-b16 --peer flashinfer
 """
 
 from __future__ import annotations
@@ -19,8 +20,7 @@ import torch
 
 import impls
 from impls import flex
-from impls._tuning import graph_ms
-from suite import metrics
+from scripts.serving_probe import report_alternating
 from suite.cases import case_by_id
 from suite.checks import Oracle
 
@@ -34,7 +34,7 @@ DEFAULT_CASES = ("llama3-8b-paged-bf16-h32:8-q1-kv8192-uniform-p16-d128-b64",
 def split_kv_covering(lengths: list[int], slots: int, kv_heads: int, sms: int) -> int:
     """SPLIT_KV for full blocks such that the shortest sequence still covers ``get_split_k``'s number of ranges:
     ranges of the whole cache ``slots`` long, each at most that sequence's length over that number."""
-    aimed = max(sms // max(len(lengths) * kv_heads, 1) * 2, 1)
+    aimed = flex.decode_splits(len(lengths), kv_heads, sms)
     per_split = max(-(-min(lengths) // aimed), 1)
     return -(-slots // per_split)
 
@@ -77,14 +77,7 @@ def probe(case_id: str, peers: list[str], rounds: int) -> None:
             calls[name] = make()
         except Exception as exc:  # a form or peer that cannot run this case: say why, go on
             print(json.dumps({"case": case_id, "variant": name, "error": flex.compile_error(exc)}), flush=True)
-    times = {name: [] for name in calls}
-    for _ in range(rounds):  # in alternation, so that clock drift falls on all alike
-        for name, call in calls.items():
-            times[name].append(graph_ms(call, repeats=20))
-    for name, call in calls.items():
-        ms = sorted(times[name])[rounds // 2]
-        print(json.dumps({"case": case_id, "variant": name, "ms": ms, "gbps": metrics.kv_bytes(case) / ms / 1e6,
-                          "passed": oracle.check(call()).passed}), flush=True)
+    report_alternating(case, oracle, calls, {}, rounds)
 
 
 def main() -> None:
