@@ -69,6 +69,17 @@ def shares_gpu() -> bool:
     return os.environ.get("FMHA_GPU_SHARED") == "1"
 
 
+def compiles_candidates() -> bool:
+    """Whether a process that shares its GPU still compiles its tuners' candidates, untimed, before it runs the
+    fixed config (``FMHA_COMPILE_CANDIDATES=1``, the suite's ``--compile-candidates``). A chain's prime runs the
+    checks in many workers at once for this: cuTile's and Triton's compile caches are on disk, so the one process
+    that tunes after them times kernels already compiled. H200, session 59: after a prime that compiled nothing, 45
+    of the `serving` preset's 46 decode shape classes took 1,390 s of tuning steps on two machines (20-30 s a class
+    and kernel family); session 51's tune of all 46 and `varlen`'s 5, after a prime whose workers still compiled
+    (and timed) every candidate, 355 s."""
+    return os.environ.get("FMHA_COMPILE_CANDIDATES") == "1"
+
+
 def mode() -> str:
     value = os.environ.get("FMHA_TUNING", "on") or "on"
     if value not in MODES:
@@ -197,13 +208,17 @@ class TuningCache:
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
-    def lookup(self, key: str, tune: Callable[[], dict], fixed: Callable[[], dict]) -> tuple[dict, str]:
+    def lookup(self, key: str, tune: Callable[[], dict], fixed: Callable[[], dict],
+               compile_all: Callable[[], object] | None = None) -> tuple[dict, str]:
         """The cached config for ``key``; or where this process shares its GPU (``shares_gpu``), ``fixed()``'s,
-        not stored; or ``tune()``'s result, stored. Returns (config, CACHED, UNTUNED or TUNED)."""
+        not stored, after ``compile_all()`` (the tuner's candidates compiled, untimed) where
+        ``compiles_candidates``; or ``tune()``'s result, stored. Returns (config, CACHED, UNTUNED or TUNED)."""
         cached = self.get(key)
         if cached is not None:
             return cached, CACHED
         if shares_gpu():
+            if compile_all is not None and compiles_candidates():
+                compile_all()
             return fixed(), UNTUNED
         config = tune()
         self.put(key, config)

@@ -275,11 +275,13 @@ for part in "$@"; do
         --impl cutile --impl triton --benchmark-json="$out/serving-ours.json"
       ;;
     serve-prime)
-      # 16 workers share an H200's 141 GB; on an 80 GB H100 some cases' inputs did not fit beside the others (session 29)
+      # 16 workers share an H200's 141 GB; on an 80 GB H100 some cases' inputs did not fit beside the others (session 29).
+      # Sharing the GPU they tune nothing; --compile-candidates has them compile every shape class's candidates that the
+      # tuning cache lacks, so that the one tuning process after them times compiled kernels (impls._tuning)
       mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
       step prime 300 python3 -m pytest suite -k correctness -q -p no:cacheprovider -rf --impl cutile --impl triton \
         --impl flex --impl sdpa --impl naive "${serving[@]}" -n "${PRIME_WORKERS:-$(( ${mib:-0} > 100000 ? 16 : 8 ))}" \
-        --dist load --no-tuning-cache
+        --dist load --compile-candidates
       # a tune cut short by its limit goes on in serve-flashinfer (the tuning cache lives in /tmp/fmha)
       step tune 260 "${tune[@]}" || { [ $? = 124 ] && touch /tmp/fmha/tune-unfinished; }
       ;;

@@ -85,6 +85,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="tune our kernels again and overwrite the tuning cache (FMHA_TUNING=retune)")
     group.addoption("--no-tuning-cache", action="store_true",
                     help="tune our kernels without reading or writing the tuning cache (FMHA_TUNING=off)")
+    group.addoption("--compile-candidates", action="store_true",
+                    help="a worker that shares its GPU (and so tunes nothing) still compiles our tuners' candidates, "
+                         "untimed, into the compile caches on disk, for the tuning run after it "
+                         "(FMHA_COMPILE_CANDIDATES=1)")
     group.addoption("--report", metavar="HTML", default=None,
                     help="write the HTML comparison report at the end of the session")
     group.addoption("--baseline", default="sdpa", help="implementation speedups are relative to (report)")
@@ -168,6 +172,8 @@ def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("--retune") or config.getoption("--no-tuning-cache"):
         # Read by impls._tuning, in this process and in the children of --isolate.
         os.environ["FMHA_TUNING"] = "retune" if config.getoption("--retune") else "off"
+    if config.getoption("--compile-candidates"):
+        os.environ["FMHA_COMPILE_CANDIDATES"] = "1"
     rest_ms = config.getoption("--rest-ms")
     config.stash[STATE_KEY] = RunState(
         device=device, impls=[i for i in selected if (i.op, i.name) not in reasons],

@@ -399,6 +399,14 @@ def test_settled_tuner_times_again_only_the_candidates_near_the_searchs_best(mon
     shared = cutile.tuned(("test-shape", "shared"), torch.device("cpu"), space[::-1], lambda v: pytest.fail("timed"))
     assert shared == (space[2], _tuning.UNTUNED, None) and shared.provenance() == {"chosen": _tuning.UNTUNED}
     assert cutile.TUNING.get(repr(("test-shape", "shared"))) is None
+    # ... after compiling every candidate of the space, untimed, where a chain's prime asks it to
+    compiled = []
+    monkeypatch.setattr(cutile, "precompile", lambda calls: compiled.extend(call.variant for call in calls) or calls)
+    monkeypatch.setenv("FMHA_COMPILE_CANDIDATES", "1")
+    primed = cutile.tuned(("test-shape", "primed"), torch.device("cpu"), space[::-1],
+                          lambda v: SimpleNamespace(variant=v, __call__=lambda: pytest.fail("timed")))
+    assert primed == (space[2], _tuning.UNTUNED, None) and compiled == space[::-1]
+    assert cutile.TUNING.get(repr(("test-shape", "primed"))) is None
 
 
 @pytest.mark.parametrize("head_dim", [40, 64])

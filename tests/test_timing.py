@@ -258,6 +258,31 @@ def test_a_process_sharing_its_gpu_neither_tunes_nor_stores(tmp_path, monkeypatc
     assert cache.lookup("k", lambda: pytest.fail("tuned"), lambda: {"BLOCK": 16}) == ({"BLOCK": 64}, _tuning.CACHED)
 
 
+def test_a_process_sharing_its_gpu_compiles_the_candidates_when_asked(tmp_path, monkeypatch):
+    """A chain's prime (--compile-candidates): workers that share the GPU compile the tuners' candidates, untimed,
+    for the one process that tunes after them; they still run the fixed config and store nothing, and a class the
+    cache already holds compiles nothing."""
+    monkeypatch.setenv("FMHA_TUNING_CACHE", str(tmp_path))
+    monkeypatch.setenv("FMHA_TUNING", "on")
+    monkeypatch.setenv("FMHA_GPU_SHARED", "1")
+    cache = _tuning.TuningCache("toy", [Path(__file__)], ["torch"])
+    compiled = []
+
+    def lookup(key: str) -> tuple[dict, str]:
+        return cache.lookup(key, lambda: pytest.fail("tuned on a shared GPU"), lambda: {"BLOCK": 16},
+                            lambda: compiled.append(key))
+
+    assert lookup("k") == ({"BLOCK": 16}, _tuning.UNTUNED) and compiled == []  # not asked: nothing compiled
+    monkeypatch.setenv("FMHA_COMPILE_CANDIDATES", "1")
+    assert lookup("k") == ({"BLOCK": 16}, _tuning.UNTUNED) and compiled == ["k"]
+    assert cache.get("k") is None
+    cache.put("cached", {"BLOCK": 64})
+    assert lookup("cached") == ({"BLOCK": 64}, _tuning.CACHED) and compiled == ["k"]
+    monkeypatch.setenv("FMHA_GPU_SHARED", "0")  # alone on its GPU it tunes, and the tune compiles for itself
+    assert cache.lookup("alone", lambda: {"BLOCK": 32}, lambda: {"BLOCK": 16},
+                        lambda: compiled.append("alone")) == ({"BLOCK": 32}, _tuning.TUNED) and compiled == ["k"]
+
+
 def test_the_key_names_the_compiler_where_given(monkeypatch):
     props = SimpleNamespace(name="H200", major=9, minor=0)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)

@@ -606,12 +606,13 @@ _TUNED: dict[str, Tuned[Any]] = {}
 
 
 def remembered(key: str, search: Callable[[], dict], build: Callable[..., Choice],
-               fixed: Callable[[], dict]) -> Tuned[Choice]:
+               fixed: Callable[[], dict], compile_all: Callable[[], object] | None = None) -> Tuned[Choice]:
     """The choice for tuning key ``key``, made once per process: ``build(**config)`` of the config in the tuning
-    cache, of ``fixed()``'s where the GPU is shared (``TuningCache.lookup``), or of ``search()``'s result (stored
-    there), with where it came from and the evidence the entry keeps beside the config."""
+    cache, of ``fixed()``'s where the GPU is shared (``TuningCache.lookup``, which may ``compile_all()`` first), or
+    of ``search()``'s result (stored there), with where it came from and the evidence the entry keeps beside the
+    config."""
     if key not in _TUNED:
-        entry, source = TUNING.lookup(key, search, fixed)
+        entry, source = TUNING.lookup(key, search, fixed, compile_all)
         config = {name: value for name, value in entry.items() if name != EVIDENCE}
         _TUNED[key] = Tuned(build(**config), source, entry.get(EVIDENCE))
     return _TUNED[key]
@@ -658,6 +659,14 @@ def precompile(calls: list[Launches]) -> list[Launches]:
     return compiled
 
 
+def compiled_candidates(calls: list[Launches]) -> list[Launches]:
+    """``precompile`` within the compiler's time limit for one candidate (``COMPILE_TIMEOUT_S``)."""
+    import cuda.tile as ct
+
+    with ct.compiler_timeout(COMPILE_TIMEOUT_S):
+        return precompile(calls)
+
+
 def exhaustive_timings(calls: list[Launches]):
     """``cuda.tile.tune.exhaustive_search`` over these compiled calls, each timed as its one launch (the search
     times one launch per candidate, so the search space holds single-launch variants only); its TuningResult,
@@ -683,28 +692,28 @@ def tuned(shape: tuple, device: torch.device, space: list[Variant],
     (``sustained_fastest``: graph replays interleaved). Each method's picks are cached apart."""
     method = dense_tuner()
 
-    def search() -> dict:
-        import cuda.tile as ct
+    def compiled() -> list[Launches]:
+        return compiled_candidates([make_call(variant) for variant in space])
 
-        with ct.compiler_timeout(COMPILE_TIMEOUT_S):
-            calls = precompile([make_call(variant) for variant in space])
-            if method == "sustained":
-                return sustained_fastest((call.variant, call) for call in calls).describe()
-            settle_gpu(device)  # compiling was a pause: time every candidate at sustained clocks
-            result = exhaustive_timings(calls)
-            if method == "settled":  # the search's finalists again, each at the clocks it sustains
-                search_us = {m.config: m.mean_us for m in result.successes}
-                near = finalists(search_us.items())
-                if len(near) > 1:
-                    by_variant = {call.variant: call for call in calls}
-                    ranked = settled_ranking((variant, by_variant[variant]) for variant in near)
-                    return {**ranked[0][0].describe(), EVIDENCE: [
-                        {"variant": variant.label(), "search_us": round(search_us[variant], 1),
-                         "settled_us": round(ms * 1e3, 1)} for variant, ms in ranked]}
-            return result.best.config.describe()
+    def search() -> dict:
+        calls = compiled()
+        if method == "sustained":
+            return sustained_fastest((call.variant, call) for call in calls).describe()
+        settle_gpu(device)  # compiling was a pause: time every candidate at sustained clocks
+        result = exhaustive_timings(calls)
+        if method == "settled":  # the search's finalists again, each at the clocks it sustains
+            search_us = {m.config: m.mean_us for m in result.successes}
+            near = finalists(search_us.items())
+            if len(near) > 1:
+                by_variant = {call.variant: call for call in calls}
+                ranked = settled_ranking((variant, by_variant[variant]) for variant in near)
+                return {**ranked[0][0].describe(), EVIDENCE: [
+                    {"variant": variant.label(), "search_us": round(search_us[variant], 1),
+                     "settled_us": round(ms * 1e3, 1)} for variant, ms in ranked]}
+        return result.best.config.describe()
 
     shape = shape if method == TUNERS[0] else (*shape, f"tuner={method}")  # each method's picks kept apart
-    return remembered(TUNING.key(device, shape), search, Variant, space[0].describe)
+    return remembered(TUNING.key(device, shape), search, Variant, space[0].describe, compiled)
 
 
 def tune(q, k, v, *, causal: bool, scale: float, **variants) -> Tuned[Variant]:

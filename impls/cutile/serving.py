@@ -39,7 +39,6 @@ from impls._serving import (
 from impls._tuning import dense_tuner, fastest
 from impls._validate import NO_WINDOW, UNBOUNDED, window_bounds
 from impls.cutile import (
-    COMPILE_TIMEOUT_S,
     HEAD_DIMS,
     TUNING,
     Launches,
@@ -47,9 +46,9 @@ from impls.cutile import (
     _kernel_with_hints,
     _sm_count,
     bind,
+    compiled_candidates,
     kernel_window,
     needs_int64,
-    precompile,
     remembered,
     requires,
     search_space,
@@ -269,18 +268,17 @@ def prepare_paged(inputs: PagedKV, *, scale: float, window: tuple[int, int] = NO
     def candidates(forms: list[DecodeVariant]) -> list[DecodeCall]:
         return plan_candidates(forms, inputs, scale=scale, sm_count=sm_count, window_left=window_left, softcap=softcap)
 
-    def search() -> dict:
-        import cuda.tile as ct
+    def compiled() -> list[DecodeCall]:
+        return compiled_candidates(candidates(decode_space_for(inputs)))
 
-        with ct.compiler_timeout(COMPILE_TIMEOUT_S):
-            calls = precompile(candidates(decode_space_for(inputs)))
-        return fastest((call.variant, call) for call in calls).describe()
+    def search() -> dict:
+        return fastest((call.variant, call) for call in compiled()).describe()
 
     def first() -> dict:  # on a shared GPU: the first form's first plan, untimed
         return candidates(decode_space_for(inputs)[:1])[0].variant.describe()
 
     key = TUNING.key(inputs.q.device, decode_shape_class(inputs, window_left, softcap))
-    picked = remembered(key, search, DecodeVariant, first)
+    picked = remembered(key, search, DecodeVariant, first, compiled)
     return DecodeCall(picked.choice, inputs, scale=scale, sm_count=sm_count, window_left=window_left,
                       softcap=softcap).prepared(**picked.provenance())
 

@@ -197,15 +197,18 @@ def prepared_launch(args: tuple, meta: dict, grid, out: torch.Tensor, *, pointer
     if interpreting():  # the autotuner times on a GPU
         config, source = fixed, "fixed (interpreter)"
     else:
-        def tune() -> dict:
+        def compile_all() -> None:
             precompile(kernel, args, meta, grid, configs(pointer, tma))
+
+        def tune() -> dict:
+            compile_all()
             settle_gpu(out.device)  # compiling was a pause: time every config at sustained clocks
             tuner = autotuned(pointer, tma)
             tuner[grid](*args, **meta)
             return _describe(tuner.best_config)
 
         key = TUNING.key(out.device, (f"pointer={pointer}", f"tma={tma}", out.dtype, *shape_class))
-        config, source = TUNING.lookup(key, tune, lambda: fixed)
+        config, source = TUNING.lookup(key, tune, lambda: fixed, compile_all)
     launch_grid = grid(config)
 
     def run() -> torch.Tensor:
@@ -521,12 +524,12 @@ def prepare_paged(inputs, *, scale: float, window: tuple[int, int] = NO_WINDOW, 
     if interpreting():
         config, source = INTERPRETER_DECODE_CONFIG, "fixed (interpreter)"
     else:
-        def tune() -> dict:
-            return fastest(decode_candidates(
-                DECODE_SPACE, lambda candidate: paged_launch(inputs, scale, candidate, window_left, softcap)))
+        def compiled() -> list[tuple[dict, object]]:
+            return decode_candidates(
+                DECODE_SPACE, lambda candidate: paged_launch(inputs, scale, candidate, window_left, softcap))
 
         config, source = TUNING.lookup(TUNING.key(inputs.q.device, decode_shape_class(inputs, window_left, softcap)),
-                                       tune, lambda: INTERPRETER_DECODE_CONFIG)
+                                       lambda: fastest(compiled()), lambda: INTERPRETER_DECODE_CONFIG, compiled)
     run, plan = paged_launch(inputs, scale, config, window_left, softcap)
     run()  # compile outside any timed region
     return Prepared(run, config={**config, **plan, "chosen": source})
