@@ -192,6 +192,11 @@ def full_blocks_split_well(visible: list[int], slots: int, kv_heads: int, sms: i
     then covers only the ranges its own list reaches, and with many sequences in the cache one program streams all
     of it. Full blocks pay where every sequence still covers every range: one split (the kv heads fill the SMs) or
     one sequence filling the cache.
+
+    Raising SPLIT_KV instead, so that every sequence covers as many ranges as ``decode_splits`` aims at, lost
+    (H200, session 59, scripts/flex_paged_probe.py): the 70B slice's 16 x 32K at SPLIT_KV 257 read 1018 GB/s and
+    8B 16 x 8K at 33 read 1095, against 1160 and 1109 with partial blocks. This choice ran within 0.3% of the
+    faster of full and partial blocks on the probe's four cases.
     """
     splits = decode_splits(len(visible), kv_heads, sms)
     per_split = -(-slots // splits)
