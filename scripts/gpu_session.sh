@@ -188,11 +188,13 @@ serving+=("${full[@]}")
 bench=(--benchmark-only -p no:cacheprovider -q --rounds 7 --round-ms 10 --warmup-rounds 2)
 # our kernels' checks of the serving grids in one process on an idle GPU: they tune into the tuning cache
 tune=(python3 -m pytest suite -k correctness -q -p no:cacheprovider -rf --impl cutile --impl triton "${full[@]}"
-      --durations=8)
+      --durations=20)
 step() {  # step NAME SECONDS COMMAND...: run with a limit, log to $out/NAME.log, print its tail; its exit status
   local name=$1 limit=$2 rc; shift 2
   local start; start=$(date +%s)
-  timeout "$limit" "$@" > "$out/$name.log" 2>&1
+  # SIGINT at the limit (SIGKILL 30 s later): pytest stops as on Ctrl-C and still prints its summary and
+  # --durations, so a step cut short says what its tests took (session 59: a tune stopped at its limit did not)
+  timeout -s INT -k 30 "$limit" "$@" > "$out/$name.log" 2>&1
   rc=$?
   echo "-- $name: exit $rc after $(( $(date +%s) - start )) s"
   tail -4 "$out/$name.log"
