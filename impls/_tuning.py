@@ -111,9 +111,14 @@ def source_hash(paths: tuple[Path, ...]) -> str:
     """A digest of what the modules at ``paths`` compute: their code, not their comments, docstrings or layout, so
     that a note added to a search space's docstring keeps the tuning picks (and a tune of minutes) valid; nor the
     Python version that reads them, so that a cache keyed where one Python runs matches where another does."""
+    return contents_hash(path.read_bytes() for path in paths)
+
+
+def contents_hash(sources: Iterable[bytes]) -> str:
+    """``source_hash`` of modules given as their bytes, in order (``scripts/rekey_tuning.py``: a commit's)."""
     digest = hashlib.sha256()
-    for path in paths:
-        digest.update(_code_only(path.read_bytes()))
+    for source in sources:
+        digest.update(_code_only(source))
     return digest.hexdigest()[:16]
 
 

@@ -575,3 +575,33 @@ def test_settled_times_settle_each_call_on_itself_and_alternate_the_order(monkey
     assert events == ["a", "b", "b", "a"]
     monkeypatch.setattr(_tuning, "settled_times", lambda calls, **timing: [3.0, 1.0, 2.0])
     assert _tuning.settled_ranking([("x", None), ("y", None), ("z", None)]) == [("y", 1.0), ("z", 2.0), ("x", 3.0)]
+
+
+def test_a_cache_is_rekeyed_from_a_commits_digest_to_the_work_trees(tmp_path):
+    """scripts/rekey_tuning.py: the digest of a family's modules at a commit (a module added since left out), and
+    only the entries keyed on it moved to the working tree's digest."""
+    from scripts.rekey_tuning import digest_at, rekey
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    kernel, added = tmp_path / "kernel.py", tmp_path / "added.py"
+    kernel.write_text("def space():\n    return [1, 2]\n")
+    git("init", "-q")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "--allow-empty", "-m", "empty")
+    git("add", "kernel.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "kernel")
+    tuned_at = _tuning.source_hash.__wrapped__((kernel,))
+    assert digest_at("HEAD", (kernel,), tmp_path) == tuned_at
+    kernel.write_text('def space():\n    """Plumbing changed, not the picks."""\n    return [1, 2]\n')
+    added.write_text("X = 1\n")
+    assert digest_at("HEAD", (added, kernel), tmp_path) == tuned_at  # not yet at the commit: left out
+    assert digest_at("HEAD~1", (kernel,), tmp_path) != tuned_at
+    now = _tuning.source_hash.__wrapped__((added, kernel))
+    cache = tmp_path / "toy.json"
+    stale = {"gpu": "H200", "shape": ["a"], "source": tuned_at}
+    other = {"gpu": "H200", "shape": ["b"], "source": "0123456789abcdef"}
+    cache.write_text(json.dumps({json.dumps(stale): {"BLOCK": 64}, json.dumps(other): {"BLOCK": 32}}))
+    assert rekey(cache, tuned_at, now) == 1
+    assert json.loads(cache.read_text()) == {json.dumps({**stale, "source": now}, sort_keys=True): {"BLOCK": 64},
+                                             json.dumps(other, sort_keys=True): {"BLOCK": 32}}
