@@ -174,6 +174,7 @@ export FMHA_TUNING_CACHE=${FMHA_TUNING_CACHE:-/tmp/fmha/tuning} CUDA_TILE_CACHE_
 if compgen -G ".gpu-tune/*.json" >/dev/null; then
   mkdir -p "$FMHA_TUNING_CACHE" && cp -n .gpu-tune/*.json "$FMHA_TUNING_CACHE"/
   echo "tuning cache seeded from .gpu-tune: $(ls .gpu-tune/*.json | xargs -n1 basename | tr '\n' ' ')"
+  python3 scripts/rekey_tuning.py .gpu-tune || true  # how many entries this code's digests find (0: a stale carry)
 fi
 # The serve-* parts run SERVE_GRIDS (default the serving and varlen presets) after their CPU twins SERVE_TWINS, and
 # serve-all writes $out/SERVE_NAME.json (default serving-all): SERVE_GRIDS=models-serving

@@ -9,6 +9,8 @@ search spaces; say why in the commit or the notes), re-key the carried cache ins
     python scripts/rekey_tuning.py .gpu-tune --base 9ca8469
 
 Entries keyed on any other digest stay as they are. Prints, per family, the two digests and how many entries moved.
+Without ``--base`` it only says how many of each file's entries this code's digest would find (``gpu_session.sh``
+prints it when it seeds a machine's cache, so that a stale carry shows before a tune runs out of time).
 """
 
 from __future__ import annotations
@@ -18,9 +20,16 @@ import json
 import subprocess
 from pathlib import Path
 
-from impls._tuning import TuningCache, contents_hash, source_hash
+from impls._tuning import contents_hash, family_sources, source_hash
 
 ROOT = Path(__file__).resolve().parent.parent
+# Each kernel family's tuning cache file and package, as its TuningCache names them (a test checks), without
+# importing the packages (cuda.tile, triton) to read them
+FAMILIES = {"cutile": ROOT / "impls" / "cutile", "triton": ROOT / "impls" / "triton_fa"}
+
+
+def sources(family: str) -> tuple[Path, ...]:
+    return tuple(sorted(family_sources(str(FAMILIES[family] / "__init__.py"))))
 
 
 def digest_at(commit: str, paths: tuple[Path, ...], root: Path = ROOT) -> str:
@@ -46,25 +55,28 @@ def rekey(path: Path, old: str, new: str) -> int:
     return count
 
 
-def caches() -> list[TuningCache]:
-    from impls.cutile import TUNING as CUTILE
-    from impls.triton_fa import TUNING as TRITON
-
-    return [CUTILE, TRITON]
+def matching(path: Path, digest: str) -> tuple[int, int]:
+    """(entries keyed on ``digest``, entries) of the cache file ``path``."""
+    keys = [json.loads(key) for key in json.loads(path.read_text())]
+    return sum(key.get("source") == digest for key in keys), len(keys)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("directory", type=Path, help="the tuning cache's folder (FMHA_TUNING_CACHE, .gpu-tune)")
-    parser.add_argument("--base", required=True, help="the commit the cache's entries were tuned at")
+    parser.add_argument("--base", help="the commit the cache's entries were tuned at (without it: only report)")
     args = parser.parse_args()
-    for cache in caches():
-        path = args.directory / f"{cache.family}.json"
-        old, new = digest_at(args.base, cache.sources), source_hash(cache.sources)
-        if not path.exists() or old == new:
-            print(f"{cache.family}: {'no file' if not path.exists() else f'digest unchanged ({new})'}")
-            continue
-        print(f"{cache.family}: {old} -> {new}, {rekey(path, old, new)} entries re-keyed")
+    for family in FAMILIES:
+        path, new = args.directory / f"{family}.json", source_hash(sources(family))
+        if not path.exists():
+            print(f"{family}: no file")
+        elif args.base is None:
+            found, total = matching(path, new)
+            print(f"{family}: {found} of {total} entries at this code's digest ({new})")
+        elif (old := digest_at(args.base, sources(family))) == new:
+            print(f"{family}: digest unchanged ({new})")
+        else:
+            print(f"{family}: {old} -> {new}, {rekey(path, old, new)} entries re-keyed")
 
 
 if __name__ == "__main__":

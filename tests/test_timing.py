@@ -605,3 +605,12 @@ def test_a_cache_is_rekeyed_from_a_commits_digest_to_the_work_trees(tmp_path):
     assert rekey(cache, tuned_at, now) == 1
     assert json.loads(cache.read_text()) == {json.dumps({**stale, "source": now}, sort_keys=True): {"BLOCK": 64},
                                              json.dumps(other, sort_keys=True): {"BLOCK": 32}}
+
+
+def test_the_rekey_script_names_each_familys_sources_as_its_tuning_cache_does():
+    from impls.cutile import TUNING as CUTILE
+    from impls.triton_fa import TUNING as TRITON
+    from scripts.rekey_tuning import FAMILIES, sources
+
+    named = {family: sources(family) for family in FAMILIES}
+    assert {cache.family: cache.sources for cache in (CUTILE, TRITON)} == named
