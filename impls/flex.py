@@ -282,15 +282,25 @@ def flex_paged(inputs, *, scale: float, window: tuple[int, int] = NO_WINDOW, sof
         raise Unsupported(f"cache_seqlens[{ragged[0]}] = {ragged[1]} ends inside a page of {page}: flex computes "
                           "whole pages, so the unused slots past a length reach P @ V as 0 x value, NaN where a "
                           "slot holds NaN (the contract allows it)")
-    q = inputs.q.transpose(1, 2)  # (B, Hq, Sq, D) against the cache as one batch
-    k, v = physical_cache(inputs)
     # H200, Llama-3-70B's slice 16 x 32K: 3.2 ms with full blocks, 0.26 ms without; 8B 64 x 8K (one split):
     # 0.95 ms with, 1.14 ms without, where the mask_mod runs on every page (session 58)
+    q = inputs.q
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
-    sq, left = q.shape[2], window[0]
+    sq, left = q.shape[1], window[0]
     visible = [n if left < 0 else min(n, left + sq) for n in inputs.seqlens]  # a window lists only its span's pages
-    full = full_blocks_split_well(visible, k.shape[2], k.shape[1], sms)
-    mask = paged_block_mask(inputs, left, full_blocks=full, listed_only=True)  # compiled: listed pages only
+    full = full_blocks_split_well(visible, inputs.k_cache.shape[0] * page, inputs.k_cache.shape[2], sms)
+    return paged_call(inputs, scale=scale, window_left=left, softcap=softcap, full_blocks=full)
+
+
+def paged_call(inputs, *, scale: float, full_blocks: bool, window_left: int = -1, softcap: float = 0.0,
+               **options) -> Prepared:
+    """flex over the physical cache with the paged block mask (``full_blocks`` or not; the lean mask_mod of the
+    compiled call, which asks it only of listed pages) and ``paged_kernel_options``, ``options`` over them: the
+    entry's call, and ``scripts/flex_paged_probe.py``'s forms."""
+    q = inputs.q.transpose(1, 2)  # (B, Hq, Sq, D) against the cache as one batch
+    k, v = physical_cache(inputs)
+    mask = paged_block_mask(inputs, window_left, full_blocks=full_blocks, listed_only=True)
+    kernel_options = (paged_kernel_options(q.shape[1] // k.shape[1], inputs.page_size) or {}) | options
     prepared = _flex_call(q, k, v, mask, scale=scale, score_mod=_softcap_mod(softcap),
-                          kernel_options=paged_kernel_options(q.shape[1] // k.shape[1], page))
+                          kernel_options=kernel_options or None)
     return Prepared(lambda: prepared().transpose(1, 2), prepared.config)

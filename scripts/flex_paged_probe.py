@@ -41,25 +41,18 @@ def split_kv_covering(lengths: list[int], slots: int, kv_heads: int, sms: int) -
 
 def forms(inputs, scale: float, peers: list[str]) -> dict:
     """The calls to compare by name, each made (and compiled by a first call) only when asked for."""
-    q = inputs.q.transpose(1, 2)
-    k, v = flex.physical_cache(inputs)
-    group, page = q.shape[1] // k.shape[1], inputs.page_size
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    slots, kv_heads = inputs.k_cache.shape[0] * inputs.page_size, inputs.k_cache.shape[2]
+    sms = torch.cuda.get_device_properties(inputs.q.device).multi_processor_count
 
     def form(full_blocks: bool, **options):
-        def make():
-            mask = flex.paged_block_mask(inputs, -1, full_blocks=full_blocks, listed_only=True)
-            merged = (flex.paged_kernel_options(group, page) or {}) | options
-            prepared = flex._flex_call(q, k, v, mask, scale=scale, kernel_options=merged or None)
-            return lambda: prepared().transpose(1, 2)
-        return make
+        return lambda: flex.paged_call(inputs, scale=scale, full_blocks=full_blocks, **options)
 
     def registered(name: str):
         return lambda: impls.get(name, "paged").prepare(inputs, scale=scale)
 
     calls = {"flex (entry)": registered("flex"), "flex full blocks": form(True), "flex partial blocks": form(False)}
-    if not flex.full_blocks_split_well(inputs.seqlens, k.shape[2], k.shape[1], sms):  # else torch's split is right
-        split = split_kv_covering(inputs.seqlens, k.shape[2], k.shape[1], sms)
+    if not flex.full_blocks_split_well(inputs.seqlens, slots, kv_heads, sms):  # else torch's split is right
+        split = split_kv_covering(inputs.seqlens, slots, kv_heads, sms)
         calls[f"flex full blocks, SPLIT_KV {split}"] = form(True, SPLIT_KV=split)
     return calls | {name: registered(name) for name in peers}
 
