@@ -61,6 +61,20 @@ def test_an_unknown_bytecode_version_names_the_ones_cuda_tile_writes(bytecode):
     assert requires("cuda").startswith("FMHA_CUTILE_BYTECODE=12.9")
 
 
+def test_a_missing_tileiras_is_a_reason_not_a_failure(bytecode, monkeypatch):
+    # cuda-tile imports without its compiler, then fails each compile: the implementations must say so up front
+    def not_found():
+        raise FileNotFoundError("'tileiras' compiler not found, make sure it is available")
+
+    bytecode(None)
+    toolchain.compiler.cache_clear()
+    monkeypatch.setattr(_compile, "_find_compiler_bin", not_found)
+    try:
+        assert requires("cuda") == "'tileiras' compiler not found, make sure it is available"
+    finally:
+        toolchain.compiler.cache_clear()
+
+
 def test_bytecode_13_5_needs_tileiras_13_5(bytecode):
     bytecode("13.5")
     if tileiras_release() < (13, 5):

@@ -515,13 +515,16 @@ def other_forms() -> list[Variant]:
 
 
 def requires(device: str) -> str | None:
-    """cuTile installed, and the bytecode FMHA_CUTILE_BYTECODE asks for readable by its tileiras."""
+    """cuTile installed, its compiler ``tileiras`` found, and the bytecode FMHA_CUTILE_BYTECODE asks for readable by
+    it. Without a ``tileiras`` cuda-tile still imports and then fails every compile: a device call that carried the
+    13.5 toolchain but did not source its settings failed all 46 cuTile serving benchmarks so (session 60)."""
     missing = module_available("cuda.tile", 'pip install "cuda-tile[tileiras]"')(device)
     if missing:
         return missing
     try:
+        toolchain.compiler()
         toolchain.enable()
-    except (ValueError, RuntimeError) as error:
+    except (ValueError, RuntimeError, FileNotFoundError) as error:
         return str(error)
     return None
 
