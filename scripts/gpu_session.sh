@@ -164,6 +164,12 @@ if compgen -G ".whl/pytest-8*.whl" >/dev/null && [ ! -d /tmp/pytest8/_pytest ]; 
 fi
 [ -d /tmp/pytest8/_pytest ] && export PYTHONPATH=/tmp/pytest8${PYTHONPATH:+:$PYTHONPATH}
 mkdir -p "$out"
+# A warm machine on which an earlier call of the chain unpacked tileiras 13.5 (scripts/tileiras135_env.sh) and that
+# has no other tileiras on PATH: take 13.5 rather than fail every cuTile compile (session 60's serve-all call, which
+# did not source it, failed all 46 cuTile benchmarks). Where 13.4 is there too (toolchains) nothing changes.
+if ! command -v tileiras >/dev/null && [ -x /tmp/ctk135/bin/tileiras ]; then
+  source scripts/tileiras135_env.sh
+fi
 export PYTHONUNBUFFERED=1
 export FMHA_TUNING_CACHE=${FMHA_TUNING_CACHE:-/tmp/fmha/tuning} CUDA_TILE_CACHE_DIR=${CUDA_TILE_CACHE_DIR:-/tmp/fmha/cutile} \
   TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/fmha/triton} TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/fmha/inductor}
