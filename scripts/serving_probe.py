@@ -12,7 +12,9 @@ of the tuner's space and of DEEP_TILES (K/V double-buffered; ``--deep-tile N,W,S
 ``--fp8-dots`` (by default on the fp8 cases of ``serving-fp8``) times bf16 queries over an fp8 cache with the dots
 in bf16 and in fp16 (F16_DOT): each cuTile form both ways in alternation, then the fastest Triton config of each
 way and each peer in alternation; ``--cutile-pdl`` the fastest cuTile candidate without and with PDL where a
-step splits, and each peer; ``--triton-switch KEY`` (the same default cases) the fastest Triton config with a
+step splits, and each peer; ``--min-tiles N`` (repeatable) the
+fastest Triton config on split plans of chunks at least N key tiles long, and each peer;
+``--triton-switch KEY`` (the same default cases) the fastest Triton config with a
 switch of its config off and on (a constexpr of the split kernel, V_WORDS: fp8 values read as bytes or as words;
 or PDL, programmatic dependent launch of both kernels) and each peer; ``--peer NAME``
 times a registered implementation of the operation the same way, in the same process (``--no-cutile`` leaves
@@ -169,6 +171,18 @@ def triton_switch(case, inputs, scale: float, oracle, key: str, peers: list[str]
     spaces = {f"{key} {state}": [{**config, key: state == "on"} for config in TRITON_SPACE] for state in ("off", "on")}
     peer_calls = {name: impls.get(name, "paged").prepare(inputs, scale=scale) for name in peers}
     fastest_of_each(inputs, scale, case, oracle, peer_calls, spaces, rounds=rounds)
+
+
+def min_tiles_ab(case_id: str, min_tiles: list[int], peers: list[str], rounds: int = 7) -> None:
+    """The fastest Triton config of the tuner's space on split plans whose chunks are at least each of
+    ``min_tiles`` key tiles long (PLAN_MIN_TILES; the tuner's: SPLIT_MIN_TILES), and each peer, in alternation:
+    on a short step a program's tiles are a chain of dependent loads, so shorter chunks may end it sooner."""
+    case = case_by_id(case_id)
+    inputs = case.make_inputs("cuda")
+    scale = inputs.head_dim ** -0.5
+    spaces = {f"min_tiles {n}": [{**config, "PLAN_MIN_TILES": n} for config in TRITON_SPACE] for n in min_tiles}
+    peer_calls = {name: impls.get(name, "paged").prepare(inputs, scale=scale) for name in peers}
+    fastest_of_each(inputs, scale, case, Oracle.serving(inputs), peer_calls, spaces, rounds=rounds)
 
 
 def switch_ab(case_id: str, key: str, peers: list[str]) -> None:
@@ -356,7 +370,14 @@ def main() -> None:
     parser.add_argument("--triton-switch", metavar="KEY",
                         help="the fastest Triton config with its switch KEY (a constexpr, or PDL) off and on, beside "
                              "each --peer (default cases: serving-fp8's fp8 ones; only this)")
+    parser.add_argument("--min-tiles", action="append", type=int, default=[], metavar="N",
+                        help="the fastest Triton config on split plans of chunks of at least N key tiles "
+                             "(repeatable), beside each --peer (on the --case cases; only this)")
     args = parser.parse_args()
+    if args.min_tiles:
+        for case_id in args.case:
+            min_tiles_ab(case_id, args.min_tiles, args.peer)
+        return
     if args.cutile_pdl:
         for case_id in args.case:
             cutile_pdl_ab(case_id, args.peer)

@@ -379,9 +379,10 @@ def decode_space(tiles: tuple[tuple[int, int, int], ...]) -> list[dict]:
 
 
 DECODE_SPACE = decode_space(DECODE_TILES)
-# Decode config entries for the launch, not constexprs of the split kernel: the split plan, and PDL (programmatic
-# dependent launch of both kernels, decode.py's USE_PDL; by default on where a step splits: the comment above).
-LAUNCH_KEYS = (*DECODE_PLANS[0], "PDL")
+# Decode config entries for the launch, not constexprs of the split kernel: the split plan (PLAN_MIN_TILES: the
+# shortest chunk in key tiles, by default SPLIT_MIN_TILES), and PDL (programmatic dependent launch of both kernels,
+# decode.py's USE_PDL; by default on where a step splits: the comment above).
+LAUNCH_KEYS = (*DECODE_PLANS[0], "PLAN_MIN_TILES", "PDL")
 # the decode's one config, likewise under the interpreter and on a shared GPU
 INTERPRETER_DECODE_CONFIG = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "MASK_FREE": True,
                              "PLAN_PROGRAMS": PROGRAMS_PER_SM}
@@ -483,7 +484,8 @@ def paged_launch(inputs, scale: float, config: dict, window_left: int = UNBOUNDE
         programs_per_sm *= resident_blocks(paged_decode_split, split_args(*partials(2), config["BLOCK_N"]),
                                            {**split_meta, "SPLIT": True})
     num_splits, split_len = split_plan(inputs.read_lengths(window_left), hkv, config["BLOCK_N"], sm_count,
-                                       min_tiles=1 if interp else None, programs_per_sm=programs_per_sm, fit=fit)
+                                       min_tiles=1 if interp else config.get("PLAN_MIN_TILES"),
+                                       programs_per_sm=programs_per_sm, fit=fit)
     split = num_splits > 1
     # decode.py's USE_PDL: compiled kernels only; by default where a combine follows
     pdl = config.get("PDL", split) and not interp and dependent_launch_available(q.device)
