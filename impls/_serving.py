@@ -334,6 +334,14 @@ def scatter_sequence(out: torch.Tensor, inputs: PagedKV | Varlen, b: int, o: tor
 # longest sequence, so a long-tailed batch splits its long sequences finely and leaves its short ones whole.
 SPLIT_MIN_TILES = 4
 PROGRAMS_PER_SM = 4
+# The shortest chunks the tuners' plans allow (None: SPLIT_MIN_TILES). On a short step a program's tiles are a
+# chain of dependent loads (table, then K and V), and the step takes about as long as that chain however little
+# it reads; one-tile chunks cut it to one link. Session 60 (H200, serving_probe.py --min-tiles, the fastest Triton
+# config on plans of chunks of at least 4 / 2 / 1 tiles, alternating, us a step): 8B 1 x 512 7.49 / 5.59 / 4.95,
+# 1 x 2K 8.24 / 7.51 / 7.37; the 70B slice's 1 x 512 7.60 / 5.78 / 4.70, 1 x 2K 8.11 / 6.24 / 5.20, 1 x 8K
+# 8.68 / 6.28 / 5.67, 16 x 512 8.33 / 6.48 / 6.41, 64 x 512 10.25 / 9.27 / 9.28; 8B 16 x 512 and 16 x 2K level
+# (unsplit). Where the batch fills the GPU both cut alike, so the tuner times them once.
+PLAN_MIN_TILES = (None, 1)
 # The programs per SM that the tuners' plans aim at (each kernel form is timed with each; several often cut
 # alike): a batch whose plan at PROGRAMS_PER_SM lands just past a wave, or splits where one chunk a sequence
 # would do, can take fewer or more chunks without another compiled kernel. Session 30 (H200, serving_probe.py

@@ -653,8 +653,10 @@ def test_decode_tuner_tries_each_aimed_plan_once_per_chunk_length(monkeypatch):
         assert len({call.split_len for call in calls}) == len(AIMED_PLANS)  # 2, 3 and 5 chunks
         assert len({call.launches[0][1] for call in calls}) == 1
     monkeypatch.undo()
-    many_sms = plan_candidates(forms, inputs, scale=0.125, sm_count=132)  # every plan leaves it whole
-    assert [call.num_splits for call in many_sms] == [1, 1]
+    many_sms = plan_candidates(forms, inputs, scale=0.125, sm_count=132)
+    # every aimed plan of chunks of at least SPLIT_MIN_TILES leaves it whole; those of one tile (PLAN_MIN_TILES,
+    # for short steps) cut it into its 5 tiles
+    assert [(call.variant.plan_min_tiles, call.num_splits) for call in many_sms] == [(None, 1), (1, 5)] * 2
 
 
 def test_decode_tuner_tries_split_steps_with_and_without_programmatic_dependent_launch(monkeypatch):
@@ -679,8 +681,10 @@ def test_decode_tuner_tries_split_steps_with_and_without_programmatic_dependent_
         rebuilt = serving.DecodeCall(serving.DecodeVariant(**call.variant.describe()), inputs, scale=0.125,
                                      sm_count=1)
         assert rebuilt.dependent_launch is call.variant.pdl is named(rebuilt.launches[0])["PDL"]
+    # on 132 SMs the plans of SPLIT_MIN_TILES leave it whole (tried once), the one-tile plan splits it (both ways)
     whole = serving.plan_candidates(form, inputs, scale=0.125, sm_count=132)
-    assert [(c.num_splits, c.variant.pdl, c.dependent_launch) for c in whole] == [(1, None, False)]
+    assert [(c.num_splits, c.variant.pdl, c.dependent_launch) for c in whole] == [
+        (1, None, False), (5, False, False), (5, True, True)]
 
 
 def test_decode_without_a_split_writes_the_output_directly():

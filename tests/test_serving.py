@@ -283,6 +283,21 @@ def test_split_plan_fills_the_gpu_and_balances_long_tails():
     assert splits > 1 and 0 <= splits * length - 32768 < splits * 128  # equal chunks, no sliver
 
 
+def test_short_steps_get_one_tile_chunks_among_the_tuners_plans():
+    """A short step (the 70B slice at 1 x 512: 16 tiles of 32 keys for 132 SMs) splits into chunks of SPLIT_MIN_TILES
+    at the most, 4 of them; the plans of one-tile chunks (PLAN_MIN_TILES) cut it into 16, one dependent chain of
+    loads a program. Both tuners try both; a batch that fills the GPU cuts alike either way."""
+    from impls._serving import PLAN_MIN_TILES, SPLIT_MIN_TILES, split_plan
+    from impls.triton_fa import DECODE_SPACE, LAUNCH_KEYS
+
+    assert split_plan([512], 1, 32, 132, programs_per_sm=2) == (512 // 32 // SPLIT_MIN_TILES, 32 * SPLIT_MIN_TILES)
+    assert split_plan([512], 1, 32, 132, min_tiles=1, programs_per_sm=2) == (16, 32)
+    assert split_plan([8192] * 64, 8, 128, 132, min_tiles=1) == split_plan([8192] * 64, 8, 128, 132)
+    assert "PLAN_MIN_TILES" in LAUNCH_KEYS  # a launch setting: every plan of a config runs one compiled kernel
+    plans = {tuple(config[key] for key in LAUNCH_KEYS if key != "PDL") for config in DECODE_SPACE}
+    assert {plan[-1] for plan in plans} == set(PLAN_MIN_TILES) and len(plans) % len(PLAN_MIN_TILES) == 0
+
+
 @pytest.mark.parametrize(("lengths", "kv_heads", "slots_per_sm"), [
     ([32768] * 64, 1, 1), ([32768] * 64, 1, 2), ([32768] * 16, 1, 1), ([32768] + [1000] * 15, 8, 4),
     ([8192] * 256, 1, 1), ([300, 4000, 17, 1024], 8, 2), ([512] * 256, 8, 4)])

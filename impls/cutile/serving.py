@@ -3,7 +3,8 @@
 - ``paged``: split-KV decode over the paged cache with GQA packing (``decode.py``), then the combine; the key
   tile width, how pages are read (gathered row by row, or a page at a time with block loads) and the load
   latencies are tuned per decode shape class, with the split plan (``impls._serving.split_plan``: from the
-  tile width, the batch's lengths and the programs per SM it aims at, ``AIMED_PLANS``);
+  tile width, the batch's lengths, the programs per SM it aims at, ``AIMED_PLANS``, and the shortest chunk,
+  ``PLAN_MIN_TILES``);
 - ``varlen``: the dense kernel's query-tile work on each packed sequence (``kernel.fmha_varlen``), with the
   dense kernel's Hopper candidates, tuned per shape class: one block per query tile, or a persistent block per
   SM slot that runs the query tiles a host plan gave it (``impls._serving.varlen_work_plan``). A sliding window
@@ -17,6 +18,7 @@ compile the very launches a GPU would run (``export.export_launch``).
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import asdict, dataclass, replace
 
@@ -25,6 +27,7 @@ import torch
 from impls._registry import HALF, Prepared, Unsupported, heads_by_batch, length_class, parallel_class, register
 from impls._serving import (
     AIMED_PLANS,
+    PLAN_MIN_TILES,
     PROGRAMS_PER_SM,
     PagedKV,
     Varlen,
@@ -68,7 +71,8 @@ class DecodeVariant:
     "rows", "pages" or "indexed", decode.py's GATHER), how far ahead K and V loads are issued, and the blocks
     per SM asked of the compiler (``occupancy``; None: its own choice); the programs per SM its split plan
     aims at (``plan_programs``: the chunk length is a run-time argument, so every plan of a form runs the same
-    compiled kernel); and whether a split step launches under programmatic dependent launch (``pdl``, decode.py's
+    compiled kernel) and the shortest chunk it allows, in key tiles (``plan_min_tiles``; None: SPLIT_MIN_TILES);
+    and whether a split step launches under programmatic dependent launch (``pdl``, decode.py's
     PDL; None: where the step splits, on Hopper and later). The tuner tries split steps both ways
     (``plan_candidates``)."""
 
@@ -78,6 +82,7 @@ class DecodeVariant:
     v_latency: int = 3
     occupancy: int | None = None
     plan_programs: int = PROGRAMS_PER_SM
+    plan_min_tiles: int | None = None
     pdl: bool | None = None
 
     def split_kernel(self, int64: bool):
@@ -137,7 +142,7 @@ def chunks_of(variant: DecodeVariant, inputs: PagedKV, sm_count: int,
     """(num_splits, split_len): how ``variant``'s split plan cuts what it reads of these caches
     (``impls._serving.split_plan``; a window's from the tile that holds its first position)."""
     return split_plan(inputs.read_lengths(window_left, variant.tile_n), inputs.k_cache.shape[2], variant.tile_n,
-                      sm_count, programs_per_sm=variant.plan_programs)
+                      sm_count, min_tiles=variant.plan_min_tiles, programs_per_sm=variant.plan_programs)
 
 
 def word_view_fits(k_cache: torch.Tensor, v_cache: torch.Tensor, width: int) -> bool:
@@ -227,7 +232,8 @@ def decode_space_for(inputs: PagedKV) -> list[DecodeVariant]:
 
 def plan_candidates(forms: list[DecodeVariant], inputs: PagedKV, *, scale: float, sm_count: int,
                     window_left: int = UNBOUNDED, softcap: float = 0.0) -> list[DecodeCall]:
-    """The decode tuner's candidates: each kernel form with each aimed split plan (``AIMED_PLANS``), one call
+    """The decode tuner's candidates: each kernel form with each aimed split plan (``AIMED_PLANS``, each with the
+    shortest chunks of ``PLAN_MIN_TILES``), one call
     per form and chunk length (plans that cut the batch alike are timed once), and where that splits on a GPU
     that has programmatic dependent launch, with it and without (``DecodeVariant.pdl``). Session 26 (H200): with
     the one plan the 70B slice at 256 x 8K split in 3 chunks, 83% of HBM, where the Triton kernel's tuner took
@@ -238,8 +244,8 @@ def plan_candidates(forms: list[DecodeVariant], inputs: PagedKV, *, scale: float
     every unsplit step read 1-3% faster. So the tuner decides."""
     distinct: dict[tuple, DecodeVariant] = {}
     for form in forms:
-        for programs in AIMED_PLANS:
-            variant = replace(form, plan_programs=programs)
+        for programs, min_tiles in itertools.product(AIMED_PLANS, PLAN_MIN_TILES):
+            variant = replace(form, plan_programs=programs, plan_min_tiles=min_tiles)
             distinct.setdefault((form, chunks_of(variant, inputs, sm_count, window_left)), variant)
     both_ways = dependent_launch_available(inputs.q.device)
     variants = [replace(variant, pdl=pdl) for (_, (splits, _)), variant in distinct.items()

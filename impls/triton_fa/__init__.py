@@ -26,6 +26,7 @@ from impls._registry import (
 )
 from impls._serving import (
     AIMED_PLANS,
+    PLAN_MIN_TILES,
     PROGRAMS_PER_SM,
     combine_plan,
     decode_shape_class,
@@ -367,8 +368,9 @@ def _describe(cfg) -> dict:
 # Session 34: a persistent stream-K form (scripts/streamk_probe.py: contiguous tile ranges in one flattened loop)
 # ran 5-8% slower than this space's fastest on four cases; its per-tile bookkeeping costs more than the tail it removes.
 DECODE_TILES = ((128, 4, 3), (128, 4, 2), (64, 4, 3), (64, 4, 2), (64, 8, 2), (32, 4, 2), (128, 4, 5))
-DECODE_PLANS = [{"PLAN_PROGRAMS": programs, "PLAN_FIT": False} for programs in AIMED_PLANS] + [
-    {"PLAN_PROGRAMS": waves, "PLAN_FIT": True} for waves in (1, 2)]
+DECODE_PLANS = [{"PLAN_PROGRAMS": programs, "PLAN_FIT": fit, "PLAN_MIN_TILES": min_tiles}
+                for min_tiles in PLAN_MIN_TILES
+                for programs, fit in [*((programs, False) for programs in AIMED_PLANS), (1, True), (2, True)]]
 
 
 def decode_space(tiles: tuple[tuple[int, int, int], ...]) -> list[dict]:
@@ -382,7 +384,7 @@ DECODE_SPACE = decode_space(DECODE_TILES)
 # Decode config entries for the launch, not constexprs of the split kernel: the split plan (PLAN_MIN_TILES: the
 # shortest chunk in key tiles, by default SPLIT_MIN_TILES), and PDL (programmatic dependent launch of both kernels,
 # decode.py's USE_PDL; by default on where a step splits: the comment above).
-LAUNCH_KEYS = (*DECODE_PLANS[0], "PLAN_MIN_TILES", "PDL")
+LAUNCH_KEYS = (*DECODE_PLANS[0], "PDL")
 # the decode's one config, likewise under the interpreter and on a shared GPU
 INTERPRETER_DECODE_CONFIG = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "MASK_FREE": True,
                              "PLAN_PROGRAMS": PROGRAMS_PER_SM}
