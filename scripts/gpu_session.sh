@@ -166,9 +166,12 @@ fi
 mkdir -p "$out"
 # A warm machine on which an earlier call of the chain unpacked tileiras 13.5 (scripts/tileiras135_env.sh) and that
 # has no other tileiras on PATH: take 13.5 rather than fail every cuTile compile (session 60's serve-all call, which
-# did not source it, failed all 46 cuTile benchmarks). Where 13.4 is there too (toolchains) nothing changes.
+# did not source it, failed all 46 cuTile benchmarks). Where 13.4 is there too (toolchains) nothing changes. It moves
+# CUDA_HOME, which FlashInfer's JIT flags name, so FlashInfer's settings follow where a call set them up (a call that
+# sourced flashinfer_env.sh alone lost 42 of FlashInfer's 46 serving checks to its JIT until they did).
 if ! command -v tileiras >/dev/null && [ -x /tmp/ctk135/bin/tileiras ]; then
   source scripts/tileiras135_env.sh
+  if [ -n "${FLASHINFER_NVCC:-}" ]; then source scripts/flashinfer_env.sh; fi
 fi
 export PYTHONUNBUFFERED=1
 export FMHA_TUNING_CACHE=${FMHA_TUNING_CACHE:-/tmp/fmha/tuning} CUDA_TILE_CACHE_DIR=${CUDA_TILE_CACHE_DIR:-/tmp/fmha/cutile} \
