@@ -12,10 +12,9 @@ of the tuner's space and of DEEP_TILES (K/V double-buffered; ``--deep-tile N,W,S
 ``--fp8-dots`` (by default on the fp8 cases of ``serving-fp8``) times bf16 queries over an fp8 cache with the dots
 in bf16 and in fp16 (F16_DOT): each cuTile form both ways in alternation, then the fastest Triton config of each
 way and each peer in alternation; ``--cutile-pdl`` the fastest cuTile candidate without and with PDL where a
-step splits, and each peer; ``--min-tiles N`` (repeatable) the
-fastest Triton config on split plans of chunks at least N key tiles long, and each peer;
-``--triton-switch KEY`` (the same default cases) the fastest Triton config with a
-switch of its config off and on (a constexpr of the split kernel, V_WORDS: fp8 values read as bytes or as words;
+step splits, and each peer; ``--min-tiles N`` (repeatable) the fastest Triton config on split plans of chunks at
+least N key tiles long, and each peer; ``--triton-switch KEY`` (the same default cases) the fastest Triton config
+with a switch of its config off and on (a constexpr of the split kernel, V_WORDS: fp8 values read as bytes or as words;
 or PDL, programmatic dependent launch of both kernels) and each peer; ``--peer NAME``
 times a registered implementation of the operation the same way, in the same process (``--no-cutile`` leaves
 cuTile out, for a machine without its toolchain). Varlen (``--varlen-only``: nothing else): each varlen
