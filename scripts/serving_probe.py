@@ -1,9 +1,10 @@
 """Where a cuTile serving case's prepare time goes, and what each candidate costs (GPU).
 
 For one paged-decode case: building the inputs, the float64 oracle, and per decode candidate its first call
-(compile) and its time per call (one replay of a CUDA graph of 20 calls). ``--occupancy N`` and ``--latency
-K,V`` (repeatable) add each cuTile candidate with that many blocks per SM asked of the compiler or those load
-latencies, ``--plans N`` (repeatable) runs each with split plans aimed at N programs per SM instead;
+(compile) and its time per call (one replay of a CUDA graph of 20 calls). ``--cutile-form N,READ[,OCC]``
+adds a form to cuTile's, ``--cutile-min-tiles N`` sets their plans' shortest chunk; ``--occupancy N`` and
+``--latency K,V`` (repeatable) add each cuTile candidate with that many blocks per SM asked of the compiler or
+those load latencies, ``--plans N`` (repeatable) runs each with split plans aimed at N programs per SM instead;
 ``--triton wide`` sweeps a wider Triton decode space (TRITON_WIDE) than the tuner's, ``--triton ab``
 times each of the tuner's configs with and without the mask-free loop (MASK_FREE), alternating, ``--triton plans``
 times every tuner config once, then the fastest with an aimed plan, the fastest with a fitted one (PLAN_FIT) and
@@ -47,6 +48,7 @@ from impls.cutile import Call, _sm_count, precompile
 from impls.cutile.serving import (
     VARLEN_STORES,
     DecodeCall,
+    DecodeVariant,
     VarlenCall,
     decode_space_for,
     plan_candidates,
@@ -91,9 +93,16 @@ def report(name: str, call, case, oracle, **extra) -> None:
                       "gbps": metrics.kv_bytes(case) / ms / 1e6, "passed": oracle.check(call()).passed}), flush=True)
 
 
+def form_arg(text: str) -> DecodeVariant:
+    """``TILE_N,READ[,OCCUPANCY]``: a cuTile decode form, e.g. ``32,pages,2``."""
+    tile_n, read, *occupancy = text.split(",")
+    return DecodeVariant(int(tile_n), read, occupancy=int(occupancy[0]) if occupancy else None)
+
+
 def probe_decode(case_id: str, occupancies: list[int], triton: str, latencies: list[str], peers: list[str],
                  cutile: bool = True, plans: tuple[int, ...] = (),
-                 deep_tiles: tuple[tuple[int, int, int], ...] = DEEP_TILES) -> None:
+                 deep_tiles: tuple[tuple[int, int, int], ...] = DEEP_TILES, forms: tuple[DecodeVariant, ...] = (),
+                 min_tiles: int | None = None) -> None:
     case = case_by_id(case_id)
     t = time.perf_counter()
     inputs = case.make_inputs("cuda")
@@ -112,15 +121,19 @@ def probe_decode(case_id: str, occupancies: list[int], triton: str, latencies: l
             peer_calls[name] = prepared
         except Exception as exc:  # a peer that cannot run this case: say why, go on
             print(json.dumps({"variant": name, "error": str(exc)[:200]}), flush=True)
-    space = decode_space_for(inputs) if cutile else []
+    space = [*decode_space_for(inputs), *forms] if cutile else []
     space += [replace(v, occupancy=n) for n in occupancies for v in space]
     for pair in latencies:  # K and V load latencies of each candidate's form
         k, v = (int(x) for x in pair.split(","))
         space += [replace(var, k_latency=k, v_latency=v) for var in space if (var.k_latency, var.v_latency) == (3, 3)]
     space = [replace(var, plan_programs=p) for var in space for p in plans] or space
+    space = [replace(var, plan_min_tiles=min_tiles) for var in space]
     for variant in space:
-        call = DecodeCall(variant, inputs, scale=scale, sm_count=_sm_count(None))
-        report(f"cutile {variant}", call, case, oracle, splits=call.num_splits)
+        try:
+            call = DecodeCall(variant, inputs, scale=scale, sm_count=_sm_count(None))
+            report(f"cutile {variant}", call, case, oracle, splits=call.num_splits)
+        except Exception as exc:  # a form this case or compiler refuses: say why, go on
+            print(json.dumps({"variant": f"cutile {variant}", "error": str(exc)[:200]}), flush=True)
     if triton == "ab":
         mask_free_ab(inputs, scale, case, oracle)
         return
@@ -369,6 +382,10 @@ def main() -> None:
     parser.add_argument("--triton-switch", metavar="KEY",
                         help="the fastest Triton config with its switch KEY (a constexpr, or PDL) off and on, beside "
                              "each --peer (default cases: serving-fp8's fp8 ones; only this)")
+    parser.add_argument("--cutile-form", action="append", default=[], type=form_arg, metavar="N,READ[,OCC]",
+                        help="a cuTile decode form beside the tuner's (repeatable), e.g. 32,pages,2")
+    parser.add_argument("--cutile-min-tiles", type=int, metavar="N",
+                        help="the cuTile candidates' shortest chunk in key tiles (default: SPLIT_MIN_TILES)")
     parser.add_argument("--min-tiles", action="append", type=int, default=[], metavar="N",
                         help="the fastest Triton config on split plans of chunks of at least N key tiles "
                              "(repeatable), beside each --peer (on the --case cases; only this)")
@@ -392,8 +409,8 @@ def main() -> None:
     default = [] if args.varlen_only else ["llama3-8b-paged-bf16-h32:8-q1-kv8192-uniform-p16-d128-b64"]
     for case_id in args.case or default:
         probe_decode(case_id, args.occupancy, args.triton, args.latency, args.peer, cutile=not args.no_cutile,
-                     plans=tuple(args.plans),
-                     deep_tiles=tuple(args.deep_tile) or DEEP_TILES)
+                     plans=tuple(args.plans), deep_tiles=tuple(args.deep_tile) or DEEP_TILES,
+                     forms=tuple(args.cutile_form), min_tiles=args.cutile_min_tiles)
     if not args.skip_varlen:
         probe_varlen(persistent_twins=args.varlen_persistent,
                      stores=VARLEN_STORES if args.varlen_stores else (), grid=args.varlen_grid,
