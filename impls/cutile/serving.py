@@ -233,15 +233,14 @@ def decode_space_for(inputs: PagedKV) -> list[DecodeVariant]:
 def plan_candidates(forms: list[DecodeVariant], inputs: PagedKV, *, scale: float, sm_count: int,
                     window_left: int = UNBOUNDED, softcap: float = 0.0) -> list[DecodeCall]:
     """The decode tuner's candidates: each kernel form with each aimed split plan (``AIMED_PLANS``, each with the
-    shortest chunks of ``PLAN_MIN_TILES``), one call
-    per form and chunk length (plans that cut the batch alike are timed once), and where that splits on a GPU
-    that has programmatic dependent launch, with it and without (``DecodeVariant.pdl``). Session 26 (H200): with
-    the one plan the 70B slice at 256 x 8K split in 3 chunks, 83% of HBM, where the Triton kernel's tuner took
-    one chunk a sequence for 88%. Session 45 (H200, serving republished with PDL on wherever a step split, against
-    session 44's run without, the same configs): short split steps gained 6-10% (the 70B slice's 64 x 512, batch 1
-    up to 8K), but split steps of 256 programs at two a SM lost up to 13% (the 70B slice's 1 x 128K 2534 -> 2243
-    GB/s, 16 x 8K 2653 -> 2544; the profiler saw its combine run 13 us where it had run 4), on an instance where
-    every unsplit step read 1-3% faster. So the tuner decides."""
+    shortest chunks of ``PLAN_MIN_TILES``), one call per form and chunk length (plans that cut the batch alike are
+    timed once), and where that splits on a GPU that has programmatic dependent launch, with it and without
+    (``DecodeVariant.pdl``). Session 26 (H200): with the one plan the 70B slice at 256 x 8K split in 3 chunks, 83%
+    of HBM, where the Triton kernel's tuner took one chunk a sequence for 88%. Session 45 (H200, serving republished
+    with PDL on wherever a step split, against session 44's run without, the same configs): short split steps gained
+    6-10% (the 70B slice's 64 x 512, batch 1 up to 8K), but split steps of 256 programs at two a SM lost up to 13%
+    (the 70B slice's 1 x 128K 2534 -> 2243 GB/s, 16 x 8K 2653 -> 2544; the profiler saw its combine run 13 us where
+    it had run 4), on an instance where every unsplit step read 1-3% faster. So the tuner decides."""
     distinct: dict[tuple, DecodeVariant] = {}
     for form in forms:
         for programs, min_tiles in itertools.product(AIMED_PLANS, PLAN_MIN_TILES):
