@@ -177,31 +177,30 @@ def fp8_dots_ab(case_id: str, peers: list[str], cutile: bool = True, rounds: int
     triton_switch(case, inputs, scale, oracle, "F16_DOT", peers, rounds)
 
 
-def triton_switch(case, inputs, scale: float, oracle, key: str, peers: list[str], rounds: int = 5) -> None:
-    """The fastest Triton config of the tuner's space with its switch ``key`` off and with it on,
+SWITCH = {"off": False, "on": True}  # a constexpr switch's values, by label
+
+
+def triton_values(case, inputs, scale: float, oracle, key: str, values: dict[str, object], peers: list[str],
+                  rounds: int = 5) -> None:
+    """The fastest Triton config of the tuner's space with its entry ``key`` set to each of ``values`` (by label),
     and each peer, timed in alternation (``fastest_of_each``)."""
-    spaces = {f"{key} {state}": [{**config, key: state == "on"} for config in TRITON_SPACE] for state in ("off", "on")}
+    spaces = {f"{key} {label}": [{**config, key: value} for config in TRITON_SPACE] for label, value in values.items()}
     peer_calls = {name: impls.get(name, "paged").prepare(inputs, scale=scale) for name in peers}
     fastest_of_each(inputs, scale, case, oracle, peer_calls, spaces, rounds=rounds)
 
 
-def min_tiles_ab(case_id: str, min_tiles: list[int], peers: list[str], rounds: int = 7) -> None:
-    """The fastest Triton config of the tuner's space on split plans whose chunks are at least each of
-    ``min_tiles`` key tiles long (PLAN_MIN_TILES; the tuner's: SPLIT_MIN_TILES), and each peer, in alternation:
-    on a short step a program's tiles are a chain of dependent loads, so shorter chunks may end it sooner."""
-    case = case_by_id(case_id)
-    inputs = case.make_inputs("cuda")
-    scale = inputs.head_dim ** -0.5
-    spaces = {f"min_tiles {n}": [{**config, "PLAN_MIN_TILES": n} for config in TRITON_SPACE] for n in min_tiles}
-    peer_calls = {name: impls.get(name, "paged").prepare(inputs, scale=scale) for name in peers}
-    fastest_of_each(inputs, scale, case, Oracle.serving(inputs), peer_calls, spaces, rounds=rounds)
+def triton_switch(case, inputs, scale: float, oracle, key: str, peers: list[str], rounds: int = 5) -> None:
+    """``triton_values`` of a switch ``key``: off and on."""
+    triton_values(case, inputs, scale, oracle, key, SWITCH, peers, rounds)
 
 
-def switch_ab(case_id: str, key: str, peers: list[str]) -> None:
-    """``triton_switch`` of ``key`` on one case."""
+def values_ab(case_id: str, key: str, values: dict[str, object], peers: list[str], rounds: int = 5) -> None:
+    """``triton_values`` of ``key`` on one case. With PLAN_MIN_TILES: split plans whose chunks are at least so
+    many key tiles long (the tuner's: SPLIT_MIN_TILES, and PLAN_MIN_TILES): on a short step a program's tiles are a
+    chain of dependent loads, so shorter chunks may end it sooner."""
     case = case_by_id(case_id)
     inputs = case.make_inputs("cuda")
-    triton_switch(case, inputs, inputs.head_dim ** -0.5, Oracle.serving(inputs), key, peers)
+    triton_values(case, inputs, inputs.head_dim ** -0.5, Oracle.serving(inputs), key, values, peers, rounds)
 
 
 def cutile_pdl_ab(case_id: str, peers: list[str], rounds: int = 7) -> None:
@@ -392,7 +391,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.min_tiles:
         for case_id in args.case:
-            min_tiles_ab(case_id, args.min_tiles, args.peer)
+            values_ab(case_id, "PLAN_MIN_TILES", {str(n): n for n in args.min_tiles}, args.peer, rounds=7)
         return
     if args.cutile_pdl:
         for case_id in args.case:
@@ -400,7 +399,7 @@ def main() -> None:
         return
     if args.triton_switch:
         for case_id in args.case or fp8_case_ids():
-            switch_ab(case_id, args.triton_switch, args.peer)
+            values_ab(case_id, args.triton_switch, SWITCH, args.peer)
         return
     if args.fp8_dots:
         for case_id in args.case or fp8_case_ids():
