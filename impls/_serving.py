@@ -29,11 +29,13 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import os
 from dataclasses import dataclass, field, replace
 
 import torch
 
-from impls._validate import UNBOUNDED, binding_window, default_scale, unit_head_stride, validate_scale
+from impls._registry import Prepared, Unsupported, get
+from impls._validate import NO_WINDOW, UNBOUNDED, binding_window, default_scale, unit_head_stride, validate_scale
 
 
 def _check_tensor(name: str, t: torch.Tensor, dims: int, layout: str) -> None:
@@ -289,6 +291,64 @@ def gather_sequence(inputs: PagedKV, b: int) -> tuple[torch.Tensor, torch.Tensor
     pages = inputs.block_table[b, : math.ceil(length / inputs.page_size)].long()
     k, v = (c[pages].flatten(0, 1)[:length].transpose(0, 1) for c in (inputs.k_cache, inputs.v_cache))
     return k, v
+
+
+# Dense calls shaped like decode: a few new tokens against a longer cache, causal (bottom-right) or one token. Our
+# dense entries hand them to our split-KV decode kernel (their paged operation) over the dense cache seen as pages:
+# page n of the view is the P rows that start n * P rows into the cache, so each sequence's block table lists its
+# own pages in order and nothing is copied. Session 4 (H200, the `decode` preset: B=4, Hq=32, Hkv=8, D=128) had the
+# dense kernels, one block per (batch, head) streaming its whole cache, at 1.5-1.7 TB/s where cuDNN read 3.8-4.0.
+DENSE_DECODE_MAX_NEW = 16  # new tokens, as the paged operation takes them (speculative decoding verifies up to 16)
+DENSE_PAGE_SIZES = (256, 128, 64, 32, 16)  # the view's page: the largest that cuts every cache into whole pages
+DENSE_DECODE_ENV = "FMHA_DENSE_DECODE"  # "0": dense entries run their dense kernel on decode shapes too
+
+
+def decode_shaped(sq: int, skv: int, causal: bool) -> bool:
+    """Whether a dense call of ``sq`` queries over ``skv`` keys is a decode step: at most DENSE_DECODE_MAX_NEW new
+    tokens, the last ``sq`` positions of the cache, each seeing the keys up to its own (causal, bottom-right, or a
+    single token, which sees them all either way)."""
+    return sq <= DENSE_DECODE_MAX_NEW and sq < skv and (causal or sq == 1)
+
+
+def dense_as_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> PagedKV | None:
+    """A decode-shaped dense call (``decode_shaped``; q ``(B, Hq, Sq, D)``, k and v ``(B, Hkv, Skv, D)``, head
+    dims at unit stride) as paged decode over views of the same memory: q as ``(B, Sq, Hq, D)``, each cache as
+    ``(num_pages, P, Hkv, D)`` with P the largest of DENSE_PAGE_SIZES that divides Skv, a block table of each
+    sequence's pages and every length Skv. None where the call is not decode-shaped, or k and v are laid out
+    apart, or no page size cuts the caches: a sequence's rows must start a whole number of pages apart (the
+    contract's layout and flash-attn's (B, Skv, Hkv, D) both do)."""
+    batch, _, sq, head_dim = q.shape
+    kv_heads, skv = k.shape[1], k.shape[2]
+    step_b, step_h, step_s, _ = k.stride()
+    if not decode_shaped(sq, skv, causal) or v.shape != k.shape or v.stride() != k.stride() or min(k.stride()) < 0:
+        return None
+    fits = [p for p in DENSE_PAGE_SIZES if skv % p == 0 and step_s > 0 and (batch == 1 or step_b % (p * step_s) == 0)]
+    if not fits:
+        return None
+    page = fits[0]
+    per_sequence = skv // page
+    sequence_step = step_b // (page * step_s) if batch > 1 else 0  # pages from one sequence's first to the next's
+    size = ((batch - 1) * sequence_step + per_sequence, page, kv_heads, head_dim)
+    k_pages, v_pages = (t.as_strided(size, (page * step_s, step_s, step_h, 1)) for t in (k, v))
+    table = torch.arange(batch)[:, None] * sequence_step + torch.arange(per_sequence)[None, :]
+    return PagedKV(q.transpose(1, 2), k_pages, v_pages, table.to(device=q.device, dtype=torch.int32),
+                   torch.full((batch,), skv, dtype=torch.int32, device=q.device))
+
+
+def decode_route(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
+                 window: tuple[int, int] = NO_WINDOW, softcap: float = 0.0) -> tuple[Prepared | None, str | None]:
+    """``name``'s paged decode prepared for this dense call (``dense_as_paged``), its output in the dense layout;
+    with it or instead of it, why not: (None, None) where the call is not decode-shaped (or DENSE_DECODE_ENV is
+    "0"), (None, reason) where the decode entry refuses it (the caller runs its dense kernel and records why)."""
+    paged = dense_as_paged(q, k, v, causal) if os.environ.get(DENSE_DECODE_ENV, "1") != "0" else None
+    if paged is None:
+        return None, None
+    try:
+        decode = get(name, "paged").prepare(paged, scale=scale, window=window, softcap=softcap)
+    except Unsupported as exc:
+        return None, f"split-KV decode refused: {exc}"
+    route = {"route": f"split-KV decode over the cache as pages of {paged.page_size}"}
+    return Prepared(lambda: decode.run().transpose(1, 2), config={**route, **decode.config}), None
 
 
 def fp16_dots(inputs: PagedKV) -> bool:

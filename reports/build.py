@@ -189,10 +189,16 @@ def _geomean(values: Iterable[float]) -> float | None:
     return math.exp(statistics.fmean(math.log(v) for v in values)) if values else None
 
 
+def case_merit(case: dict[str, Any]) -> str:
+    """What a case ranks by, as its run recorded it (``suite.cases.Case.merit``): ``gbps`` for decode, which is
+    memory-bound, ``tflops`` for the rest. Files written before session 61 do not say: their paged cases are the
+    decode ones."""
+    return case.get("merit") or ("gbps" if case.get("op") == "paged" else "tflops")
+
+
 def figure_of_merit(cases: Iterable[dict[str, Any]]) -> str:
-    """Decode is memory-bound: its cases rank by GB/s; everything else by TFLOPS."""
-    ops = {c.get("op") or "dense" for c in cases}
-    return "gbps" if ops == {"paged"} else "tflops"
+    """GB/s where every case is decode, TFLOPS otherwise."""
+    return "gbps" if {case_merit(c) for c in cases} == {"gbps"} else "tflops"
 
 
 def by_figure_of_merit(presets: dict[str, list[str]], cases: dict[str, dict]) -> dict[str, list[str]]:

@@ -140,6 +140,12 @@
 #             GPUs and over one; heartbeats time a stopped pass) and node-bench (the same warm, blog's checks to tune
 #             its shapes, the fleet check of blog, blog on one GPU and sharded over all); NODE_PASSES picks passes,
 #             NODE_PASS_S caps each correctness pass's seconds.
+#   dense-decode: (session 61) the decode preset through our dense entries, which hand decode steps to the split-KV
+#             decode (impls._serving.decode_route): its checks primed over 16 workers and tuned in one process, then
+#             timed (graph) beside DD_IMPLS (default "cutile triton sdpa sdpa-cudnn sdpa-flash sdpa-efficient naive") into
+#             $out/DD_NAME.json (default dense-decode). FMHA_DENSE_DECODE=0 times our dense kernels there instead.
+#   dense-decode-checks: the gpu and sanitize grids' decode steps through cuTile and Triton, then the sanitize grid's
+#             under compute-sanitizer memcheck
 # The side-by-side serving run with every implementation, in the three calls of the flash-attn-4 carry (caches
 # under /tmp/fmha live as long as the machine; FlashInfer needs `source scripts/flashinfer_env.sh`):
 #   serve-prime: (call 1) serving correctness of the implementations without a carried package, 16 workers (8 under
@@ -322,6 +328,23 @@ for part in "$@"; do
       read -r -a serve_impls <<< "${SERVE_IMPLS:-cutile triton flash-attn4 flashinfer sdpa flex naive}"
       step serve-all 540 python3 -m pytest suite "${bench[@]}" "${full[@]}" --timing graph \
         "${serve_impls[@]/#/--impl=}" --benchmark-json="$out/${SERVE_NAME:-serving-all}.json"
+      ;;
+    dense-decode)
+      read -r -a dd_impls <<< "${DD_IMPLS:-cutile triton sdpa sdpa-cudnn sdpa-flash sdpa-efficient naive}"
+      dd_ours=(python3 -m pytest suite -k correctness -q -p no:cacheprovider -rf --impl cutile --impl triton
+               --grid decode)
+      step dd-prime 240 "${dd_ours[@]}" -n 16 --dist load --compile-candidates
+      step dd-tune 240 "${dd_ours[@]}" --durations=10
+      step dd-bench 300 python3 -m pytest suite "${bench[@]}" --grid decode --timing graph "${dd_impls[@]/#/--impl=}" \
+        --benchmark-json="$out/${DD_NAME:-dense-decode}.json"
+      ;;
+    dense-decode-checks)
+      dd_edges=(-k "correctness and (s1x256 or s4x192)" -q -p no:cacheprovider -rf --impl cutile --impl triton)
+      # both grids first without the sanitizer, so that their shape classes are tuned before memcheck runs them
+      step dd-edges 200 python3 -m pytest suite "${dd_edges[@]}" --grid gpu --grid sanitize
+      step dd-memcheck 240 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest suite \
+        "${dd_edges[@]}" --grid sanitize
+      grep -E "ERROR SUMMARY|passed|failed" "$out/dd-memcheck.log" | tail -3
       ;;
     sanitize)
       step memcheck 200 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest suite -k correctness \

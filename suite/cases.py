@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from impls._serving import decode_shaped
 from impls._validate import NO_WINDOW
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -125,6 +126,14 @@ class Case:
     def gqa_ratio(self) -> int:
         return self.hq // self.hkv
 
+    @property
+    def merit(self) -> str:
+        """What this case ranks by: ``gbps`` where it is a decode step and so bound by the KV bytes it reads (paged,
+        or dense and decode-shaped, ``impls._serving.decode_shaped``: our dense entries run it as decode), else
+        ``tflops``. Results files carry it per case, and the report reads it from there."""
+        decode = self.op == "paged" or (self.op == "dense" and decode_shaped(self.sq, self.skv, self.causal))
+        return "gbps" if decode else "tflops"
+
     def as_dict(self) -> dict:
         return asdict(self)
 
@@ -229,6 +238,8 @@ def _edge_cases(batch: int, d: Iterable[int]) -> list[Case]:
         + grid(batch=[batch], heads=[(8, 2)], seqlens=[97, 300], d=d)
         + grid(batch=[batch], heads=[(8, 1)], seqlens=[200], d=d)
         + grid(batch=[batch], heads=[(8, 2)], seqlens=[(1, 300), (64, 1024), (200, 130)], d=d)
+        # decode steps our dense entries run as split-KV decode over the cache as pages (of 256 and of 64)
+        + grid(batch=[batch], heads=[(8, 2)], seqlens=[(1, 256), (4, 192)], d=d)
     )
 
 
@@ -404,7 +415,8 @@ PRESETS: dict[str, list[Case]] = {
     # Under compute-sanitizer (memcheck, racecheck): every code path, smallest sizes.
     "sanitize": (
         grid(heads=[(4, 4)], seqlens=[128, 200], d=[64])
-        + grid(heads=[(8, 2)], seqlens=[97, (1, 130), (64, 300), (150, 100)], d=[128], dtype=["bf16"])
+        + grid(heads=[(8, 2)], seqlens=[97, (1, 130), (64, 300), (150, 100), (1, 256), (4, 192)], d=[128],
+               dtype=["bf16"])
     ),
     # Benchmarks without a GPU: small enough for the Triton interpreter.
     "cpu-bench": grid(heads=[(2, 2)], seqlens=[128, 256], d=[64], dtype=["fp32"]),

@@ -229,7 +229,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     params = []
     for preset, case in selected:
         if case.id not in state.cases:
-            state.cases[case.id] = {**case.as_dict(), "preset": preset}
+            state.cases[case.id] = {**case.as_dict(), "preset": preset, "merit": case.merit}
             state.presets.setdefault(preset, []).append(case.id)
         params += [pytest.param(impl, case, id=f"{impl.name}-{case.id}") for impl in state.impls
                    if impl.op == case.op]

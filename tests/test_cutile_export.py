@@ -607,6 +607,33 @@ def test_a_cache_of_2_31_elements_is_read_through_word_views_with_tma(monkeypatc
     assert usage[2]["utmaldg"] == 0, usage  # why: 64-bit indexing loses TMA
 
 
+@pytest.mark.parametrize("tile_n", [64, 128])
+def test_a_dense_decode_step_compiles_as_page_loads_of_the_dense_cache(tile_n, short_chunks):
+    """A dense decode step as the dense ``cutile`` entry hands it to the decode (``impls._serving.dense_as_paged``):
+    the caches are views whose pages overlap other heads' rows (strides not in order), and their page loads still
+    compile to TMA; the view's element count is past 2**31 while no offset into it is, so it keeps 32-bit
+    indexing."""
+    from impls._serving import dense_as_paged
+    from impls.cutile import needs_int64
+    from impls.cutile.export import export_launch
+    from impls.cutile.serving import DecodeCall, DecodeVariant
+
+    q = torch.empty(2, 8, 1, 128, dtype=torch.bfloat16)
+    k, v = (torch.empty(2, 2, 1024, 128, dtype=torch.bfloat16) for _ in range(2))
+    inputs = dense_as_paged(q, k, v, causal=True)
+    assert inputs.page_size == 256 and inputs.k_cache.stride() == (256 * 128, 128, 1024 * 128, 1)
+    call = DecodeCall(DecodeVariant(tile_n, plan_programs=8), inputs, scale=0.125, sm_count=1)
+    assert call.num_splits > 1 and call.cache_indexing == "32-bit"
+    cubins = [export_launch(kernel, arguments, arch="sm_90") for _, kernel, arguments in call.launches]
+    assert all(cubin[:4] == b"\x7fELF" for cubin in cubins)
+    assert sass(cubins[0])["utmaldg"] > 0
+    # 16 sequences x 8 kv heads x 32K x 128 (2**29 elements) as pages of 256: 15 sequences' pages, all 8 heads', and
+    # the last one's own (dense_as_paged's view, made here without the tensors' data)
+    view = torch.empty(16, 8, 32768, 128, device="meta").as_strided(
+        ((15 * 8 + 1) * 128, 256, 8, 128), (256 * 128, 128, 32768 * 128, 1))
+    assert view.numel() >= 2**31 and not needs_int64(view) and needs_int64(torch.empty(2**31, device="meta"))
+
+
 def test_decode_combine_is_small_enough_for_many_blocks_per_sm(short_chunks):
     """The combine's occupancy hint reaches the compiler: few registers, little shared memory (session 10's
     combine, left to the compiler, took 255 registers and ran two blocks per SM)."""

@@ -599,3 +599,88 @@ def test_triton_decode_with_and_without_programmatic_dependent_launch(pdl):
         result = Oracle.serving(inputs).check(out)
         assert result.passed, f"{case.id}: {result.message}"
     assert splits == {True, False}  # both the two-launch and the one-launch step
+
+
+def dense_decode(batch=2, hq=8, hkv=2, sq=1, skv=256, layout="bhsd", dtype=torch.float16):
+    """A dense decode step's q, k, v: k and v in the contract's (B, Hkv, Skv, D) or as flash-attn keeps them,
+    (B, Skv, Hkv, D) seen through a transpose."""
+    gen = torch.Generator().manual_seed(sq * 1000 + skv)
+    q = torch.randn(batch, hq, sq, 64, generator=gen).to(dtype)
+    shape = (batch, hkv, skv, 64) if layout == "bhsd" else (batch, skv, hkv, 64)
+    k, v = (torch.randn(shape, generator=gen).to(dtype) for _ in range(2))
+    return (q, k, v) if layout == "bhsd" else (q, k.transpose(1, 2), v.transpose(1, 2))
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize(("sq", "skv", "page"), [(1, 256, 256), (4, 192, 64), (16, 48, 16)])
+def test_a_dense_decode_step_is_seen_as_pages_of_the_same_memory(layout, sq, skv, page):
+    """Each sequence's pages hold its own rows in order, for both layouts: the view gathers back to the dense
+    cache exactly, and nothing was copied."""
+    from impls._serving import dense_as_paged, gather_sequence
+
+    q, k, v = dense_decode(batch=3, sq=sq, skv=skv, layout=layout)
+    inputs = dense_as_paged(q, k, v, causal=True)
+    assert inputs.page_size == page and inputs.seqlens == (skv,) * 3
+    assert inputs.k_cache.untyped_storage().data_ptr() == k.untyped_storage().data_ptr()
+    assert torch.equal(inputs.q, q.transpose(1, 2))
+    for b in range(3):
+        k_b, v_b = gather_sequence(inputs, b)
+        assert torch.equal(k_b, k[b]) and torch.equal(v_b, v[b])
+
+
+@pytest.mark.parametrize(("shape", "causal", "change"), [
+    ({"sq": 17, "skv": 256}, True, None),  # more new tokens than decode takes
+    ({"sq": 4, "skv": 256}, False, None),  # several queries that see the whole cache: not a decode step
+    ({"sq": 1, "skv": 300}, True, None),  # no page size of 16 or more cuts 300 rows
+    ({"sq": 1, "skv": 1}, True, None),  # no cache before the new token
+    ({"sq": 1, "skv": 256}, True, lambda k, v: (k, v.transpose(2, 3).contiguous().transpose(2, 3))),  # apart
+])
+def test_dense_calls_that_are_not_decode_steps_are_not_seen_as_pages(shape, causal, change):
+    from impls._serving import dense_as_paged
+
+    q, k, v = dense_decode(**shape)
+    if change:
+        k, v = change(k, v)
+    assert dense_as_paged(q, k, v, causal) is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's run of the dense route: CPU")
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize(("sq", "skv", "causal", "variants"), [
+    (1, 256, False, {}), (4, 192, True, {}), (1, 512, True, {"window": (100, 0), "softcap": 30.0})])
+def test_triton_runs_a_dense_decode_step_as_split_kv_decode(layout, sq, skv, causal, variants, monkeypatch):
+    """The dense ``triton`` entry hands a decode step to its split-KV decode (the config says so), whose output,
+    in the dense layout, passes the float64 oracle; FMHA_DENSE_DECODE=0 keeps the dense kernel."""
+    pytest.importorskip("triton")
+    from impls._serving import DENSE_DECODE_ENV
+
+    q, k, v = dense_decode(sq=sq, skv=skv, layout=layout)
+    oracle = Oracle.dense(q, k, v, causal=causal, **variants)
+    prepared = impls.get("triton").prepare(q, k, v, causal=causal, **variants)
+    assert prepared.config["route"].startswith("split-KV decode") and "num_splits" in prepared.config
+    out = prepared()
+    assert out.shape == q.shape and out.is_contiguous()
+    result = oracle.check(out)
+    assert result.passed, result.message
+    monkeypatch.setenv(DENSE_DECODE_ENV, "0")
+    assert "route" not in impls.get("triton").prepare(q, k, v, causal=causal, **variants).config
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's run of the dense route: CPU")
+def test_a_decode_step_the_decode_kernel_refuses_runs_the_dense_kernel_and_says_why():
+    """128 query heads of one kv head x 2 new tokens are more rows than the decode kernel packs: the dense kernel
+    runs the step, correctly, and its config records why the decode did not."""
+    pytest.importorskip("triton")
+    q, k, v = dense_decode(batch=1, hq=128, hkv=1, sq=2, skv=32)
+    prepared = impls.get("triton").prepare(q, k, v, causal=True)
+    assert "route" not in prepared.config and "256 rows" in prepared.config["decode_route"]
+    result = Oracle.dense(q, k, v, causal=True).check(prepared())
+    assert result.passed, result.message
+
+
+def test_dense_decode_steps_rank_by_bandwidth():
+    """A decode-shaped dense case ranks by GB/s, as paged decode does; prefill, and a step of several queries
+    that see the whole cache, by TFLOPS."""
+    assert {c.merit for c in PRESETS["decode"]} == {"gbps"}
+    assert Case(1, 8, 2, 4, 256, 64, "fp16", False).merit == "tflops"
+    assert {c.merit for c in PRESETS["blog"]} == {"tflops"}

@@ -23,7 +23,7 @@ from typing import Any, Generic, NamedTuple, TypeVar
 import torch
 
 from impls._registry import HALF, Prepared, heads_by_batch, length_class, module_available, parallel_class, register
-from impls._serving import varlen_work_plan
+from impls._serving import decode_route, varlen_work_plan
 from impls._tuning import (
     EVIDENCE,
     TUNERS,
@@ -330,8 +330,10 @@ def _kernel_with_hints(base: str, hints: tuple[tuple[str, int], ...], module: st
 
 
 def needs_int64(*tensors: torch.Tensor) -> bool:
-    """True when an offset into one of the tensors can reach 2**31 elements."""
-    return any(t.numel() >= 2**31 for t in tensors)
+    """True when an offset into one of the tensors can reach 2**31 elements: its last element's, which is its element
+    count less one where it is contiguous, and less than that in a view whose rows overlap (the pages a dense cache
+    is seen as, ``impls._serving.dense_as_paged``)."""
+    return any(sum((n - 1) * step for n, step in zip(t.shape, t.stride(), strict=True)) >= 2**31 - 1 for t in tensors)
 
 
 # The blog's ladder (B200 study): each step adds one change to the one before.
@@ -741,17 +743,22 @@ def candidates(capability: tuple[int, int], q, k, v, *, causal: bool, **variants
 
 @register("cutile", family="cutile", dtypes=HALF, devices=("cuda",), head_dims=HEAD_DIMS, requires=requires,
           variants=("window", "softcap", "value_dim"),
-          description="our cuTile kernel, all optimisations, tile shape and occupancy autotuned")
+          description="our cuTile kernel, all optimisations, tile shape and occupancy autotuned; decode shapes (up to "
+                      "16 new tokens) run our split-KV decode kernel over the cache as pages")
 def prepare_tuned(q, k, v, *, causal: bool, scale: float, **variants) -> Prepared:
     """``variants``: a sliding window (key tiles outside it are never visited) and softcap, as they come; v may
-    have a head dim of its own (MLA), padded like the query/key one. More sequences or heads than CUDA's cap on a
+    have a head dim of its own (MLA), padded like the query/key one. A decode shape runs the split-KV decode
+    (``impls._serving.decode_route``) where that takes it. More sequences or heads than CUDA's cap on a
     grid axis are refused before tuning: the one-block-per-tile candidates give each an axis."""
+    routed, refused = decode_route("cutile", q, k, v, causal=causal, scale=scale, **variants)
+    if routed:
+        return routed
     heads_by_batch(q.shape[1], q.shape[0])
     if "window" in variants:  # one that hides no key runs as no window: no masked loop before the free tiles
         variants["window"] = binding_window(variants["window"], causal, q.shape[2], k.shape[2])
     picked = tune(q, k, v, causal=causal, scale=scale, **variants)
     return Call(picked.choice, q, k, v, causal=causal, scale=scale, **variants).prepared(
-        **picked.provenance(), tuner=dense_tuner())
+        **picked.provenance(), tuner=dense_tuner(), **({"decode_route": refused} if refused else {}))
 
 
 from impls.cutile import serving  # noqa: E402, F401 - registers the paged decode and varlen entries

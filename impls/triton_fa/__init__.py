@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import replace
 
 import torch
 
@@ -29,6 +30,7 @@ from impls._serving import (
     PLAN_MIN_TILES,
     PROGRAMS_PER_SM,
     combine_plan,
+    decode_route,
     decode_shape_class,
     dependent_launch_available,
     fp16_dots,
@@ -234,6 +236,11 @@ def _make(name: str, paths: str, description: str) -> None:
                 softcap: float = 0.0) -> Prepared:
         import triton
 
+        refused = None
+        if paths != "tma":  # decode shapes run the split-KV decode kernel (the blog's TMA step stays itself)
+            routed, refused = decode_route(name, q, k, v, causal=causal, scale=scale, window=window, softcap=softcap)
+            if routed:
+                return routed
         axes = heads_by_batch(q.shape[1], q.shape[0])
         pointer = "pointer" in paths
         value_dim = v.shape[-1]  # within the declared head dims (the registry checks it like the query's)
@@ -253,12 +260,14 @@ def _make(name: str, paths: str, description: str) -> None:
 
         shape = (head_dim, causal, heads // k.shape[1], length_class(q_len), length_class(k.shape[2]),
                  meta["HAS_WINDOW"], softcap, value_dim)
-        return prepared_launch(kernel_arguments(q, k, v, out, scale, window, causal), meta, grid, out,
-                               pointer=pointer, tma=tma, shape_class=shape)
+        prepared = prepared_launch(kernel_arguments(q, k, v, out, scale, window, causal), meta, grid, out,
+                                   pointer=pointer, tma=tma, shape_class=shape)
+        return replace(prepared, config={**prepared.config, "decode_route": refused}) if refused else prepared
 
 
 _make("triton", "pointer+tma", "our FlashAttention-2 Triton kernel, autotuned over tiles, warps, stages and, "
-      "on sm_90+, pointer or descriptor (TMA) loads")
+      "on sm_90+, pointer or descriptor (TMA) loads; decode shapes (up to 16 new tokens) run our split-KV decode "
+      "kernel over the cache as pages")
 _make("triton-tma", "tma", "the same kernel, tiles moved through tensor descriptors (TMA) only, autotuned")
 
 
