@@ -333,9 +333,9 @@ for part in "$@"; do
       read -r -a dd_impls <<< "${DD_IMPLS:-cutile triton sdpa sdpa-cudnn sdpa-flash sdpa-efficient naive}"
       dd_ours=(python3 -m pytest suite -k correctness -q -p no:cacheprovider -rf --impl cutile --impl triton
                --grid decode)
-      step dd-prime 240 "${dd_ours[@]}" -n 16 --dist load --compile-candidates
-      step dd-tune 240 "${dd_ours[@]}" --durations=10
-      step dd-bench 300 python3 -m pytest suite "${bench[@]}" --grid decode --timing graph "${dd_impls[@]/#/--impl=}" \
+      step dd-prime 150 "${dd_ours[@]}" -n 16 --dist load --compile-candidates
+      step dd-tune 150 "${dd_ours[@]}" --durations=10
+      step dd-bench 280 python3 -m pytest suite "${bench[@]}" --grid decode --timing graph "${dd_impls[@]/#/--impl=}" \
         --benchmark-json="$out/${DD_NAME:-dense-decode}.json"
       ;;
     dense-decode-checks)
