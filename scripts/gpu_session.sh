@@ -339,10 +339,15 @@ for part in "$@"; do
         --benchmark-json="$out/${DD_NAME:-dense-decode}.json"
       ;;
     dense-decode-checks)
-      dd_edges=(-k "correctness and (s1x256 or s4x192)" -q -p no:cacheprovider -rf --impl cutile --impl triton)
-      # both grids first without the sanitizer, so that their shape classes are tuned before memcheck runs them
-      step dd-edges 200 python3 -m pytest suite "${dd_edges[@]}" --grid gpu --grid sanitize
-      step dd-memcheck 240 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest suite \
+      # the steps our entries route (not the non-causal 4 x 192, a dense-kernel class: a cold cuTile tune of 30 s a
+      # test, which stopped session 61's first try at its limit): primed, checked, then the sanitize grid's again
+      # under memcheck with their shape classes tuned (session 61: 18 passed; memcheck 6 passed, 0 errors)
+      dd_edges=(-k "correctness and (s1x256 or (s4x192 and causal))" -q -p no:cacheprovider -rf --impl cutile
+                --impl triton)
+      step dd-prime 150 python3 -m pytest suite "${dd_edges[@]}" --grid gpu --grid sanitize -n 16 --dist load \
+        --compile-candidates
+      step dd-edges 150 python3 -m pytest suite "${dd_edges[@]}" --grid gpu --grid sanitize
+      step dd-memcheck 200 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest suite \
         "${dd_edges[@]}" --grid sanitize
       grep -E "ERROR SUMMARY|passed|failed" "$out/dd-memcheck.log" | tail -3
       ;;

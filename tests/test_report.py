@@ -386,6 +386,17 @@ def test_a_preset_of_decode_and_prefill_cases_becomes_two_sections():
                      "serving": ["d1", "d2"]}
 
 
+def test_a_case_ranks_by_the_merit_its_run_recorded():
+    """A dense decode step recorded as ``gbps`` (session 61 on) ranks by GB/s; a file from before, which records
+    none, ranks paged decode by GB/s and the rest by TFLOPS."""
+    from reports.build import figure_of_merit
+
+    assert figure_of_merit([{"op": "dense", "merit": "gbps"}] * 2) == "gbps"
+    assert figure_of_merit([{"op": "dense", "merit": "gbps"}, {"op": "dense", "merit": "tflops"}]) == "tflops"
+    assert figure_of_merit([{"op": "paged"}]) == "gbps" and figure_of_merit([{"op": "dense", "sq": 1}]) == "tflops"
+    assert figure_of_merit([]) == "tflops"
+
+
 def test_a_markdown_table_bolds_each_cases_best_and_sets_ours_against_the_rest(serving_results):
     from reports.markdown import _cell, table
 
