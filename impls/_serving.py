@@ -26,15 +26,18 @@ Varlen prefill (flash-attn's packed layout):
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from impls._registry import Prepared, Unsupported, get
+from impls._tuning import TuningCache, fastest
 from impls._validate import NO_WINDOW, UNBOUNDED, binding_window, default_scale, unit_head_stride, validate_scale
 
 
@@ -336,19 +339,44 @@ def dense_as_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
 
 
 def decode_route(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
-                 window: tuple[int, int] = NO_WINDOW, softcap: float = 0.0) -> tuple[Prepared | None, str | None]:
-    """``name``'s paged decode prepared for this dense call (``dense_as_paged``), its output in the dense layout;
-    with it or instead of it, why not: (None, None) where the call is not decode-shaped (or DENSE_DECODE_ENV is
-    "0"), (None, reason) where the decode entry refuses it (the caller runs its dense kernel and records why)."""
+                 dense: Callable[[], Prepared], tuning: TuningCache, window: tuple[int, int] = NO_WINDOW,
+                 softcap: float = 0.0) -> Prepared:
+    """This dense call through ``name``'s paged decode (``dense_as_paged``, its output in the dense layout) or
+    through ``dense()``, the entry's dense kernel: whichever is faster for the decode's shape class, timed once on an
+    idle GPU and kept in ``tuning`` (the family's cache); the decode where nothing is timed (the interpreter, a shared
+    GPU). Not a decode step, or DENSE_DECODE_ENV "0": ``dense()``. A step the decode refuses: ``dense()``, its config
+    saying why. Session 61 (H200, the `decode` preset, one machine): the decode took 1 x 32K from 308 to 136 us
+    (cuTile) and 346 to 130 (Triton), but 16 x 1K from 13.3 to 16.5 and 15.4 to 17.4."""
     paged = dense_as_paged(q, k, v, causal) if os.environ.get(DENSE_DECODE_ENV, "1") != "0" else None
     if paged is None:
-        return None, None
+        return dense()
     try:
         decode = get(name, "paged").prepare(paged, scale=scale, window=window, softcap=softcap)
     except Unsupported as exc:
-        return None, f"split-KV decode refused: {exc}"
-    route = {"route": f"split-KV decode over the cache as pages of {paged.page_size}"}
-    return Prepared(lambda: decode.run().transpose(1, 2), config={**route, **decode.config}), None
+        return with_config(dense(), decode_route=f"split-KV decode refused: {exc}")
+    routed = Prepared(lambda: decode.run().transpose(1, 2), config={
+        "route": f"split-KV decode over the cache as pages of {paged.page_size}", **decode.config})
+    if not timed_here(q):  # the interpreter: nothing to time
+        return routed
+    dense_kernel = functools.cache(dense)  # prepared once, whether timed, compiled or chosen
+    shape = ("dense decode", *decode_shape_class(paged, paged.window_left(window), softcap))
+    entry, source = tuning.lookup(tuning.key(q.device, shape),
+                                  lambda: {"route": fastest([("decode", routed), ("dense", dense_kernel())])},
+                                  lambda: {"route": "decode"}, dense_kernel)
+    if entry["route"] == "dense":
+        return with_config(dense_kernel(), route="dense kernel (faster than the split-KV decode here)",
+                           route_chosen=source)
+    return with_config(routed, route_chosen=source)
+
+
+def timed_here(q: torch.Tensor) -> bool:
+    """Whether the route of a call on q's device can be timed (on a GPU)."""
+    return q.is_cuda
+
+
+def with_config(prepared: Prepared, **config) -> Prepared:
+    """``prepared`` with ``config`` added to what it reports."""
+    return Prepared(prepared.run, config={**prepared.config, **config})
 
 
 def fp16_dots(inputs: PagedKV) -> bool:

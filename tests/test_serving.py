@@ -684,3 +684,49 @@ def test_dense_decode_steps_rank_by_bandwidth():
     assert {c.merit for c in PRESETS["decode"]} == {"gbps"}
     assert Case(1, 8, 2, 4, 256, 64, "fp16", False).merit == "tflops"
     assert {c.merit for c in PRESETS["blog"]} == {"tflops"}
+
+
+class RecordingTuning:
+    """A tuning cache that keeps its entries in a dict and records what it was asked."""
+
+    def __init__(self):
+        self.entries, self.tuned = {}, []
+
+    def key(self, device, shape_class):
+        return repr(list(shape_class))
+
+    def lookup(self, key, tune, fixed, compile_all=None):
+        if key in self.entries:
+            return self.entries[key], "tuning cache"
+        self.tuned.append(key)
+        self.entries[key] = tune()
+        return self.entries[key], "tuned"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's run of the dense route: CPU")
+@pytest.mark.parametrize("faster", ["decode", "dense"])
+def test_a_dense_decode_step_takes_whichever_route_is_faster_once_per_shape_class(faster, monkeypatch):
+    """Where the route can be timed, the decode and the dense kernel are timed once for the decode's shape class,
+    the faster one runs (its config says which and where the choice came from), and the next call of the class
+    reads the choice and prepares the dense kernel only if it runs it."""
+    pytest.importorskip("triton")
+    import impls._serving as serving
+
+    timed = []
+    monkeypatch.setattr(serving, "timed_here", lambda q: True)
+    monkeypatch.setattr(serving, "fastest", lambda candidates: timed.append([c for c, _ in candidates]) or faster)
+    tuning, built = RecordingTuning(), []
+
+    def dense():
+        built.append("dense")
+        return Prepared(lambda: torch.zeros(1), config={"kernel": "dense"})
+
+    q, k, v = dense_decode(sq=1, skv=256)
+    for source in ("tuned", "tuning cache"):
+        prepared = serving.decode_route("triton", q, k, v, causal=True, scale=0.125, dense=dense, tuning=tuning)
+        assert prepared.config["route_chosen"] == source
+        assert prepared.config["route"].startswith("split-KV decode" if faster == "decode" else "dense kernel")
+    assert timed == [["decode", "dense"]] and len(tuning.tuned) == 1 and tuning.tuned[0].startswith("['dense decode'")
+    # the dense kernel is prepared to be timed, and again only for a call that runs it
+    assert built == ["dense"] * (1 if faster == "decode" else 2)
+    assert ("kernel" in prepared.config) == (faster == "dense")

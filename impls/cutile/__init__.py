@@ -743,22 +743,23 @@ def candidates(capability: tuple[int, int], q, k, v, *, causal: bool, **variants
 
 @register("cutile", family="cutile", dtypes=HALF, devices=("cuda",), head_dims=HEAD_DIMS, requires=requires,
           variants=("window", "softcap", "value_dim"),
-          description="our cuTile kernel, all optimisations, tile shape and occupancy autotuned; decode shapes (up to "
-                      "16 new tokens) run our split-KV decode kernel over the cache as pages")
+          description="our cuTile kernel, all optimisations, tile shape and occupancy autotuned; decode steps (up to "
+                      "16 new tokens) through our split-KV decode over the cache as pages where that is faster")
 def prepare_tuned(q, k, v, *, causal: bool, scale: float, **variants) -> Prepared:
     """``variants``: a sliding window (key tiles outside it are never visited) and softcap, as they come; v may
     have a head dim of its own (MLA), padded like the query/key one. A decode shape runs the split-KV decode
-    (``impls._serving.decode_route``) where that takes it. More sequences or heads than CUDA's cap on a
+    where that is faster (``impls._serving.decode_route``). More sequences or heads than CUDA's cap on a
     grid axis are refused before tuning: the one-block-per-tile candidates give each an axis."""
-    routed, refused = decode_route("cutile", q, k, v, causal=causal, scale=scale, **variants)
-    if routed:
-        return routed
-    heads_by_batch(q.shape[1], q.shape[0])
-    if "window" in variants:  # one that hides no key runs as no window: no masked loop before the free tiles
-        variants["window"] = binding_window(variants["window"], causal, q.shape[2], k.shape[2])
-    picked = tune(q, k, v, causal=causal, scale=scale, **variants)
-    return Call(picked.choice, q, k, v, causal=causal, scale=scale, **variants).prepared(
-        **picked.provenance(), tuner=dense_tuner(), **({"decode_route": refused} if refused else {}))
+    def dense() -> Prepared:
+        heads_by_batch(q.shape[1], q.shape[0])
+        dense_variants = dict(variants)
+        if "window" in variants:  # one that hides no key runs as no window: no masked loop before the free tiles
+            dense_variants["window"] = binding_window(variants["window"], causal, q.shape[2], k.shape[2])
+        picked = tune(q, k, v, causal=causal, scale=scale, **dense_variants)
+        return Call(picked.choice, q, k, v, causal=causal, scale=scale, **dense_variants).prepared(
+            **picked.provenance(), tuner=dense_tuner())
+
+    return decode_route("cutile", q, k, v, causal=causal, scale=scale, dense=dense, tuning=TUNING, **variants)
 
 
 from impls.cutile import serving  # noqa: E402, F401 - registers the paged decode and varlen entries

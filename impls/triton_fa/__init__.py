@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import replace
 
 import torch
 
@@ -234,40 +233,46 @@ def _make(name: str, paths: str, description: str) -> None:
               variants=("window", "softcap", "value_dim"))
     def prepare(q, k, v, *, causal: bool, scale: float, window: tuple[int, int] = NO_WINDOW,
                 softcap: float = 0.0) -> Prepared:
-        import triton
+        def dense() -> Prepared:
+            return prepare_dense(q, k, v, paths, causal=causal, scale=scale, window=window, softcap=softcap)
 
-        refused = None
-        if paths != "tma":  # decode shapes run the split-KV decode kernel (the blog's TMA step stays itself)
-            routed, refused = decode_route(name, q, k, v, causal=causal, scale=scale, window=window, softcap=softcap)
-            if routed:
-                return routed
-        axes = heads_by_batch(q.shape[1], q.shape[0])
-        pointer = "pointer" in paths
-        value_dim = v.shape[-1]  # within the declared head dims (the registry checks it like the query's)
-        tma = "tma" in paths and descriptors_fit(q.shape[-1], value_dim) and (
-            paths == "tma" or tma_available(q.device.type))
-        if tma:  # descriptors address the contiguous (B*H, S, D) views; they need scratch memory
-            q, k, v = (t.contiguous() for t in (q, k, v))
-            if q.is_cuda:
-                _install_descriptor_allocator()
-        batch, heads, q_len, head_dim = q.shape
-        out = q.new_empty((batch, heads, q_len, value_dim))
-        window = binding_window(window, causal, q_len, k.shape[2])  # one that hides no key: no window masks
-        meta = dense_meta(q, v, causal=causal, window=window, softcap=softcap)
+        if paths == "tma":  # the blog's TMA step stays itself
+            return dense()
+        return decode_route(name, q, k, v, causal=causal, scale=scale, window=window, softcap=softcap, dense=dense,
+                            tuning=TUNING)
 
-        def grid(cfg):
-            return (triton.cdiv(q_len, cfg["BLOCK_M"]), *axes)
 
-        shape = (head_dim, causal, heads // k.shape[1], length_class(q_len), length_class(k.shape[2]),
-                 meta["HAS_WINDOW"], softcap, value_dim)
-        prepared = prepared_launch(kernel_arguments(q, k, v, out, scale, window, causal), meta, grid, out,
-                                   pointer=pointer, tma=tma, shape_class=shape)
-        return replace(prepared, config={**prepared.config, "decode_route": refused}) if refused else prepared
+def prepare_dense(q, k, v, paths: str, *, causal: bool, scale: float, window: tuple[int, int],
+                  softcap: float) -> Prepared:
+    """The dense kernel's call, on ``paths`` (``_make``'s)."""
+    import triton
+
+    axes = heads_by_batch(q.shape[1], q.shape[0])
+    pointer = "pointer" in paths
+    value_dim = v.shape[-1]  # within the declared head dims (the registry checks it like the query's)
+    tma = "tma" in paths and descriptors_fit(q.shape[-1], value_dim) and (
+        paths == "tma" or tma_available(q.device.type))
+    if tma:  # descriptors address the contiguous (B*H, S, D) views; they need scratch memory
+        q, k, v = (t.contiguous() for t in (q, k, v))
+        if q.is_cuda:
+            _install_descriptor_allocator()
+    batch, heads, q_len, head_dim = q.shape
+    out = q.new_empty((batch, heads, q_len, value_dim))
+    window = binding_window(window, causal, q_len, k.shape[2])  # one that hides no key: no window masks
+    meta = dense_meta(q, v, causal=causal, window=window, softcap=softcap)
+
+    def grid(cfg):
+        return (triton.cdiv(q_len, cfg["BLOCK_M"]), *axes)
+
+    shape = (head_dim, causal, heads // k.shape[1], length_class(q_len), length_class(k.shape[2]),
+             meta["HAS_WINDOW"], softcap, value_dim)
+    return prepared_launch(kernel_arguments(q, k, v, out, scale, window, causal), meta, grid, out,
+                           pointer=pointer, tma=tma, shape_class=shape)
 
 
 _make("triton", "pointer+tma", "our FlashAttention-2 Triton kernel, autotuned over tiles, warps, stages and, "
-      "on sm_90+, pointer or descriptor (TMA) loads; decode shapes (up to 16 new tokens) run our split-KV decode "
-      "kernel over the cache as pages")
+      "on sm_90+, pointer or descriptor (TMA) loads; decode steps (up to 16 new tokens) through our split-KV "
+      "decode over the cache as pages where that is faster")
 _make("triton-tma", "tma", "the same kernel, tiles moved through tensor descriptors (TMA) only, autotuned")
 
 
