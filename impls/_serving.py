@@ -297,10 +297,11 @@ def gather_sequence(inputs: PagedKV, b: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 # Dense calls shaped like decode: a few new tokens against a longer cache, causal (bottom-right) or one token. Our
-# dense entries hand them to our split-KV decode kernel (their paged operation) over the dense cache seen as pages:
-# page n of the view is the P rows that start n * P rows into the cache, so each sequence's block table lists its
-# own pages in order and nothing is copied. Session 4 (H200, the `decode` preset: B=4, Hq=32, Hkv=8, D=128) had the
-# dense kernels, one block per (batch, head) streaming its whole cache, at 1.5-1.7 TB/s where cuDNN read 3.8-4.0.
+# dense entries can hand them to our split-KV decode kernel (their paged operation) over the dense cache seen as
+# pages: page n of the view is the P rows that start n * P rows into the cache, so each sequence's block table lists
+# its own pages in order and nothing is copied; they time it against their dense kernel (``decode_route``). Session
+# 4 (H200, the `decode` preset: B=4, Hq=32, Hkv=8, D=128) had the dense kernels, one block per (batch, head)
+# streaming its whole cache, at 1.5-1.7 TB/s where cuDNN read 3.8-4.0.
 DENSE_DECODE_MAX_NEW = 16  # new tokens, as the paged operation takes them (speculative decoding verifies up to 16)
 DENSE_PAGE_SIZES = (256, 128, 64, 32, 16)  # the view's page: the largest that cuts every cache into whole pages
 DENSE_DECODE_ENV = "FMHA_DENSE_DECODE"  # "0": dense entries run their dense kernel on decode shapes too
