@@ -303,7 +303,10 @@ def gather_sequence(inputs: PagedKV, b: int) -> tuple[torch.Tensor, torch.Tensor
 # 4 (H200, the `decode` preset: B=4, Hq=32, Hkv=8, D=128) had the dense kernels, one block per (batch, head)
 # streaming its whole cache, at 1.5-1.7 TB/s where cuDNN read 3.8-4.0.
 DENSE_DECODE_MAX_NEW = 16  # new tokens, as the paged operation takes them (speculative decoding verifies up to 16)
-DENSE_PAGE_SIZES = (256, 128, 64, 32, 16)  # the view's page: the largest that cuts every cache into whole pages
+# The view's page: the largest of these that cuts every cache into whole pages, else the whole cache (one page a
+# sequence: any length runs, though only kernels that take any page size read it well, Triton's; cuTile's page loads
+# need pages of whole tiles, so it gathers rows, and its route is then timed against its dense kernel like any other).
+DENSE_PAGE_SIZES = (256, 128, 64, 32, 16)
 DENSE_DECODE_ENV = "FMHA_DENSE_DECODE"  # "0": dense entries run their dense kernel on decode shapes too
 
 
@@ -317,16 +320,17 @@ def decode_shaped(sq: int, skv: int, causal: bool) -> bool:
 def dense_as_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> PagedKV | None:
     """A decode-shaped dense call (``decode_shaped``; q ``(B, Hq, Sq, D)``, k and v ``(B, Hkv, Skv, D)``, head
     dims at unit stride) as paged decode over views of the same memory: q as ``(B, Sq, Hq, D)``, each cache as
-    ``(num_pages, P, Hkv, D)`` with P the largest of DENSE_PAGE_SIZES that divides Skv, a block table of each
-    sequence's pages and every length Skv. None where the call is not decode-shaped, or k and v are laid out
-    apart, or no page size cuts the caches: a sequence's rows must start a whole number of pages apart (the
-    contract's layout and flash-attn's (B, Skv, Hkv, D) both do)."""
+    ``(num_pages, P, Hkv, D)`` with P the largest of DENSE_PAGE_SIZES that divides Skv (else Skv: a page a
+    sequence), a block table of each sequence's pages and every length Skv. None where the call is not
+    decode-shaped, or k and v are laid out apart, or no page size cuts the caches: a sequence's rows must start a
+    whole number of pages apart (the contract's layout and flash-attn's (B, Skv, Hkv, D) both do)."""
     batch, _, sq, head_dim = q.shape
     kv_heads, skv = k.shape[1], k.shape[2]
     step_b, step_h, step_s, _ = k.stride()
     if not decode_shaped(sq, skv, causal) or v.shape != k.shape or v.stride() != k.stride() or min(k.stride()) < 0:
         return None
-    fits = [p for p in DENSE_PAGE_SIZES if skv % p == 0 and step_s > 0 and (batch == 1 or step_b % (p * step_s) == 0)]
+    fits = [p for p in (*DENSE_PAGE_SIZES, skv)
+            if skv % p == 0 and step_s > 0 and (batch == 1 or step_b % (p * step_s) == 0)]
     if not fits:
         return None
     page = fits[0]

@@ -634,6 +634,22 @@ def test_a_dense_decode_step_compiles_as_page_loads_of_the_dense_cache(tile_n, s
     assert view.numel() >= 2**31 and not needs_int64(view) and needs_int64(torch.empty(2**31, device="meta"))
 
 
+def test_a_dense_decode_step_of_any_length_compiles_as_row_gathers_of_one_page():
+    """A length that no page size of 16-256 divides is one page a sequence: cuTile's page loads need pages of whole
+    tiles, so its decode space is the row gather, which compiles for such a page."""
+    from impls._serving import dense_as_paged
+    from impls.cutile.export import export_launch
+    from impls.cutile.serving import ROWS_FALLBACK, DecodeCall, decode_space_for
+
+    q = torch.empty(2, 8, 1, 128, dtype=torch.bfloat16)
+    k, v = (torch.empty(2, 2, 300, 128, dtype=torch.bfloat16) for _ in range(2))
+    inputs = dense_as_paged(q, k, v, causal=True)
+    assert inputs.page_size == 300 and decode_space_for(inputs) == [ROWS_FALLBACK]
+    call = DecodeCall(ROWS_FALLBACK, inputs, scale=0.125, sm_count=1)
+    for _, kernel, arguments in call.launches:
+        assert export_launch(kernel, arguments, arch="sm_90")[:4] == b"\x7fELF"
+
+
 def test_decode_combine_is_small_enough_for_many_blocks_per_sm(short_chunks):
     """The combine's occupancy hint reaches the compiler: few registers, little shared memory (session 10's
     combine, left to the compiler, took 255 registers and ran two blocks per SM)."""

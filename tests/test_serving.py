@@ -612,7 +612,7 @@ def dense_decode(batch=2, hq=8, hkv=2, sq=1, skv=256, layout="bhsd", dtype=torch
 
 
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
-@pytest.mark.parametrize(("sq", "skv", "page"), [(1, 256, 256), (4, 192, 64), (16, 48, 16)])
+@pytest.mark.parametrize(("sq", "skv", "page"), [(1, 256, 256), (4, 192, 64), (16, 48, 16), (1, 300, 300)])
 def test_a_dense_decode_step_is_seen_as_pages_of_the_same_memory(layout, sq, skv, page):
     """Each sequence's pages hold its own rows in order, for both layouts: the view gathers back to the dense
     cache exactly, and nothing was copied."""
@@ -631,9 +631,10 @@ def test_a_dense_decode_step_is_seen_as_pages_of_the_same_memory(layout, sq, skv
 @pytest.mark.parametrize(("shape", "causal", "change"), [
     ({"sq": 17, "skv": 256}, True, None),  # more new tokens than decode takes
     ({"sq": 4, "skv": 256}, False, None),  # several queries that see the whole cache: not a decode step
-    ({"sq": 1, "skv": 300}, True, None),  # no page size of 16 or more cuts 300 rows
     ({"sq": 1, "skv": 1}, True, None),  # no cache before the new token
     ({"sq": 1, "skv": 256}, True, lambda k, v: (k, v.transpose(2, 3).contiguous().transpose(2, 3))),  # apart
+    # the first 250 rows of a longer buffer: its sequences start 2 x 260 rows apart, no whole number of pages of 250
+    ({"sq": 1, "skv": 260}, True, lambda k, v: (k[:, :, :250], v[:, :, :250])),
 ])
 def test_dense_calls_that_are_not_decode_steps_are_not_seen_as_pages(shape, causal, change):
     from impls._serving import dense_as_paged
@@ -647,7 +648,8 @@ def test_dense_calls_that_are_not_decode_steps_are_not_seen_as_pages(shape, caus
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's run of the dense route: CPU")
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 @pytest.mark.parametrize(("sq", "skv", "causal", "variants"), [
-    (1, 256, False, {}), (4, 192, True, {}), (1, 512, True, {"window": (100, 0), "softcap": 30.0})])
+    (1, 256, False, {}), (4, 192, True, {}), (1, 512, True, {"window": (100, 0), "softcap": 30.0}),
+    (3, 130, True, {})])  # 130 rows: one page a sequence
 def test_triton_runs_a_dense_decode_step_as_split_kv_decode(layout, sq, skv, causal, variants, monkeypatch):
     """The dense ``triton`` entry hands a decode step to its split-KV decode (the config says so), whose output,
     in the dense layout, passes the float64 oracle; FMHA_DENSE_DECODE=0 keeps the dense kernel."""
