@@ -342,8 +342,9 @@ for part in "$@"; do
       # the steps our entries route (not the non-causal 4 x 192, a dense-kernel class: a cold cuTile tune of 30 s a
       # test, which stopped session 61's first try at its limit): primed, checked, then the sanitize grid's again
       # under memcheck with their shape classes tuned (session 61: 18 passed; memcheck 6 passed, 0 errors)
-      dd_edges=(-k "correctness and (s1x256 or (s4x192 and causal))" -q -p no:cacheprovider -rf --impl cutile
-                --impl triton)
+      # 1 x 130 and 1 x 300: one page a sequence (no page size of 16-256 divides them; not yet on a GPU in session 61)
+      dd_edges=(-k "correctness and (s1x256 or s1x130 or s1x300 or (s4x192 and causal))" -q -p no:cacheprovider -rf
+                --impl cutile --impl triton)
       step dd-prime 150 python3 -m pytest suite "${dd_edges[@]}" --grid gpu --grid sanitize -n 16 --dist load \
         --compile-candidates
       step dd-edges 150 python3 -m pytest suite "${dd_edges[@]}" --grid gpu --grid sanitize
