@@ -90,6 +90,10 @@ class Prepared:
     def __call__(self) -> torch.Tensor:
         return self.run()
 
+    def with_config(self, **config: Any) -> Prepared:
+        """The same call, reporting ``config`` beside its own."""
+        return Prepared(self.run, config={**self.config, **config})
+
 
 class PrepareFn(Protocol):
     def __call__(self, *inputs: Any, **options: Any) -> Prepared | Runner: ...

@@ -327,10 +327,10 @@ def dense_as_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     batch, _, sq, head_dim = q.shape
     kv_heads, skv = k.shape[1], k.shape[2]
     step_b, step_h, step_s, _ = k.stride()
-    if not decode_shaped(sq, skv, causal) or v.shape != k.shape or v.stride() != k.stride() or min(k.stride()) < 0:
+    if (not decode_shaped(sq, skv, causal) or v.shape != k.shape or v.stride() != k.stride() or step_s <= 0
+            or min(k.stride()) < 0):
         return None
-    fits = [p for p in (*DENSE_PAGE_SIZES, skv)
-            if skv % p == 0 and step_s > 0 and (batch == 1 or step_b % (p * step_s) == 0)]
+    fits = [p for p in (*DENSE_PAGE_SIZES, skv) if skv % p == 0 and (batch == 1 or step_b % (p * step_s) == 0)]
     if not fits:
         return None
     page = fits[0]
@@ -358,7 +358,7 @@ def decode_route(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     try:
         decode = get(name, "paged").prepare(paged, scale=scale, window=window, softcap=softcap)
     except Unsupported as exc:
-        return with_config(dense(), decode_route=f"split-KV decode refused: {exc}")
+        return dense().with_config(decode_route=f"split-KV decode refused: {exc}")
     routed = Prepared(lambda: decode.run().transpose(1, 2), config={
         "route": f"split-KV decode over the cache as pages of {paged.page_size}", **decode.config})
     if not timed_here(q):  # the interpreter: nothing to time
@@ -369,19 +369,14 @@ def decode_route(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
                                   lambda: {"route": fastest([("decode", routed), ("dense", dense_kernel())])},
                                   lambda: {"route": "decode"}, dense_kernel)
     if entry["route"] == "dense":
-        return with_config(dense_kernel(), route="dense kernel (faster than the split-KV decode here)",
-                           route_chosen=source)
-    return with_config(routed, route_chosen=source)
+        return dense_kernel().with_config(route="dense kernel (faster than the split-KV decode here)",
+                                          route_chosen=source)
+    return routed.with_config(route_chosen=source)
 
 
 def timed_here(q: torch.Tensor) -> bool:
     """Whether the route of a call on q's device can be timed (on a GPU)."""
     return q.is_cuda
-
-
-def with_config(prepared: Prepared, **config) -> Prepared:
-    """``prepared`` with ``config`` added to what it reports."""
-    return Prepared(prepared.run, config={**prepared.config, **config})
 
 
 def fp16_dots(inputs: PagedKV) -> bool:
