@@ -143,7 +143,8 @@
 #   dense-decode: (session 61) the decode preset through our dense entries, which hand decode steps to the split-KV
 #             decode (impls._serving.decode_route): its checks primed over 16 workers and tuned in one process, then
 #             timed (graph) beside DD_IMPLS (default "cutile triton sdpa sdpa-cudnn sdpa-flash sdpa-efficient naive") into
-#             $out/DD_NAME.json (default dense-decode). FMHA_DENSE_DECODE=0 times our dense kernels there instead.
+#             $out/DD_NAME.json (default dense-decode) within DD_BENCH_LIMIT s (280; flex compiles once a case).
+#             FMHA_DENSE_DECODE=0 times our dense kernels there instead.
 #   dense-decode-checks: the gpu and sanitize grids' decode steps through cuTile and Triton, then the sanitize grid's
 #             under compute-sanitizer memcheck
 # The side-by-side serving run with every implementation, in the three calls of the flash-attn-4 carry (caches
@@ -335,15 +336,16 @@ for part in "$@"; do
                --grid decode)
       step dd-prime 150 "${dd_ours[@]}" -n 16 --dist load --compile-candidates
       step dd-tune 150 "${dd_ours[@]}" --durations=10
-      step dd-bench 280 python3 -m pytest suite "${bench[@]}" --grid decode --timing graph "${dd_impls[@]/#/--impl=}" \
+      step dd-bench "${DD_BENCH_LIMIT:-280}" python3 -m pytest suite "${bench[@]}" --grid decode --timing graph "${dd_impls[@]/#/--impl=}" \
         --benchmark-json="$out/${DD_NAME:-dense-decode}.json"
       ;;
     dense-decode-checks)
       # the steps our entries route (not the non-causal 4 x 192, a dense-kernel class: a cold cuTile tune of 30 s a
       # test, which stopped session 61's first try at its limit): primed, checked, then the sanitize grid's again
       # under memcheck with their shape classes tuned (session 61: 18 passed; memcheck 6 passed, 0 errors)
-      # 1 x 130 and 1 x 300: one page a sequence (no page size of 16-256 divides them; not yet on a GPU in session 61)
-      dd_edges=(-k "correctness and (s1x256 or s1x130 or s1x300 or (s4x192 and causal))" -q -p no:cacheprovider -rf
+      # 1 x 130, 1 x 300 and 1 x 4097: one page a sequence (no page size of 16-256 divides them; not yet on a GPU in
+      # session 61)
+      dd_edges=(-k "correctness and (s1x256 or s1x130 or s1x300 or s1x4097 or (s4x192 and causal))" -q -p no:cacheprovider -rf
                 --impl cutile --impl triton)
       step dd-prime 150 python3 -m pytest suite "${dd_edges[@]}" --grid gpu --grid sanitize -n 16 --dist load \
         --compile-candidates
