@@ -2,7 +2,7 @@
 
 ``FMHA_CUTILE_BYTECODE=13.5`` offers cuda-tile's 13.5 writer to a ``tileiras`` 13.5, which allows 16 worker warps a
 block. CI has the ``tileiras`` cuda-tile 1.7 installs (13.4): there the request is refused with a message naming
-the compiler; with a 13.5 ``tileiras`` on PATH the 16-warp candidates compile without spilling.
+the compiler; with a 13.5 ``tileiras`` (``FMHA_TILEIRAS_HOME``) the 16-warp candidates compile without spilling.
 """
 
 import functools
@@ -39,6 +39,48 @@ def bytecode(monkeypatch):
     _compile._SUPPORTED_VERSIONS[:] = offered
     toolchain.enable.cache_clear()
     newest.cache_clear()
+
+
+@pytest.fixture
+def home(monkeypatch):
+    """Set FMHA_TILEIRAS_HOME for one test; cuda-tile's compiler search, PATH, CUDA_HOME and our caches are
+    restored after."""
+    monkeypatch.setattr(_compile, "_find_pip_tileiras", _compile._find_pip_tileiras)  # undone after the test
+    saved = {name: os.environ.get(name) for name in ("PATH", "CUDA_HOME")}
+    caches = (toolchain.use_home, toolchain.enable, toolchain.compiler, _compile._find_compiler_bin,
+              _compile._get_compiler_version_string, _compile._get_max_supported_bytecode_version)
+
+    def choose(root) -> None:
+        monkeypatch.setenv(toolchain.HOME_ENV, str(root))
+        for cache in caches:
+            cache.cache_clear()
+
+    yield choose
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    for cache in caches:
+        cache.cache_clear()
+
+
+def test_a_toolchain_home_runs_its_tileiras_before_pips(home, tmp_path):
+    # the way to a 13.5 tileiras where pip installed 13.4 (CI's): a root as stage_tileiras.sh packs one
+    tileiras = tmp_path / "bin" / "tileiras"
+    tileiras.parent.mkdir()
+    tileiras.write_text("#!/bin/sh\necho 'tileiras: Cuda compilation tools, release 13.9, V13.9.1'\n")
+    tileiras.chmod(0o755)
+    home(tmp_path)
+    assert toolchain.use_home() == str(tileiras)
+    assert toolchain.compiler() == f"tileiras 13.9.1 ({tileiras})"
+    assert os.environ["CUDA_HOME"] == str(tmp_path) and os.environ["PATH"].startswith(str(tileiras.parent))
+
+
+def test_a_toolchain_home_without_tileiras_is_a_reason(home, tmp_path):
+    home(tmp_path)
+    assert requires("cuda") == f"FMHA_TILEIRAS_HOME={tmp_path}: no bin/tileiras there (a toolchain root: bin/, " \
+                               "nvvm/lib64/)"
 
 
 def tileiras_release() -> tuple[int, int]:
@@ -125,7 +167,7 @@ def test_sixteen_warp_candidates_compile_without_spilling(bytecode, head_dim, ca
 
     bytecode("13.5")
     if tileiras_release() < (13, 5):
-        pytest.skip(f"needs tileiras 13.5 on PATH, found {toolchain.compiler()}")
+        pytest.skip(f"needs tileiras 13.5 (FMHA_TILEIRAS_HOME), found {toolchain.compiler()}")
     toolchain.enable()  # the kernel objects are made once per process, the first time with this call in them
     space = sixteen_warp_space(head_dim, causal)
     assert space

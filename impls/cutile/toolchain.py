@@ -5,6 +5,11 @@ reads 13.5, and only with it may a block have 16 worker warps (four consumer war
 ``FMHA_CUTILE_BYTECODE=13.5`` opts in: 13.5 joins the versions cuda-tile offers (it writes the newest one the
 ``tileiras`` it finds reads) and the Hopper search space gains its 16-warp candidates. Unset, nothing changes.
 
+cuda-tile runs the ``tileiras`` pip installed (``nvidia-cuda-tileiras``, 13.4 with ``cuda-tile[tileiras]``) before any
+on PATH. ``FMHA_TILEIRAS_HOME`` names a toolchain root of another release (``bin/tileiras``, ``bin/ptxas``,
+``nvvm/lib64``, as ``scripts/stage_tileiras.sh`` packs 13.5) to run instead, so that a machine whose environment
+has 13.4 compiles, exports and reads the SASS of the 16-warp candidates without a GPU.
+
 cuda-tile keeps these choices in private names (``cuda.tile._compile``); they are read and set here only.
 """
 
@@ -13,8 +18,10 @@ from __future__ import annotations
 import functools
 import os
 import re
+from pathlib import Path
 
 BYTECODE_ENV = "FMHA_CUTILE_BYTECODE"
+HOME_ENV = "FMHA_TILEIRAS_HOME"
 SIXTEEN_WARPS = "13.5"  # the first bytecode (and tileiras) with 16 worker warps a block
 # The first whose compile of a persistent block's ``while`` loop over work items from an atomic counter (the
 # kernel's DYNAMIC form) is right under compute-sanitizer memcheck. Session 43, H200, causal bf16 D=64 (Sq 333 x Skv
@@ -31,10 +38,33 @@ def requested() -> str | None:
 
 
 @functools.cache
+def use_home() -> str | None:
+    """Have cuda-tile run the toolchain ``FMHA_TILEIRAS_HOME`` names (its ``bin/`` first on PATH, CUDA_HOME there,
+    pip's ``tileiras`` passed over); its ``tileiras``, or None where the variable is unset. A root without
+    ``bin/tileiras`` is an error naming it."""
+    home = os.environ.get(HOME_ENV)
+    if not home:
+        return None
+    tileiras = Path(home, "bin", "tileiras")
+    if not tileiras.is_file():
+        raise FileNotFoundError(f"{HOME_ENV}={home}: no bin/tileiras there (a toolchain root: bin/, nvvm/lib64/)")
+    from cuda.tile import _compile
+
+    _compile._find_pip_tileiras = lambda: None  # cuda-tile then searches PATH, then CUDA_HOME
+    for found in (_compile._find_compiler_bin, _compile._get_compiler_version_string):
+        found.cache_clear()  # what it found before, if it looked
+    os.environ["PATH"] = os.pathsep.join([str(tileiras.parent), os.environ.get("PATH", "")])
+    os.environ["CUDA_HOME"] = home
+    return str(tileiras)
+
+
+@functools.cache
 def enable() -> str | None:
     """Offer the requested bytecode version to cuda-tile (before its first compile, which caches the newest
     version ``tileiras`` reads); the version, or None when none is requested. An unknown version, or a
-    ``tileiras`` that cannot read it, is an error that names both."""
+    ``tileiras`` that cannot read it, is an error that names both. The toolchain of ``FMHA_TILEIRAS_HOME``, where
+    set, is taken first (``use_home``)."""
+    use_home()
     wanted = requested()
     if wanted is None:
         return None
@@ -64,6 +94,7 @@ def newest_readable() -> str:
 @functools.cache
 def compiler() -> str:
     """The ``tileiras`` cuda-tile runs and its release, e.g. ``tileiras 13.5.37 (/tmp/ctk/bin/tileiras)``."""
+    use_home()
     from cuda.tile import _compile
 
     path = _compile._find_compiler_bin().path
