@@ -996,3 +996,16 @@ def test_sass_diff_reports_what_moved_between_two_trees():
                            "--match", one], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines() == [f"{one}: same reg/stack/shared"], proc.stdout
+
+
+def test_a_persistent_grid_counts_clusters_as_blocks(monkeypatch):
+    # a block of num_ctas=2 is a cluster on two SMs: 132 SMs hold 66 of them at once, not 132 (a second wave of
+    # persistent blocks would run their whole share after the first)
+    import impls.cutile
+
+    monkeypatch.setattr(impls.cutile, "_sm_count", lambda *args, **kwargs: 132)
+    q = torch.empty((4, 32, 4096, 128))
+    assert HOPPER_STREAMING.grid(q) == (132, 1, 1)
+    assert replace(HOPPER_STREAMING, num_ctas=2).grid(q) == (66, 1, 1)
+    assert replace(HOPPER_STREAMING, occupancy=2, num_ctas=2).grid(q) == (132, 1, 1)
+    assert replace(HOPPER_STREAMING, num_ctas=2).resident_blocks(1) == 1  # never none

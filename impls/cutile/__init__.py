@@ -248,10 +248,15 @@ class Variant:
         return (torch.tensor(starts, dtype=torch.int32, device=q.device),
                 torch.tensor(plan.items, dtype=torch.int32, device=q.device))
 
+    def resident_blocks(self, sm_count: int) -> int:
+        """How many blocks of this variant the GPU holds at once: ``occupancy`` a SM, a block being a cluster of
+        ``num_ctas`` CTAs (on as many SMs) where the hint asks for one."""
+        return max(sm_count * (self.occupancy or 1) // (self.num_ctas or 1), 1)
+
     def grid(self, q) -> tuple[int, int, int]:
         tiles = math.ceil(q.shape[2] / self.tile_m)
         if self.persistent:  # as many blocks as fit on the GPU at once, each looping over the work
-            slots = _sm_count(q.device.index) * (self.occupancy or 1)
+            slots = self.resident_blocks(_sm_count(q.device.index))
             return (min(slots, tiles * q.shape[0] * q.shape[1]), 1, 1)
         return (tiles, *heads_by_batch(q.shape[1], q.shape[0]))
 

@@ -333,7 +333,7 @@ class VarlenCall(Launches):
         self.store = store or varlen_output_store()
         self.plan = None
         if variant.persistent:
-            slots = (sm_count or _sm_count(inputs.q.device.index)) * (variant.occupancy or 1)
+            slots = variant.resident_blocks(sm_count or _sm_count(inputs.q.device.index))
             self.plan = varlen_work_plan(inputs.seqlens_q(), inputs.seqlens_k(), heads, variant.tile_m,
                                          variant.tile_n, inputs.causal, slots, bounds)
             grid = (self.plan.blocks, 1, 1)
