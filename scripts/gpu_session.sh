@@ -82,7 +82,9 @@
 #             behind the 256x64 on GPT-2 1 x 32K and fa3's D=64 rows, causal or not, though the compiler overlaps its
 #             loop by itself); deferred-paired, the persistent paired 128x128 peeled with the deferral at L2,4 beside
 #             the space's peeled forms on blog 2K / 4K and the 4 x 4K GQA cases (session 53: 2-6% behind one block a
-#             peeled tile with the deferral, which led all four)
+#             peeled tile with the deferral, which led all four); clusters (not in the default list), 256x128 blocks
+#             of two CTAs with K/V multicast on fa3's D=128 non-causal and blog's causal 2K / 4K (session 62: 7-10%
+#             behind the space)
 #   narrow-window: the persistent 128x256 with a window's far edge peeled beside the space's peeled forms on
 #             Mistral-7B's windowed 1 x 32K (session 47: paired 561 settled TFLOPS against 552, fixed share 525)
 #   window:   the windowed cuTile candidates on the edge cases, then settled times on Mistral / Gemma-2 local 1 x 32K
@@ -609,6 +611,9 @@ for part in "$@"; do
             probe "$group-full" "fp16-full-h32:32-s16384x16384-d64 fp16-full-h32:32-s4096x4096-d64-b4" --match '256x64*' \
               --add tile_n=64 --add tile_n=64,k_latency=3,v_latency=6 --add tile_n=64,persistent=1,k_latency=3,v_latency=6 \
               --add tile_n=64,persistent=1 ;;
+          clusters) probe "$group" "fp16-full-h16:16-s4096x4096-d128-b4 fp16-full-h16:16-s16384x16384-d128
+              fp16-causal-h32:32-s2048x2048-d128-b4 fp16-causal-h32:32-s4096x4096-d128-b4" --match '128x128*persistent*' \
+              --match '*peeled*' --add tile_m=256,num_ctas=2 --add tile_m=256,num_ctas=2,k_latency=3,v_latency=6 ;;
           mla) probe "$group" "deepseek-v3-mla-tp8-bf16-causal-h16:16-s4096x4096-d192-dv128-b4
               deepseek-v3-mla-tp8-bf16-causal-h16:16-s32768x32768-d192-dv128" --match '128x128*' \
               --add tile_n=64 --add tile_n=64,peel_diagonal=1 --add tile_n=64,peel_diagonal=1,k_latency=3,v_latency=6 \
