@@ -103,6 +103,9 @@
 #             pick, alternating (PLANS_MODE=plans-wide: over more tiles; PLANS_MODE=deep: the fastest of the
 #             tuner's space beside the fastest K/V double-buffered config; PLANS_ARGS: more probe options, such as
 #             "--deep-tile 128,4,7"; carry .gpu-fi; no cuTile)
+#   profile:  Nsight Compute (clocks not locked) of one call each of the tuner's picks beside the peers PROFILE_PEERS
+#             (default "flash-attn4 sdpa-cudnn"; flash-attn-4 where an earlier call of the machine unpacked it) on fa3
+#             D=64 and D=128 full 4K and blog causal 2K (scripts/sweep.py --profile); details as CSV in $out/profile.tgz
 #   clocks:   scripts/clock_probe.py: per-round times and SM clocks over 2 s of sustained work after a rest
 #   settle:   the equal-length varlen batch and its dense twin, cutile / sdpa-cudnn / triton, graph timing, twice
 #             with --settle-ms 0 and twice with the default (benchmarks timed at sustained clocks)
@@ -718,6 +721,24 @@ for part in "$@"; do
         --case llama3-70b-tp8-paged-bf16-h8:1-q1-kv8192-uniform-p16-d128-b256 \
         --case llama3-8b-paged-bf16-h32:8-q1-kv512-uniform-p16-d128-b256 \
         --case llama3-8b-paged-bf16-h32:8-q1-kv2048-uniform-p16-d128-b256
+      ;;
+    profile)
+      read -r -a peers <<< "${PROFILE_PEERS:-flash-attn4 sdpa-cudnn}"
+      sections=(SpeedOfLight ComputeWorkloadAnalysis WarpStateStats InstructionStats MemoryWorkloadAnalysis LaunchStats
+                Occupancy SchedulerStats)
+      mkdir -p /tmp/profile
+      ncu_case() {  # ncu_case NAME SWEEP_ARGS...: one profiled call of each matched candidate, its details as CSV
+        local name=$1; shift
+        step "profile-$name" 120 ncu --clock-control none --nvtx --nvtx-include "profile/" "${sections[@]/#/--section=}" \
+          -f -o "/tmp/profile/$name" python3 scripts/sweep.py --profile --which sdpa cutile --tuner-space \
+          "${peers[@]/#/--match=}" "$@"
+        ncu --import "/tmp/profile/$name.ncu-rep" --csv --page details > "$out/profile-$name.csv"
+      }
+      ncu_case d64full --d 64 --seqlens 4096 --causal full --match 'cutile:256x64*L2,4:g-auto'
+      ncu_case d128full --d 128 --seqlens 4096 --causal full --match 'cutile:128x128*L3,6:persistent:g-auto'
+      ncu_case causal2k --d 128 --seqlens 2048 --causal causal \
+        --match 'cutile:128x128*L3,6:persistent:planned:peeled*'
+      tar -czf "$out/profile.tgz" -C "$out" $(cd "$out" && ls profile-*) && rm -f "$out"/profile-*
       ;;
     clocks)
       for impl in ${CLOCK_IMPLS:-cutile sdpa-cudnn triton}; do  # a process each (one segfaulted after cutile)
