@@ -37,11 +37,10 @@ def compile_cubin(arch: int, *, dtype: str = "fp16", head_dim: int = 128, causal
 
 def compile_decode(arch: int, *, block_n: int, num_warps: int, num_stages: int, dtype: str = "bf16",
                    head_dim: int = 128, group: int = 4, page_size: int = 16, mask_free: bool = True,
-                   kv_fp8: bool = False, v_words: bool = True, pdl: bool = False, kv_slices: int = 1):
+                   kv_fp8: bool = False, v_words: bool = True, pdl: bool = False):
     """The paged decode's split kernel (decode.py) as the decode tuner launches it for a split step (one new
     token per sequence, GROUP query heads per kv head); ``kv_fp8``: over an fp8 (e4m3) cache, whose values are
-    read as words (V_WORDS) unless ``v_words`` is off; ``pdl``: for programmatic dependent launch (USE_PDL);
-    ``kv_slices``: each key tile in that many slices, a warp each (KV_SLICES)."""
+    read as words (V_WORDS) unless ``v_words`` is off; ``pdl``: for programmatic dependent launch (USE_PDL)."""
     import triton
 
     from impls.triton_fa.decode import paged_decode_split
@@ -51,8 +50,7 @@ def compile_decode(arch: int, *, block_n: int, num_warps: int, num_stages: int, 
                  "BLOCK_N": block_n, "DOT_FP32": False, "SPLIT": True,
                  "MASK_FREE": mask_free, "HAS_WINDOW": False, "SOFTCAP": 0.0,  # every constexpr, defaults too
                  "KV_FP8": kv_fp8, "F16_DOT": kv_fp8 and dtype == "bf16",  # impls._serving.fp16_dots
-                 "V_WORDS": kv_fp8 and v_words, "USE_PDL": pdl,  # word_values, for a word-aligned cache
-                 "KV_SLICES": kv_slices}
+                 "V_WORDS": kv_fp8 and v_words, "USE_PDL": pdl}  # word_values, for a word-aligned cache
     pointers = {**dict.fromkeys(("Q", "Out"), dtype), **dict.fromkeys(("K_cache", "V_cache"), "fp8e4nv" if kv_fp8
                                                                         else dtype), "block_table": "i32",
                 "cache_seqlens": "i32", "O_part": "fp32", "LSE_part": "fp32"}

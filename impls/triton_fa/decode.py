@@ -35,13 +35,7 @@ So the kernel is built around reading the cache once, from enough programs to ke
    shared-memory load of bytes, so Triton gathered an fp8 V tile byte by byte (256 ``LDS.U8`` a thread for 128
    keys, and spills). Widened first, the tile takes the transposing 16-bit load a bf16 cache does.
 
-7. KV_SLICES (an experiment, not in the tuner's space): each key tile as KV_SLICES runs of contiguous keys, one a
-   warp, each with its own softmax state, merged once at the chunk's end, as FlashInfer's decode splits a tile's
-   keys among its warps. A (rows x keys) tile of 16 rows puts Triton's warps side by side along the keys, so every
-   tile's row max, row sum and P's layout for P V cross the warps through shared memory, with a barrier each; as a
-   batch of KV_SLICES tiles (a batched dot) each warp holds its own slice and none of that crosses warps.
-
-8. Programmatic dependent launch (USE_PDL, Hopper and later): both kernels are launched so that the next kernel
+7. Programmatic dependent launch (USE_PDL, Hopper and later): both kernels are launched so that the next kernel
    in the stream may start before this one ends. Each waits (``gdc_wait``) before its first load -- the combine
    for the split kernel's partials, the split kernel for whatever wrote Q, the table and the cache -- and lets
    its dependents launch (``gdc_launch_dependents``) once it runs. What overlaps is the next kernel's launch and
@@ -124,59 +118,18 @@ def interleave_columns(c0, c1, c2, c3):
 
 
 @triton.jit
-def _tile_positions(tile_start, BLOCK_N: tl.constexpr, KV_SLICES: tl.constexpr):
-    """A key tile's cache positions: (BLOCK_N,), or with KV_SLICES > 1 (KV_SLICES, BLOCK_N // KV_SLICES), slice s
-    the s-th run of contiguous positions."""
-    if KV_SLICES > 1:  # (one return: Triton checks that every return has the same type, taken or not)
-        width: tl.constexpr = BLOCK_N // KV_SLICES
-        pos = tile_start + tl.arange(0, KV_SLICES)[:, None] * width + tl.arange(0, width)[None, :]
-    else:
-        pos = tile_start + tl.arange(0, BLOCK_N)
-    return pos
-
-
-@triton.jit
-def _as_columns(keys, KV_SLICES: tl.constexpr):
-    """Per-position values (``_tile_positions``' shape) along the key axis of a K or score tile: (1, N) or
-    (S, 1, N)."""
-    out = keys[:, None, :] if KV_SLICES > 1 else keys[None, :]
-    return out
-
-
-@triton.jit
-def _as_rows(keys, KV_SLICES: tl.constexpr):
-    """Per-position values along the key axis of a V tile: (N, 1) or (S, N, 1)."""
-    out = keys[:, :, None] if KV_SLICES > 1 else keys[:, None]
-    return out
-
-
-@triton.jit
-def _across(x, KV_SLICES: tl.constexpr):
-    """A vector along a tile's rows (a K tile's head dim, a score tile's query rows): (R, 1), or (1, R, 1)."""
-    out = x[None, :, None] if KV_SLICES > 1 else x[:, None]
-    return out
-
-
-@triton.jit
-def _along(x, KV_SLICES: tl.constexpr):
-    """A vector along a V tile's columns (its head dim): (1, C), or (1, 1, C)."""
-    out = x[None, None, :] if KV_SLICES > 1 else x[None, :]
-    return out
-
-
-@triton.jit
 def _decode_tiles(
     q, acc, l_i, m_i, K_cache, V_cache, table_row, kv_head, lo, hi, end, last_visible, window_left, qk_scale,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-    KV_FP8: tl.constexpr, V_WORDS: tl.constexpr, KV_SLICES: tl.constexpr = 1,
+    KV_FP8: tl.constexpr, V_WORDS: tl.constexpr,
 ):
     """Online softmax of the tile's rows over cache positions [lo, hi), BLOCK_N at a time. MASKED: positions
     at or past ``end`` read zeros and are left out, and so are those past a row's ``last_visible`` (or, with a
-    window, more than ``window_left`` before it); otherwise every row sees every position (no mask at all).
-    KV_SLICES > 1: ``q`` and the state carry a leading axis of slices (``paged_decode_split``)."""
+    window, more than ``window_left`` before it); otherwise every row sees every position (no mask at all)."""
     tl.static_assert(not V_WORDS or q.dtype == tl.float16, "V_WORDS widens the values to fp16: fp16 dots only")
+    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     in_dims = offs_d < HEAD_DIM  # a head dim below the tile's reads zeros past its end
     if V_WORDS:  # V's columns as 32-bit words of four (the launch checks that the strides hold whole words)
@@ -188,31 +141,26 @@ def _decode_tiles(
         offs_v = offs_d
         in_v_dims = in_dims
     for tile_start in range(lo, hi, BLOCK_N):
-        pos = _tile_positions(tile_start, BLOCK_N, KV_SLICES)
+        pos = tile_start + offs_n
         in_seq = pos < end
         if MASKED:
             page = tl.load(table_row + pos // PAGE_SIZE, mask=in_seq, other=0).to(tl.int64)
         else:
             page = tl.load(table_row + pos // PAGE_SIZE).to(tl.int64)
         slot = pos % PAGE_SIZE
-        k_ptrs = (K_cache + _as_columns(page * stride_kp + slot * stride_ks, KV_SLICES) + kv_head * stride_kh
-                  + _across(offs_d, KV_SLICES))
-        v_ptrs = (V_cache + _as_rows(page * stride_vp + slot * stride_vs, KV_SLICES) + kv_head * stride_vh
-                  + _along(offs_v, KV_SLICES))
-        k = _load(k_ptrs, _as_columns(in_seq, KV_SLICES), _across(in_dims, KV_SLICES), MASKED, BLOCK_D != HEAD_DIM)
+        k_ptrs = K_cache + page[None, :] * stride_kp + slot[None, :] * stride_ks + kv_head * stride_kh + offs_d[:, None]
+        v_ptrs = V_cache + page[:, None] * stride_vp + slot[:, None] * stride_vs + kv_head * stride_vh + offs_v[None, :]
+        k = _load(k_ptrs, in_seq[None, :], in_dims[:, None], MASKED, BLOCK_D != HEAD_DIM)
         if DOT_FP32 or KV_FP8:  # the interpreter computes half-precision dots wrongly; fp8 widens to q's dtype
             k = k.to(q.dtype)
         qk = scaled_scores(tl.dot(q, k, input_precision="ieee" if DOT_FP32 else None), qk_scale, SOFTCAP)
         if MASKED:
-            seen = _as_columns(pos, KV_SLICES)
-            newest = _across(last_visible, KV_SLICES)
-            visible = _as_columns(in_seq, KV_SLICES) & (seen <= newest)
+            visible = in_seq[None, :] & (pos[None, :] <= last_visible[:, None])
             if HAS_WINDOW:
-                visible = visible & (seen >= newest - window_left)
+                visible = visible & (pos[None, :] >= last_visible[:, None] - window_left)
             qk = tl.where(visible, qk, float("-inf"))
-        acc, l_i, m_i = online_softmax_step(qk, acc, l_i, m_i, v_ptrs, _as_rows(in_seq, KV_SLICES),
-                                            _along(in_v_dims, KV_SLICES), MASKED, BLOCK_D != HEAD_DIM, DOT_FP32,
-                                            q.dtype if KV_FP8 else None, V_WORDS)
+        acc, l_i, m_i = online_softmax_step(qk, acc, l_i, m_i, v_ptrs, in_seq, in_v_dims, MASKED,
+                                            BLOCK_D != HEAD_DIM, DOT_FP32, q.dtype if KV_FP8 else None, V_WORDS)
     return acc, l_i, m_i
 
 
@@ -220,34 +168,25 @@ def _decode_tiles(
 def online_softmax_step(qk, acc, l_i, m_i, v_ptrs, in_seq, in_dims, MASKED: tl.constexpr, PADDED: tl.constexpr,
                         DOT_FP32: tl.constexpr, WIDEN_TO: tl.constexpr = None, V_WORDS: tl.constexpr = False):
     """One key tile of the online softmax: the running max, sum and output rescaled to the tile's scores ``qk``
-    (log2 units, hidden keys -inf; the last axis is the keys') and its values (``_load``'s masks, shaped as the
-    value tile) added in. ``WIDEN_TO``: the dtype an fp8 value tile is widened to before its dot; ``V_WORDS``: the
-    values come as words of four e4m3, widened to fp16."""
-    m_new = tl.maximum(m_i, tl.max(qk, -1))
+    (log2 units, hidden keys -inf) and its values (``_load``'s masks) added in. ``WIDEN_TO``: the dtype an fp8
+    value tile is widened to before its dot; ``V_WORDS``: the values come as words of four e4m3, widened to
+    fp16."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
     # MASKED: a row that has seen no key yet has m == -inf: subtract 0 instead of NaN-ing
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new) if MASKED else m_new
-    p = tl.math.exp2(qk - tl.expand_dims(m_ref, -1))
+    p = tl.math.exp2(qk - m_ref[:, None])
     alpha = tl.math.exp2(m_i - m_ref)
-    l_i = l_i * alpha + tl.sum(p, -1)
-    v = _load(v_ptrs, in_seq, in_dims, MASKED, PADDED)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = _load(v_ptrs, in_seq[:, None], in_dims[None, :], MASKED, PADDED)
     if V_WORDS:
         v = _e4m3_words_as_f16(v)
     elif WIDEN_TO is not None:
         v = v.to(WIDEN_TO)
     if DOT_FP32:
-        acc = tl.dot(p, v.to(tl.float32), acc * tl.expand_dims(alpha, -1), input_precision="ieee")
+        acc = tl.dot(p, v.to(tl.float32), acc * alpha[:, None], input_precision="ieee")
     else:
-        acc = tl.dot(p.to(v.dtype), v, acc * tl.expand_dims(alpha, -1))
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
     return acc, l_i, m_new
-
-
-@triton.jit
-def _merged_slices(acc, l_i, m_i):
-    """The state of KV_SLICES slices of the same rows (leading axis) as one: each slice's sum and output weighted by
-    2^(its max - the rows' max). A row that no slice saw stays at m = -inf, l = 0."""
-    m = tl.max(m_i, 0)
-    weight = tl.math.exp2(m_i - tl.where(m == float("-inf"), 0.0, m)[None, :])
-    return tl.sum(acc * weight[:, :, None], 0), tl.sum(l_i * weight, 0), m
 
 
 @triton.jit
@@ -264,7 +203,7 @@ def paged_decode_split(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, SPLIT: tl.constexpr,
     MASK_FREE: tl.constexpr = True, HAS_WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = 0.0,
     KV_FP8: tl.constexpr = False, F16_DOT: tl.constexpr = False, V_WORDS: tl.constexpr = False,
-    USE_PDL: tl.constexpr = False, KV_SLICES: tl.constexpr = 1,
+    USE_PDL: tl.constexpr = False,
 ):
     """Program (split, kv head, sequence): attention of the GROUP x SQ query rows over one chunk of the cache.
     SPLIT: its normalised output and log-sum-exp go to O_part and LSE_part for the combine; otherwise (one
@@ -300,17 +239,9 @@ def paged_decode_split(
         q = q.to(tl.float32)
     last_visible = seq_len - SQ + token  # causal, bottom-right within the sequence
 
-    if KV_SLICES > 1:  # the same rows once a slice: a batch of tiles, a warp each
-        tl.static_assert(not KV_FP8, "KV_SLICES over an fp8 cache: not measured")
-        tl.static_assert(BLOCK_N // KV_SLICES >= 16, "a slice of a key tile needs 16 keys or more (tl.dot)")
-        q = tl.broadcast_to(q[None, :, :], (KV_SLICES, BLOCK_M, BLOCK_D))
-        m_i = tl.full([KV_SLICES, BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([KV_SLICES, BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([KV_SLICES, BLOCK_M, BLOCK_D], dtype=tl.float32)
-    else:
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     table_row = block_table + batch * stride_bt
     # A window's near edge: positions before the last new token's window (seq_len - 1 - window_left) are hidden
     # from some rows, so the chunk's tiles up to there are masked.
@@ -321,7 +252,7 @@ def paged_decode_split(
         acc, l_i, m_i = _decode_tiles(
             q, acc, l_i, m_i, K_cache, V_cache, table_row, kv_head, start, free_from, end, last_visible, window_left,
             qk_scale, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-            PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_FP32, True, HAS_WINDOW, SOFTCAP, KV_FP8, V_WORDS, KV_SLICES)
+            PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_FP32, True, HAS_WINDOW, SOFTCAP, KV_FP8, V_WORDS)
     # Whole tiles of positions that every new token sees (up to seq_len - SQ) run without a mask; only the
     # chunk's last tile (ragged, or holding the newest SQ - 1 positions) is masked.
     mask_from = free_from
@@ -330,14 +261,12 @@ def paged_decode_split(
         acc, l_i, m_i = _decode_tiles(
             q, acc, l_i, m_i, K_cache, V_cache, table_row, kv_head, free_from, mask_from, end, last_visible,
             window_left, qk_scale, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-            PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_FP32, False, HAS_WINDOW, SOFTCAP, KV_FP8, V_WORDS, KV_SLICES)
+            PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_FP32, False, HAS_WINDOW, SOFTCAP, KV_FP8, V_WORDS)
     acc, l_i, m_i = _decode_tiles(
         q, acc, l_i, m_i, K_cache, V_cache, table_row, kv_head, mask_from, end, end, last_visible, window_left,
         qk_scale, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-        PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_FP32, True, HAS_WINDOW, SOFTCAP, KV_FP8, V_WORDS, KV_SLICES)
+        PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_FP32, True, HAS_WINDOW, SOFTCAP, KV_FP8, V_WORDS)
 
-    if KV_SLICES > 1:
-        acc, l_i, m_i = _merged_slices(acc, l_i, m_i)
     # The chunk's normalised output and its log-sum-exp in log2 units (-inf where a row saw no key here).
     if KV_FP8:  # the values' scale, once per chunk (the combine is linear in the partial outputs)
         acc = acc * v_scale
