@@ -381,6 +381,14 @@ def _describe(cfg) -> dict:
 # cases (at most +0.5%: 70B 16 x 32K with 4 new tokens) and 4-5% behind it at 8B 64 x 8K and 256 x 8K. None joins.
 # Session 34: a persistent stream-K form (scripts/streamk_probe.py: contiguous tile ranges in one flattened loop)
 # ran 5-8% slower than this space's fastest on four cases; its per-tile bookkeeping costs more than the tail it removes.
+# Session 63, measured and dropped (commit e8ae5df has it): each key tile as KV_SLICES runs of contiguous keys, a warp
+# each with its own softmax state, merged at the chunk's end, as FlashInfer's decode splits a tile among its warps. A
+# 16-row tile puts Triton's four warps side by side along the keys (mma warpsPerCTA [1, 4]), so each tile's row max,
+# row sum and P's layout cross warps; as a batched dot (warpsPerCTA [4, 1, 1]) none of that does, but every warp then
+# holds a whole 16 x 128 accumulator and q: 190-255 registers (the 128-key tiles spill) against 72-108, half the
+# blocks per SM. H200, the tuner's pick against its tile and 64/128-key tiles with 1, 2 and 4 slices, alternating,
+# median of 5: the best sliced config 0.91 of the pick at 8B 256 x 8K, 0.989 at the 70B slice's 256 x 8K, 0.998 at 8B
+# 64 x 8K (unsplit, against the pick's two chunks), 0.89 at 8B 64 x 32K.
 DECODE_TILES = ((128, 4, 3), (128, 4, 2), (64, 4, 3), (64, 4, 2), (64, 8, 2), (32, 4, 2), (128, 4, 5))
 DECODE_PLANS = [{"PLAN_PROGRAMS": programs, "PLAN_FIT": fit, "PLAN_MIN_TILES": min_tiles}
                 for min_tiles in PLAN_MIN_TILES
