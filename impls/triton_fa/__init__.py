@@ -391,8 +391,8 @@ def _describe(cfg) -> dict:
 # 64 x 8K (unsplit, against the pick's two chunks), 0.89 at 8B 64 x 32K. Also session 63: the grid's order. The split
 # kernel's grid runs (splits, kv heads, sequences), so the blocks running at once read every kv head of a few
 # sequences (the whole of each page); with sequences on the faster axis instead (each block reads one kv head's rows
-# of neighbouring sequences' pages), the tuner's pick and two other tiles, alternating, median of 7, read 0.977 of
-# the pick's time at 8B 256 x 8K, 0.987 at 256 x 2K, 0.991 at 64 x 32K, 1.000 at 64 x 8K (the 70B slice has one kv
+# of neighbouring sequences' pages), the tuner's pick and two other tiles, alternating, median of 7, ran at 0.977 of
+# the pick's speed at 8B 256 x 8K, 0.987 at 256 x 2K, 0.991 at 64 x 32K, 1.000 at 64 x 8K (the 70B slice has one kv
 # head: the same order either way, 1.000-1.001). Kept as it was.
 DECODE_TILES = ((128, 4, 3), (128, 4, 2), (64, 4, 3), (64, 4, 2), (64, 8, 2), (32, 4, 2), (128, 4, 5))
 DECODE_PLANS = [{"PLAN_PROGRAMS": programs, "PLAN_FIT": fit, "PLAN_MIN_TILES": min_tiles}
