@@ -70,6 +70,8 @@
 #   narrow:   the persistent 128x256 with the diagonal peeled at 128 keys beside its loop form (NARROW_CASES: case
 #             ids), settled time, outputs checked first; narrow-check: those candidates' edge cases, also under
 #             memcheck
+#   noncausal: issue 15's fa3 non-causal shapes: the space's candidates beside forms it leaves out (tuner_probe.py
+#             --add, settled time, outputs checked first) at the head dims NONCAUSAL_DIMS (default "64 128")
 #   extras:   candidates outside the space (tuner_probe.py --add, outputs checked first) beside the space's usual picks,
 #             settled time, in groups (EXTRAS: default "full-wide d256 d256-wide d64 mla"): full-wide, the
 #             persistent 128x256 on non-causal D=128; d256, Gemma-2 global's 128x32, 128x128 and 16-warp 128x64;
@@ -157,6 +159,8 @@
 #   serve-prime: (call 1) serving correctness of the implementations without a carried package, 16 workers (8 under
 #             100 GB) that share the GPU, so that our tuners run their fixed configs (impls/_tuning.py): fills the
 #             compile caches; then ours again in one process, tuning on an idle GPU into the tuning cache
+#   serve-tune: our kernels' checks of SERVE_GRIDS alone, tuning into the cache (a chain's first call, without
+#             serve-prime's compile of every candidate)
 #   serve-flashinfer: (call 2) FlashInfer's serving correctness within FI_CORRECT_LIMIT s (330): its JIT compiles the
 #             kernels (minutes), or, with .gpu-fi-aot carried (fi-aot), loads them ahead of time (10 s on an H100, session
 #             29). Without .gpu-fi-aot the models-serving modules took longer than that on an H200 (session 51: 9 of 18
