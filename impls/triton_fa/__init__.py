@@ -394,7 +394,19 @@ def _describe(cfg) -> dict:
 # of neighbouring sequences' pages), the tuner's pick and two other tiles, alternating, median of 7, ran at 0.977 of
 # the pick's speed at 8B 256 x 8K, 0.987 at 256 x 2K, 0.991 at 64 x 32K, 1.000 at 64 x 8K (the 70B slice has one kv
 # head: the same order either way, 1.000-1.001). Kept as it was.
-DECODE_TILES = ((128, 4, 3), (128, 4, 2), (64, 4, 3), (64, 4, 2), (64, 8, 2), (32, 4, 2), (128, 4, 5))
+# Session 63: tiles of 2 warps (never in a space before: TRITON_WIDE had 4 and 8). With 16 rows a 2-warp program
+# shares each tile's row max and sum between two warps instead of four, and more programs fit an SM. H200, each
+# beside the tuner's pick (its plan), alternating, median of 7, speed over the pick's: 64 keys at 3 stages 1.015 at
+# 8B 64 x 8K (unsplit, against the pick's two chunks of 32-key tiles) and 1.018 at the 70B slice's 16 x 32K (3844
+# GB/s); 32 keys at 2 stages 1.006 at 8B 256 x 8K and 1.011 at 256 x 2K. They lost 3-12% at 8B 64 x 32K, the 70B
+# slice's 256 x 8K and 64 x 32K, and 8B 16 x 512, where the pick stays. Both join. With them in the space (a cold
+# tune on another H200, then Triton and FlashInfer in one suite run, graph timing) the tuner took a 2-warp tile on 11
+# of 24 serving cases: the 8B's seven uniform steps from 64 sequences with pages of 16, its 16 x 32K, and the 70B
+# slice's 16 x 32K with one and with four new tokens. Triton alone was at or above FlashInfer on 17 of the 20 cases
+# with 64 or more sequences, among them the 8B's 64 x 8K (1.001), 64 x 32K (1.002), 256 x 2K (1.018) and 256 x 8K
+# (1.005), where ours trailed it by 0.3-2.0% in that day's full run without them.
+DECODE_TILES = ((128, 4, 3), (128, 4, 2), (64, 4, 3), (64, 4, 2), (64, 8, 2), (32, 4, 2), (128, 4, 5), (64, 2, 3),
+                (32, 2, 2))
 DECODE_PLANS = [{"PLAN_PROGRAMS": programs, "PLAN_FIT": fit, "PLAN_MIN_TILES": min_tiles}
                 for min_tiles in PLAN_MIN_TILES
                 for programs, fit in [*((programs, False) for programs in AIMED_PLANS), (1, True), (2, True)]]
