@@ -1,7 +1,8 @@
 """scripts/gpu_session.sh, the published GPU evidence in parts: it parses, and its header documents every part.
 
 The script runs only on a lent GPU, a few calls a session, so a typo there costs device time; its header is
-where the next session looks up what a part does (session 63 found three parts missing from it).
+where the next session looks up what a part does (session 63 found two parts missing from it: serve-tune and
+noncausal).
 """
 
 from __future__ import annotations
