@@ -165,7 +165,8 @@
 #             kernels (minutes), or, with .gpu-fi-aot carried (fi-aot), loads them ahead of time (10 s on an H100, session
 #             29). Without .gpu-fi-aot the models-serving modules took longer than that on an H200 (session 51: 9 of 18
 #             checks in 330 s, the other 9 in 236 s of a second serve-flashinfer call, carrying .gpu-fa4b, before
-#             serve-all), so that chain takes four calls
+#             serve-all), so that chain takes four calls. Without .gpu-fi-aot carried, what its JIT compiled comes back
+#             as $OUT/flashinfer-aot.tar.xz (as fi-aot's)
 #   flex-paged: flex's paged decode checks alone (FLEX_PAGED_LIMIT s, 300), to learn its compile cost per case
 #   flex-probe: scripts/flex_paged_probe.py (FLEX_PROBE_ARGS, FLEX_PROBE_LIMIT s, 300): flex's paged forms in alternation
 #   serve-all: (call 3) serving and varlen benchmarks, every implementation (SERVE_IMPLS, space-separated, to pick:
@@ -330,6 +331,8 @@ for part in "$@"; do
     serve-flashinfer)
       step fi-correct "${FI_CORRECT_LIMIT:-330}" python3 -m pytest suite -k correctness -q -p no:cacheprovider -rf \
         --impl flashinfer "${full[@]}" --durations=8
+      # modules its JIT compiled here come back for .gpu-fi-aot/, so that a chain on a later machine loads them
+      [ -f .gpu-fi-aot/flashinfer-aot.tar.xz ] || fi_aot
       if [ -f /tmp/fmha/tune-unfinished ]; then
         step tune-rest 240 "${tune[@]}" && rm -f /tmp/fmha/tune-unfinished
       fi
