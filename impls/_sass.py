@@ -74,9 +74,25 @@ def softmax_overlap(cubin: bytes, cuobjdump: str | None = None) -> int:
     return overlapped
 
 
+_INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*)")
+_BRANCH = re.compile(r"\bBRA\b.*?0x([0-9a-f]+)")
+
+
+def loop_spills(sass: str) -> int:
+    """Local-memory loads and stores (LDL/STL) inside a loop: between a backward branch's target and the branch.
+    A value parked in local memory before a loop and read back after it costs two accesses a program; one
+    spilled inside the loop costs them on every iteration."""
+    instructions = [(int(m[1], 16), m[2]) for m in map(_INSTRUCTION.search, sass.splitlines()) if m]
+    loops = [(int(b[1], 16), address) for address, text in instructions
+             if (b := _BRANCH.search(text)) and int(b[1], 16) < address]
+    return sum(1 for address, text in instructions if re.search(r"\b(LDL|STL)\b", text)
+               and any(start <= address <= end for start, end in loops))
+
+
 def sass_summary(cubin: bytes, cuobjdump: str | None = None) -> dict[str, int]:
-    """Registers, stack and shared bytes per thread/block, and counts of the instructions in ``COUNTED``
-    (LDL/STL are local-memory loads and stores: spills)."""
+    """Registers, stack and shared bytes per thread/block, counts of the instructions in ``COUNTED``
+    (LDL/STL are local-memory loads and stores: spills), and how many of those are inside a loop
+    (``loop_spills``)."""
     res, sass = (sass_text(cubin, cuobjdump, option=option) for option in ("-res-usage", "-sass"))
     usage = {k.lower(): int(v) for k, v in re.findall(r"(REG|STACK|SHARED):(\d+)", res)}
-    return {**usage, **{name: sass.count(op) for name, op in COUNTED.items()}}
+    return {**usage, **{name: sass.count(op) for name, op in COUNTED.items()}, "loop_spills": loop_spills(sass)}
