@@ -411,9 +411,10 @@ def _describe(cfg) -> dict:
 # ran unsplit at 4272 GB/s against the space's fastest 4216 and FlashInfer's 4252, alternating. It joins. With it
 # in the space (another H200, a cold tune, then Triton and FlashInfer in one suite run over the whole preset, graph
 # timing) the tuner took it on 11 of the 46 steps (the 70B slice's 256 x 512, 2K and 8K, its uniform batches of 16
-# from 8K, its 1 x 128K; the 8B's 1 x 32K, 16 x 2K and 64 x 32K), and Triton alone was at or above FlashInfer on all 20 cases with 64 or
-# more sequences: the 70B slice's 256 x 8K 1.005, 256 x 2K 1.034, 64 x 32K 1.037. At 255 registers it parks a few
-# values in local memory before its loop and reads them back after it (none inside: tests/test_triton_compile.py).
+# from 8K, its 1 x 128K; the 8B's 1 x 32K, 16 x 2K and 64 x 32K), and Triton alone was at or above FlashInfer on
+# all 20 cases with 64 or more sequences: the 70B slice's 256 x 8K 1.005, 256 x 2K 1.034, 64 x 32K 1.037. At 255
+# registers it parks a few values in local memory before its loop and reads them back after it (none inside:
+# tests/test_triton_compile.py).
 DECODE_TILES = ((128, 4, 3), (128, 4, 2), (64, 4, 3), (64, 4, 2), (64, 8, 2), (32, 4, 2), (128, 4, 5), (64, 2, 3),
                 (32, 2, 2), (64, 2, 5))
 DECODE_PLANS = [{"PLAN_PROGRAMS": programs, "PLAN_FIT": fit, "PLAN_MIN_TILES": min_tiles}
