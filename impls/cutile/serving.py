@@ -123,6 +123,9 @@ class DecodeVariant:
 # against 2009 and 1795 for the 64-key page load with two blocks a SM, so it stays out. Like Triton's, this kernel
 # gathers an fp8 V tile from shared memory byte by byte (LDS.U8: 320-512 a thread on sm_90); read through a word view
 # and widened after, the compiler still does (tileiras 13.4), and cuTile has no other way to order the two.
+# Session 64 (H200, serving_probe.py --occupancy 3 --plans 2, every form on the unsplit plan the tuner picks there):
+# 64-key page loads with 3 blocks per SM asked ran 5% behind 2 at the 70B slice's 256 x 8K (266.2 against 253.7 us)
+# and 4% at 8B 256 x 8K (2060 against 1977 us), though on a plan of 3 chunks they led by 1.7%. Not in the space.
 DECODE_SPACE = [DecodeVariant(64, "pages", occupancy=2), DecodeVariant(64, "pages"), DecodeVariant(128, "pages"),
                 DecodeVariant(128, "pages", k_latency=2, v_latency=2), DecodeVariant(128, "indexed")]
 # Session 32 (H200, probe, GPT-2: head dim 64, one query head per kv head): the 128-key page load with two blocks
