@@ -8,7 +8,7 @@ only after it passed the correctness check there.
 
 A document keeps its tables current with blocks like::
 
-    <!-- results: docs/results/serving-h200.json.gz --preset serving --ours cutile --ours triton -->
+    <!-- results: docs/results/serving-varlen-h200.json.gz --preset serving --ours cutile --ours triton -->
     (the table, written by `python -m reports.markdown README.md`)
     <!-- /results -->
 

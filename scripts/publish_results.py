@@ -2,7 +2,7 @@
 ``params`` reprs (each benchmark's ``extra_info`` holds the same facts), gzipped when the name ends in ``.gz``
 (``python -m reports`` reads either). Several sources, the JSONs of one run's parts, become one file.
 
-    python scripts/publish_results.py results/serving.json docs/results/serving-h200.json.gz
+    python scripts/publish_results.py results/serving-all.json docs/results/serving-varlen-h200.json.gz
     python scripts/publish_results.py results/models.json results/models-rest.json docs/results/models-h200.json.gz
 """
 
