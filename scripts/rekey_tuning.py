@@ -8,9 +8,13 @@ search spaces; say why in the commit or the notes), re-key the carried cache ins
 
     python scripts/rekey_tuning.py .gpu-tune --base 9ca8469
 
-Entries keyed on any other digest stay as they are. Prints, per family, the two digests and how many entries moved.
+Entries keyed on any other digest stay as they are. Prints, per family, the two digests, how many entries moved and
+what changed in the family's modules since ``--base`` (what you declare leaves the picks alone).
 Without ``--base`` it only says how many of each file's entries this code's digest would find (``gpu_session.sh``
-prints it when it seeds a machine's cache, so that a stale carry shows before a tune runs out of time).
+prints it when it seeds a machine's cache, so that a stale carry shows before a tune runs out of time), and, for
+each other digest, the commit whose code it was tuned at and the family's modules changed since. Session 65 re-keyed a
+Triton cache by hand across a change of its search space (a tile added) and republished with picks that never saw
+the new tile; this line would have named the commit before that change.
 """
 
 from __future__ import annotations
@@ -43,6 +47,32 @@ def digest_at(commit: str, paths: tuple[Path, ...], root: Path = ROOT) -> str:
     return contents_hash(source for source in map(at_commit, paths) if source is not None)
 
 
+def tuned_at(digest: str, paths: tuple[Path, ...], root: Path = ROOT, depth: int = 60) -> str | None:
+    """The newest commit (of the last ``depth`` that touched ``paths``) whose version of them has source digest
+    ``digest``, or None (a tree that was never committed, or older)."""
+    log = subprocess.run(["git", "log", "--format=%h", f"-{depth}", "--", *map(str, paths)], cwd=root,
+                         capture_output=True, text=True, check=False).stdout.split()
+    return next((commit for commit in log if digest_at(commit, paths, root) == digest), None)
+
+
+def changed_since(commit: str, paths: tuple[Path, ...], root: Path = ROOT) -> str:
+    """``git diff --stat`` of ``paths`` from ``commit`` to the working tree, on one line."""
+    stat = subprocess.run(["git", "diff", "--shortstat", commit, "--", *map(str, paths)], cwd=root,
+                          capture_output=True, text=True, check=False).stdout.strip()
+    names = subprocess.run(["git", "diff", "--name-only", commit, "--", *map(str, paths)], cwd=root,
+                           capture_output=True, text=True, check=False).stdout.split()
+    return f"{', '.join(names)}: {stat}" if names else "nothing"
+
+
+def digests(path: Path) -> dict[str, int]:
+    """How many entries of the cache file ``path`` each source digest keys."""
+    counts: dict[str, int] = {}
+    for key in json.loads(path.read_text()):
+        digest = json.loads(key).get("source", "")
+        counts[digest] = counts.get(digest, 0) + 1
+    return counts
+
+
 def rekey(path: Path, old: str, new: str) -> int:
     """Rewrite the entries of the cache file ``path`` keyed on source digest ``old`` to ``new``; how many."""
     entries, count = {}, 0
@@ -73,10 +103,17 @@ def main() -> None:
         elif args.base is None:
             found, total = matching(path, new)
             print(f"{family}: {found} of {total} entries at this code's digest ({new})")
+            for digest, count in digests(path).items():
+                if digest != new:
+                    commit = tuned_at(digest, sources(family))
+                    origin = (f"tuned at {commit}; changed since: {changed_since(commit, sources(family))}" if commit
+                              else "no commit here has that code (uncommitted edits, or no git history)")
+                    print(f"  {count} at {digest}: {origin}")
         elif (old := digest_at(args.base, sources(family))) == new:
             print(f"{family}: digest unchanged ({new})")
         else:
-            print(f"{family}: {old} -> {new}, {rekey(path, old, new)} entries re-keyed")
+            print(f"{family}: {old} -> {new}, {rekey(path, old, new)} entries re-keyed; "
+                  f"changed since {args.base}: {changed_since(args.base, sources(family))}")
 
 
 if __name__ == "__main__":

@@ -578,9 +578,11 @@ def test_settled_times_settle_each_call_on_itself_and_alternate_the_order(monkey
 
 
 def test_a_cache_is_rekeyed_from_a_commits_digest_to_the_work_trees(tmp_path):
-    """scripts/rekey_tuning.py: the digest of a family's modules at a commit (a module added since left out), and
-    only the entries keyed on it moved to the working tree's digest."""
-    from scripts.rekey_tuning import digest_at, rekey
+    """scripts/rekey_tuning.py: the digest of a family's modules at a commit (a module added since left out), the
+    commit a digest was tuned at with what changed since, and only the entries keyed on it moved to the working
+    tree's digest."""
+    from scripts.rekey_tuning import changed_since, digest_at, rekey
+    from scripts.rekey_tuning import tuned_at as commit_of
 
     def git(*args: str) -> None:
         subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
@@ -597,6 +599,11 @@ def test_a_cache_is_rekeyed_from_a_commits_digest_to_the_work_trees(tmp_path):
     added.write_text("X = 1\n")
     assert digest_at("HEAD", (added, kernel), tmp_path) == tuned_at  # not yet at the commit: left out
     assert digest_at("HEAD~1", (kernel,), tmp_path) != tuned_at
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tmp_path, capture_output=True, text=True,
+                          check=True).stdout.strip()
+    assert commit_of(tuned_at, (added, kernel), tmp_path) == head  # the commit whose code was tuned
+    assert commit_of("0123456789abcdef", (kernel,), tmp_path) is None
+    assert changed_since(head, (added, kernel), tmp_path).startswith("kernel.py: 1 file changed")  # added: untracked
     now = _tuning.source_hash.__wrapped__((added, kernel))
     cache = tmp_path / "toy.json"
     stale = {"gpu": "H200", "shape": ["a"], "source": tuned_at}
