@@ -34,6 +34,30 @@ def test_kernel_profile_names_the_kernels_and_their_time():
     profile = profile_kernels(matmul_call(), calls=4)
     assert profile.kernels and all(k["launches"] >= 1 for k in profile.kernels.values())
     assert 0 < profile.seconds_per_call < 0.1
+    summed = sum(k["seconds"] for k in profile.kernels.values())
+    assert profile.seconds_per_call == pytest.approx(summed, rel=0.01)  # one stream, in turn: the union is the sum
+
+
+def test_kernels_that_overlap_count_once():
+    """Two spin kernels on two streams run side by side: a call's device time is one of them, not both (as a
+    combine kernel launched early under programmatic dependent launch overlaps the split kernel it waits on)."""
+    side = torch.cuda.Stream()
+
+    def two_streams():
+        side.wait_stream(torch.cuda.current_stream())
+        torch.cuda._sleep(2_000_000)
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(2_000_000)
+        torch.cuda.current_stream().wait_stream(side)
+
+    profile = profile_kernels(two_streams, calls=2)
+    summed = sum(k["seconds"] for k in profile.kernels.values())
+    assert profile.kernels and profile.seconds_per_call < 0.75 * summed
+    with cuda_clock.kernel_time():
+        start = cuda_clock()
+        two_streams()
+        overlapped = cuda_clock() - start
+    assert overlapped < 0.75 * summed
 
 
 def test_kernel_mode_clock_advances_by_device_time_only():

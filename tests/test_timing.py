@@ -621,3 +621,18 @@ def test_the_rekey_script_names_each_familys_sources_as_its_tuning_cache_does():
 
     named = {family: sources(family) for family in FAMILIES}
     assert {cache.family: cache.sources for cache in (CUTILE, TRITON)} == named
+
+
+def test_device_time_is_the_union_of_kernel_spans():
+    """Kernel time counts a stretch where kernels overlap once (programmatic dependent launch starts a kernel
+    before the one it waits on ends), and leaves out the gaps between them."""
+    from suite.timing import DeviceSpan, busy_seconds
+
+    def spans(*pairs: tuple[float, float]) -> list[DeviceSpan]:
+        return [DeviceSpan(f"k{i}", start, end) for i, (start, end) in enumerate(pairs)]
+
+    assert busy_seconds([]) == 0
+    assert busy_seconds(spans((0, 2), (3, 4))) == pytest.approx(3)  # in turn, a gap between: the sum
+    assert busy_seconds(spans((3, 6), (0, 4))) == pytest.approx(6)  # overlapping, listed out of order
+    assert busy_seconds(spans((0, 10), (2, 3), (4, 12))) == pytest.approx(12)  # nested, then reaching past
+    assert DeviceSpan("k", 1.5, 4).seconds == pytest.approx(2.5)
