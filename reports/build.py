@@ -80,6 +80,11 @@ class Measurement:
     def op(self) -> str:
         return str(self.fields.get("op") or "dense")
 
+    def ties(self, other: Measurement) -> bool:
+        """Whether one run cannot order the two: their medians are closer than the wider of their interquartile
+        ranges (the rounds' own spread; one instance of a GPU against another moves a case more, 1-3%)."""
+        return abs(self.median_s - other.median_s) <= max(self.iqr_s, other.iqr_s)
+
 
 @dataclass
 class Run:

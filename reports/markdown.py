@@ -3,8 +3,9 @@
 A table is one preset of one run: a case a row, an implementation a column (in the order of the preset's
 leaderboard), the figure of merit in the run's lead timing mode (GB/s for decode, TFLOPS otherwise) and the row's
 best in bold. With ``ours`` it ends in one more column: the best of those implementations over the best of the
-other columns. Only measured implementations appear, and the suite measures an implementation on a case
-only after it passed the correctness check there.
+other columns, marked "tie" where the run cannot order the two (their medians closer than the wider of their
+interquartile ranges: ``Measurement.ties``). Only measured implementations appear, and the suite measures an
+implementation on a case only after it passed the correctness check there.
 
 A document keeps its tables current with blocks like::
 
@@ -27,6 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from reports.build import (
+    Measurement,
     ReportError,
     Run,
     cache_twins,
@@ -60,6 +62,18 @@ def _cell(value: float | None) -> str:
     return f"{value:.0f}" if value >= 100 else f"{value:.3g}"
 
 
+def _ours_over_peers(measured: dict[str, Measurement], value: dict[str, float | None], mine: Sequence[str],
+                     peers: Sequence[str]) -> str:
+    """The best of ``mine`` over the best of ``peers`` by figure of merit, "tie" added where the run cannot order
+    the two."""
+    top = max((c for c in mine if value[c]), key=lambda c: value[c], default=None)
+    rival = max((c for c in peers if value[c]), key=lambda c: value[c], default=None)
+    if top is None or rival is None:
+        return "-"
+    ratio = f"{value[top] / value[rival]:.3f}"
+    return f"{ratio} (tie)" if measured[top].ties(measured[rival]) else ratio
+
+
 def table(run: Run, preset: str, *, impls: Sequence[str] = ("*",), cases: Sequence[str] = ("*",),
           ours: Sequence[str] = ()) -> str:
     """One preset of a run as a markdown table (module docstring); implementations and cases by glob."""
@@ -84,9 +98,7 @@ def table(run: Run, preset: str, *, impls: Sequence[str] = ("*",), cases: Sequen
         best = max((v for v in value.values() if v), default=None)
         row = [labels[cid]] + [f"**{_cell(v)}**" if v and v == best else _cell(v) for v in value.values()]
         if mine and peers:
-            top = max((value[c] for c in mine if value[c]), default=None)
-            rival = max((value[c] for c in peers if value[c]), default=None)
-            row.append(f"{top / rival:.3f}" if top and rival else "-")
+            row.append(_ours_over_peers(measured, value, mine, peers))
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
 

@@ -411,7 +411,8 @@ def test_a_markdown_table_bolds_each_cases_best_and_sets_ours_against_the_rest(s
         cells = row.strip("| ").split(" | ")
         gbps = {impl: run.by_case[cid][impl].gbps for impl in header[1:-1]}
         assert [c for c in cells if c.startswith("**")] == [f"**{_cell(max(gbps.values()))}**"]
-        assert cells[-1] == f"{gbps['sdpa'] / gbps['naive']:.3f}"
+        sdpa, naive = run.by_case[cid]["sdpa"], run.by_case[cid]["naive"]
+        assert cells[-1] == f"{gbps['sdpa'] / gbps['naive']:.3f}" + (" (tie)" if sdpa.ties(naive) else "")
     one = table(run, "serving-cpu-bench", impls=["naive"], cases=[case_ids[0]])
     assert "sdpa" not in one and one.count("\n| ") == 2  # the header and one row
     with pytest.raises(ReportError, match="no preset 'blog'"):
@@ -420,6 +421,24 @@ def test_a_markdown_table_bolds_each_cases_best_and_sets_ours_against_the_rest(s
         table(run, "serving-cpu-bench", cases=["nothing-*"])
     with pytest.raises(ReportError, match="no implementation matching flash-attn4"):
         table(run, "serving-cpu-bench", impls=["flash-attn4"])
+
+
+def test_a_ratio_the_run_cannot_order_is_marked_a_tie(serving_results):
+    """Medians closer than the wider interquartile range of the two are a tie, in the table's last column too."""
+    from dataclasses import replace
+
+    from reports.markdown import _ours_over_peers
+
+    run = load_run(serving_results)
+    m = next(iter(run.by_case.values()))["sdpa"]
+    ours, peer = replace(m, median_s=1.000, iqr_s=0.002), replace(m, median_s=1.001, iqr_s=0.0005)
+    assert ours.ties(peer) and peer.ties(ours)
+    assert not replace(ours, iqr_s=0.0005).ties(peer)  # 0.1% apart, each within 0.05%: ordered
+    measured, value = {"a": ours, "b": peer}, {"a": 1 / 1.000, "b": 1 / 1.001}
+    assert _ours_over_peers(measured, value, ["a"], ["b"]) == "1.001 (tie)"
+    measured["a"] = replace(ours, iqr_s=0.0005)
+    assert _ours_over_peers(measured, value, ["a"], ["b"]) == "1.001"
+    assert _ours_over_peers(measured, {"a": 1.0, "b": None}, ["a"], ["b"]) == "-"
 
 
 def with_fp8_twins(serving_results: Path, tmp_path: Path, ratio: float) -> tuple[Path, list[str]]:
