@@ -172,6 +172,12 @@
 #   serve-all: (call 3) serving and varlen benchmarks, every implementation (SERVE_IMPLS, space-separated, to pick:
 #             flex's paged entry, new in session 57, compiles once per uniform decode case, a cost not yet measured),
 #             graph timing
+#   serve-cold: (session 65) the decode steps of SERVE_GRIDS whose K/V fit in twice the L2 cache, timed (graph) the way
+#             serve-all times them, each call finding the K/V the call before it left in L2, then with --cold-l2 (a
+#             rotation over copies of the inputs), as a server's step finds them (each layer's K/V read once a step),
+#             into $out/serve-warm.json and $out/serve-cold.json; SERVE_IMPLS (default triton flashinfer
+#             flash-attn4 flex: the leaders of those steps). serve-cold-prime: their checks alone (compiles: flex's, a
+#             case each), for the first call of the flash-attn-4 carry
 set -u
 out=${OUT:-results}
 # pytest-xdist 3.8 ignores xdist_group (--dist loadgroup) under pytest 9, which the image has: a carried .whl/ with
@@ -250,6 +256,13 @@ behind_cases() {  # the serving cases with 64 or more sequences where a peer led
     "llama3-70b-tp8-$d-h8:1-q1-kv8192-uniform-p16-d128-b256 llama3-70b-tp8-$d-h8:1-q1-kv8192-uniform-p64-d128-b64" \
     "llama3-70b-tp8-$d-h8:1-q1-kv512-uniform-p16-d128-b64"
 }
+# a pytest -k expression of the decode steps of the presets named in argv[2:] whose K/V fit in twice this GPU's L2
+# cache, each case id followed by argv[1] ("-graph": their graph-timed benchmarks; "]": their checks) (serve-cold)
+fits_in_l2='import sys, torch
+from suite.cases import preset
+from suite.metrics import kv_bytes
+l2, end = torch.cuda.get_device_properties(0).L2_cache_size, sys.argv[1]
+print(" or ".join(f"{c.id}{end}" for g in sys.argv[2:] for c in preset(g) if c.op == "paged" and kv_bytes(c) <= 2 * l2))'
 fi_aot() {  # FlashInfer's modules of this machine (compiled here, or carried) as ahead-of-time artifacts,
   # $out/flashinfer-aot.tar.xz: NAME/NAME.so each, for .gpu-fi-aot/ (scripts/flashinfer_env.sh)
   local aot=/tmp/fi-aot so name
@@ -341,6 +354,20 @@ for part in "$@"; do
       read -r -a serve_impls <<< "${SERVE_IMPLS:-cutile triton flash-attn4 flashinfer sdpa flex naive}"
       step serve-all 540 python3 -m pytest suite "${bench[@]}" "${full[@]}" --timing graph \
         "${serve_impls[@]/#/--impl=}" --benchmark-json="$out/${SERVE_NAME:-serving-all}.json"
+      ;;
+    serve-cold-prime)
+      read -r -a serve_impls <<< "${SERVE_IMPLS:-triton flashinfer flash-attn4 flex}"
+      fits=$(python3 -c "$fits_in_l2" "]" "${serve_grids[@]}")
+      step serve-cold-prime 280 python3 -m pytest suite -k "correctness and ($fits)" -q -p no:cacheprovider -rf \
+        "${full[@]}" "${serve_impls[@]/#/--impl=}" --durations=5
+      ;;
+    serve-cold)
+      read -r -a serve_impls <<< "${SERVE_IMPLS:-triton flashinfer flash-attn4 flex}"
+      fits=$(python3 -c "$fits_in_l2" "-graph" "${serve_grids[@]}")
+      step serve-warm 280 python3 -m pytest suite "${bench[@]}" "${full[@]}" --timing graph -k "$fits" \
+        "${serve_impls[@]/#/--impl=}" --benchmark-json="$out/serve-warm.json"
+      step serve-cold 280 python3 -m pytest suite "${bench[@]}" "${full[@]}" --timing graph -k "$fits" --cold-l2 \
+        "${serve_impls[@]/#/--impl=}" --benchmark-json="$out/serve-cold.json"
       ;;
     dense-decode)
       read -r -a dd_impls <<< "${DD_IMPLS:-cutile triton sdpa sdpa-cudnn sdpa-flash sdpa-efficient naive}"
