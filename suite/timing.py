@@ -178,9 +178,16 @@ class GraphTarget:
     ``calls`` holds one prepared call per copy of the inputs (one, unless the L2 is kept cold by rotating
     over copies). Warm-up runs on a side stream first, as capture requires, so that lazy initialisation
     (cuBLAS handles, JIT) happens outside the graph.
+
+    The graph keeps ``calls`` (and so what they read: their inputs, workspaces, outputs): a replay reads and
+    writes the memory their kernels were captured with. Session 65 found the copies' calls dropped once the
+    graph was made, their memory recycled by the allocator while replays still used it: under ``--cold-l2`` the
+    Triton decode read a block table overwritten by later allocations (an illegal address), and what the other
+    implementations read in their timed replays was not their inputs any more.
     """
 
     def __init__(self, calls: Sequence[Callable[[], torch.Tensor]], repeats: int) -> None:
+        self.calls = list(calls)  # alive as long as the graph: its kernels use their memory
         self.calls_per_replay = len(calls) * repeats
         caller = torch.cuda.current_stream()
         side = torch.cuda.Stream()

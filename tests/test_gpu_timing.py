@@ -30,6 +30,29 @@ def test_graph_replays_are_timed_per_call():
     assert per_call == pytest.approx(whole / 8, rel=0.3)
 
 
+def test_a_graph_keeps_the_memory_its_calls_use():
+    """A graph over calls on copies of the inputs (--cold-l2) keeps the calls, and with them their inputs, alive:
+    once dropped, their memory went back to the allocator while replays still read and wrote it."""
+    import gc
+    import weakref
+
+    def on_own_input(value: float):
+        x = torch.full((1 << 20,), value, device="cuda")
+        return lambda: x * 2
+
+    calls = [on_own_input(float(i)) for i in range(4)]
+    alive = [weakref.ref(call) for call in calls]
+    graph = GraphTarget(calls, repeats=2)
+    del calls
+    gc.collect()
+    torch.cuda.empty_cache()
+    junk = torch.full((1 << 23,), -1.0, device="cuda")  # would take memory the calls' inputs gave back
+    graph()
+    torch.cuda.synchronize()
+    assert all(ref() is not None for ref in alive) and junk.min() == -1
+    assert [float(out[0]) for out in graph.outputs] == [0.0, 2.0, 4.0, 6.0]
+
+
 def test_kernel_profile_names_the_kernels_and_their_time():
     profile = profile_kernels(matmul_call(), calls=4)
     assert profile.kernels and all(k["launches"] >= 1 for k in profile.kernels.values())
