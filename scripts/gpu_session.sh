@@ -171,7 +171,9 @@
 #   flex-probe: scripts/flex_paged_probe.py (FLEX_PROBE_ARGS, FLEX_PROBE_LIMIT s, 300): flex's paged forms in alternation
 #   serve-all: (call 3) serving and varlen benchmarks, every implementation (SERVE_IMPLS, space-separated, to pick:
 #             flex's paged entry, new in session 57, compiles once per uniform decode case, a cost not yet measured),
-#             graph timing
+#             graph timing, since session 65 with --cold-l2 (SERVE_COLD=0: without): a server's step reads each layer's
+#             K/V once, after every other layer's went through the L2, and timed back to back a step under 2x the L2
+#             found its K/V there (serve-cold: the 70B slice's 64 x 512 from 1.18 of the best peer warm to 0.99 cold)
 #   serve-cold: (session 65) the decode steps of SERVE_GRIDS whose K/V fit in twice the L2 cache, timed (graph) the way
 #             serve-all times them, each call finding the K/V the call before it left in L2, then with --cold-l2 (a
 #             rotation over copies of the inputs), as a server's step finds them (each layer's K/V read once a step),
@@ -352,7 +354,8 @@ for part in "$@"; do
       ;;
     serve-all)
       read -r -a serve_impls <<< "${SERVE_IMPLS:-cutile triton flash-attn4 flashinfer sdpa flex naive}"
-      step serve-all 540 python3 -m pytest suite "${bench[@]}" "${full[@]}" --timing graph \
+      cold=(); [ "${SERVE_COLD:-1}" = 0 ] || cold=(--cold-l2)
+      step serve-all 540 python3 -m pytest suite "${bench[@]}" "${full[@]}" --timing graph "${cold[@]}" \
         "${serve_impls[@]/#/--impl=}" --benchmark-json="$out/${SERVE_NAME:-serving-all}.json"
       ;;
     serve-cold-prime)

@@ -26,6 +26,7 @@ from suite.timing import (
     iterations_for,
     profile_kernels,
     rest,
+    rotation_evicts,
     time_once,
 )
 
@@ -144,7 +145,7 @@ def measure(benchmark, impl: Impl, case: Case, problem: Problem, record: Recorde
     info.update(config=prepared.config, max_error=check.max_error, tolerance=check.tolerance,
                 flops=metrics.flops(case), min_bytes=metrics.min_bytes(case), kv_bytes=metrics.kv_bytes(case),
                 peak_memory_bytes=peak_bytes, iterations=schedule["iterations"], cold_l2="setup" in schedule
-                or info.get("input_copies", 1) > 1)
+                or rotation_evicts(metrics.min_bytes(case), info.get("input_copies", 1), device))
     if on_gpu:  # which GPU measured it (several workers, several GPUs), and what ran there, by kernel name
         info["gpu"] = {"name": torch.cuda.get_device_properties(device).name, "uuid": uuid, "state": state,
                        "visible_as": os.environ.get("CUDA_VISIBLE_DEVICES", str(device.index or 0))}

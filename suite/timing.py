@@ -223,8 +223,15 @@ def l2_bytes(device: torch.device) -> int:
 
 def copies_for_cold_l2(bytes_per_call: int, device: torch.device) -> int:
     """Input copies to rotate over so that a call's inputs were evicted since their last use: the other
-    copies' bytes together exceed twice the L2 cache."""
+    copies' bytes together exceed twice the L2 cache (at most MAX_INPUT_COPIES: see ``rotation_evicts``)."""
     return max(1, min(MAX_INPUT_COPIES, math.ceil(2 * l2_bytes(device) / max(bytes_per_call, 1)) + 1))
+
+
+def rotation_evicts(bytes_per_call: int, copies: int, device: torch.device) -> bool:
+    """Whether rotating over ``copies`` evicts a call's inputs before their next use, the other copies' bytes
+    together twice the L2 cache. Not for the smallest calls, whose MAX_INPUT_COPIES all fit in the L2 (on an H200
+    a decode step under 2 MB): their "cold" times are warm ones, and the record says so (session 65)."""
+    return copies > 1 and (copies - 1) * bytes_per_call >= 2 * l2_bytes(device)
 
 
 class L2Flusher:
