@@ -57,6 +57,7 @@ class Measurement:
     rest_s: float = 0.0  # seconds the GPU was left idle before the settling (--rest-ms)
     energy: dict[str, Any] = field(default_factory=dict)  # NVML, with --energy-ms: joules per call, watts
     drift: float | None = None  # round_drift of the timed rounds
+    cold_l2: bool = False  # timed with the inputs evicted from the L2 (--cold-l2, where the rotation evicts)
 
     @property
     def drifted(self) -> bool:
@@ -161,7 +162,7 @@ def load_run(path: Path) -> Run:
                 kernels=dict(info.get("kernels") or {}), gpu=dict(info.get("gpu") or {}),
                 settle_s=float(info.get("settle_s") or 0.0), rest_s=float(info.get("rest_s") or 0.0),
                 energy=dict(info.get("energy") or {}),
-                drift=round_drift(stats.get("data") or []),
+                drift=round_drift(stats.get("data") or []), cold_l2=bool(info.get("cold_l2")),
             ))
         except (KeyError, TypeError, ValueError) as exc:
             raise ReportError(f"{path}: benchmark #{i} ({bench.get('name', '?')}) is missing or has a bad "

@@ -74,6 +74,19 @@ def _ours_over_peers(measured: dict[str, Measurement], value: dict[str, float | 
     return f"{ratio} (tie)" if measured[top].ties(measured[rival]) else ratio
 
 
+def _l2_note(run: Run, case_ids: Sequence[str], columns: Sequence[str]) -> str:
+    """How the table's numbers found the L2: nothing where every call found its inputs left there by the one
+    before (the suite's default), "cold L2" where none did (``--cold-l2``), else which cases stayed warm (a
+    rotation over copies cannot evict the L2 for the smallest calls)."""
+    measured = [(cid, m) for cid in case_ids for c, m in run.by_case[cid].items() if c in columns]
+    warm = sorted({cid for cid, m in measured if not m.cold_l2})
+    if len(warm) == len(case_ids):
+        return ""
+    if not warm:
+        return ", cold L2"
+    return f", cold L2 but for {len(warm)} case{'s' if len(warm) > 1 else ''} whose input copies fit in it together"
+
+
 def table(run: Run, preset: str, *, impls: Sequence[str] = ("*",), cases: Sequence[str] = ("*",),
           ours: Sequence[str] = ()) -> str:
     """One preset of a run as a markdown table (module docstring); implementations and cases by glob."""
@@ -89,7 +102,8 @@ def table(run: Run, preset: str, *, impls: Sequence[str] = ("*",), cases: Sequen
     mine, peers = [c for c in columns if _matches(c, ours)], [c for c in columns if not _matches(c, ours)]
     labels, shared = case_labels({cid: run.cases.get(cid, {}) for cid in case_ids})
     header = ["case", *columns] + (["ours / best peer"] if mine and peers else [])
-    lines = [f"`{preset}`, {UNITS[metric]} ({run.lead} timing, {run.env.get('gpu') or run.env.get('device', '?')}"
+    lines = [f"`{preset}`, {UNITS[metric]} ({run.lead} timing{_l2_note(run, case_ids, columns)}, "
+             f"{run.env.get('gpu') or run.env.get('device', '?')}"
              + (f"; every case {', '.join(shared)}" if shared else "") + "):", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for cid in case_ids:

@@ -441,6 +441,27 @@ def test_a_ratio_the_run_cannot_order_is_marked_a_tie(serving_results):
     assert _ours_over_peers(measured, {"a": 1.0, "b": None}, ["a"], ["b"]) == "-"
 
 
+def test_a_table_says_when_its_numbers_were_timed_with_a_cold_l2(serving_results, tmp_path):
+    """Warm (the default) says nothing; all cold says so; cold but for the cases whose copies fit in the L2
+    together says how many stayed warm."""
+    from reports.markdown import table
+
+    data = json.loads(serving_results.read_text())
+    run = load_run(serving_results)
+    cases = [cid for cid in run.presets["serving-cpu-bench"] if run.by_case.get(cid)]
+
+    def caption(cold: set[str]) -> str:
+        for bench in data["benchmarks"]:
+            bench["extra_info"]["cold_l2"] = bench["extra_info"]["case"] in cold
+        path = tmp_path / "cold.json"
+        path.write_text(json.dumps(data))
+        return table(load_run(path), "serving-cpu-bench").splitlines()[0]
+
+    assert "L2" not in caption(set())
+    assert "(eager timing, cold L2, " in caption(set(cases))
+    assert "cold L2 but for 1 case whose input copies fit in it together" in caption(set(cases[1:]))
+
+
 def with_fp8_twins(serving_results: Path, tmp_path: Path, ratio: float) -> tuple[Path, list[str]]:
     """The serving run with an fp8-cache twin of each ``serving-cpu-bench`` case, every benchmark of the twin
     ``ratio`` times its original's median, but naive's on the first twin left out (measured on one side only)."""
