@@ -265,6 +265,7 @@ from suite.cases import preset
 from suite.metrics import kv_bytes
 l2, end = torch.cuda.get_device_properties(0).L2_cache_size, sys.argv[1]
 print(" or ".join(f"{c.id}{end}" for g in sys.argv[2:] for c in preset(g) if c.op == "paged" and kv_bytes(c) <= 2 * l2))'
+cold_impls="triton flashinfer flash-attn4 flex"  # serve-cold(-prime)'s default SERVE_IMPLS: the leaders of those steps
 fi_aot() {  # FlashInfer's modules of this machine (compiled here, or carried) as ahead-of-time artifacts,
   # $out/flashinfer-aot.tar.xz: NAME/NAME.so each, for .gpu-fi-aot/ (scripts/flashinfer_env.sh)
   local aot=/tmp/fi-aot so name
@@ -359,13 +360,13 @@ for part in "$@"; do
         "${serve_impls[@]/#/--impl=}" --benchmark-json="$out/${SERVE_NAME:-serving-all}.json"
       ;;
     serve-cold-prime)
-      read -r -a serve_impls <<< "${SERVE_IMPLS:-triton flashinfer flash-attn4 flex}"
+      read -r -a serve_impls <<< "${SERVE_IMPLS:-$cold_impls}"
       fits=$(python3 -c "$fits_in_l2" "]" "${serve_grids[@]}")
       step serve-cold-prime 280 python3 -m pytest suite -k "correctness and ($fits)" -q -p no:cacheprovider -rf \
         "${full[@]}" "${serve_impls[@]/#/--impl=}" --durations=5
       ;;
     serve-cold)
-      read -r -a serve_impls <<< "${SERVE_IMPLS:-triton flashinfer flash-attn4 flex}"
+      read -r -a serve_impls <<< "${SERVE_IMPLS:-$cold_impls}"
       fits=$(python3 -c "$fits_in_l2" "-graph" "${serve_grids[@]}")
       step serve-warm 280 python3 -m pytest suite "${bench[@]}" "${full[@]}" --timing graph -k "$fits" \
         "${serve_impls[@]/#/--impl=}" --benchmark-json="$out/serve-warm.json"

@@ -85,12 +85,6 @@ def rekey(path: Path, old: str, new: str) -> int:
     return count
 
 
-def matching(path: Path, digest: str) -> tuple[int, int]:
-    """(entries keyed on ``digest``, entries) of the cache file ``path``."""
-    keys = [json.loads(key) for key in json.loads(path.read_text())]
-    return sum(key.get("source") == digest for key in keys), len(keys)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("directory", type=Path, help="the tuning cache's folder (FMHA_TUNING_CACHE, .gpu-tune)")
@@ -101,9 +95,9 @@ def main() -> None:
         if not path.exists():
             print(f"{family}: no file")
         elif args.base is None:
-            found, total = matching(path, new)
-            print(f"{family}: {found} of {total} entries at this code's digest ({new})")
-            for digest, count in digests(path).items():
+            counts = digests(path)
+            print(f"{family}: {counts.get(new, 0)} of {sum(counts.values())} entries at this code's digest ({new})")
+            for digest, count in counts.items():
                 if digest != new:
                     commit = tuned_at(digest, sources(family))
                     origin = (f"tuned at {commit}; changed since: {changed_since(commit, sources(family))}" if commit
