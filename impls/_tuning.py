@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import dataclasses
 import fcntl
 import functools
 import hashlib
@@ -385,6 +386,67 @@ def sustained_fastest(candidates: Iterable[tuple[Any, Callable[[], object]]], *,
     settle_gpu()
     per_call = interleaved_medians(lambda: _time_round(replays), rounds)
     return candidates[min(range(len(candidates)), key=per_call.__getitem__)][0]
+
+
+MAX_INPUT_COPIES = 64  # cold-L2 rotation: at most this many copies of one call's inputs
+
+
+def l2_bytes(device: torch.device) -> int:
+    """The device's L2 cache in bytes (none off CUDA: nothing there for a rotation to evict)."""
+    if device.type != "cuda":
+        return 0
+    return getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 << 20)
+
+
+def copies_for_cold_l2(bytes_per_call: int, device: torch.device) -> int:
+    """Input copies to rotate over so that a call's inputs were evicted since their last use: the other
+    copies' bytes together exceed twice the L2 cache (at most MAX_INPUT_COPIES: see ``rotation_evicts``)."""
+    return max(1, min(MAX_INPUT_COPIES, math.ceil(2 * l2_bytes(device) / max(bytes_per_call, 1)) + 1))
+
+
+def rotation_evicts(bytes_per_call: int, copies: int, device: torch.device) -> bool:
+    """Whether rotating over ``copies`` evicts a call's inputs before their next use, the other copies' bytes
+    together twice the L2 cache. Not for the smallest calls, whose MAX_INPUT_COPIES all fit in the L2 (on an H200
+    a decode step under 2 MB): their "cold" times are warm ones, and the record says so (session 65)."""
+    return copies > 1 and (copies - 1) * bytes_per_call >= 2 * l2_bytes(device)
+
+
+def input_tensors(inputs: Any) -> dict[str, torch.Tensor]:
+    """A serving operation's input tensors (``PagedKV``, ``Varlen``: the dataclass's tensor fields), by name."""
+    fields = ((f.name, getattr(inputs, f.name)) for f in dataclasses.fields(inputs) if f.init)
+    return {name: value for name, value in fields if isinstance(value, torch.Tensor)}
+
+
+def clone_inputs(inputs: Any) -> Any:
+    """A copy of a call's inputs in fresh memory: a tuple of tensors (dense), or a serving operation's dataclass
+    with each tensor field cloned."""
+    if isinstance(inputs, tuple):
+        return tuple(t.clone() for t in inputs)
+    return dataclasses.replace(inputs, **{name: t.clone() for name, t in input_tensors(inputs).items()})
+
+
+# Decode tuners time their candidates cold where a step's inputs fit in twice the L2: each candidate's call runs over
+# the inputs and copies of them in turn, as the suite's --cold-l2 graph mode times it and as a server's step finds
+# each layer's K/V evicted by the other layers'. Timed back to back over the same inputs, a short step reads its K/V
+# from the L2, and the pick fits that: session 66 (H200), the 70B slice's 64 x 512 (17 MB) timed cold took 1.34x
+# Triton's warm time and 1.10x flash-attn-4's, and Triton's warm-tuned pick fell from 1.19 of flash-attn-4 to 0.98.
+def cold_candidates(candidates: list[tuple[Any, Callable[[], object]]], inputs: Any,
+                    call_on: Callable[[Any, Any], Callable[[], object]]) -> list[tuple[Any, Callable[[], object]]]:
+    """``candidates`` ((candidate, call) over ``inputs``) as calls that rotate over the inputs and copies of them
+    where that evicts the L2 between a copy's uses (``call_on(copy, candidate)``: the candidate's call over a copy);
+    as they are elsewhere (a step of twice the L2 or more evicts its own inputs)."""
+    tensors = list(input_tensors(inputs).values())
+    size, device = sum(t.nbytes for t in tensors), tensors[0].device
+    copies = copies_for_cold_l2(size, device) if size < 2 * l2_bytes(device) else 1
+    if not rotation_evicts(size, copies, device):
+        return candidates
+    others = [clone_inputs(inputs) for _ in range(copies - 1)]
+
+    def rotation(calls: list[Callable[[], object]]) -> Callable[[], object]:
+        return lambda: [call() for call in calls]
+
+    return [(candidate, rotation([call, *(call_on(copy, candidate) for copy in others)]))
+            for candidate, call in candidates]
 
 
 def finalists(timings: Iterable[tuple[Any, float]], margin: float = FINALIST_MARGIN) -> list[Any]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import gc
 import json
 import os
@@ -25,7 +24,7 @@ import torch
 
 import impls
 from impls import Impl, Prepared, Unsupported
-from impls._tuning import STEADY_TOLERANCE, STEADY_WINDOW_S
+from impls._tuning import STEADY_TOLERANCE, STEADY_WINDOW_S, clone_inputs
 from suite import cases as grid
 from suite import timing
 from suite.cases import Case
@@ -278,14 +277,7 @@ class Problem:
 
     def input_copies(self, n: int) -> list[Any]:
         """``n`` copies of the inputs in fresh memory, the first being the inputs themselves."""
-        def clone(inputs: Any) -> Any:
-            if self.case.op == "dense":
-                return tuple(t.clone() for t in inputs)
-            fields = {f.name: getattr(inputs, f.name) for f in dataclasses.fields(inputs) if f.init}
-            return dataclasses.replace(inputs, **{name: t.clone() for name, t in fields.items()
-                                                  if isinstance(t, torch.Tensor)})
-
-        return [self.inputs] + [clone(self.inputs) for _ in range(n - 1)]
+        return [self.inputs] + [clone_inputs(self.inputs) for _ in range(n - 1)]
 
     def check(self, out: torch.Tensor) -> CheckResult:
         return self.oracle.check(out)

@@ -32,12 +32,18 @@ from typing import NamedTuple
 
 import torch
 
-from impls._tuning import mean_ms, recover_from_failed_capture
+from impls._tuning import (  # noqa: F401  (re-exported: the suite's --cold-l2 rotation)
+    MAX_INPUT_COPIES,
+    copies_for_cold_l2,
+    l2_bytes,
+    mean_ms,
+    recover_from_failed_capture,
+    rotation_evicts,
+)
 
 MODES = ("eager", "graph", "kernel")
 GRAPH_REPLAY_S = 1e-3  # a replay lasts at least this long: the graph launch is amortised over many calls
 MAX_CALLS_PER_GRAPH = 256
-MAX_INPUT_COPIES = 64  # cold-L2 rotation: at most this many copies of one case's inputs
 
 
 class CudaClock:
@@ -215,23 +221,6 @@ def graph_repeats(seconds_per_call: float, copies: int) -> int:
     """Repeats of the copies' calls in one graph so that a replay lasts about ``GRAPH_REPLAY_S``."""
     per_pass = max(seconds_per_call, 1e-7) * copies
     return max(1, min(MAX_CALLS_PER_GRAPH // copies, math.ceil(GRAPH_REPLAY_S / per_pass)))
-
-
-def l2_bytes(device: torch.device) -> int:
-    return getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 << 20)
-
-
-def copies_for_cold_l2(bytes_per_call: int, device: torch.device) -> int:
-    """Input copies to rotate over so that a call's inputs were evicted since their last use: the other
-    copies' bytes together exceed twice the L2 cache (at most MAX_INPUT_COPIES: see ``rotation_evicts``)."""
-    return max(1, min(MAX_INPUT_COPIES, math.ceil(2 * l2_bytes(device) / max(bytes_per_call, 1)) + 1))
-
-
-def rotation_evicts(bytes_per_call: int, copies: int, device: torch.device) -> bool:
-    """Whether rotating over ``copies`` evicts a call's inputs before their next use, the other copies' bytes
-    together twice the L2 cache. Not for the smallest calls, whose MAX_INPUT_COPIES all fit in the L2 (on an H200
-    a decode step under 2 MB): their "cold" times are warm ones, and the record says so (session 65)."""
-    return copies > 1 and (copies - 1) * bytes_per_call >= 2 * l2_bytes(device)
 
 
 class L2Flusher:

@@ -525,6 +525,37 @@ def test_triton_decode_tuner_leaves_out_configs_beyond_shared_memory():
         decode_candidates([c for c in DECODE_SPACE if c["num_stages"] >= 5], launch)
 
 
+def test_decode_tuners_time_a_step_that_fits_in_the_l2_over_copies_of_its_inputs(monkeypatch):
+    """A step whose inputs fit in twice the L2 is timed cold by the decode tuners: each candidate's call runs over the
+    inputs and then each copy of them (fresh memory, equal contents), enough copies that the others' bytes evict the
+    L2 between a copy's uses; a step of twice the L2 or more, or off CUDA, keeps its calls as they are."""
+    from impls import _tuning
+
+    inputs = paged_inputs()
+    size = sum(t.nbytes for t in _tuning.input_tensors(inputs).values())
+    assert size == sum(t.nbytes for t in (inputs.q, inputs.k_cache, inputs.v_cache, inputs.block_table,
+                                          inputs.cache_seqlens))
+    ran = []
+    candidates = [(name, lambda name=name: ran.append((name, inputs))) for name in ("a", "b")]
+
+    def call_on(copy, name):
+        return lambda: ran.append((name, copy))
+
+    assert _tuning.cold_candidates(candidates, inputs, call_on) is candidates  # CPU: no L2 to evict
+    monkeypatch.setattr(_tuning, "l2_bytes", lambda device: size)  # the inputs fit in twice the L2
+    cold = _tuning.cold_candidates(candidates, inputs, call_on)
+    assert [name for name, _ in cold] == ["a", "b"]
+    cold[1][1]()
+    assert [name for name, _ in ran] == ["b"] * 3  # itself and 2 copies, whose bytes are twice the L2
+    assert ran[0][1] is inputs and len({id(copy.k_cache) for _, copy in ran}) == 3
+    for _, copy in ran[1:]:
+        assert copy.k_cache.data_ptr() != inputs.k_cache.data_ptr()
+        torch.testing.assert_close(copy.k_cache, inputs.k_cache, rtol=0, atol=0, equal_nan=True)  # NaN in free slots
+        assert torch.equal(copy.block_table, inputs.block_table) and copy.page_size == inputs.page_size
+    monkeypatch.setattr(_tuning, "l2_bytes", lambda device: size // 2)  # twice the L2 is the step: it evicts itself
+    assert _tuning.cold_candidates(candidates, inputs, call_on) is candidates
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's run of the unsplit decode: CPU")
 def test_triton_decode_without_a_split_writes_the_output_directly(monkeypatch):
     """One chunk per sequence: the split kernel writes the output rows, and no combine is launched."""

@@ -641,9 +641,10 @@ def test_device_time_is_the_union_of_kernel_spans():
 def test_a_rotation_too_small_to_evict_the_l2_is_not_called_cold(monkeypatch):
     """--cold-l2 in graph mode rotates over at most MAX_INPUT_COPIES copies: for the smallest calls they all fit in
     the L2 together, so those times are warm ones, and the record must not call them cold."""
+    from impls import _tuning
     from suite import timing
 
-    monkeypatch.setattr(timing, "l2_bytes", lambda device: 60 << 20)
+    monkeypatch.setattr(_tuning, "l2_bytes", lambda device: 60 << 20)
     device = torch.device("cpu")
     mib = 1 << 20
     copies = timing.copies_for_cold_l2(2 * mib, device)

@@ -35,7 +35,7 @@ from impls._serving import (
     fp16_dots,
     split_plan,
 )
-from impls._tuning import TuningCache, family_sources, fastest, settle_gpu
+from impls._tuning import TuningCache, cold_candidates, family_sources, fastest, settle_gpu
 from impls._validate import NO_WINDOW, UNBOUNDED, binding_window, window_bounds
 
 # Any multiple of 8 from 16 (the smallest dot) to 256: a head dim that is not a power of two is padded to the
@@ -577,12 +577,17 @@ def prepare_paged(inputs, *, scale: float, window: tuple[int, int] = NO_WINDOW, 
     if interpreting():
         config, source = INTERPRETER_DECODE_CONFIG, "fixed (interpreter)"
     else:
+        def launch(on, candidate: dict):
+            return paged_launch(on, scale, candidate, window_left, softcap)
+
         def compiled() -> list[tuple[dict, object]]:
-            return decode_candidates(
-                DECODE_SPACE, lambda candidate: paged_launch(inputs, scale, candidate, window_left, softcap))
+            return decode_candidates(DECODE_SPACE, lambda candidate: launch(inputs, candidate))
+
+        def timed_cold() -> dict:  # impls._tuning.cold_candidates: a short step's K/V evicted between its calls
+            return fastest(cold_candidates(compiled(), inputs, lambda copy, candidate: launch(copy, candidate)[0]))
 
         config, source = TUNING.lookup(TUNING.key(inputs.q.device, decode_shape_class(inputs, window_left, softcap)),
-                                       lambda: fastest(compiled()), lambda: INTERPRETER_DECODE_CONFIG, compiled)
+                                       timed_cold, lambda: INTERPRETER_DECODE_CONFIG, compiled)
     run, plan = paged_launch(inputs, scale, config, window_left, softcap)
     run()  # compile outside any timed region
     return Prepared(run, config={**config, **plan, "chosen": source})
