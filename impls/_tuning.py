@@ -431,9 +431,10 @@ def clone_inputs(inputs: Any) -> Any:
 # from the L2, and the pick fits that: session 66 (H200), the 70B slice's 64 x 512 (17 MB) timed cold took 1.34x
 # Triton's warm time and 1.10x flash-attn-4's, and Triton's warm-tuned pick fell from 1.19 of flash-attn-4 to 0.98.
 # Tuned cold (session 66, the 17 `serving` steps of up to twice the L2, then `gpu_session.sh serve-cold` on the same
-# H200), Triton took other picks on 3: 8B 16 x 512 cold 16.84 -> 15.16 us (0.88 -> 0.98 of flash-attn-4; unsplit
-# 128-key tiles at 5 stages), the 70B slice's 1 x 2K 7.07 -> 6.42, 8B 1 x 8K level cold (12.6 us warm against the
-# warm pick's 11.4). The 70B slice's 64 x 512 kept its pick (0.976 cold): nothing in the space is faster cold there.
+# H200), Triton took other picks on 3. Against session 65's serve-cold (another H200, the warm-tuned picks), ours /
+# best peer cold: 8B 16 x 512 0.88 -> 0.98 of flash-attn-4 (16.84 -> 15.16 us; unsplit 128-key tiles at 5 stages),
+# the 70B slice's 1 x 2K 1.34 -> 1.50 of FlashInfer (7.07 -> 6.42 us), 8B 1 x 8K 1.19 -> 1.19 (warm 1.28 -> 1.17).
+# The 70B slice's 64 x 512 kept its pick (0.976 cold): nothing in the space is faster cold there.
 def cold_candidates(candidates: list[tuple[Any, Callable[[], object]]], inputs: Any,
                     call_on: Callable[[Any, Any], Callable[[], object]]) -> list[tuple[Any, Callable[[], object]]]:
     """``candidates`` ((candidate, call) over ``inputs``) as calls that rotate over the inputs and copies of them
