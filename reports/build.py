@@ -505,6 +505,8 @@ def build_context(runs: list[Run], baseline: str) -> dict[str, Any]:
         "rested_ms": sorted({round(1e3 * m.rest_s) for r in runs for m in r.measurements if m.rest_s}),
         "rested": (sum(bool(m.rest_s) for r in runs for m in r.measurements),
                    sum(len(r.measurements) for r in runs)),  # (after a pause, of all)
+        "cold": (sum(m.cold_l2 for r in runs for m in r.measurements),
+                 sum(bool(m.gpu) for r in runs for m in r.measurements)),  # (timed L2-cold, of those on a GPU)
         "matrices": [(r.label, correctness_matrix(r), r.unavailable) for r in runs],
         "ladders": [(r.label, lad) for r in runs if (lad := ladder(r))],
         "fleets": [(r.label, f) for r in runs if (f := fleet(r))],

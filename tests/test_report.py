@@ -70,6 +70,31 @@ def test_report_says_whether_calls_settled_before_timing(results, tmp_path):
     assert "pauses only after a benchmark of much longer calls" in html
 
 
+def test_report_says_whether_the_gpu_benchmarks_found_their_inputs_in_the_l2(results, tmp_path):
+    """A warm run (the default) says that inputs that fit in the L2 were read from there; a --cold-l2 run says
+    they were evicted, and how many benchmarks stayed warm because their copies fit in it together."""
+    data = json.loads(results.read_text())
+    assert "L2 cache" not in write_report([results], tmp_path / "cpu.html").read_text()  # CPU: nothing said
+    for bench in data["benchmarks"]:
+        bench["extra_info"]["gpu"] = {"name": "NVIDIA H200", "uuid": "GPU-0"}
+    path = tmp_path / "gpu.json"
+
+    def report() -> str:
+        path.write_text(json.dumps(data))
+        return " ".join(write_report([path], tmp_path / "g.html").read_text().split())
+
+    assert "inputs that fit in the L2 cache were read from there" in report()
+    for bench in data["benchmarks"]:
+        bench["extra_info"]["cold_l2"] = True
+    html = report()
+    assert "Every GPU benchmark found its inputs evicted from the L2 cache" in html and "read from there" not in html
+    data["benchmarks"][0]["extra_info"]["cold_l2"] = False  # its copies fit in the L2 together
+    count = len(data["benchmarks"])
+    html = report()
+    assert f"{count - 1} of the {count} GPU benchmarks found their inputs evicted" in html
+    assert "the smallest steps' copies fit in it together" in html
+
+
 def test_report_shows_the_energy_of_a_call_where_nvml_measured_it(results, tmp_path):
     data = json.loads(results.read_text())
     html = write_report([results], tmp_path / "cpu.html").read_text()
