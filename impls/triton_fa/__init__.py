@@ -517,7 +517,6 @@ def paged_launch(inputs, scale: float, config: dict, window_left: int = UNBOUNDE
                   "F16_DOT": fp16_dots(inputs),
                   **tile_rows, **{name: value for name, value in config.items() if name not in LAUNCH_KEYS}}
     split_meta.setdefault("V_WORDS", word_values(inputs, interp, split_meta["F16_DOT"]))  # after a config's F16_DOT
-    split_meta["PREFETCH"] = split_meta.get("PREFETCH", False) and not interp  # inline PTX: compiled kernels only
 
     def partials(num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Each chunk's normalised output and log-sum-exp, for the combine (unused without a split)."""
