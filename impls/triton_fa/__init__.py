@@ -415,6 +415,14 @@ def _describe(cfg) -> dict:
 # all 20 cases with 64 or more sequences: the 70B slice's 256 x 8K 1.005, 256 x 2K 1.034, 64 x 32K 1.037. At 255
 # registers it parks a few values in local memory before its loop and reads them back after it (none inside:
 # tests/test_triton_compile.py).
+# Session 66, measured and dropped (commit 27bf60a has it, with serving_probe.py --prefetch-ab): PREFETCH, the split
+# kernel asking the L2 for a chunk's lookups (its sequence's length, the table line where it starts, the query rows;
+# PTX prefetch.global.L2) before the PDL wait, so that they arrive while the kernel ahead still runs. H200, the cold-
+# tuned pick without and with it, alternating, median of 7, us a step, warm / cold: the 70B slice's 64 x 512 9.18 /
+# 12.24 -> 9.13 / 11.99 (twice: -2.2% cold); but 1 x 8K 5.69 / 7.16 -> 7.01 / 9.31, 1 x 32K 9.19 / 12.50 -> 12.31 /
+# 17.12, 16 x 2K 9.11 / 11.83 -> 12.42 / 14.72, 8B 1 x 8K 12.30 / 15.90 -> 16.78 / 22.11: where hundreds of one-tile
+# chunks of a sequence each ask for the same lines, 25-40% slower, warm too (1 x 2K, 1 MB: 5.20 -> 5.23). The
+# compiled kernels had the same registers, shared memory and buffers.
 DECODE_TILES = ((128, 4, 3), (128, 4, 2), (64, 4, 3), (64, 4, 2), (64, 8, 2), (32, 4, 2), (128, 4, 5), (64, 2, 3),
                 (32, 2, 2), (64, 2, 5))
 DECODE_PLANS = [{"PLAN_PROGRAMS": programs, "PLAN_FIT": fit, "PLAN_MIN_TILES": min_tiles}
