@@ -204,10 +204,17 @@ export FMHA_TUNING_CACHE=${FMHA_TUNING_CACHE:-/tmp/fmha/tuning} CUDA_TILE_CACHE_
 # A tuning cache carried in .gpu-tune/ (git-ignored; the tune-out part brings one back) seeds a fresh machine's, so
 # that a chain skips its cold tune (the models preset's: about 8 minutes on an H100). Its entries are keyed on the GPU
 # model, the library versions and the kernels' sources (impls/_tuning.py), so a stale one is never read. A machine's
-# own files win: the seed fills only what is missing.
-if compgen -G ".gpu-tune/*.json" >/dev/null; then
-  mkdir -p "$FMHA_TUNING_CACHE" && cp -n .gpu-tune/*.json "$FMHA_TUNING_CACHE"/
-  echo "tuning cache seeded from .gpu-tune: $(ls .gpu-tune/*.json | xargs -n1 basename | tr '\n' ' ')"
+# own files win: the seed fills only what is missing. TUNE_SEED="cutile" (families, space-separated) seeds those
+# alone: the others tune on this machine, whose instance may favour other picks (session 66: Triton's picks carried
+# from another H200 trailed FlashInfer by 0.4-1.2% on two 1 GB steps where picks tuned on the machine were level).
+seed=()
+for file in .gpu-tune/*.json; do
+  [ -f "$file" ] || continue
+  { [ -z "${TUNE_SEED+set}" ] || [[ " $TUNE_SEED " == *" $(basename "$file" .json) "* ]]; } && seed+=("$file")
+done
+if [ ${#seed[@]} -gt 0 ]; then
+  mkdir -p "$FMHA_TUNING_CACHE" && cp -n "${seed[@]}" "$FMHA_TUNING_CACHE"/
+  echo "tuning cache seeded from .gpu-tune: $(printf '%s\n' "${seed[@]}" | xargs -n1 basename | tr '\n' ' ')"
   python3 scripts/rekey_tuning.py .gpu-tune || true  # how many entries this code's digests find (0: a stale carry)
 fi
 # The serve-* parts run SERVE_GRIDS (default the serving and varlen presets) after their CPU twins SERVE_TWINS, and
