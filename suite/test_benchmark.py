@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from impls import Impl, Prepared
-from impls._tuning import SETTLE_S, settle, settle_until_steady
+from impls._tuning import SETTLE_S, copies_for_cold_l2, rotation_evicts, settle, settle_until_steady
 from suite import metrics
 from suite.cases import Case
 from suite.plugin import Problem, Recorder, run_state
@@ -20,13 +20,11 @@ from suite.timing import (
     GraphCaptureError,
     GraphTarget,
     L2Flusher,
-    copies_for_cold_l2,
     cuda_clock,
     graph_repeats,
     iterations_for,
     profile_kernels,
     rest,
-    rotation_evicts,
     time_once,
 )
 

@@ -32,14 +32,7 @@ from typing import NamedTuple
 
 import torch
 
-from impls._tuning import (  # noqa: F401  (re-exported: the suite's --cold-l2 rotation)
-    MAX_INPUT_COPIES,
-    copies_for_cold_l2,
-    l2_bytes,
-    mean_ms,
-    recover_from_failed_capture,
-    rotation_evicts,
-)
+from impls._tuning import l2_bytes, mean_ms, recover_from_failed_capture
 
 MODES = ("eager", "graph", "kernel")
 GRAPH_REPLAY_S = 1e-3  # a replay lasts at least this long: the graph launch is amortised over many calls

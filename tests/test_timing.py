@@ -642,13 +642,12 @@ def test_a_rotation_too_small_to_evict_the_l2_is_not_called_cold(monkeypatch):
     """--cold-l2 in graph mode rotates over at most MAX_INPUT_COPIES copies: for the smallest calls they all fit in
     the L2 together, so those times are warm ones, and the record must not call them cold."""
     from impls import _tuning
-    from suite import timing
 
     monkeypatch.setattr(_tuning, "l2_bytes", lambda device: 60 << 20)
     device = torch.device("cpu")
     mib = 1 << 20
-    copies = timing.copies_for_cold_l2(2 * mib, device)
-    assert copies == 61 and timing.rotation_evicts(2 * mib, copies, device)
-    tiny = timing.copies_for_cold_l2(mib // 4, device)
-    assert tiny == timing.MAX_INPUT_COPIES and not timing.rotation_evicts(mib // 4, tiny, device)
-    assert not timing.rotation_evicts(200 * mib, 1, device)  # one copy: nothing rotates
+    copies = _tuning.copies_for_cold_l2(2 * mib, device)
+    assert copies == 61 and _tuning.rotation_evicts(2 * mib, copies, device)
+    tiny = _tuning.copies_for_cold_l2(mib // 4, device)
+    assert tiny == _tuning.MAX_INPUT_COPIES and not _tuning.rotation_evicts(mib // 4, tiny, device)
+    assert not _tuning.rotation_evicts(200 * mib, 1, device)  # one copy: nothing rotates
