@@ -42,7 +42,7 @@ import torch
 
 import impls
 import impls._serving
-from impls._tuning import graph_ms
+from impls._tuning import cold_candidates, graph_ms
 from impls._validate import NO_WINDOW
 from impls.cutile import Call, _sm_count, precompile
 from impls.cutile.serving import (
@@ -178,6 +178,7 @@ def fp8_dots_ab(case_id: str, peers: list[str], cutile: bool = True, rounds: int
 
 
 SWITCH = {"off": False, "on": True}  # a constexpr switch's values, by label
+PREFETCH_FORMS = {"off": 0, "first chunk": 1, "every chunk": 2}  # decode.py's PREFETCH values
 
 
 def triton_values(case, inputs, scale: float, oracle, key: str, values: dict[str, object], peers: list[str],
@@ -223,6 +224,33 @@ def cutile_pdl_ab(case_id: str, peers: list[str], rounds: int = 7) -> None:
                                      "PDL": best.dependent_launch}
     calls |= {name: impls.get(name, "paged").prepare(inputs, scale=scale) for name in peers}
     report_alternating(case, oracle, calls, details, rounds)
+
+
+def prefetch_ab(case_id: str, config: dict | None, peers: list[str], rounds: int = 7) -> None:
+    """The Triton decode with ``config`` (a tuned pick: the tuning cache's entry) without and with its lookups
+    prefetched before the wait (PREFETCH, both forms), and each peer, warm (back to back over the same inputs) and
+    cold (over copies of them, ``impls._tuning.cold_candidates``), all in alternation: a JSON line each, us a step."""
+    case = case_by_id(case_id)
+    inputs = case.make_inputs("cuda")
+    scale, oracle = inputs.head_dim ** -0.5, Oracle.serving(inputs)
+    if config is None:  # the case's pick from the tuning cache (a tune where it has none), its tile and plan keys
+        picked = impls.get("triton", "paged").prepare(inputs, scale=scale).config
+        config = {key: picked[key] for key in TRITON_SPACE[0] if key in picked}
+        print(json.dumps({"case": case.id, "config": config, "chosen": picked["chosen"]}), flush=True)
+    makers = {f"triton PREFETCH {label}": lambda on, v=v: paged_launch(on, scale, {**config, "PREFETCH": v})[0]
+              for label, v in PREFETCH_FORMS.items()}
+    makers |= {name: lambda on, name=name: impls.get(name, "paged").prepare(on, scale=scale) for name in peers}
+    warm = [(name, make(inputs)) for name, make in makers.items()]
+    cold = cold_candidates(warm, inputs, lambda copy, name: makers[name](copy))
+    # a rotated call runs a step over each copy (a step of twice the L2 or more is not rotated: cold as it is)
+    steps = {name: len(call()) if cold is not warm else 1 for name, call in cold}
+    calls = {(name, "warm"): call for name, call in warm} | {(name, "cold"): call for name, call in cold}
+    median, outputs = interleaved(calls, rounds), {name: call() for name, call in warm}
+    for (name, state), ms in median.items():
+        us = ms * 1e3 / (steps[name] if state == "cold" else 1)
+        print(json.dumps({"case": case.id, "variant": name, "l2": state, "us": us, "copies": steps[name],
+                          "gbps": metrics.kv_bytes(case) / us / 1e3, "passed": oracle.check(outputs[name]).passed}),
+              flush=True)
 
 
 def interleaved(calls: dict, rounds: int) -> dict:
@@ -385,10 +413,18 @@ def main() -> None:
                         help="a cuTile decode form beside the tuner's (repeatable), e.g. 32,pages,2")
     parser.add_argument("--cutile-min-tiles", type=int, metavar="N",
                         help="the cuTile candidates' shortest chunk in key tiles (default: SPLIT_MIN_TILES)")
+    parser.add_argument("--prefetch-ab", metavar="CONFIG",
+                        help="the Triton decode with this config (JSON: a tuning cache entry, or 'tuned': each "
+                             "case's pick) without and with PREFETCH, and each --peer, warm and cold "
+                             "(on the --case cases; only this)")
     parser.add_argument("--min-tiles", action="append", type=int, default=[], metavar="N",
                         help="the fastest Triton config on split plans of chunks of at least N key tiles "
                              "(repeatable), beside each --peer (on the --case cases; only this)")
     args = parser.parse_args()
+    if args.prefetch_ab:
+        for case_id in args.case:
+            prefetch_ab(case_id, None if args.prefetch_ab == "tuned" else json.loads(args.prefetch_ab), args.peer)
+        return
     if args.min_tiles:
         for case_id in args.case:
             values_ab(case_id, "PLAN_MIN_TILES", {str(n): n for n in args.min_tiles}, args.peer, rounds=7)

@@ -525,6 +525,7 @@ def paged_launch(inputs, scale: float, config: dict, window_left: int = UNBOUNDE
                   "F16_DOT": fp16_dots(inputs),
                   **tile_rows, **{name: value for name, value in config.items() if name not in LAUNCH_KEYS}}
     split_meta.setdefault("V_WORDS", word_values(inputs, interp, split_meta["F16_DOT"]))  # after a config's F16_DOT
+    split_meta["PREFETCH"] = 0 if interp else split_meta.get("PREFETCH", 0)  # inline PTX: compiled kernels only
 
     def partials(num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Each chunk's normalised output and log-sum-exp, for the combine (unused without a split)."""

@@ -37,10 +37,11 @@ def compile_cubin(arch: int, *, dtype: str = "fp16", head_dim: int = 128, causal
 
 def compile_decode(arch: int, *, block_n: int, num_warps: int, num_stages: int, dtype: str = "bf16",
                    head_dim: int = 128, group: int = 4, page_size: int = 16, mask_free: bool = True,
-                   kv_fp8: bool = False, v_words: bool = True, pdl: bool = False):
+                   kv_fp8: bool = False, v_words: bool = True, pdl: bool = False, prefetch: int = 0):
     """The paged decode's split kernel (decode.py) as the decode tuner launches it for a split step (one new
     token per sequence, GROUP query heads per kv head); ``kv_fp8``: over an fp8 (e4m3) cache, whose values are
-    read as words (V_WORDS) unless ``v_words`` is off; ``pdl``: for programmatic dependent launch (USE_PDL)."""
+    read as words (V_WORDS) unless ``v_words`` is off; ``pdl``: for programmatic dependent launch (USE_PDL);
+    ``prefetch``: with the lookups asked of the L2 before the wait (PREFETCH)."""
     import triton
 
     from impls.triton_fa.decode import paged_decode_split
@@ -50,7 +51,8 @@ def compile_decode(arch: int, *, block_n: int, num_warps: int, num_stages: int, 
                  "BLOCK_N": block_n, "DOT_FP32": False, "SPLIT": True,
                  "MASK_FREE": mask_free, "HAS_WINDOW": False, "SOFTCAP": 0.0,  # every constexpr, defaults too
                  "KV_FP8": kv_fp8, "F16_DOT": kv_fp8 and dtype == "bf16",  # impls._serving.fp16_dots
-                 "V_WORDS": kv_fp8 and v_words, "USE_PDL": pdl}  # word_values, for a word-aligned cache
+                 "V_WORDS": kv_fp8 and v_words, "USE_PDL": pdl,  # word_values, for a word-aligned cache
+                 "PREFETCH": prefetch}
     pointers = {**dict.fromkeys(("Q", "Out"), dtype), **dict.fromkeys(("K_cache", "V_cache"), "fp8e4nv" if kv_fp8
                                                                         else dtype), "block_table": "i32",
                 "cache_seqlens": "i32", "O_part": "fp32", "LSE_part": "fp32"}
@@ -100,7 +102,9 @@ def dependent_launch(ptx: str) -> dict[str, int]:
     first_wait = ptx.find("griddepcontrol.wait")
     return {"pdl_waits": ptx.count("griddepcontrol.wait"),
             "pdl_triggers": ptx.count("griddepcontrol.launch_dependents"),
-            "loads_before_wait": ptx[:first_wait].count("ld.global") if first_wait >= 0 else -1}
+            "loads_before_wait": ptx[:first_wait].count("ld.global") if first_wait >= 0 else -1,
+            "prefetches_before_wait": ptx[:first_wait].count("prefetch.global.L2") if first_wait >= 0 else -1,
+            "prefetches": ptx.count("prefetch.global.L2")}
 
 
 def describe(cubin: bytes) -> dict[str, int]:
@@ -125,6 +129,8 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--value-bytes", action="store_true",
                         help="--kv-fp8 with the values read as bytes (V_WORDS off), as before session 40")
     parser.add_argument("--pdl", action="store_true", help="--decode for programmatic dependent launch (USE_PDL)")
+    parser.add_argument("--prefetch", type=int, default=0, choices=(0, 1, 2),
+                        help="--decode with its lookups prefetched (PREFETCH: 1 by the first chunk, 2 by every one)")
     parser.add_argument("--each", action="store_true",
                         help="read one line of these options per configuration from stdin; print a JSON line each "
                              "(one process for many compiles)")
@@ -135,7 +141,8 @@ def resources(args: argparse.Namespace) -> dict[str, int]:
     if args.decode:
         block_n, num_warps, num_stages = args.decode
         kernel = compile_decode(args.arch, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-                                kv_fp8=args.kv_fp8, v_words=not args.value_bytes, pdl=args.pdl)
+                                kv_fp8=args.kv_fp8, v_words=not args.value_bytes, pdl=args.pdl,
+                                prefetch=args.prefetch)
         return {**describe(kernel.asm["cubin"]), "shared": kernel.metadata.shared,
                 "kv_buffers": kv_buffers(kernel.asm["ttgir"]), **dependent_launch(kernel.asm["ptx"])}
     cubin = compile_cubin(args.arch, head_dim=args.d, causal=not args.full, block_m=args.block[0],
