@@ -178,7 +178,6 @@ def fp8_dots_ab(case_id: str, peers: list[str], cutile: bool = True, rounds: int
 
 
 SWITCH = {"off": False, "on": True}  # a constexpr switch's values, by label
-PREFETCH_FORMS = {"off": 0, "first chunk": 1, "every chunk": 2}  # decode.py's PREFETCH values
 
 
 def triton_values(case, inputs, scale: float, oracle, key: str, values: dict[str, object], peers: list[str],
@@ -228,8 +227,9 @@ def cutile_pdl_ab(case_id: str, peers: list[str], rounds: int = 7) -> None:
 
 def prefetch_ab(case_id: str, config: dict | None, peers: list[str], rounds: int = 7) -> None:
     """The Triton decode with ``config`` (a tuned pick: the tuning cache's entry) without and with its lookups
-    prefetched before the wait (PREFETCH, both forms), and each peer, warm (back to back over the same inputs) and
-    cold (over copies of them, ``impls._tuning.cold_candidates``), all in alternation: a JSON line each, us a step."""
+    prefetched before the wait by the first chunk's program (PREFETCH; on by default under PDL), and each peer,
+    warm (back to back over the same inputs) and cold (over copies of them, ``impls._tuning.cold_candidates``), all
+    in alternation: a JSON line each, us a step."""
     case = case_by_id(case_id)
     inputs = case.make_inputs("cuda")
     scale, oracle = inputs.head_dim ** -0.5, Oracle.serving(inputs)
@@ -238,7 +238,7 @@ def prefetch_ab(case_id: str, config: dict | None, peers: list[str], rounds: int
         config = {key: picked[key] for key in TRITON_SPACE[0] if key in picked}
         print(json.dumps({"case": case.id, "config": config, "chosen": picked["chosen"]}), flush=True)
     makers = {f"triton PREFETCH {label}": lambda on, v=v: paged_launch(on, scale, {**config, "PREFETCH": v})[0]
-              for label, v in PREFETCH_FORMS.items()}
+              for label, v in SWITCH.items()}
     makers |= {name: lambda on, name=name: impls.get(name, "paged").prepare(on, scale=scale) for name in peers}
     warm = [(name, make(inputs)) for name, make in makers.items()]
     cold = cold_candidates(warm, inputs, lambda copy, name: makers[name](copy))

@@ -576,14 +576,15 @@ def test_triton_decode_without_a_split_writes_the_output_directly(monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's run of the split decode: CPU")
 def test_triton_decode_asked_to_prefetch_runs_without_it_under_the_interpreter():
-    """PREFETCH is inline PTX (prefetch.global.L2), which Triton's interpreter cannot run: a config asking for it
-    runs there without it, split and combined, and stays correct (tests/test_triton_compile.py has the PTX)."""
+    """PREFETCH is inline PTX (prefetch.global.L2) before the PDL wait, neither of which Triton's interpreter runs: a
+    config asking for it runs there without it, split and combined, says so, and stays correct
+    (tests/test_triton_compile.py has the PTX)."""
     pytest.importorskip("triton")
     from impls.triton_fa import INTERPRETER_DECODE_CONFIG, paged_launch
 
     inputs = PRESETS["serving-cpu"][0].make_inputs("cpu")
-    run, plan = paged_launch(inputs, inputs.head_dim ** -0.5, {**INTERPRETER_DECODE_CONFIG, "PREFETCH": 1})
-    assert plan["num_splits"] > 1
+    run, plan = paged_launch(inputs, inputs.head_dim ** -0.5, {**INTERPRETER_DECODE_CONFIG, "PREFETCH": True})
+    assert plan["num_splits"] > 1 and plan["PDL"] is False and plan["PREFETCH"] is False, plan
     result = Oracle.serving(inputs).check(run())
     assert result.passed, result.message
 

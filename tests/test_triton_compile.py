@@ -109,10 +109,10 @@ def test_decode_under_programmatic_dependent_launch_waits_before_its_first_load(
 
 
 def test_decode_prefetches_its_lookups_before_the_wait_and_loads_nothing_there():
-    """PREFETCH asks the L2 for the sequence length, the chunk's table line and the query rows while the kernel ahead
-    still runs (prefetch.global.L2 before griddepcontrol.wait): hints only, no load before the wait, and the loop's
-    tile is the one without them."""
-    on, off = compiled("--arch 90 --decode 128 4 5 --pdl --prefetch 1", "--arch 90 --decode 128 4 5 --pdl")
+    """PREFETCH asks the L2 for the sequence length, its table line and the query rows while the kernel ahead still
+    runs (prefetch.global.L2 before griddepcontrol.wait): hints only, no load before the wait, and the loop's tile is
+    the one without them."""
+    on, off = compiled("--arch 90 --decode 128 4 5 --pdl --prefetch", "--arch 90 --decode 128 4 5 --pdl")
     assert on["prefetches_before_wait"] > 2 and on["prefetches"] == on["prefetches_before_wait"], on
     assert on["loads_before_wait"] == 0 and on["pdl_waits"] == 1, on
     assert off["prefetches"] == 0, off

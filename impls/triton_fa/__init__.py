@@ -423,6 +423,13 @@ def _describe(cfg) -> dict:
 # 17.12, 16 x 2K 9.11 / 11.83 -> 12.42 / 14.72, 8B 1 x 8K 12.30 / 15.90 -> 16.78 / 22.11: where hundreds of one-tile
 # chunks of a sequence each ask for the same lines, 25-40% slower, warm too (1 x 2K, 1 MB: 5.20 -> 5.23). The
 # compiled kernels had the same registers, shared memory and buffers.
+# Session 67 (H200, serving_probe.py --prefetch-ab tuned: each step's cold-tuned pick off / asked by every chunk /
+# asked by the first chunk's program of each sequence and kv head alone, alternating, median of 7, us, cold): the
+# 70B slice's 64 x 512 12.26 / 12.05 / 11.74 (again 12.19 / 11.97 / 11.66; FlashInfer 14.8), 1 x 8K 7.11 / 8.80 /
+# 6.82, 1 x 32K 12.46 / 16.46 / 11.89, 16 x 2K 11.79 / 14.65 / 11.46, 256 x 512 21.96 / 22.04 / 21.56; 8B 1 x 8K
+# 16.00 / 22.18 / 15.64; warm the first-chunk form was 0.7-1.8% faster on all six. Its chunks share the lines, so
+# one program asking serves them all. So the split kernel prefetches so wherever it runs under PDL (PREFETCH);
+# unsplit steps run without PDL, where nothing runs ahead to overlap (8B 16 x 512, unsplit: 15.06 -> 15.31 cold).
 DECODE_TILES = ((128, 4, 3), (128, 4, 2), (64, 4, 3), (64, 4, 2), (64, 8, 2), (32, 4, 2), (128, 4, 5), (64, 2, 3),
                 (32, 2, 2), (64, 2, 5))
 DECODE_PLANS = [{"PLAN_PROGRAMS": programs, "PLAN_FIT": fit, "PLAN_MIN_TILES": min_tiles}
@@ -525,7 +532,6 @@ def paged_launch(inputs, scale: float, config: dict, window_left: int = UNBOUNDE
                   "F16_DOT": fp16_dots(inputs),
                   **tile_rows, **{name: value for name, value in config.items() if name not in LAUNCH_KEYS}}
     split_meta.setdefault("V_WORDS", word_values(inputs, interp, split_meta["F16_DOT"]))  # after a config's F16_DOT
-    split_meta["PREFETCH"] = 0 if interp else split_meta.get("PREFETCH", 0)  # inline PTX: compiled kernels only
 
     def partials(num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Each chunk's normalised output and log-sum-exp, for the combine (unused without a split)."""
@@ -550,9 +556,11 @@ def paged_launch(inputs, scale: float, config: dict, window_left: int = UNBOUNDE
     # decode.py's USE_PDL: compiled kernels only; by default where a combine follows
     pdl = config.get("PDL", split) and not interp and dependent_launch_available(q.device)
     launch = {"USE_PDL": pdl, **({"launch_pdl": True} if pdl else {})}
+    # decode.py's PREFETCH: under PDL (where a kernel runs ahead to overlap), unless a config turns it off
+    prefetch = pdl and split_meta.pop("PREFETCH", True)
     o_part, lse_part = partials(num_splits)
     launches = [(paged_decode_split, (num_splits, *axes), split_args(o_part, lse_part, split_len),
-                 {**split_meta, **launch, "SPLIT": split})]
+                 {**split_meta, **launch, "SPLIT": split, "PREFETCH": prefetch})]
     if split:
         tile_d, chunks = combine_plan(num_splits, width)
         combine_args = (o_part, lse_part, inputs.cache_seqlens, out, *o_part.stride()[:3], *out.stride()[:3], hkv,
@@ -567,7 +575,7 @@ def paged_launch(inputs, scale: float, config: dict, window_left: int = UNBOUNDE
         return out
 
     read_as = {"fp8_values": "words" if split_meta["V_WORDS"] else "bytes"} if inputs.kv_fp8 else {}
-    return run, {"num_splits": num_splits, "split_len": split_len, "BLOCK_M": block_m, "PDL": pdl,
+    return run, {"num_splits": num_splits, "split_len": split_len, "BLOCK_M": block_m, "PDL": pdl, "PREFETCH": prefetch,
                  **({"programs_per_sm": programs_per_sm} if fit else {}), **read_as}
 
 

@@ -37,7 +37,7 @@ def compile_cubin(arch: int, *, dtype: str = "fp16", head_dim: int = 128, causal
 
 def compile_decode(arch: int, *, block_n: int, num_warps: int, num_stages: int, dtype: str = "bf16",
                    head_dim: int = 128, group: int = 4, page_size: int = 16, mask_free: bool = True,
-                   kv_fp8: bool = False, v_words: bool = True, pdl: bool = False, prefetch: int = 0):
+                   kv_fp8: bool = False, v_words: bool = True, pdl: bool = False, prefetch: bool = False):
     """The paged decode's split kernel (decode.py) as the decode tuner launches it for a split step (one new
     token per sequence, GROUP query heads per kv head); ``kv_fp8``: over an fp8 (e4m3) cache, whose values are
     read as words (V_WORDS) unless ``v_words`` is off; ``pdl``: for programmatic dependent launch (USE_PDL);
@@ -129,8 +129,7 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--value-bytes", action="store_true",
                         help="--kv-fp8 with the values read as bytes (V_WORDS off), as before session 40")
     parser.add_argument("--pdl", action="store_true", help="--decode for programmatic dependent launch (USE_PDL)")
-    parser.add_argument("--prefetch", type=int, default=0, choices=(0, 1, 2),
-                        help="--decode with its lookups prefetched (PREFETCH: 1 by the first chunk, 2 by every one)")
+    parser.add_argument("--prefetch", action="store_true", help="--decode with its lookups prefetched (PREFETCH)")
     parser.add_argument("--each", action="store_true",
                         help="read one line of these options per configuration from stdin; print a JSON line each "
                              "(one process for many compiles)")

@@ -65,14 +65,6 @@ def await_inputs(USE_PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
-# PREFETCH's values: who asks the L2 for a sequence's lookups before the PDL wait. Its chunks share them (the
-# length, the query rows, and the table line where the chunks of a short sequence all start), so the first chunk's
-# program asking may serve the others; every chunk asking sends hundreds of requests for the same lines.
-NO_PREFETCH: tl.constexpr = tl.constexpr(0)
-FIRST_CHUNK: tl.constexpr = tl.constexpr(1)
-EVERY_CHUNK: tl.constexpr = tl.constexpr(2)
-
-
 @triton.jit
 def _prefetch_l2(ptrs):
     """Ask the L2 for the lines holding ``ptrs`` and go on (PTX ``prefetch.global.L2``): a hint that neither
@@ -82,16 +74,25 @@ def _prefetch_l2(ptrs):
 
 
 @triton.jit
-def _prefetch_lookups(seq_len_ptr, table_ptr, q_rows, BLOCK_D: tl.constexpr):
-    """Before the wait for the kernel ahead (USE_PDL), while it still runs: ask the L2 for what the first K/V
-    load of the chunk depends on, its sequence's length and the table entries where the chunk starts (a line,
-    32 pages), and for the query rows. Cold, each is a round trip to HBM, and they come one after another: the
-    length bounds the chunk, the table names the pages. ``table_ptr`` lies within the table's row: a chunk
-    starts before the longest sequence's end, which its table holds."""
+def _query_rows(kv_head, GROUP: tl.constexpr, SQ: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The tile's rows: row r is query head kv_head * GROUP + r // SQ, new token r % SQ (and whether it is one)."""
+    rows = tl.arange(0, BLOCK_M)
+    return rows, kv_head * GROUP + rows // SQ, rows % SQ, rows < GROUP * SQ
+
+
+@triton.jit
+def _prefetch_lookups(q_seq, stride_qt, stride_qh, seq_len_ptr, table_row, kv_head, GROUP: tl.constexpr,
+                      SQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Before the wait for the kernel ahead (USE_PDL), while it still runs: ask the L2 for what a chunk's first
+    K/V load depends on, its sequence's length and the start of its table row (a line: 32 pages), and for the
+    query rows (from ``q_seq``, the sequence's queries). Cold, each is a round trip to HBM, and they come one
+    after another: the length bounds the chunk, the table names the pages."""
+    _, head, token, row_valid = _query_rows(kv_head, GROUP, SQ, BLOCK_M)
+    q_rows = q_seq + tl.where(row_valid, token * stride_qt + head * stride_qh, 0)
     one = tl.zeros([1], dtype=tl.int32)
     _prefetch_l2(seq_len_ptr + one)
-    _prefetch_l2(table_ptr + one)
-    _prefetch_l2(q_rows[:, None] + tl.arange(0, (BLOCK_D + 31) // 32)[None, :] * 32)  # each row's 128-byte lines
+    _prefetch_l2(table_row + one)
+    _prefetch_l2(q_rows[:, None] + tl.arange(0, (BLOCK_D + 31) // 32)[None, :] * 32)  # each row, every 32 elements
 
 
 @triton.jit
@@ -232,29 +233,25 @@ def paged_decode_split(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, SPLIT: tl.constexpr,
     MASK_FREE: tl.constexpr = True, HAS_WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = 0.0,
     KV_FP8: tl.constexpr = False, F16_DOT: tl.constexpr = False, V_WORDS: tl.constexpr = False,
-    USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
+    USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
 ):
     """Program (split, kv head, sequence): attention of the GROUP x SQ query rows over one chunk of the cache.
     SPLIT: its normalised output and log-sum-exp go to O_part and LSE_part for the combine; otherwise (one
     chunk per sequence) the output rows go to Out. KV_FP8: the caches are fp8, ``qk_scale`` holds k_scale and
     the output is multiplied by ``v_scale``; F16_DOT (bf16 queries over fp8): the dots run in fp16; V_WORDS (fp8
-    under fp16 dots, compiled): V is read as 32-bit words and widened before its dot's layout. PREFETCH: the
-    lookups the first K/V load waits on asked of the L2 before the wait (``_prefetch_lookups``), by the first
-    chunk's program of each sequence alone (FIRST_CHUNK) or by every chunk's (EVERY_CHUNK)."""
+    under fp16 dots, compiled): V is read as 32-bit words and widened before its dot's layout. PREFETCH (under
+    USE_PDL): the lookups the first K/V load waits on asked of the L2 before the wait (``_prefetch_lookups``) by
+    the first chunk's program of each sequence, for all its chunks."""
     split = tl.program_id(0)
     kv_head = tl.program_id(1).to(tl.int64)
     batch = tl.program_id(2).to(tl.int64)
     bk = tl.program_id(2) * num_kv_heads + tl.program_id(1)  # the partials' row (B*Hkv, ...)
-    # Row r of the tile is query head kv_head * GROUP + r // SQ, new token r % SQ.
-    rows = tl.arange(0, BLOCK_M)
-    head = kv_head * GROUP + rows // SQ
-    token = rows % SQ
-    row_valid = rows < GROUP * SQ
-    q_rows = Q + batch * stride_qb + token * stride_qt + head * stride_qh
-    table_row = block_table + batch * stride_bt
-    if (PREFETCH == EVERY_CHUNK) or (PREFETCH == FIRST_CHUNK and split == 0):
-        _prefetch_lookups(cache_seqlens + batch, table_row + split * split_len // PAGE_SIZE,
-                          tl.where(row_valid, q_rows, Q + batch * stride_qb), BLOCK_D)
+    # One program of each (sequence, kv head) asks for what all its chunks share: the length, the query rows and
+    # the table line where the chunks of a short sequence all start. Every chunk asking sent hundreds of requests
+    # for the same lines and ran 25-40% slower on steps of many one-tile chunks (impls.triton_fa's decode comment).
+    if PREFETCH and split == 0:
+        _prefetch_lookups(Q + batch * stride_qb, stride_qt, stride_qh, cache_seqlens + batch,
+                          block_table + batch * stride_bt, kv_head, GROUP, SQ, BLOCK_M, BLOCK_D)
     await_inputs(USE_PDL)
     seq_len = tl.load(cache_seqlens + batch)
     start = split * split_len
@@ -264,9 +261,11 @@ def paged_decode_split(
         return
     end = tl.minimum(start + split_len, seq_len)
 
+    rows, head, token, row_valid = _query_rows(kv_head, GROUP, SQ, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)  # BLOCK_D: the head dim, or the power of two above it (padded with zeros)
     in_dims = offs_d < HEAD_DIM
-    q = tl.load(q_rows[:, None] + offs_d[None, :], mask=row_valid[:, None] & in_dims[None, :], other=0.0)
+    q_ptrs = Q + batch * stride_qb + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=row_valid[:, None] & in_dims[None, :], other=0.0)
     if F16_DOT:  # each row's power-of-two factor comes back out of its scores through the score scale
         q, row_down = _f16_rows(q)
         qk_scale = qk_scale * row_down[:, None]
@@ -277,6 +276,7 @@ def paged_decode_split(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    table_row = block_table + batch * stride_bt
     # A window's near edge: positions before the last new token's window (seq_len - 1 - window_left) are hidden
     # from some rows, so the chunk's tiles up to there are masked.
     free_from = start
