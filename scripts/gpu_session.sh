@@ -123,6 +123,8 @@
 #             on the serving-fp8 preset's fp8 cases (FP8_DOTS_CASES: case ids instead): bf16 dots against fp16
 #   fp8-words: the Triton decode over fp8 with its values read as words (V_WORDS) against bytes: the tests (memcheck
 #             too), the fp8 twins, then scripts/serving_probe.py --triton-switch V_WORDS on serving-fp8's fp8 cases
+#   prefetch: the Triton decode's split steps under PDL with and without the first chunk's prefetch (PREFETCH): the
+#             GPU test on every tile (head dims 64, 96, 128), then its padded head dim (96) under compute-sanitizer memcheck
 #   ab:       implementations in alternating runs on one machine, so that a gap of 1% can be told from the machine's
 #             drift: AB_PASSES (default 3) passes of AB_IMPLS (default "triton flashinfer"; FlashInfer needs .gpu-fi and
 #             scripts/flashinfer_env.sh) over the AB_GRID cases (default serving) that AB_SELECT picks (pytest -k;
@@ -852,6 +854,13 @@ and q1 and b256-) or (kv8192-uniform-p16 and q1 and b256-) or (llama3-8b and q1-
       step fp8-dots-checks 240 python3 -m pytest tests/test_serving.py tests/test_gpu_candidates.py -q \
         -p no:cacheprovider -rf -k "any_magnitude or (serving and kvfp8)"
       probe_cases fp8-dots "${FP8_DOTS_CASES:-$(fp8_cases)}" . python3 scripts/serving_probe.py --fp8-dots
+      ;;
+    prefetch)
+      step prefetch-checks 240 python3 -m pytest tests/test_serving.py -q -p no:cacheprovider -rf -k prefetches_under_pdl
+      PYTORCH_NO_CUDA_MEMORY_CACHING=1 step prefetch-memcheck 240 compute-sanitizer --tool memcheck \
+        --error-exitcode 9 python3 -m pytest tests/test_serving.py -q -p no:cacheprovider -rf \
+        -k "prefetches_under_pdl and 96"
+      grep -E "ERROR SUMMARY|passed|failed" "$out/prefetch-memcheck.log" | tail -2
       ;;
     fp8-words)
       # the Triton decode's fp8 values read as 32-bit words (V_WORDS) against bytes: its tests (also under memcheck,

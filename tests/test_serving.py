@@ -218,6 +218,29 @@ def test_triton_fp8_values_as_words_on_every_decode_tile(dtype, head_dim):
             assert result.passed, f"tile {n, w, st}, words {words}: {result.message}"
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="PREFETCH is inline PTX before the PDL wait: a GPU")
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
+def test_triton_split_decode_prefetches_under_pdl_and_gives_the_oracle_output(head_dim):
+    """Where a step splits on Hopper its kernels run under PDL, and the first chunk's program of each sequence asks
+    the L2 for its lookups before the wait (PREFETCH): on every tile of the tuner's space, with 1 and 4 new tokens,
+    long-tailed lengths (NaN in unused slots) and a head dim that pads the tile (96), the output is the oracle's, with
+    and without it. (``gpu_session.sh sanitize`` runs this under compute-sanitizer's memcheck.)"""
+    from impls._serving import dependent_launch_available
+    from impls.triton_fa import DECODE_TILES, paged_launch
+
+    if not dependent_launch_available(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs sm_90 or newer")
+    for sq in (1, 4):
+        inputs = paged((*TINY[:3], head_dim), 3, 300, sq=sq, lengths="longtail").make_inputs("cuda")
+        oracle = Oracle.serving(inputs)
+        for (n, w, st), prefetch in itertools.product(DECODE_TILES, (True, False)):
+            config = {"BLOCK_N": n, "num_warps": w, "num_stages": st, "PLAN_MIN_TILES": 1, "PREFETCH": prefetch}
+            run, plan = paged_launch(inputs, head_dim ** -0.5, config)
+            assert plan["num_splits"] > 1 and plan["PDL"] and plan["PREFETCH"] is prefetch, plan
+            result = oracle.check(run())
+            assert result.passed, f"tile {n, w, st}, {sq} new, prefetch {prefetch}: {result.message}"
+
+
 def test_case_ids_and_lengths():
     case = paged(("llama3-8b", 32, 8, 128), 16, 32768, lengths="longtail")
     assert case.id == "llama3-8b-paged-bf16-h32:8-q1-kv32768-longtail-p16-d128-b16"

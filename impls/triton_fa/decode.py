@@ -82,17 +82,21 @@ def _query_rows(kv_head, GROUP: tl.constexpr, SQ: tl.constexpr, BLOCK_M: tl.cons
 
 @triton.jit
 def _prefetch_lookups(q_seq, stride_qt, stride_qh, seq_len_ptr, table_row, kv_head, GROUP: tl.constexpr,
-                      SQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+                      SQ: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     """Before the wait for the kernel ahead (USE_PDL), while it still runs: ask the L2 for what a chunk's first
     K/V load depends on, its sequence's length and the start of its table row (a line: 32 pages), and for the
-    query rows (from ``q_seq``, the sequence's queries). Cold, each is a round trip to HBM, and they come one
+    query rows (from ``q_seq``, the sequence's queries; within each row's HEAD_DIM elements, so that no address lies
+    past the tensors even where the tile pads the head dim). Cold, each is a round trip to HBM, and they come one
     after another: the length bounds the chunk, the table names the pages."""
     _, head, token, row_valid = _query_rows(kv_head, GROUP, SQ, BLOCK_M)
     q_rows = q_seq + tl.where(row_valid, token * stride_qt + head * stride_qh, 0)
     one = tl.zeros([1], dtype=tl.int32)
     _prefetch_l2(seq_len_ptr + one)
     _prefetch_l2(table_row + one)
-    _prefetch_l2(q_rows[:, None] + tl.arange(0, (BLOCK_D + 31) // 32)[None, :] * 32)  # each row, every 32 elements
+    cols = tl.arange(0, (BLOCK_D + 31) // 32) * 32  # each row, every 32 elements
+    if HEAD_DIM != BLOCK_D:  # a padded tile: the last ones at the row's last element
+        cols = tl.minimum(cols, HEAD_DIM - 1)
+    _prefetch_l2(q_rows[:, None] + cols[None, :])
 
 
 @triton.jit
@@ -251,7 +255,7 @@ def paged_decode_split(
     # for the same lines and ran 25-40% slower on steps of many one-tile chunks (impls.triton_fa's decode comment).
     if PREFETCH and split == 0:
         _prefetch_lookups(Q + batch * stride_qb, stride_qt, stride_qh, cache_seqlens + batch,
-                          block_table + batch * stride_bt, kv_head, GROUP, SQ, BLOCK_M, BLOCK_D)
+                          block_table + batch * stride_bt, kv_head, GROUP, SQ, BLOCK_M, HEAD_DIM, BLOCK_D)
     await_inputs(USE_PDL)
     seq_len = tl.load(cache_seqlens + batch)
     start = split * split_len
