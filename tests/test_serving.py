@@ -224,7 +224,7 @@ def test_triton_split_decode_prefetches_under_pdl_and_gives_the_oracle_output(he
     """Where a step splits on Hopper its kernels run under PDL, and the first chunk's program of each sequence asks
     the L2 for its lookups before the wait (PREFETCH): on every tile of the tuner's space, with 1 and 4 new tokens,
     long-tailed lengths (NaN in unused slots) and a head dim that pads the tile (96), the output is the oracle's, with
-    and without it. (``gpu_session.sh sanitize`` runs this under compute-sanitizer's memcheck.)"""
+    and without it. (``gpu_session.sh prefetch`` also runs it under compute-sanitizer's memcheck.)"""
     from impls._serving import dependent_launch_available
     from impls.triton_fa import DECODE_TILES, paged_launch
 

@@ -41,7 +41,9 @@ So the kernel is built around reading the cache once, from enough programs to ke
    its dependents launch (``gdc_launch_dependents``) once it runs. What overlaps is the next kernel's launch and
    block scheduling with this one's last wave: about a microsecond a launch, which is a tenth of a short step
    (the 70B slice at 64 x 512 takes 10-11 us, two launches). FlashInfer's kernels run this way by default on
-   Hopper; ours where a step splits (measured: impls.triton_fa's comment on the decode space).
+   Hopper; ours where a step splits (measured: impls.triton_fa's comment on the decode space). Before its wait, the
+   first chunk's program of each sequence and kv head asks the L2 for what the chunks' first loads wait on
+   (PREFETCH): cold, the length, the table line and the query rows are each a round trip to HBM, one after another.
 
 Causal within each sequence, bottom-right: new token ``t`` (of ``Sq_new``) sees positions ``<= L - Sq_new + t``
 (and, windowed, ``>= L - Sq_new + t - window_left``).
@@ -68,7 +70,7 @@ def await_inputs(USE_PDL: tl.constexpr):
 @triton.jit
 def _prefetch_l2(ptrs):
     """Ask the L2 for the lines holding ``ptrs`` and go on (PTX ``prefetch.global.L2``): a hint that neither
-    waits nor faults. Every address given is one the program reads later."""
+    waits nor faults. Every address given lies in a tensor the program reads later."""
     tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
                               is_pure=False, pack=1)
 
@@ -245,7 +247,7 @@ def paged_decode_split(
     the output is multiplied by ``v_scale``; F16_DOT (bf16 queries over fp8): the dots run in fp16; V_WORDS (fp8
     under fp16 dots, compiled): V is read as 32-bit words and widened before its dot's layout. PREFETCH (under
     USE_PDL): the lookups the first K/V load waits on asked of the L2 before the wait (``_prefetch_lookups``) by
-    the first chunk's program of each sequence, for all its chunks."""
+    the first chunk's program of each sequence and kv head, for all its chunks."""
     split = tl.program_id(0)
     kv_head = tl.program_id(1).to(tl.int64)
     batch = tl.program_id(2).to(tl.int64)
