@@ -160,7 +160,10 @@
 # under /tmp/fmha live as long as the machine; FlashInfer needs `source scripts/flashinfer_env.sh`):
 #   serve-prime: (call 1) serving correctness of the implementations without a carried package, 16 workers (8 under
 #             100 GB) that share the GPU, so that our tuners run their fixed configs (impls/_tuning.py): fills the
-#             compile caches; then ours again in one process, tuning on an idle GPU into the tuning cache
+#             compile caches; then ours again in one process, tuning on an idle GPU into the tuning cache (PRIME_LIMIT
+#             and PRIME_TUNE_LIMIT: the two steps' seconds, default 300 and 260). models-serving from a cache without
+#             its classes does not fit one call: on an H100 (session 68) the prime reached 109 of its checks in
+#             300 s, and our kernels' cold tune 31 of their 36 in three calls (about 1,230 s); serve-tune goes on
 #   serve-tune: our kernels' checks of SERVE_GRIDS alone, tuning into the cache (a chain's first call, without
 #             serve-prime's compile of every candidate)
 #   serve-flashinfer: (call 2) FlashInfer's serving correctness within FI_CORRECT_LIMIT s (330): its JIT compiles the
@@ -333,11 +336,11 @@ for part in "$@"; do
       # Sharing the GPU they tune nothing; --compile-candidates has them compile every shape class's candidates that the
       # tuning cache lacks, so that the one tuning process after them times compiled kernels (impls._tuning)
       mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
-      step prime 300 python3 -m pytest suite -k correctness -q -p no:cacheprovider -rf --impl cutile --impl triton \
-        --impl flex --impl sdpa --impl naive "${serving[@]}" -n "${PRIME_WORKERS:-$(( ${mib:-0} > 100000 ? 16 : 8 ))}" \
-        --dist load --compile-candidates
+      step prime "${PRIME_LIMIT:-300}" python3 -m pytest suite -k correctness -q -p no:cacheprovider -rf --impl cutile \
+        --impl triton --impl flex --impl sdpa --impl naive "${serving[@]}" \
+        -n "${PRIME_WORKERS:-$(( ${mib:-0} > 100000 ? 16 : 8 ))}" --dist load --compile-candidates
       # a tune cut short by its limit goes on in serve-flashinfer (the tuning cache lives in /tmp/fmha)
-      step tune 260 "${tune[@]}" || { [ $? = 124 ] && touch /tmp/fmha/tune-unfinished; }
+      step tune "${PRIME_TUNE_LIMIT:-260}" "${tune[@]}" || { [ $? = 124 ] && touch /tmp/fmha/tune-unfinished; }
       ;;
     flex-paged)  # flex's paged entry (session 57) alone, before it joins serve-all: its checks on the serving grids
       # (a length inside a page is refused at once), with the slowest prepares (each case compiles) listed
