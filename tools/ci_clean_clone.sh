@@ -1,8 +1,20 @@
 #!/usr/bin/env bash
-# Runs .ci/run the way CI does, on a clean clone of HEAD in a temporary folder, and removes the clone after:
-# each clone holds a 2.8 GB venv, and clones left in /tmp once filled the disk that CI shares (session 56).
-# Usage: scripts/ci_clean_clone.sh [LOG]   (LOG defaults to /tmp/ci-clean-clone.log; the exit status is CI's)
+# Run .ci/run the way CI does: on a clean clone of HEAD (committed work only) in a temporary folder, removed after.
+# Each clone holds a venv of about 2.8 GB: clones left behind fill a shared disk quickly.
 set -uo pipefail
+usage() {
+  cat <<'HELP'
+usage: tools/ci_clean_clone.sh [-h] [LOG]
+
+Run the CI script (.ci/run: a fresh venv, the README's test and report commands, ruff) on a clean clone of HEAD
+in a temporary folder, as CI does, and remove the clone afterwards. Only committed work is tested. The output
+goes to LOG (default /tmp/ci-clean-clone.log); the exit status is CI's.
+
+example:
+  tools/ci_clean_clone.sh /tmp/ci.log && echo CI passed
+HELP
+}
+case "${1:-}" in -h|--help) usage; exit 0 ;; -*) usage >&2; exit 2 ;; esac
 repo=$(git -C "$(dirname "$0")/.." rev-parse --show-toplevel)
 log=${1:-/tmp/ci-clean-clone.log}
 clone=$(mktemp -d /tmp/fmha-ci.XXXXXX)
