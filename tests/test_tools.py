@@ -57,6 +57,34 @@ def test_the_tuner_probe_builds_a_variant_from_field_changes() -> None:
         changed(HOPPER_WIDE, "no_such_field=1")
 
 
+def test_the_sweep_names_every_candidate_once() -> None:
+    """The sweep's candidates build without a GPU (only their calls need one), each under a name of its own."""
+    pytest.importorskip("triton")
+    pytest.importorskip("cuda.tile")
+    from tools.sweep import cutile_candidates, triton_candidates
+
+    for found in (list(cutile_candidates(128)), list(cutile_candidates(96, extras=False)), list(triton_candidates())):
+        names = [name for name, _ in found]
+        assert names and len(names) == len(set(names))
+    assert any(name.startswith("cutile-1-") for name, _ in cutile_candidates(64))  # the ladder, with extras
+
+
+def test_the_serving_probe_compares_a_key_at_each_value_or_other_tiles() -> None:
+    pytest.importorskip("triton")
+    from impls.triton_fa import DECODE_SPACE
+    from tools.serving_probe import comparison_spaces, values_arg
+
+    assert values_arg("PDL") == ("PDL", {"off": False, "on": True})
+    assert values_arg("PLAN_MIN_TILES=1,4") == ("PLAN_MIN_TILES", {"1": 1, "4": 4})
+    spaces = comparison_spaces(values_arg("PLAN_MIN_TILES=1,4"), [])
+    assert list(spaces) == ["PLAN_MIN_TILES 1", "PLAN_MIN_TILES 4"]
+    assert all(len(space) == len(DECODE_SPACE) for space in spaces.values())
+    assert {config["PLAN_MIN_TILES"] for config in spaces["PLAN_MIN_TILES 4"]} == {4}
+    spaces = comparison_spaces(None, [(128, 8, 5)])
+    assert spaces["space"] == DECODE_SPACE and {c["BLOCK_N"] for c in spaces["tiles"]} == {128}
+    assert comparison_spaces(None, []) is None
+
+
 def test_a_campaign_runs_in_steps_resumes_and_merges(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Four benchmarks in steps of at most three tests, then a correctness check: one merged file with each test
     once, which the report reads; run again, the campaign has nothing left to do; with no time, it says so."""

@@ -230,6 +230,20 @@ def probe_varlen(grid: str, match: str, rounds: int = 3) -> None:
                  tflops=metrics.flops(case) / median["varlen"] / 1e9, passed=oracle.check(calls["varlen"]()).passed)
 
 
+def comparison_spaces(ab: tuple[str, dict[str, Any]] | None,
+                      tiles: list[tuple[int, int, int]]) -> dict[str, list[dict[str, Any]]] | None:
+    """The named Triton spaces a comparison takes the fastest of: the tuner's space with a key at each value
+    (``--triton-ab``), or the tuner's space and one over other tiles (``--triton-tiles``); None for neither."""
+    if not ab and not tiles:
+        return None
+    from impls.triton_fa import DECODE_SPACE, decode_space
+
+    if not ab:
+        return {"space": DECODE_SPACE, "tiles": decode_space(tuple(tiles))}
+    key, values = ab
+    return {f"{key} {label}": [{**config, key: value} for config in DECODE_SPACE] for label, value in values.items()}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m tools.serving_probe", description=__doc__, epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -262,15 +276,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--varlen-match", default="*", metavar="GLOB", help="varlen: only the cases whose id matches")
     args = parser.parse_args(argv)
     case_ids = args.case or ([] if args.varlen_only else [DEFAULT_CASE])
-    if args.triton_ab or args.triton_tiles:
-        from impls.triton_fa import DECODE_SPACE, decode_space
-
-        if args.triton_ab:
-            key, values = args.triton_ab
-            spaces = {f"{key} {label}": [{**config, key: value} for config in DECODE_SPACE]
-                      for label, value in values.items()}
-        else:
-            spaces = {"space": DECODE_SPACE, "tiles": decode_space(tuple(args.triton_tiles))}
+    spaces = comparison_spaces(args.triton_ab, args.triton_tiles)
+    if spaces:
         for case_id in case_ids:
             compare_spaces(case_id, spaces, args.peer, args.rounds)
         return
