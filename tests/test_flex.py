@@ -173,22 +173,3 @@ def test_a_compile_failure_is_reported_by_its_cause():
         "int32')")
     assert flex.compile_error(RuntimeError("no kernel for this shape")) == "RuntimeError: no kernel for this shape"
     assert flex.compile_error(RuntimeError("")) == "RuntimeError: "
-
-
-@pytest.mark.parametrize(("batch", "length", "kv_heads", "ranges"), [
-    (16, 32768, 1, 16),  # get_split_k aims at 16 ranges a sequence: 2K slots each, 257 over the cache
-    (16, 32768, 8, 2),
-    (1, 32768, 8, 32),
-])
-def test_the_probes_split_kv_gives_the_shortest_sequence_the_ranges_torch_aims_at(batch, length, kv_heads,
-                                                                                   ranges) -> None:
-    """scripts/flex_paged_probe.py's SPLIT_KV for full blocks: ranges of the whole cache short enough that the
-    shortest sequence covers get_split_k's number (132 SMs, a spare page of 64 slots)."""
-    from scripts.flex_paged_probe import split_kv_covering
-
-    lengths = [length] * (batch - 1) + [length // 2]  # the shortest decides
-    slots = sum(lengths) + 64
-    split = split_kv_covering(lengths, slots, kv_heads, sms=132)
-    per_range = -(-slots // split)
-    assert -(-min(lengths) // per_range) >= ranges  # the shortest covers them all
-    assert split <= -(-ranges * slots // min(lengths)) + 1  # and not many more ranges than that takes

@@ -621,22 +621,6 @@ def test_the_cpu_twins_cover_gqa_mqa_several_tokens_and_ragged_pages(name):
         assert {c.page_size for c in grid} >= {16, 32}
 
 
-@pytest.mark.parametrize("programs", [1, 3, 64])
-def test_streamk_probe_merges_the_items_its_ranges_cut(programs):
-    """scripts/streamk_probe.py's persistent decode (a probe, dropped in session 34) stays correct: contiguous tile
-    ranges that cut items, whole items written directly, cut ones merged by log-sum-exp (ragged lengths, group 7)."""
-    pytest.importorskip("triton")
-    from scripts.streamk_probe import streamk_launch
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    for case_id in ("qwen2.5-7b-paged-bf16-h7:1-q1-kv100-uniform-p16-d128-b2",
-                    "paged-bf16-h4:1-q1-kv300-uniform-p16-d64"):
-        case = case_by_id(case_id)
-        inputs = case.make_inputs(device)
-        result = Oracle.serving(inputs).check(streamk_launch(inputs, case.d ** -0.5, 32, 4, 2, programs)())
-        assert result.passed, f"{case_id}, {programs} programs: {result.message}"
-
-
 @pytest.mark.parametrize("pdl", [True, False, None])
 def test_triton_decode_with_and_without_programmatic_dependent_launch(pdl):
     """Both launch modes of the decode (config ``PDL``; by default on where the step splits) are correct on every

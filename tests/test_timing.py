@@ -577,52 +577,6 @@ def test_settled_times_settle_each_call_on_itself_and_alternate_the_order(monkey
     assert _tuning.settled_ranking([("x", None), ("y", None), ("z", None)]) == [("y", 1.0), ("z", 2.0), ("x", 3.0)]
 
 
-def test_a_cache_is_rekeyed_from_a_commits_digest_to_the_work_trees(tmp_path):
-    """scripts/rekey_tuning.py: the digest of a family's modules at a commit (a module added since left out), the
-    commit a digest was tuned at with what changed since, and only the entries keyed on it moved to the working
-    tree's digest."""
-    from scripts.rekey_tuning import changed_since, digest_at, rekey
-    from scripts.rekey_tuning import tuned_at as commit_of
-
-    def git(*args: str) -> None:
-        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
-
-    kernel, added = tmp_path / "kernel.py", tmp_path / "added.py"
-    kernel.write_text("def space():\n    return [1, 2]\n")
-    git("init", "-q")
-    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "--allow-empty", "-m", "empty")
-    git("add", "kernel.py")
-    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "kernel")
-    tuned_at = _tuning.source_hash.__wrapped__((kernel,))
-    assert digest_at("HEAD", (kernel,), tmp_path) == tuned_at
-    kernel.write_text('def space():\n    """Plumbing changed, not the picks."""\n    return [1, 2]\n')
-    added.write_text("X = 1\n")
-    assert digest_at("HEAD", (added, kernel), tmp_path) == tuned_at  # not yet at the commit: left out
-    assert digest_at("HEAD~1", (kernel,), tmp_path) != tuned_at
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tmp_path, capture_output=True, text=True,
-                          check=True).stdout.strip()
-    assert commit_of(tuned_at, (added, kernel), tmp_path) == head  # the commit whose code was tuned
-    assert commit_of("0123456789abcdef", (kernel,), tmp_path) is None
-    assert changed_since(head, (added, kernel), tmp_path).startswith("kernel.py: 1 file changed")  # added: untracked
-    now = _tuning.source_hash.__wrapped__((added, kernel))
-    cache = tmp_path / "toy.json"
-    stale = {"gpu": "H200", "shape": ["a"], "source": tuned_at}
-    other = {"gpu": "H200", "shape": ["b"], "source": "0123456789abcdef"}
-    cache.write_text(json.dumps({json.dumps(stale): {"BLOCK": 64}, json.dumps(other): {"BLOCK": 32}}))
-    assert rekey(cache, tuned_at, now) == 1
-    assert json.loads(cache.read_text()) == {json.dumps({**stale, "source": now}, sort_keys=True): {"BLOCK": 64},
-                                             json.dumps(other, sort_keys=True): {"BLOCK": 32}}
-
-
-def test_the_rekey_script_names_each_familys_sources_as_its_tuning_cache_does():
-    from impls.cutile import TUNING as CUTILE
-    from impls.triton_fa import TUNING as TRITON
-    from scripts.rekey_tuning import FAMILIES, sources
-
-    named = {family: sources(family) for family in FAMILIES}
-    assert {cache.family: cache.sources for cache in (CUTILE, TRITON)} == named
-
-
 def test_device_time_is_the_union_of_kernel_spans():
     """Kernel time counts a stretch where kernels overlap once (programmatic dependent launch starts a kernel
     before the one it waits on ends), and leaves out the gaps between them."""

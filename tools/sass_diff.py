@@ -1,14 +1,10 @@
-"""Every cuTile candidate's sm_90 SASS at a git revision against the working tree, no GPU: registers, stack, shared
-memory (the compiler's K/V pipeline) and whether the instructions changed at all.
+"""Every cuTile candidate's sm_90 SASS at a git revision against the working tree, without a GPU: registers,
+stack, shared memory (the compiler's K/V pipeline) and whether the instructions changed at all.
 
-A kernel edit that keeps every test green can still cost the compiler's pipeline. Session 47's run-time ``if``
-around the peeled diagonal block took the causal 128x256 from 225 to 193 KB of shared memory, and only this
-comparison showed it (its test now asserts the pipeline; others may not).
-
-    python scripts/sass_diff.py HEAD~1 --head-dim 128 [--no-causal] [--window] [--value-dim 128] [--match GLOB]
-
-The revision is checked out in a temporary git worktree and compiled there, by the same ``tileiras`` as the
-working tree (``FMHA_CUTILE_BYTECODE`` applies to both).
+A kernel edit that keeps every test green can still cost the compiler's pipeline (a run-time ``if`` around a
+peeled block once took a causal 128x256 from 225 to 193 KB of shared memory; only this comparison showed it). The
+revision is checked out in a temporary git worktree and compiled there by the same ``tileiras`` as the working
+tree (``FMHA_CUTILE_BYTECODE`` applies to both). See docs/design.md#cutile-forward.
 """
 
 from __future__ import annotations
@@ -23,9 +19,15 @@ import sys
 import tempfile
 from fnmatch import fnmatchcase
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 FIELDS = ("reg", "stack", "shared")
+EPILOG = """examples:
+  python -m tools.sass_diff HEAD~1 --head-dim 128
+  python -m tools.sass_diff main --head-dim 64 --no-causal --match '128x*'
+  python -m tools.sass_diff HEAD --head-dim 192 --value-dim 128 --window
+"""
 
 
 def emit(args: argparse.Namespace) -> None:
@@ -59,7 +61,7 @@ def digest(cubin: bytes, cuobjdump: str) -> str:
     return hashlib.sha1("\n".join(instructions).encode()).hexdigest()[:12]
 
 
-def rows_of(tree: Path, argv: list[str]) -> dict[str, dict]:
+def rows_of(tree: Path, argv: list[str]) -> dict[str, dict[str, Any]]:
     """The candidates of ``tree`` (its own ``impls``), compiled in a process of their own."""
     paths = [str(tree), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
@@ -71,7 +73,7 @@ def rows_of(tree: Path, argv: list[str]) -> dict[str, dict]:
     return {row["label"]: row for row in rows}
 
 
-def compare(old: dict[str, dict], new: dict[str, dict]) -> list[str]:
+def compare(old: dict[str, dict[str, Any]], new: dict[str, dict[str, Any]]) -> list[str]:
     """A line per candidate of either side: FIELDS before -> after, and whether its SASS changed."""
     lines = []
     for label in [*old, *(label for label in new if label not in old)]:
@@ -86,17 +88,18 @@ def compare(old: dict[str, dict], new: dict[str, dict]) -> list[str]:
     return lines
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m tools.sass_diff", description=__doc__, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("rev", nargs="?", help="the git revision to compare the working tree with")
-    parser.add_argument("--arch", default="sm_90")
+    parser.add_argument("--arch", default="sm_90", help="the target (default sm_90)")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--value-dim", type=int, default=None, help="V's head dim where it differs (MLA)")
     parser.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--window", action="store_true", help="the windowed space and masks")
     parser.add_argument("--match", action="append", default=[], metavar="GLOB", help="candidate labels to keep")
     parser.add_argument("--emit", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.emit:
         emit(args)
         return

@@ -1,14 +1,12 @@
-"""Where a correctness run spends its wall time: per implementation, the seconds of each step of its tests
-(prepare = validation, tuning or the tuning cache, compile and first call; oracle; check), and the slowest tests.
+"""Where a suite run spends its wall time: per implementation, each step of its tests, and the slowest tests.
 
-    python scripts/where_time_goes.py results/correct.json [--top 20]
-    python scripts/where_time_goes.py --heartbeat results/correct.hb [--top 8]
-
-Reads the ``seconds`` each outcome carries (``suite/plugin.py``, ``Recorder.timer``); a run killed part-way
-still has them for every test that finished, and the worker files (``NAME.gwK.json``) are read if given.
-``--heartbeat`` reads a sharded pass's heartbeat file instead (``--heartbeat`` of the suite: each test's start
-and finish, and its xdist worker): what bounded the pass, the workers busy to its end, the heaviest
-``xdist_group`` groups (a group runs on one worker) and the tests still running when it ended.
+The steps are prepare (validation, tuning or the tuning cache, compile and first call), oracle and check, from the
+``seconds`` every outcome carries (``suite/plugin.py``, ``Recorder.timer``). A run stopped part-way still has them
+for every test that finished; the workers' files of an xdist run (``NAME.gwK.json``) are read if given.
+``--heartbeat`` reads heartbeat files instead (the suite's ``--heartbeat=FILE``, or a campaign's step files: each
+test's start and finish, and its xdist worker):
+what bounded a sharded pass, the workers busy to its end, the heaviest ``xdist_group`` groups (a group runs on one
+worker) and the tests still running when it ended.
 """
 
 from __future__ import annotations
@@ -17,11 +15,12 @@ import argparse
 import json
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 STEPS = ("prepare", "oracle", "check")
 
 
-def outcomes(paths: list[Path]) -> list[dict]:
+def outcomes(paths: list[Path]) -> list[dict[str, Any]]:
     """Timed outcomes of the files that exist (a killed run leaves only its workers' files)."""
     return [o for path in paths if path.exists() for o in json.loads(path.read_text())["fmha"]["outcomes"]
             if o.get("seconds")]
@@ -40,7 +39,8 @@ def critical_path(path: Path, top: int) -> None:
             started[e["nodeid"]] = (e["t"] - t0, e.get("worker"))
         elif e["nodeid"] in started:
             spans[e["nodeid"]] = e["t"] - t0 - started[e["nodeid"]][0]
-    last, groups = defaultdict(float), defaultdict(float)  # each worker's last finish; each group's test time
+    last: dict[str | None, float] = defaultdict(float)  # each worker's last finish
+    groups: dict[str, float] = defaultdict(float)  # each xdist group's test time
     for nodeid, seconds in spans.items():
         start, worker = started[nodeid]
         last[worker] = max(last[worker], start + seconds)
@@ -57,12 +57,19 @@ def critical_path(path: Path, top: int) -> None:
         print(f"still running at the end: {nodeid} (on {worker} from {start:.0f} s)")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("paths", nargs="+", type=Path)
+EPILOG = """examples:
+  python -m tools.where_time_goes results/correct.json --top 20
+  python -m tools.where_time_goes --heartbeat results/correct.hb --top 8
+"""
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m tools.where_time_goes", description=__doc__, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("paths", nargs="+", type=Path, help="results JSON files of the suite, or heartbeat files")
     parser.add_argument("--top", type=int, default=15, help="how many of the slowest tests to list")
     parser.add_argument("--heartbeat", action="store_true", help="the paths are heartbeat files of sharded passes")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.heartbeat:
         for path in args.paths:
             print(f"{path}:")

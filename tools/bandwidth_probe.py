@@ -1,16 +1,13 @@
-"""How fast can a paged KV cache be read at all, and does the access pattern matter? (GPU)
+"""How fast a paged KV cache can be read at all, and whether the access pattern matters (GPU; CPU checks only).
 
-Decode kernels here (ours, FlashInfer's, flash-attn's) give one program a (sequence, kv head): each token's
-K/V row of that head is ``D * itemsize`` bytes (256 for D=128 in bf16), strided by ``Hkv * D * itemsize`` (a page
-holds all kv heads of a token side by side). A program that takes ``heads`` kv heads at a time reads
-``heads`` times longer contiguous pieces; ``heads = Hkv`` reads whole pages (32 KB at 16 tokens, 8 x 128 bf16).
-
-This times a read-only kernel over the same bytes a decode step reads (every sequence's pages of K and V, through
-the block table) for each grouping, with the table's random page order and with the pages sorted, beside a
-flat ``torch.sum`` over the caches. Prints JSON lines with GB/s (graph of 20 calls). If whole pages read
-markedly faster than one head's rows, a decode kernel that reads pages whole is worth building.
-
-    python scripts/bandwidth_probe.py --case llama3-8b-paged-bf16-h32:8-q1-kv32768-uniform-p16-d128-b64
+A decode kernel gives a program one (sequence, kv head): each token's K/V row of that head is ``D * itemsize``
+bytes (256 for D=128 in bf16), strided by ``Hkv * D * itemsize`` (a page holds all kv heads of a token side by
+side); a program that takes ``heads`` kv heads at a time reads pieces ``heads`` times longer, whole pages at
+``heads = Hkv``. This times a read-only Triton kernel over exactly the bytes a decode step reads (every sequence's
+pages of K and V, through the block table) for each grouping, tile shape and split, with the table's random page
+order and with the pages sorted, beside a flat ``torch.sum`` over the caches and our tuned Triton decode. Prints
+JSON lines with GB/s (a CUDA graph of 20 calls): the ceiling a decode kernel on this case can aim at. See
+docs/design.md#triton-serving.
 """
 
 from __future__ import annotations
@@ -18,15 +15,19 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-import impls
-from impls._tuning import graph_ms
-from suite import metrics
-from suite.cases import case_by_id
+EPILOG = """examples:
+  python -m tools.bandwidth_probe --case llama3-8b-paged-bf16-h32:8-q1-kv32768-uniform-p16-d128-b64
+  python -m tools.bandwidth_probe --case llama3-70b-tp8-paged-bf16-h8:1-q1-kv32768-uniform-p16-d128-b16 --chunks 1 4 16
+  TRITON_INTERPRET=1 python -m tools.bandwidth_probe --device cpu --quick \\
+    --case paged-bf16-h4:1-q1-kv300-uniform-p16-d64
+"""
 
 
 @triton.jit
@@ -54,7 +55,7 @@ def read_pages(K, V, table, seqlens, Out, stride_kp, stride_ks, stride_bt, num_g
     tl.store(Out + split * tl.num_programs(1) + bg, tl.sum(tl.sum(acc, 1), 0))
 
 
-def visible_sum(inputs, k: torch.Tensor, v: torch.Tensor) -> float:
+def visible_sum(inputs: Any, k: torch.Tensor, v: torch.Tensor) -> float:
     """The sum of every K and V element a decode step reads: what each grouping's partial sums add up to."""
     total = 0.0
     for b, length in enumerate(inputs.seqlens):
@@ -63,7 +64,7 @@ def visible_sum(inputs, k: torch.Tensor, v: torch.Tensor) -> float:
     return total
 
 
-def sorted_table(inputs) -> torch.Tensor:
+def sorted_table(inputs: Any) -> torch.Tensor:
     """The block table with each sequence's full pages in address order (the same pages; the last, partly
     filled one stays last)."""
     table = inputs.block_table.clone()
@@ -73,7 +74,8 @@ def sorted_table(inputs) -> torch.Tensor:
     return table
 
 
-def reader(k, v, table, inputs, heads: int, block_n: int, warps: int, stages: int, chunks: int = 1):
+def reader(k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, inputs: Any, heads: int, block_n: int,
+           warps: int, stages: int, chunks: int = 1) -> tuple[Callable[[], None], torch.Tensor]:
     """A call reading every sequence's pages, ``heads`` kv heads a program, with as many programs as a decode
     launch of ``chunks`` chunks a (sequence, kv head) (batch x Hkv x chunks): fewer head groups, more chunks.
     Returns (call, output)."""
@@ -90,6 +92,13 @@ def reader(k, v, table, inputs, heads: int, block_n: int, warps: int, stages: in
 
 
 def probe(case_id: str, device: str = "cuda", quick: bool = False, chunks: tuple[int, ...] = (1,)) -> None:
+    """Every grouping, tile shape and split of the reader on the case, each checked against the sum it must read
+    (and, on a GPU, timed beside a flat read and the tuned decode)."""
+    import impls
+    from impls._tuning import graph_ms
+    from suite import metrics
+    from suite.cases import case_by_id
+
     case = case_by_id(case_id)
     inputs = case.make_inputs(device)
     k, v = (torch.nan_to_num(c) for c in (inputs.k_cache, inputs.v_cache))  # spare pages hold NaN
@@ -126,15 +135,17 @@ def probe(case_id: str, device: str = "cuda", quick: bool = False, chunks: tuple
                     "relative_error": f"{error:.1e}", "gbps": round(nbytes / ms / 1e6) if timed else None}), flush=True)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m tools.bandwidth_probe", description=__doc__, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--case", action="append", help="a paged serving case id (repeatable)")
-    parser.add_argument("--device", default="cuda", help="cpu: check the sums under TRITON_INTERPRET=1, no timing")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                        help="cpu: check the sums under TRITON_INTERPRET=1, no timing (default cuda)")
     parser.add_argument("--quick", action="store_true", help="one tile shape per grouping")
     parser.add_argument("--chunks", type=int, nargs="+", default=[1],
                         help="chunks a (sequence, kv head), as a split-KV decode launch has (few sequences and kv "
                              "heads leave most SMs idle with one)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     for case_id in args.case or ["llama3-8b-paged-bf16-h32:8-q1-kv32768-uniform-p16-d128-b64"]:
         probe(case_id, args.device, args.quick, tuple(args.chunks))
 

@@ -1,0 +1,60 @@
+"""Registers, stack (spills), shared memory and matrix instructions of each cuTile variant, without a GPU.
+
+Compiles the blog's ladder and the autotuner's candidates for the given shape with ``tileiras`` and reads the
+SASS with ``cuobjdump`` (on PATH, or the one Triton ships). A spill shows as stack: this is how a tile too large
+for one warpgroup's registers is found before it is timed (the blog's 256x128 tile with one warpgroup needs about
+5.4 KB of stack per thread on sm_90). See docs/design.md#cutile-forward.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+EPILOG = """examples:
+  python -m tools.cutile_sass --head-dim 128
+  python -m tools.cutile_sass --head-dim 192 --value-dim 128 --no-ladder --runs
+  python -m tools.cutile_sass --head-dim 128 --window --overlap
+"""
+
+
+def report(args: argparse.Namespace) -> None:
+    """One line per variant and kernel phase: its SASS summary, and the HGMMA runs or overlap if asked."""
+    from impls._sass import hgmma_runs, sass_summary, softmax_overlap
+    from impls.cutile import LADDER, search_space
+    from impls.cutile.export import export_phases
+
+    variants = {"window": args.window, "softcap": args.softcap, "value_dim": args.value_dim}
+    capability = (int(args.arch[3:-1]), int(args.arch[-1]))
+    plain = args.no_ladder or args.window or args.softcap  # the ladder has neither window nor softcap
+    named = [] if plain else [(name, v) for name, (v, _) in LADDER.items()]
+    named += [(f"search: {v.label()}", v)
+              for v in search_space(capability, args.head_dim, causal=args.causal, value_dim=args.value_dim)]
+    for name, variant in named:
+        for phase, cubin in export_phases(variant, arch=args.arch, head_dim=args.head_dim, causal=args.causal,
+                                          **variants):
+            runs = f" runs {hgmma_runs(cubin)}" if args.runs else ""
+            overlap = f" overlap {softmax_overlap(cubin)}" if args.overlap else ""
+            print(f"{name + phase:70s} {sass_summary(cubin)}{runs}{overlap}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m tools.cutile_sass", description=__doc__, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", default="sm_90", help="the target (default sm_90)")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--value-dim", type=int, default=None, help="V's head dim where it differs (MLA: 128 at 192)")
+    parser.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--no-ladder", action="store_true", help="only the autotuner's candidates")
+    parser.add_argument("--window", action="store_true", help="with the sliding-window masks (the ladder has none)")
+    parser.add_argument("--softcap", type=float, default=0.0, help="with this softcap (0: none)")
+    parser.add_argument("--runs", action="store_true",
+                        help="also the HGMMAs issued between waits for them, in program order (a wait drains the "
+                             "tensor cores: [8, 4] is one drain more than [12])")
+    parser.add_argument("--overlap", action="store_true",
+                        help="also how many HGMMAs run between the softmax's exponentials with no wait between "
+                             "(the deferred P V's overlap, Variant.defer_pv; 0 where each product waits)")
+    report(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

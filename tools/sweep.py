@@ -1,0 +1,200 @@
+"""Explore configurations on a GPU: TFLOPS of every candidate config of our kernels beside SDPA and flash-attn.
+
+For each dense case (batch 4, 32 query heads, the sequence lengths, head dims, dtypes and kv heads given), every
+candidate is first checked against the float64 oracle, then timed with ``triton.testing.do_bench`` (median, L2
+flushed). cuTile's candidates are its blog ladder, the autotuner's spaces and the forms the tuner leaves out
+(``other_forms`` and a few wider pipelines); Triton's are its autotuner configs and a few more. Prints a row per
+candidate and writes them as JSON. Used to choose the autotuners' search spaces: see docs/design.md#tuning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from collections.abc import Callable, Iterator
+from fnmatch import fnmatchcase
+from typing import Any
+
+# A candidate: its name, and a maker that takes (q, k, v, out, causal, scale) and returns the call to time.
+Maker = Callable[..., Callable[[], Any]]
+
+EPILOG = """examples:
+  python -m tools.sweep --seqlens 1024 4096 16384 --out sweep.json
+  python -m tools.sweep --seqlens 4096 --causal causal --which sdpa cutile --match sdpa-cudnn --match 'cutile:*'
+  python -m tools.sweep --d 192 --dv 128 --causal causal --which cutile --tuner-space
+  ncu --nvtx --nvtx-include "profile/" python -m tools.sweep --profile --seqlens 4096 --match 'cutile:128x128*'
+"""
+
+
+def cutile_candidates(head_dim: int = 128, extras: bool = True, value_dim: int | None = None) -> Iterator[
+        tuple[str, Maker]]:
+    """Every cuTile candidate: the tuner's spaces, and with ``extras`` the ladder and the forms outside the
+    spaces; ``value_dim``: V's head dim where it differs (MLA)."""
+    from dataclasses import replace
+
+    from impls.cutile import LADDER, Call, Variant, head_tiles, other_forms, search_space
+
+    # Wider pipelines and the blog's branch form, compared against the spaces when they were chosen
+    wide = Variant(128, 128, occupancy=1, num_worker_warps=8, k_latency=3, v_latency=6, head_group=None)
+    pair = Variant(64, 128, occupancy=2, head_group=None)  # one warpgroup per block, two blocks per SM
+    persistent = replace(wide, persistent=True)
+    extra = [wide, replace(wide, k_latency=2, v_latency=4),
+             *(replace(persistent, k_latency=k, v_latency=v) for k, v in ((2, 4), (3, 6), (4, 4), (4, 8), (8, 8))),
+             replace(persistent, tile_n=256), replace(persistent, tile_n=256, k_latency=2, v_latency=4),
+             replace(wide, mask_branch=True), replace(wide, mask_branch=True, k_latency=2, v_latency=4),
+             replace(persistent, mask_branch=True), replace(persistent, loop_split=False),
+             pair, replace(pair, persistent=True),
+             *(replace(persistent, two_launch=True, k_latency=k, v_latency=v) for k, v in ((2, 4), (4, 8))),
+             replace(wide, two_launch=True), *other_forms()]
+    if head_dim <= 64:  # 256 query rows a block, 128 a warpgroup: no spill at D=64 with 64-key tiles (128 spill)
+        tall = replace(wide, tile_m=256, tile_n=64)
+        extra += [tall, replace(tall, k_latency=2, v_latency=4), replace(tall, persistent=True),
+                  replace(tall, persistent=True, k_latency=4, v_latency=8)]
+    seen: set[Variant] = set()
+    named = [(name, v) for name, (v, _) in LADDER.items()] if extras else []
+    space = [*search_space((9, 0), head_dim, causal=True, value_dim=value_dim),
+             *search_space((9, 0), head_dim, causal=False, value_dim=value_dim)]
+    if head_tiles(head_dim)[1]:  # a head dim with a tail tile: the tuner's candidates padded too
+        space += [replace(v, head_tail=False) for v in space]
+    if value_dim and value_dim != head_dim:  # V of its own (MLA): the set Q/K's width alone would choose, to compare
+        space += [*search_space((9, 0), head_dim, causal=True), *search_space((9, 0), head_dim, causal=False)]
+    space += extra if extras else []
+    named += [(f"cutile:{v.label()}", v) for v in space if not (v in seen or seen.add(v))]
+    for name, variant in named:
+        def make(q, k, v, out, causal: bool, scale: float, _variant: Variant = variant) -> Callable[[], Any]:
+            return Call(_variant, q, k, v, out=out, causal=causal, scale=scale)
+        yield name, make
+
+
+def triton_candidates() -> Iterator[tuple[str, Maker]]:
+    """The Triton autotuner's configs (pointer and TMA) and a few outside them."""
+    from impls.triton_fa import configs, launch
+
+    extra = [{"BLOCK_M": m, "BLOCK_N": n, "USE_TMA": tma, "num_warps": w, "num_stages": s}
+             for tma, m, n, w, s in [(False, 128, 128, 8, 4), (False, 128, 64, 8, 2), (True, 128, 64, 8, 4),
+                                     (True, 128, 128, 8, 3), (True, 64, 128, 4, 2)]]
+    for cfg in configs(pointer=True, tma=True) + extra:
+        def make(q, k, v, out, causal: bool, scale: float, cfg: dict[str, Any] = cfg) -> Callable[[], Any]:
+            return lambda: launch(cfg, q, k, v, out, causal=causal, scale=scale)
+        tiles = f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}:w{cfg['num_warps']}s{cfg['num_stages']}"
+        yield f"triton{'-tma' * cfg['USE_TMA']}:{tiles}", make
+
+
+def peer_candidates() -> Iterator[tuple[str, Maker]]:
+    """cuDNN's and flash SDPA, and flash-attn 4, where they run here."""
+    import impls
+
+    for name in ("sdpa-cudnn", "sdpa-flash", "flash-attn4"):
+        impl = impls.get(name)
+        if impl.availability("cuda") is None:
+            def make(q, k, v, out, causal: bool, scale: float, impl: Any = impl) -> Callable[[], Any]:
+                return impl.prepare(q, k, v, causal=causal, scale=scale)
+            yield name, make
+
+
+def profile_once(fn: Callable[[], Any], warmup: int = 3) -> None:
+    """One call inside the NVTX range ``profile``, after warm-up calls outside it."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.nvtx.range_push("profile")
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.nvtx.range_pop()
+
+
+def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every matching candidate on every case of the options: checked, then timed, profiled or neither."""
+    import torch
+    import triton
+
+    from suite.cases import Case
+    from suite.checks import Oracle
+    from suite.metrics import flops
+
+    causal_opts = {"both": [True, False], "causal": [True], "full": [False]}[args.causal]
+    rows: list[dict[str, Any]] = []
+    unmatched: set[str] = set()
+    for causal, s, dtype, hkv in itertools.product(causal_opts, args.seqlens, args.dtype, args.hkv):
+        case = Case(4, 32, hkv, s, s, args.d, dtype, causal, dv=args.dv)
+        q, k, v = case.make_inputs("cuda")
+        oracle = Oracle.dense(q, k, v, causal=causal)
+        scale = args.d ** -0.5
+        cands: list[tuple[str, Maker]] = []
+        if "sdpa" in args.which:
+            cands += list(peer_candidates())
+        if "cutile" in args.which:
+            cands += list(cutile_candidates(args.d, extras=not args.tuner_space, value_dim=args.dv or None))
+        if "triton" in args.which:
+            cands += list(triton_candidates())
+        for glob in (g for g in args.match if not any(fnmatchcase(n, g) for n, _ in cands) and g not in unmatched):
+            # e.g. cuTile's dynamically scheduled forms, which other_forms offers with bytecode 13.5 only
+            print(f"--match {glob!r}: no candidate here", file=sys.stderr)
+            unmatched.add(glob)  # said once, not for every case
+        cands = [(n, m) for n, m in cands if not args.match or any(fnmatchcase(n, g) for g in args.match)]
+        for name, make in cands:
+            out = q.new_empty((*q.shape[:3], v.shape[-1]))
+            try:
+                fn = make(q, k, v, out, causal, scale)
+                res = fn()
+                res = res if isinstance(res, torch.Tensor) else out  # launchers return handles
+                torch.cuda.synchronize()
+                chk = oracle.check(res)
+                ms = None
+                if chk.passed and not args.check_only:
+                    if args.profile:
+                        profile_once(fn)
+                    else:
+                        ms = triton.testing.do_bench(fn, warmup=100, rep=400, return_mode="median")
+            except Exception as e:  # a candidate this shape or compiler refuses: say why, go on
+                chk, ms = None, None
+                print(f"{case.id} {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            tf = flops(case) / (ms * 1e-3) / 1e12 if ms else None
+            rows.append({"case": case.id, "seq": s, "causal": causal, "dtype": dtype, "hkv": hkv, "name": name,
+                         "ms": ms, "tflops": tf,
+                         "passed": chk.passed if chk else False, "err": chk.max_error if chk else None})
+            done = "checked" if args.check_only else "profiled" if args.profile else None
+            shown = f"{tf:.1f}" if tf else done if done and chk and chk.passed else "FAIL"
+            print(f"{case.id:40s} {name:55s} {shown:>8} {'' if chk is None else chk.message[:50]}", flush=True)
+        del q, k, v, oracle
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m tools.sweep", description=__doc__, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 16384],
+                        help="query and key lengths (equal), one case each")
+    parser.add_argument("--causal", choices=["both", "causal", "full"], default="both")
+    parser.add_argument("--d", type=int, default=128, help="Q/K head dim (and V's, without --dv)")
+    parser.add_argument("--dv", type=int, default=0,
+                        help="V's head dim where it differs from --d (MLA: --d 192 --dv 128)")
+    parser.add_argument("--dtype", nargs="+", default=["fp16"], choices=["fp16", "bf16"])
+    parser.add_argument("--hkv", type=int, nargs="+", default=[32], help="kv heads (of 32 query heads): GQA below 32")
+    parser.add_argument("--which", nargs="+", default=["sdpa", "cutile", "triton"],
+                        choices=["sdpa", "cutile", "triton"], help="candidate families (sdpa: the peers)")
+    parser.add_argument("--match", action="append", default=[], metavar="GLOB", help="candidate names to keep")
+    parser.add_argument("--out", default=None, help="write the rows here as JSON")
+    parser.add_argument("--tuner-space", action="store_true",
+                        help="cuTile: only the autotuner's candidates (padded too, for a head dim with a tail tile), "
+                             "not the ladder and the other forms")
+    parser.add_argument("--check-only", action="store_true",
+                        help="compile and check every candidate, no timing (fills the compile caches: several such "
+                             "runs side by side compile in parallel before one timed run)")
+    parser.add_argument("--profile", action="store_true",
+                        help="instead of timing, run each checked candidate once more inside an NVTX range 'profile' "
+                             "(for ncu --nvtx --nvtx-include profile/); the order printed is ncu's order")
+    args = parser.parse_args(argv)
+    rows = sweep(args)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
