@@ -35,28 +35,41 @@ def _ratio_to(values: dict[str, dict[str, float]], impl: str, other: str) -> flo
     return geomean(v[impl] / v[other] for v in values.values() if impl in v and other in v)
 
 
+def leader(rows: list[dict[str, Any]], values: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """The row faster than each other on the cases both ran (by geometric mean), among those that ran at least
+    half the cases (two easy cases do not make a leader); where no row is, the first (best rate over each case's
+    best)."""
+    contenders = [r for r in rows if 2 * r["measured"] >= len(values)] or rows
+    def beats_all(row: dict[str, Any]) -> bool:
+        return all((_ratio_to(values, row["impl"], other["impl"]) or 1.0) >= 1.0
+                   for other in contenders if other is not row)
+    return next(filter(beats_all, contenders), contenders[0])
+
+
 def sentence(preset: str, unit: str, rows: list[dict[str, Any]], values: dict[str, dict[str, float]],
              ours: Sequence[str] = OURS) -> str:
     """The leader (the first row) and each of our kernels' rate as a multiple of its, on the cases both ran;
-    where the leader is ours, the best peer's too."""
-    leader, cases = rows[0], len(values)
-    text = (f"{preset} ({unit}): {leader['impl']} leads, the best on {leader['wins']} of {cases} case"
-            + ("s" if cases > 1 else "") + (f" (it ran {leader['measured']})" if leader["measured"] < cases else ""))
-    named = [(r["impl"], r["impl"]) for r in rows[1:] if is_ours(r["impl"], ours)]
-    if is_ours(leader["impl"], ours):
-        peer = next((r["impl"] for r in rows[1:] if not is_ours(r["impl"], ours)), None)
-        named = ([(f"{peer} (best peer)", peer)] if peer else []) + named
+    where the leader is ours, the best peer's (the closest to it) too."""
+    first, cases = rows[0], len(values)
+    text = (f"{preset} ({unit}): {first['impl']} leads, the best on {first['wins']} of {cases} case"
+            + ("s" if cases > 1 else "") + (f" (it ran {first['measured']})" if first["measured"] < cases else ""))
+    ratios = {r["impl"]: _ratio_to(values, r["impl"], first["impl"]) for r in rows[1:]}
+    named = [(impl, impl) for impl in ratios if is_ours(impl, ours)]
+    if is_ours(first["impl"], ours):
+        peers = [impl for impl in ratios if not is_ours(impl, ours)]
+        if peers:
+            peer = max(peers, key=lambda impl: ratios[impl] or 0.0)
+            named.insert(0, (f"{peer} (best peer)", peer))
     elif not any(r["ours"] for r in rows):
         return f"{text}; none of our kernels ({', '.join(ours)}) was measured."
-    ratios = [(name, _ratio_to(values, impl, leader["impl"])) for name, impl in named]
-    said = [f"{name} {sig3(r, zeros=True)}×" if r else f"{name}: no case in common" for name, r in ratios]
+    said = [f"{name} {sig3(ratios[impl], zeros=True)}×" if ratios[impl] else f"{name}: no case in common"
+            for name, impl in named]
     return f"{text}" + (f"; against it, on the cases both ran: {', '.join(said)}." if said else ".")
 
 
 def standing(run: Run, preset: str, ours: Sequence[str] = OURS) -> dict[str, Any] | None:
-    """One heat map: rows are implementations, best first by the geometric mean of their rate over each case's
-    best; columns are the cases, in chunks of CHUNK. The leader is the first row among those measured on at
-    least half the cases (a kernel that ran two easy cases does not lead)."""
+    """One heat map: rows are implementations, the ``leader`` first, then by the geometric mean of their rate over
+    each case's best; columns are the cases, in chunks of CHUNK."""
     case_ids = [cid for cid in run.presets.get(preset, []) if run.by_case.get(cid)]
     metric = figure_of_merit(run.cases.get(cid, {}) for cid in case_ids)
     values = {cid: {impl: v for impl, m in run.by_case[cid].items() if (v := getattr(m, metric))}
@@ -74,9 +87,9 @@ def standing(run: Run, preset: str, ours: Sequence[str] = OURS) -> dict[str, Any
         rows.append({"impl": impl, "ours": is_ours(impl, ours), "cells": cells, "measured": len(cells),
                      "wins": sum(c["win"] for c in cells.values()), "geomean": mean, "colour": heat(mean)})
     rows.sort(key=lambda r: (-r["geomean"], -r["measured"]))
-    leader = next((r for r in rows if 2 * r["measured"] >= len(values)), rows[0])
-    rows.remove(leader)
-    rows.insert(0, leader)
+    first = leader(rows, values)
+    rows.remove(first)
+    rows.insert(0, first)
     labels, shared = case_labels({cid: run.cases.get(cid, {}) for cid in values}, short=True)
     columns = [(cid, labels[cid]) for cid in values]
     unit = UNITS[metric]

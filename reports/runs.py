@@ -151,13 +151,14 @@ def read_json(path: Path) -> Any:
             raw = gzip.decompress(raw)
         except (EOFError, zlib.error, gzip.BadGzipFile) as exc:
             raise ReportError(f"{path}: a truncated or damaged gzip file ({exc})") from exc
+    where = f" ({path})" if str(path) != path.name else ""
     try:
         text = raw.decode()
     except UnicodeDecodeError:
-        raise ReportError(f"{path.name} is not a JSON run file: it is binary, not text ({path})") from None
+        raise ReportError(f"{path.name} is not a JSON run file: it is binary, not text{where}") from None
     if not text.lstrip().startswith(("{", "[")):
         raise ReportError(f"{path.name} is not a JSON run file: expected the JSON that pytest-benchmark writes "
-                          f"with --benchmark-json ({path})")
+                          f"with --benchmark-json{where}")
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:

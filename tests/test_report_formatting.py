@@ -131,3 +131,15 @@ def test_charts_choose_a_log_axis_past_thirty_times_and_merge_the_same_line():
     style = charts.styles(["x", "y"], ["run1", "run2"])
     assert style("x") != style("y") and style("x @ run2").line != style("x @ run1").line
     assert style("x @ run2").colour == style("x").colour
+
+
+def test_the_leader_is_faster_than_each_other_on_the_cases_both_ran():
+    """Not the first by rate over each case's best alone: one that ran a single case, or one a rival beats on
+    the cases they share, does not lead."""
+    from reports.overview import leader
+
+    values = {"c1": {"p": 20.0, "a": 10.0, "b": 9.0}, "c2": {"a": 10.0, "b": 11.0}, "c3": {"a": 10.0, "b": 9.0}}
+    rows = [{"impl": "p", "measured": 1}, {"impl": "b", "measured": 3}, {"impl": "a", "measured": 3}]
+    assert leader(rows, values)["impl"] == "a"
+    tied = {"c1": {"a": 10.0, "b": 11.0}, "c2": {"a": 11.0, "b": 10.0}, "c3": {"a": 10.0, "b": 10.0}}
+    assert leader(rows[1:], tied)["impl"] == "b"  # neither faster: the first row
