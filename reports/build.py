@@ -300,6 +300,8 @@ def section(runs: list[Run], preset: str, baseline: str | None, style) -> dict[s
                   if (rows := cache_twins(r, preset))],
         **section_charts(runs, preset, metric, style, ceilings),
         "tables": tables,
+        "shown": {col for *_, cols in tables for col in cols},  # what the notes under the tables explain
+        "fallback": any(mode["fallback"] for *_, rows, _ in tables for r in rows for mode in r["modes"].values()),
         "lead_note": " / ".join(dict.fromkeys(r.lead for r in runs)) or "eager",
     }
 
