@@ -60,11 +60,13 @@ def spans_orders(values: Iterable[float]) -> bool:
 
 
 def merged(series: dict[str, list[tuple[float, float]]]) -> list[tuple[list[str], list[tuple[float, float]]]]:
-    """Series with the very same points as one line, with all their labels: one would hide the other."""
-    by_points: dict[tuple, list[str]] = {}
+    """Series whose points are the same to three significant digits as one line, with all their labels: one
+    would hide the other."""
+    by_points: dict[tuple, tuple[list[str], list[tuple[float, float]]]] = {}
     for label, points in sorted(series.items()):
-        by_points.setdefault(tuple(points), []).append(label)
-    return [(labels, list(points)) for points, labels in by_points.items()]
+        key = tuple((x, float(f"{y:.3g}")) for x, y in points)
+        by_points.setdefault(key, ([], points))[0].append(label)
+    return list(by_points.values())
 
 
 def line_chart(series: dict[str, list[tuple[float, float]]], *, xlabel: str, ylabel: str, title: str,
@@ -75,19 +77,26 @@ def line_chart(series: dict[str, list[tuple[float, float]]], *, xlabel: str, yla
     if not series:
         return ""
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
-    for labels, points in merged(series):
+    lines = merged(series)
+    for i, (labels, points) in enumerate(lines):
         xs, ys = zip(*points, strict=True)
         s = style(labels[0])
-        ax.plot(xs, ys, marker=s.marker, markersize=6, markerfacecolor="none", markeredgewidth=1.3,
-                linestyle=s.line, linewidth=1.4, color=s.colour, label=textwrap.fill(", ".join(labels), 36))
+        width = 1.2 + 1.4 * (len(lines) - 1 - i) / max(1, len(lines) - 1)  # the first drawn widest: it shows
+        ax.plot(xs, ys, marker=s.marker, markersize=6, markerfacecolor="none", markeredgewidth=1.3,  # under
+                linestyle=s.line, linewidth=width, color=s.colour, label=textwrap.fill(", ".join(labels), 36))
     _ceilings(ax.axhline, hlines)
     xs = sorted({x for points in series.values() for x, _ in points})
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_locator(FixedLocator(xs))
     ax.xaxis.set_minor_locator(NullLocator())
     ax.set_xticklabels([length(int(x)) for x in xs])
-    if spans_orders(y for points in series.values() for _, y in points):
+    ys = [y for points in series.values() for _, y in points]
+    if spans_orders(ys):
         ax.set_yscale("log")
+    else:  # no "+6.4e1" offset; values a hair apart drawn flat, not stretched over the whole axis
+        ax.ticklabel_format(axis="y", useOffset=False)
+        if max(ys) - min(ys) < 0.05 * max(ys):
+            ax.set_ylim(min(ys) * 0.9, max(ys) * 1.1)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=9)

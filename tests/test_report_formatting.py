@@ -126,7 +126,7 @@ def test_heat_runs_from_green_at_the_best_to_red_at_half_of_it():
 
 def test_charts_choose_a_log_axis_past_thirty_times_and_merge_the_same_line():
     assert charts.spans_orders([1.0, 31.0]) and not charts.spans_orders([1.0, 30.0, 0.0, None])
-    merged = charts.merged({"b": [(1, 2.0)], "a": [(1, 2.0)], "c": [(1, 3.0)]})
+    merged = charts.merged({"b": [(1, 2.0001)], "a": [(1, 2.0)], "c": [(1, 3.0)]})  # the same to 3 digits
     assert merged == [(["a", "b"], [(1, 2.0)]), (["c"], [(1, 3.0)])]
     style = charts.styles(["x", "y"], ["run1", "run2"])
     assert style("x") != style("y") and style("x @ run2").line != style("x @ run1").line

@@ -227,7 +227,7 @@ def test_alternating_runs_are_summarised_case_by_case(serving_results, tmp_path)
 
 def test_cli_names_an_unknown_implementation_and_the_ones_there_are(results):
     """`--ours nosuch` (or `--baseline nosuch`) is an error that names the unknown name and the run's own names,
-    not an empty column or a report whose speedups are silently against someone else."""
+    not an empty column, nor speedups quietly against another implementation."""
     def cli(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "reports", str(results), *args], cwd=ROOT, capture_output=True,
                               text=True)
