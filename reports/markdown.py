@@ -27,29 +27,13 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from reports.build import (
-    Measurement,
-    ReportError,
-    Run,
-    cache_twins,
-    case_parts,
-    figure_of_merit,
-    leaderboard,
-    load_run,
-    twin_columns,
-)
+from reports.build import cache_twins, leaderboard, twin_columns
+from reports.cases import case_labels
+from reports.formatting import sig3
+from reports.runs import Measurement, ReportError, Run, figure_of_merit, load_run
 
 UNITS = {"gbps": "GB/s", "tflops": "TFLOPS"}
 BLOCK = re.compile(r"(<!-- results: (?P<args>.*?) -->\n)(?P<body>.*?)(<!-- /results -->)", re.DOTALL)
-
-
-def case_labels(cases: dict[str, dict]) -> tuple[dict[str, str], list[str]]:
-    """A short label per case, its parts less those every case of the table shares; and those shared parts
-    (the caption says them). A table of one case shares nothing."""
-    parts = {cid: case_parts(c) for cid, c in cases.items()}
-    first = next(iter(parts.values()))
-    shared = [x for x in first if x and all(x in p for p in parts.values())] if len(parts) > 1 else []
-    return {cid: ", ".join(x for x in p if x and x not in shared) or cid for cid, p in parts.items()}, shared
 
 
 def _matches(name: str, globs: Sequence[str]) -> bool:
@@ -57,9 +41,7 @@ def _matches(name: str, globs: Sequence[str]) -> bool:
 
 
 def _cell(value: float | None) -> str:
-    if value is None:
-        return "-"
-    return f"{value:.0f}" if value >= 100 else f"{value:.3g}"
+    return "-" if value is None else sig3(value)
 
 
 def _ours_over_peers(measured: dict[str, Measurement], value: dict[str, float | None], mine: Sequence[str],
