@@ -18,8 +18,8 @@ SAME_DIRECTION_SLACK = 0.02  # changes within 2% count as "no change"
 DEEPER_FACTOR = 2.0  # a change more than twice the blog's (same direction) is called out
 
 
-# Why the ladder behaves as it does on Hopper: read from the compiled kernels (scripts/cutile_sass.py, sm_90,
-# cuda-tile 1.7 with tileiras 13.4) and from Nsight Compute on an H200 (scripts/sweep.py --profile), not from
+# Why the ladder behaves as it does on Hopper: read from the compiled kernels (python -m tools.cutile_sass, sm_90,
+# cuda-tile 1.7 with tileiras 13.4) and from Nsight Compute on an H200 (python -m tools.sweep --profile), not from
 # the timings.
 HOPPER_EVIDENCE = [
     "On sm_90 the blog's 256x128 tile with one warpgroup needs 5.1-6.0 KB of stack per thread (cuobjdump "

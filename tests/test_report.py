@@ -302,7 +302,7 @@ def test_the_parts_of_one_run_are_published_as_one_file(results, tmp_path):
         parts[-1].write_text(json.dumps(part))
     assert all(json.loads(p.read_text())["benchmarks"] for p in parts)
     published = tmp_path / "published.json.gz"
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "publish_results.py"), *map(str, parts), str(published)],
+    subprocess.run([sys.executable, str(ROOT / "tools" / "publish_results.py"), *map(str, parts), str(published)],
                    cwd=ROOT, check=True, capture_output=True, env=child_env())
     run = load_run(published)
     merged = json.loads(gzip.decompress(published.read_bytes()))

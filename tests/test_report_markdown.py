@@ -202,12 +202,12 @@ def test_cli_prints_markdown_tables_and_refuses_options_it_would_ignore(results,
 
 
 def test_alternating_runs_are_summarised_case_by_case(serving_results, tmp_path):
-    """scripts/ab_summary.py: each implementation's figure in every run given (GB/s for decode, TFLOPS for
+    """tools/ab_summary.py: each implementation's figure in every run given (GB/s for decode, TFLOPS for
     prefill) and, per pass, ours over the best other implementation."""
     run = load_run(serving_results)
     second = tmp_path / "second.json"
     shutil.copy(serving_results, second)  # a second pass that measured the same
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "ab_summary.py"), "--ours", "naive",
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "ab_summary.py"), "--ours", "naive",
                            str(serving_results), str(second)], cwd=ROOT, check=True, capture_output=True, text=True,
                           env=child_env())
     lines = proc.stdout.splitlines()
