@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 import impls
-from impls._tuning import graph_ms
+from impls.timing import graph_ms
 from suite import metrics
 from suite.cases import case_by_id
 

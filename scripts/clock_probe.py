@@ -18,10 +18,10 @@ import time
 import torch
 
 import impls
+from impls.timing import GraphTarget, graph_repeats, iterations_for, time_once
 from suite import metrics
 from suite.cases import case_by_id
 from suite.telemetry import gpu_state
-from suite.timing import GraphTarget, graph_repeats, iterations_for, time_once
 
 
 def main() -> None:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import argparse
 
-from impls._sass import hgmma_runs, sass_summary, softmax_overlap
-from impls.cutile import LADDER, search_space
 from impls.cutile.export import export_phases
+from impls.cutile.spaces import LADDER, search_space
+from impls.sass import hgmma_runs, sass_summary, softmax_overlap
 
 
 def main() -> None:

@@ -17,8 +17,8 @@ from fnmatch import fnmatchcase
 import triton
 
 import impls
+from impls.timing import event_rounds_median
 from suite.cases import Case
-from suite.timing import event_rounds_median
 
 
 def main() -> None:

@@ -14,8 +14,9 @@ import json
 
 import torch
 
-from impls._reference import attention_ref
-from impls.cutile import DYNAMIC_FORMS, HOPPER_STREAMING, HOPPER_WIDE, Call
+from impls.cutile.launch import Call
+from impls.cutile.spaces import DYNAMIC_FORMS, HOPPER_STREAMING, HOPPER_WIDE
+from impls.reference import attention_ref
 from suite.cases import Case
 
 CASES = {

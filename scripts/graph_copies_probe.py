@@ -20,10 +20,10 @@ from unittest import mock
 import torch
 
 import impls
-import impls.triton_fa
+import impls.triton_fa.paged
+from impls.timing import GraphTarget
 from suite.cases import preset
 from suite.plugin import Problem
-from suite.timing import GraphTarget
 
 
 def main() -> None:
@@ -42,7 +42,7 @@ def main() -> None:
     case = next(c for c in preset(args.grid) if c.id == args.case)
     problem = Problem(case, torch.device("cuda"))
     impl = impls.get(args.impl, case.op)  # loads the implementations, Triton's module among them
-    with mock.patch.object(impls.triton_fa, "dependent_launch_available", lambda device: not args.no_pdl):
+    with mock.patch.object(impls.triton_fa.paged, "dependent_launch_available", lambda device: not args.no_pdl):
         calls = [problem.prepare(impl, inputs) for inputs in problem.input_copies(args.copies)]
     torch.cuda.synchronize()
     form["config"] = calls[0].config

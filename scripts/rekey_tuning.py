@@ -24,7 +24,7 @@ import json
 import subprocess
 from pathlib import Path
 
-from impls._tuning import contents_hash, family_sources, source_hash
+from impls.tuning import contents_hash, family_sources, source_hash
 
 ROOT = Path(__file__).resolve().parent.parent
 # Each kernel family's tuning cache file and package, as its TuningCache names them (a test checks), without

@@ -41,10 +41,10 @@ from unittest import mock
 import torch
 
 import impls
-import impls._serving
-from impls._tuning import cold_candidates, graph_ms
-from impls._validate import NO_WINDOW
-from impls.cutile import Call, _sm_count, precompile
+import impls._plans
+from impls.contract import NO_WINDOW
+from impls.cutile.config import device_sm_count as _sm_count
+from impls.cutile.launch import Call
 from impls.cutile.serving import (
     VARLEN_STORES,
     DecodeCall,
@@ -55,8 +55,10 @@ from impls.cutile.serving import (
     varlen_resolved,
     varlen_space,
 )
-from impls.triton_fa import DECODE_SPACE as TRITON_SPACE
-from impls.triton_fa import decode_space, paged_launch
+from impls.cutile.tuner import precompile
+from impls.timing import cold_candidates, graph_ms
+from impls.triton_fa.paged import DECODE_SPACE as TRITON_SPACE
+from impls.triton_fa.paged import decode_space, paged_launch
 from suite import metrics
 from suite.cases import case_by_id, preset
 from suite.checks import Oracle
@@ -357,7 +359,7 @@ def probe_varlen(rounds: int = 3, persistent_twins: bool = False, stores: tuple[
             if peel_pairs:
                 calls["loop"] = VarlenCall(replace(variant, peel_diagonal=False), inputs, scale=scale, **variants)
             if whole_pairs:  # the plan is made when the call is prepared
-                with mock.patch.object(impls._serving, "SPLIT_TAIL_SHARES", (0,)):
+                with mock.patch.object(impls._plans, "SPLIT_TAIL_SHARES", (0,)):
                     calls["whole"] = VarlenCall(variant, inputs, scale=scale, **variants)
             if varlen_case.lengths == "equal" and dense:
                 calls["dense"] = Call(variant, *dense[0], causal=True, scale=scale)

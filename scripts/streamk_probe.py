@@ -25,10 +25,11 @@ import triton
 import triton.language as tl
 
 import impls
-from impls._tuning import graph_ms
-from impls.triton_fa import DECODE_SPACE, block_d, interpreting
+from impls.timing import graph_ms
+from impls.triton_fa.config import block_d, interpreting
 from impls.triton_fa.decode import _load, online_softmax_step
 from impls.triton_fa.kernel import LOG2_E, scaled_scores
+from impls.triton_fa.paged import DECODE_SPACE
 from scripts.serving_probe import fastest_of_each, tile_arg
 from suite.cases import case_by_id
 from suite.checks import Oracle

@@ -17,9 +17,9 @@ import torch
 import triton
 
 import impls
+from impls.timing import GraphTarget, event_rounds_median, graph_repeats, profile_kernels, time_once
 from suite.cases import cases
 from suite.plugin import Problem
-from suite.timing import GraphTarget, event_rounds_median, graph_repeats, profile_kernels, time_once
 
 
 def main() -> None:

@@ -44,8 +44,8 @@ from fnmatch import fnmatchcase
 import torch
 import triton
 
-from impls._tuning import graph_ms, settle_gpu, settled_times
-from impls._validate import NO_WINDOW
+from impls.contract import NO_WINDOW
+from impls.timing import graph_ms, settle_gpu, settled_times
 from suite.cases import case_by_id
 from suite.checks import Oracle
 from suite.metrics import flops
@@ -56,7 +56,7 @@ METHODS = ("tune", "graph", "do_bench", "settled")
 def added(spec: str):
     """The candidate ``--add`` names: HOPPER_WIDE with the fields of ``spec`` (``FIELD=VALUE,...``) changed, each
     value read as its field's type (an int; a bool as 0 / 1)."""
-    from impls.cutile import HOPPER_WIDE
+    from impls.cutile.spaces import HOPPER_WIDE
 
     fields = {}
     for item in spec.split(","):
@@ -70,7 +70,10 @@ def probe(case_id: str, repeats: int, wide_persistent: bool, head_groups: list[i
           methods: list[str], paired_of: list[str], two_launch_of: list[str], wide_paired: bool = False,
           check: bool = False, peeled_of: list[str] | None = None, add: list[str] | None = None,
           planned_of: list[str] | None = None) -> None:
-    from impls.cutile import HOPPER_STREAMING, Call, exhaustive_timings, kernel_window, precompile, search_space
+    from impls.cutile.config import kernel_window
+    from impls.cutile.launch import Call
+    from impls.cutile.spaces import HOPPER_STREAMING, search_space
+    from impls.cutile.tuner import exhaustive_timings, precompile
 
     case = case_by_id(case_id)
     q, k, v = case.make_inputs("cuda")
@@ -185,9 +188,9 @@ def main() -> None:
                         help="planned candidates: a plan of whole mirror pairs, none split (the paired share's)")
     args = parser.parse_args()
     if args.whole_pairs:
-        import impls._serving
+        import impls._plans
 
-        impls._serving.SPLIT_TAIL_SHARES = (0,)
+        impls._plans.SPLIT_TAIL_SHARES = (0,)
     for case_id in args.case:
         probe(case_id, args.repeats, args.wide_persistent, args.head_groups, args.match, args.methods, args.paired_of,
               args.two_launch_of, wide_paired=args.wide_paired, check=args.check, peeled_of=args.peeled_of,

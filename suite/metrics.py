@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from impls._serving import decode_read_length
-from impls._validate import NO_WINDOW, window_bounds
+from impls.contract import NO_WINDOW, decode_read_length, window_bounds
 from suite.cases import Case
 
 # Dense fp16/bf16 tensor-core peak (TFLOP/s, no sparsity) of each architecture's flagship datacenter part,

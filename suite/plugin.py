@@ -23,13 +23,12 @@ import pytest
 import torch
 
 import impls
-from impls import Impl, Prepared, Unsupported
-from impls._tuning import STEADY_TOLERANCE, STEADY_WINDOW_S, clone_inputs
+from impls import Impl, Prepared, Unsupported, timing
+from impls.timing import STEADY_TOLERANCE, STEADY_WINDOW_S, clone_inputs
 from suite import cases as grid
-from suite import timing
 from suite.cases import Case
 from suite.checks import CheckResult, Oracle
-from suite.timing import AUTO_REST_S, HEAVIER, RestPolicy
+from suite.rest import AUTO_REST_S, HEAVIER, RestPolicy
 
 DEFAULT_GRIDS = {  # phase -> (without a GPU, with one)
     "correctness": (("cpu", "serving-cpu", "varlen-cpu", "models-cpu", "models-serving-cpu"),
@@ -180,7 +179,7 @@ def pytest_configure(config: pytest.Config) -> None:
         rest=RestPolicy(None if rest_ms == "auto" else rest_ms / 1e3),
     )
     if device.type == "cuda" and config.getoption("benchmark_timer", None) == "time.perf_counter":
-        config.option.benchmark_timer = "suite.timing.cuda_clock"
+        config.option.benchmark_timer = "impls.timing.cuda_clock"
     wants_file = config.getoption("--report") or config.getoption("--isolate")
     if wants_file and not benchmark_json(config):
         Path("results").mkdir(exist_ok=True)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from impls import Impl
-from impls._reference import attention_ref
+from impls.reference import attention_ref
 from suite.cases import Case, paged, varlen
 from suite.plugin import Problem, Recorder
 
