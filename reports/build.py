@@ -299,7 +299,7 @@ def twin_columns(run: Run, preset: str, rows: list[dict[str, Any]]) -> list[str]
 
 
 def config_summary(config: dict[str, Any]) -> str:
-    """A benchmark's config as ``key=value`` pairs; a tuner's finalists (``impls._tuning.EVIDENCE``: a list of
+    """A benchmark's config as ``key=value`` pairs; a tuner's finalists (``impls.tuning.EVIDENCE``: a list of
     each variant's times) as each one's settled time per call, the search's in brackets, fastest first."""
     def shown(value: Any) -> str:
         if isinstance(value, list) and value and all(isinstance(f, dict) and "variant" in f for f in value):

@@ -1,6 +1,6 @@
 """Re-key a tuning cache from the source digests of an earlier commit to the working tree's.
 
-A cache entry's key digests its kernel family's code (``impls._tuning.family_sources``), so any edit to one of
+A cache entry's key digests its kernel family's code (``impls.tuning.family_sources``), so any edit to one of
 the family's modules sends every pick back to a tune: on an H200 20-30 s for each decode shape class, minutes for
 a dense one, and a chain that carried ``.gpu-tune/`` finds none of it (sessions 53-57 re-keyed by hand; session 56
 lost a tune to a key left stale). Where an edit leaves every pick as it was (plumbing, not kernels, launches or

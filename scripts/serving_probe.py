@@ -230,7 +230,7 @@ def cutile_pdl_ab(case_id: str, peers: list[str], rounds: int = 7) -> None:
 def prefetch_ab(case_id: str, config: dict | None, peers: list[str], rounds: int = 7) -> None:
     """The Triton decode with ``config`` (a tuned pick: the tuning cache's entry) without and with its lookups
     prefetched before the wait by the first chunk's program (PREFETCH; on by default under PDL), and each peer,
-    warm (back to back over the same inputs) and cold (over copies of them, ``impls._tuning.cold_candidates``), all
+    warm (back to back over the same inputs) and cold (over copies of them, ``impls.timing.cold_candidates``), all
     in alternation: a JSON line each, us a step."""
     case = case_by_id(case_id)
     inputs = case.make_inputs("cuda")

@@ -7,7 +7,7 @@ back-to-back calls, and ``scripts/sweep.py`` do_bench's median. On the blog pres
 tuner kept 64x128 with occupancy 2 at causal 2K-8K where the sweep measured 128x128 of 8 warps 2-6% faster.
 
 For each case this times every candidate of the tuner's space three ways, in this process, on a settled GPU:
-``exhaustive_search`` (its mean), graph time (``impls._tuning.graph_ms``, 20 calls a replay, the suite's graph
+``exhaustive_search`` (its mean), graph time (``impls.timing.graph_ms``, 20 calls a replay, the suite's graph
 mode) and do_bench (median, L2 flushed), twice each, and prints one JSON line per candidate (TFLOPS at its best
 and at its median time, per method) and a summary line per case with each method's pick and what that pick costs
 under graph time.
@@ -18,7 +18,7 @@ under graph time.
 that many heads ordered heaviest-first together (causal; the tuner's own choice is ``g-auto``);
 ``--paired-of GLOB`` adds the candidates whose label matches again as persistent blocks taking mirror pairs
 of causal query tiles (``Variant.paired``); ``--methods graph`` times one way only; ``--methods settled`` times
-each candidate alone after 0.25 s of its own calls (``impls._tuning.settled_times``, the ``settled`` tuner's
+each candidate alone after 0.25 s of its own calls (``impls.timing.settled_times``, the ``settled`` tuner's
 second round), the suite's way; ``--two-launch-of GLOB`` adds the candidates whose label matches again as two
 launches (kernel PHASE: the masked tiles, then the mask-free ones in a persistent launch), and then checks every
 candidate's output against the float64 oracle before timing (``--check`` does that alone); ``--wide-paired`` adds

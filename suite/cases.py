@@ -51,7 +51,7 @@ class Case:
     window: tuple[int, int] = NO_WINDOW  # sliding window (left, right), bottom-right; -1: unbounded
     softcap: float = 0.0  # scores become softcap * tanh(scores / softcap)
     dv: int = 0  # the value (and output) head dim where it differs from d, as in MLA prefill; 0: d (dense only)
-    kv_dtype: str = ""  # paged: "fp8", a KV cache quantized per tensor (impls._serving.PagedKV); "": dtype's
+    kv_dtype: str = ""  # paged: "fp8", a KV cache quantized per tensor (impls.contract.PagedKV); "": dtype's
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -128,7 +128,7 @@ class Case:
     @property
     def merit(self) -> str:
         """What this case ranks by: ``gbps`` where it is a decode step and so bound by the KV bytes it reads (paged,
-        or dense and decode-shaped, ``impls._serving.decode_shaped``: our dense entries run it as decode), else
+        or dense and decode-shaped, ``impls.contract.decode_shaped``: our dense entries run it as decode), else
         ``tflops``. Results files carry it per case, and the report reads it from there."""
         decode = self.op == "paged" or (self.op == "dense" and decode_shaped(self.sq, self.skv, self.causal))
         return "gbps" if decode else "tflops"

@@ -31,7 +31,7 @@ def sum_range(lo: int, hi: int) -> int:
 
 
 def windowed_pairs(sq: int, skv: int, causal: bool, window: tuple[int, int]) -> int:
-    """Visible pairs under a sliding window (bottom-right, as impls._reference.visible), row by row."""
+    """Visible pairs under a sliding window (bottom-right, as impls.reference.visible), row by row."""
     left, right = window
     right = 0 if causal else right
     total = 0

@@ -35,7 +35,7 @@ DEFAULT_GRIDS = {  # phase -> (without a GPU, with one)
                     ("gpu", "serving-cpu", "varlen-cpu", "models-cpu", "models-serving-cpu")),
     "benchmark": (("cpu-bench",), ("blog",)),
 }
-# Timing modes by default (suite/timing.py): on a GPU the CUDA-graph number leads (the kernels' own time,
+# Timing modes by default (impls/timing.py): on a GPU the CUDA-graph number leads (the kernels' own time,
 # host launch cost removed) and eager stands beside it (what a Python caller pays); kernel time on request.
 DEFAULT_TIMING = (("eager",), ("graph", "eager"))
 
@@ -168,7 +168,7 @@ def pytest_configure(config: pytest.Config) -> None:
     device, selected = device_and_selection(config)
     reasons = {(i.op, i.name): r for i in selected if (r := i.availability(device.type))}
     if config.getoption("--retune") or config.getoption("--no-tuning-cache"):
-        # Read by impls._tuning, in this process and in the children of --isolate.
+        # Read by impls.tuning, in this process and in the children of --isolate.
         os.environ["FMHA_TUNING"] = "retune" if config.getoption("--retune") else "off"
     if config.getoption("--compile-candidates"):
         os.environ["FMHA_COMPILE_CANDIDATES"] = "1"

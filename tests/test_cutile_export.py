@@ -600,7 +600,7 @@ def test_a_cache_of_2_31_elements_is_read_through_word_views_with_tma(monkeypatc
 
 @pytest.mark.parametrize("tile_n", [64, 128])
 def test_a_dense_decode_step_compiles_as_page_loads_of_the_dense_cache(tile_n, short_chunks):
-    """A dense decode step as the dense ``cutile`` entry hands it to the decode (``impls._serving.dense_as_paged``):
+    """A dense decode step as the dense ``cutile`` entry hands it to the decode (``impls._plans.dense_as_paged``):
     the caches are views whose pages overlap other heads' rows (strides not in order), and their page loads still
     compile to TMA; the view's element count is past 2**31 while no offset into it is, so it keeps 32-bit
     indexing."""
