@@ -135,8 +135,8 @@ def test_the_source_hash_changes_with_the_kernel_not_with_its_notes(tmp_path):
 
 
 def test_the_source_hash_is_the_same_under_every_python():
-    # The digest of a kernel module is written where the kernels ran (the device's Python 3.12) and read where the
-    # cache is re-keyed or carried (CI's 3.11): ast.unparse wrote this f-string's inner quotes one way before 3.12
+    # The digest of a kernel module is written where the kernels ran (a GPU machine's Python 3.12) and read where the
+    # cache is re-keyed or copied to (CI's 3.11): ast.unparse wrote this f-string's inner quotes one way before 3.12
     # and another from it, so one source had two digests. This value is what 3.11, 3.12 and 3.13 all give.
     source = b'def fail(missing):\n    raise TypeError(f"no value for {\', \'.join(missing)}")\n'
     assert hashlib.sha256(tuning._code_only(source)).hexdigest()[:16] == "4e340604e4fdf8a3"
