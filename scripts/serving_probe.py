@@ -76,7 +76,7 @@ def seconds(fn) -> float:
 TRITON_WIDE = [{"BLOCK_N": n, "num_warps": w, "num_stages": st}
                for n in (32, 64, 128, 256) for w in (4, 8) for st in (2, 3, 4)]
 # Deep pipelines beside the tuner's one (128, 4, 5): K and V double-buffered from 5 stages, three buffers from 7
-# (why: the comment above impls.triton_fa.DECODE_TILES; ``python -m impls.triton_fa.aot --decode`` counts them).
+# (why: the comment above impls.triton_fa.paged.DECODE_TILES; ``python -m impls.triton_fa.aot --decode`` counts them).
 DEEP_TILES = ((128, 8, 5), (128, 8, 7), (64, 8, 5), (64, 4, 5), (64, 4, 7), (32, 4, 7))
 # Tiles from 16 keys on (2 or 3 stages), each with and without the mask-free loop and with every split plan.
 TRITON_WIDE_PLANS = decode_space(tuple((n, w, st) for n in (16, 32, 64, 128) for w in (4, 8) for st in (2, 3)))
