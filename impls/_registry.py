@@ -9,12 +9,12 @@ An implementation is a *prepare* function::
 
 ``q`` is ``(B, Hq, Sq, D)``, ``k`` and ``v`` are ``(B, Hkv, Skv, D)``; the returned callable computes
 ``o (B, Hq, Sq, D)`` in q's dtype and is the only thing a benchmark times. The registry validates the
-inputs (``impls._validate``) and the declared capabilities before calling the prepare function, so an
+inputs (``impls.contract``) and the declared capabilities before calling the prepare function, so an
 adapter only raises :class:`Unsupported` for what is particular to it. Every tensor it gets has its head dim
 (the last) at unit stride, and the serving operations' index tensors are contiguous: one that is not arrives as
 a contiguous copy, made then, out of any timed region (``unit_head_stride``, ``PagedKV.in_kernel_layout``).
 
-Beside dense forward (``op="dense"``) there are the serving operations of ``impls._serving``: ``"paged"``
+Beside dense forward (``op="dense"``) there are the serving operations of ``impls.contract``: ``"paged"``
 (decode over a paged KV cache) and ``"varlen"`` (packed variable-length prefill). Their prepare functions
 take the validated inputs object and the scale::
 
@@ -41,11 +41,11 @@ from typing import Any, Protocol
 
 import torch
 
-from impls._validate import NO_WINDOW, unit_head_stride, validate_attention_inputs, validate_variants
+from impls.contract import NO_WINDOW, unit_head_stride, validate_attention_inputs, validate_variants
 
-# What a model may ask of attention beyond causal (impls._reference): a sliding window and softcap (options of the
+# What a model may ask of attention beyond causal (impls.reference): a sliding window and softcap (options of the
 # call), a value head dim other than the query/key one (a property of dense inputs: MLA's Dv 128, Dqk 192), and an
-# fp8 KV cache (a property of paged-decode inputs: impls._serving.PagedKV).
+# fp8 KV cache (a property of paged-decode inputs: impls.contract.PagedKV).
 VARIANTS = ("window", "softcap", "value_dim", "kv_fp8")
 
 Runner = Callable[[], torch.Tensor]
@@ -250,9 +250,9 @@ def probe(call: Runner, *errors: type[BaseException]) -> Runner:
     return call
 
 
-# Autotuning buckets of a sequence length: coarse up to 1K, then every power of two up to 64K. One bucket for
-# 1K-8K (sessions 1-20) let the first length tuned decide for the others; session 21 (H200, blog causal fp16, B 4,
-# H 32, settled TFLOPS): 128x128 leads at 2K by 6%, the persistent paired 128x256 at 4K by 3.5% and at 8K by 9%.
+# Autotuning buckets of a sequence length: coarse up to 1K, then every power of two up to 64K. One bucket for 1K-8K
+# let the first length tuned decide for the others (H200, blog causal fp16: 128x128 leads at 2K by 6%, the persistent
+# paired 128x256 at 4K by 3.5% and at 8K by 9%).
 LENGTH_CLASSES = (128, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 
 

@@ -21,7 +21,7 @@ import math
 import torch
 
 from impls._registry import HALF, Prepared, Unsupported, module_available, probe, refusing, register
-from impls._validate import NO_WINDOW
+from impls.contract import NO_WINDOW
 
 LAYOUT = "NHD"  # (tokens, heads, head dim) within a page or a packed batch: the contract's paged layout
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's examples' float workspace (split-KV partial results)
@@ -32,7 +32,7 @@ REFUSALS = (RuntimeError, ValueError, NotImplementedError, TypeError, AssertionE
 requires = module_available("flashinfer", "pip install flashinfer-python")
 # FlashInfer's prefill kernels validate no head dim, and one that is not a multiple of 64 reads out of bounds
 # (flashinfer-ai/flashinfer#4299). On an H200, 0.7.2.post1 at D=96 (Phi-3) JIT-compiled, then raised an illegal
-# memory access that took the process's CUDA context with it (session 10): declared, so refused with the reason.
+# memory access that took the process's CUDA context with it: declared, so refused with the reason.
 HEAD_DIMS = (64, 128, 256)
 
 

@@ -28,15 +28,15 @@ from typing import Any
 import torch
 
 from impls._registry import Prepared, Unsupported, module_available, register
-from impls._validate import NO_WINDOW
+from impls.contract import NO_WINDOW
 
 requires = module_available("torch.nn.attention.flex_attention", "PyTorch 2.5 or newer")
 
 
 # Dynamo keeps one compiled graph per input shape (and per mask closure) of a function and, past its recompile
 # limit (8), quietly runs the function eagerly from then on: for flex, scores materialised, 4-12 TFLOPS where its
-# kernel makes 400. A run compiles flex once per case, so the 9th to 18th cases of the `models` preset ran eagerly
-# until session 28. The limits go up to one graph per case of any run, and reaching them raises instead.
+# kernel makes 400. A run compiles flex once per case, so the 9th to 18th cases of the `models` preset ran eagerly.
+# The limits go up to one graph per case of any run, and reaching them raises instead.
 RECOMPILES = {"recompile_limit": 4096, "accumulated_recompile_limit": 4096, "fail_on_recompile_limit_hit": True}
 
 
@@ -110,7 +110,7 @@ def _zero_empty_rows(out: torch.Tensor, q_len: int, kv_len: int) -> torch.Tensor
 
 def _within(kv_idx, position, left: int, right: int):
     """Keys a query at key position ``position`` sees: at most ``right`` after it and ``left`` before it (-1:
-    unbounded), bottom-right like impls._reference.visible."""
+    unbounded), bottom-right like impls.reference.visible."""
     seen = (kv_idx <= position + right) if right >= 0 else (kv_idx >= 0)
     return seen & (kv_idx >= position - left) if left >= 0 else seen
 
@@ -194,9 +194,9 @@ def full_blocks_split_well(visible: list[int], slots: int, kv_heads: int, sms: i
     one sequence filling the cache.
 
     Raising SPLIT_KV instead, so that every sequence covers as many ranges as ``decode_splits`` aims at, lost
-    (H200, session 59, scripts/flex_paged_probe.py): the 70B slice's 16 x 32K at SPLIT_KV 257 read 1018 GB/s and
+    (H200): the 70B slice's 16 x 32K at SPLIT_KV 257 read 1018 GB/s and
     8B 16 x 8K at 33 read 1095, against 1160 and 1109 with partial blocks. This choice ran within 0.3% of the
-    faster of full and partial blocks on the probe's four cases.
+    faster of full and partial blocks on four cases.
     """
     splits = decode_splits(len(visible), kv_heads, sms)
     per_split = -(-slots // splits)
@@ -206,7 +206,7 @@ def full_blocks_split_well(visible: list[int], slots: int, kv_heads: int, sms: i
 def paged_kernel_options(group: int, page: int) -> dict | None:
     """flex's kernel options for a paged decode with ``group`` query heads a kv head: none where its decoding
     kernel runs (it packs a power-of-two group), else key tiles of at most a page for its main kernel, whose own
-    (64 or 128 keys) must divide a key block and so refuse pages of 16 (Qwen2.5-7B's group of 7, session 58)."""
+    (64 or 128 keys) must divide a key block and so refuse pages of 16 (Qwen2.5-7B's group of 7)."""
     return None if group & (group - 1) == 0 else {"BLOCK_N": min(page, 64)}
 
 
@@ -283,7 +283,7 @@ def flex_paged(inputs, *, scale: float, window: tuple[int, int] = NO_WINDOW, sof
                           "whole pages, so the unused slots past a length reach P @ V as 0 x value, NaN where a "
                           "slot holds NaN (the contract allows it)")
     # H200, Llama-3-70B's slice 16 x 32K: 3.2 ms with full blocks, 0.26 ms without; 8B 64 x 8K (one split):
-    # 0.95 ms with, 1.14 ms without, where the mask_mod runs on every page (session 58)
+    # 0.95 ms with, 1.14 ms without, where the mask_mod runs on every page
     q = inputs.q
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
     sq, left = q.shape[1], window[0]

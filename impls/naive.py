@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from impls._reference import attention_ref, score_bytes, serving_attention_ref
 from impls._registry import Unsupported, register
-from impls._serving import scatter_sequence
+from impls.contract import scatter_sequence
+from impls.reference import attention_ref, score_bytes, serving_attention_ref
 
 
 def free_memory_bytes(device: torch.device) -> int:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from impls._registry import Unsupported, probe, register
-from impls._validate import NO_WINDOW
+from impls.contract import NO_WINDOW
 
 BACKENDS: dict[str, tuple[SDPBackend | None, tuple[str, ...]]] = {
     "sdpa": (None, ("cpu", "cuda")),

@@ -49,7 +49,7 @@ def filled_columns(rows: Sequence[dict[str, Any]], keys: Iterable[str]) -> list[
 # implementation ships.
 CHOSEN = {"tuning cache": "cached", "autotuned": "tuned here", "fixed (GPU shared: not tuned)": "heuristic",
           "fixed (interpreter)": "shipped"}
-EVIDENCE = "finalists"  # impls._tuning.EVIDENCE: the settled tuner's finalists and their times
+EVIDENCE = "finalists"  # impls.tuning.EVIDENCE: the settled tuner's finalists and their times
 
 
 def chosen(config: dict[str, Any]) -> str:

@@ -10,8 +10,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from impls._serving import decode_shaped
-from impls._validate import NO_WINDOW
+from impls.contract import NO_WINDOW, decode_shaped
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 KV_DTYPES = {"fp8": torch.float8_e4m3fn}  # a paged case's KV cache in a dtype of its own ("": the case's dtype)
@@ -52,7 +51,7 @@ class Case:
     window: tuple[int, int] = NO_WINDOW  # sliding window (left, right), bottom-right; -1: unbounded
     softcap: float = 0.0  # scores become softcap * tanh(scores / softcap)
     dv: int = 0  # the value (and output) head dim where it differs from d, as in MLA prefill; 0: d (dense only)
-    kv_dtype: str = ""  # paged: "fp8", a KV cache quantized per tensor (impls._serving.PagedKV); "": dtype's
+    kv_dtype: str = ""  # paged: "fp8", a KV cache quantized per tensor (impls.contract.PagedKV); "": dtype's
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -129,7 +128,7 @@ class Case:
     @property
     def merit(self) -> str:
         """What this case ranks by: ``gbps`` where it is a decode step and so bound by the KV bytes it reads (paged,
-        or dense and decode-shaped, ``impls._serving.decode_shaped``: our dense entries run it as decode), else
+        or dense and decode-shaped, ``impls.contract.decode_shaped``: our dense entries run it as decode), else
         ``tflops``. Results files carry it per case, and the report reads it from there."""
         decode = self.op == "paged" or (self.op == "dense" and decode_shaped(self.sq, self.skv, self.causal))
         return "gbps" if decode else "tflops"
@@ -169,7 +168,7 @@ class Case:
         if self.op == "paged":
             return self._paged_inputs(randn, device)
         if self.op == "varlen":
-            from impls._serving import Varlen
+            from impls.contract import Varlen
 
             total, lengths = self.sq, self.seqlens()
             cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
@@ -180,7 +179,7 @@ class Case:
         return tuple(randn(*s) for s in shapes)
 
     def _paged_inputs(self, randn, device):
-        from impls._serving import PagedKV
+        from impls.contract import PagedKV
 
         lengths, page = self.seqlens(), self.page_size
         pages_per_seq = [math.ceil(n / page) for n in lengths]
@@ -292,7 +291,7 @@ UNEVEN_VARLEN = [
 def uneven_varlen(lengths_q: list[int], lengths_k: list[int], causal: bool, device: str | torch.device, *,
                   heads: tuple[int, int] = (8, 2), head_dim: int = 128, dtype: torch.dtype = torch.bfloat16):
     """A ``Varlen`` of random inputs with these per-sequence lengths."""
-    from impls._serving import Varlen
+    from impls.contract import Varlen
 
     gen = torch.Generator(device=device).manual_seed(len(lengths_q))
 

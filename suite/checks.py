@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from impls._reference import attention_ref, serving_attention_ref
+from impls.reference import attention_ref, serving_attention_ref
 
 TOLERANCE_FACTOR = 2.0
 MAX_CHECKED_HEADS = 8

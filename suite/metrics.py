@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from impls._serving import decode_read_length
-from impls._validate import NO_WINDOW, window_bounds
+from impls.contract import NO_WINDOW, decode_read_length, window_bounds
 from suite.cases import Case
 
 # Dense fp16/bf16 tensor-core peak (TFLOP/s, no sparsity) of each architecture's flagship datacenter part,
@@ -32,7 +31,7 @@ def sum_range(lo: int, hi: int) -> int:
 
 
 def windowed_pairs(sq: int, skv: int, causal: bool, window: tuple[int, int]) -> int:
-    """Visible pairs under a sliding window (bottom-right, as impls._reference.visible), row by row."""
+    """Visible pairs under a sliding window (bottom-right, as impls.reference.visible), row by row."""
     left, right = window
     right = 0 if causal else right
     total = 0

@@ -23,20 +23,19 @@ import pytest
 import torch
 
 import impls
-from impls import Impl, Prepared, Unsupported
-from impls._tuning import STEADY_TOLERANCE, STEADY_WINDOW_S, clone_inputs
+from impls import Impl, Prepared, Unsupported, timing
+from impls.timing import STEADY_TOLERANCE, STEADY_WINDOW_S, clone_inputs
 from suite import cases as grid
-from suite import timing
 from suite.cases import Case
 from suite.checks import CheckResult, Oracle
-from suite.timing import AUTO_REST_S, HEAVIER, RestPolicy
+from suite.rest import AUTO_REST_S, HEAVIER, RestPolicy
 
 DEFAULT_GRIDS = {  # phase -> (without a GPU, with one)
     "correctness": (("cpu", "serving-cpu", "varlen-cpu", "models-cpu", "models-serving-cpu"),
                     ("gpu", "serving-cpu", "varlen-cpu", "models-cpu", "models-serving-cpu")),
     "benchmark": (("cpu-bench",), ("blog",)),
 }
-# Timing modes by default (suite/timing.py): on a GPU the CUDA-graph number leads (the kernels' own time,
+# Timing modes by default (impls/timing.py): on a GPU the CUDA-graph number leads (the kernels' own time,
 # host launch cost removed) and eager stands beside it (what a Python caller pays); kernel time on request.
 DEFAULT_TIMING = (("eager",), ("graph", "eager"))
 
@@ -169,7 +168,7 @@ def pytest_configure(config: pytest.Config) -> None:
     device, selected = device_and_selection(config)
     reasons = {(i.op, i.name): r for i in selected if (r := i.availability(device.type))}
     if config.getoption("--retune") or config.getoption("--no-tuning-cache"):
-        # Read by impls._tuning, in this process and in the children of --isolate.
+        # Read by impls.tuning, in this process and in the children of --isolate.
         os.environ["FMHA_TUNING"] = "retune" if config.getoption("--retune") else "off"
     if config.getoption("--compile-candidates"):
         os.environ["FMHA_COMPILE_CANDIDATES"] = "1"
@@ -180,7 +179,7 @@ def pytest_configure(config: pytest.Config) -> None:
         rest=RestPolicy(None if rest_ms == "auto" else rest_ms / 1e3),
     )
     if device.type == "cuda" and config.getoption("benchmark_timer", None) == "time.perf_counter":
-        config.option.benchmark_timer = "suite.timing.cuda_clock"
+        config.option.benchmark_timer = "impls.timing.cuda_clock"
     wants_file = config.getoption("--report") or config.getoption("--isolate")
     if wants_file and not benchmark_json(config):
         Path("results").mkdir(exist_ok=True)

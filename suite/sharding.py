@@ -4,7 +4,7 @@ It must run before CUDA initialises in the worker, so the root ``conftest.py`` c
 torch about devices; this module imports nothing that touches CUDA. With ``-n`` equal to the number of GPUs,
 every GPU runs one worker, and each worker (alone on its GPU, ``FMHA_GPU_EXCLUSIVE=1``) times its benchmarks;
 with more workers than GPUs they share round-robin (``FMHA_GPU_SHARED=1``): pytest-benchmark stays off and our
-tuners time nothing (``impls/_tuning.py``). ``FMHA_NO_PIN=1`` leaves ``CUDA_VISIBLE_DEVICES`` alone (every worker
+tuners time nothing (``impls/tuning.py``). ``FMHA_NO_PIN=1`` leaves ``CUDA_VISIBLE_DEVICES`` alone (every worker
 then on the first visible GPU).
 """
 

@@ -11,22 +11,26 @@ import pytest
 import torch
 
 from impls import Impl, Prepared
-from impls._tuning import SETTLE_S, copies_for_cold_l2, rotation_evicts, settle, settle_until_steady
-from suite import metrics
-from suite.cases import Case
-from suite.plugin import Problem, Recorder, run_state
-from suite.telemetry import energy_during, gpu_state
-from suite.timing import (
+from impls.timing import (
+    SETTLE_S,
     GraphCaptureError,
     GraphTarget,
     L2Flusher,
+    copies_for_cold_l2,
     cuda_clock,
     graph_repeats,
     iterations_for,
     profile_kernels,
-    rest,
+    rotation_evicts,
+    settle,
+    settle_until_steady,
     time_once,
 )
+from suite import metrics
+from suite.cases import Case
+from suite.plugin import Problem, Recorder, run_state
+from suite.rest import rest
+from suite.telemetry import energy_during, gpu_state
 
 
 def peak_memory_bytes(fn, device: torch.device) -> int | None:

@@ -13,7 +13,7 @@ import time
 import torch
 
 from impls import register
-from impls._reference import attention_ref
+from impls.reference import attention_ref
 
 
 def _correct(q, k, v, causal, scale):

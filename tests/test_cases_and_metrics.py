@@ -2,7 +2,7 @@ import itertools
 
 import pytest
 
-from impls._reference import causal_visible
+from impls.reference import causal_visible
 from suite import metrics
 from suite.cases import PRESETS, Case, cases
 
@@ -47,7 +47,7 @@ def test_flops_and_bytes():
 
 
 def test_iterations_fill_a_round_and_are_bounded():
-    from suite.timing import iterations_for
+    from impls.timing import iterations_for
 
     assert iterations_for(0.001, 0.02) == 20
     assert iterations_for(0.5, 0.02) == 1  # a long call is timed one per round

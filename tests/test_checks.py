@@ -11,7 +11,7 @@ def problem(causal=False):
 
 
 def test_naive_output_passes_and_a_wrong_one_fails():
-    from impls._reference import attention_ref
+    from impls.reference import attention_ref
 
     q, k, v, oracle = problem(causal=True)
     good = attention_ref(q, k, v, causal=True, upcast=False)

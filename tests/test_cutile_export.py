@@ -20,20 +20,11 @@ if os.environ.get("CI"):
 else:
     pytest.importorskip("cuda.tile", reason='cuTile not installed: pip install "cuda-tile[tileiras]"')
 
-from impls._sass import find_cuobjdump, hgmma_runs, sass_summary, softmax_overlap
-from impls._validate import NO_WINDOW
-from impls.cutile import (
-    HOPPER_DYNAMIC,
-    HOPPER_STREAMING,
-    HOPPER_WIDE,
-    LADDER,
-    Variant,
-    head_tiles,
-    other_forms,
-    search_space,
-    tile_d,
-)
+from impls.contract import NO_WINDOW
+from impls.cutile.config import Variant, head_tiles, tile_d
 from impls.cutile.export import export_cubin, export_phases
+from impls.cutile.spaces import HOPPER_DYNAMIC, HOPPER_STREAMING, HOPPER_WIDE, LADDER, other_forms, search_space
+from impls.sass import find_cuobjdump, hgmma_runs, sass_summary, softmax_overlap
 from suite.cases import uneven_varlen
 
 ARCHS = ["sm_80", "sm_90", "sm_100", "sm_120"]
@@ -276,9 +267,9 @@ def test_sm90_planned_candidates_compile_as_their_paired_twins(head_dim, value_d
 def test_planned_share_runs_each_query_tile_once_from_the_hosts_plan(monkeypatch):
     # The plan's arrays as the kernel reads them: block b runs WorkItems[WorkStarts[b]:WorkStarts[b + 1]], an item
     # (batch * num_m + query tile) * heads + head, decoded here as fmha_fwd decodes it.
-    import impls.cutile
+    import impls.cutile.config
 
-    monkeypatch.setattr(impls.cutile, "_sm_count", lambda *args, **kwargs: 5)
+    monkeypatch.setattr(impls.cutile.config, "device_sm_count", lambda *args, **kwargs: 5)
     batch, heads, q_len, kv_len, num_m = 2, 3, 1000, 1100, 8  # 128-row tiles, the last one ragged
     q = torch.empty((batch, heads, q_len, 64))
     variant = replace(HOPPER_STREAMING, tile_n=256, planned=True)
@@ -347,8 +338,8 @@ def test_settled_tuner_times_again_only_the_candidates_near_the_searchs_best(mon
     # again each at its own sustained clocks, and that decides. Where the search alone decides (the default),
     # its best is the pick. The settled pick keeps its finalists' times in the tuning cache, beside the config,
     # and a later process reads them back with the pick.
-    import impls.cutile as cutile
-    from impls import _tuning
+    import impls.cutile.tuner as cutile
+    from impls import tuning as _tuning
 
     space = [Variant(64, 128, occupancy=2), HOPPER_WIDE, replace(HOPPER_WIDE, persistent=True, tile_n=256)]
     times = dict(zip(space, (100.0, 140.0, 109.0), strict=True))  # us: the second is out of the running
@@ -489,9 +480,9 @@ def test_decode_space_reads_whole_pages_and_falls_back_to_rows():
 @pytest.fixture
 def short_chunks(monkeypatch):
     """Chunks of one key tile: the CPU twins' short caches split (and need the combine) on one SM."""
-    import impls._serving
+    import impls._plans
 
-    monkeypatch.setattr(impls._serving, "SPLIT_MIN_TILES", 1)
+    monkeypatch.setattr(impls._plans, "SPLIT_MIN_TILES", 1)
 
 
 @pytest.mark.parametrize("read", ["pages", "indexed", "rows"])
@@ -549,9 +540,9 @@ def test_decode_over_an_fp8_cache_compiles(read, short_chunks):
     """An fp8 cache's tiles are loaded as stored (page loads on TMA) and widened after each load; the split
     launch takes the scales (k's folded into the score scale, v's as an argument) and both launches compile. The
     64-key page load with two blocks per SM (in the space) keeps no stack on sm_90."""
-    from impls._sass import find_cuobjdump, sass_summary
     from impls.cutile.export import export_launch
     from impls.cutile.serving import DecodeCall, DecodeVariant
+    from impls.sass import find_cuobjdump, sass_summary
     from suite.cases import paged
 
     inputs = paged(("", 4, 1, 128), 1, 300, kv_dtype="fp8").make_inputs("cpu")
@@ -576,10 +567,10 @@ def test_a_cache_of_2_31_elements_is_read_through_word_views_with_tma(monkeypatc
     A cache of 2**31 elements or more (faked: the twin's) goes through 32-bit word views instead: its page
     loads compile as for a small cache, TMA included; a cache the word view does not fit keeps 64 bits."""
     import impls.cutile.serving
-    from impls._sass import find_cuobjdump, sass_summary
     from impls.cutile import decode
     from impls.cutile.export import export_launch
     from impls.cutile.serving import DecodeCall, DecodeVariant, decode_space, decode_space_for
+    from impls.sass import find_cuobjdump, sass_summary
 
     inputs = serving_inputs("serving-cpu", 4)  # MQA at batch 1, 300 tokens in pages of 16, head dim 64
     assert decode_space_for(inputs) == decode_space(16, head_dim=64)
@@ -609,12 +600,12 @@ def test_a_cache_of_2_31_elements_is_read_through_word_views_with_tma(monkeypatc
 
 @pytest.mark.parametrize("tile_n", [64, 128])
 def test_a_dense_decode_step_compiles_as_page_loads_of_the_dense_cache(tile_n, short_chunks):
-    """A dense decode step as the dense ``cutile`` entry hands it to the decode (``impls._serving.dense_as_paged``):
+    """A dense decode step as the dense ``cutile`` entry hands it to the decode (``impls._plans.dense_as_paged``):
     the caches are views whose pages overlap other heads' rows (strides not in order), and their page loads still
     compile to TMA; the view's element count is past 2**31 while no offset into it is, so it keeps 32-bit
     indexing."""
-    from impls._serving import dense_as_paged
-    from impls.cutile import needs_int64
+    from impls._plans import dense_as_paged
+    from impls.cutile.config import needs_int64
     from impls.cutile.export import export_launch
     from impls.cutile.serving import DecodeCall, DecodeVariant
 
@@ -637,7 +628,7 @@ def test_a_dense_decode_step_compiles_as_page_loads_of_the_dense_cache(tile_n, s
 def test_a_dense_decode_step_of_any_length_compiles_as_row_gathers_of_one_page():
     """A length that no page size of 16-256 divides is one page a sequence: cuTile's page loads need pages of whole
     tiles, so its decode space is the row gather, which compiles for such a page."""
-    from impls._serving import dense_as_paged
+    from impls._plans import dense_as_paged
     from impls.cutile.export import export_launch
     from impls.cutile.serving import ROWS_FALLBACK, DecodeCall, decode_space_for
 
@@ -653,9 +644,9 @@ def test_a_dense_decode_step_of_any_length_compiles_as_row_gathers_of_one_page()
 def test_decode_combine_is_small_enough_for_many_blocks_per_sm(short_chunks):
     """The combine's occupancy hint reaches the compiler: few registers, little shared memory (session 10's
     combine, left to the compiler, took 255 registers and ran two blocks per SM)."""
-    from impls._sass import find_cuobjdump, sass_summary
     from impls.cutile.export import export_launch
     from impls.cutile.serving import DecodeCall, DecodeVariant
+    from impls.sass import find_cuobjdump, sass_summary
 
     if find_cuobjdump() is None:
         pytest.skip("cuobjdump not found")
@@ -666,11 +657,11 @@ def test_decode_combine_is_small_enough_for_many_blocks_per_sm(short_chunks):
 
 
 def test_decode_combine_in_head_dim_slices_compiles(monkeypatch, short_chunks):
-    import impls._serving
+    import impls._plans
     from impls.cutile.export import export_launch
     from impls.cutile.serving import DecodeCall, DecodeVariant
 
-    monkeypatch.setattr(impls._serving, "COMBINE_STEP_ELEMENTS", 32)  # as hundreds of chunks would make it
+    monkeypatch.setattr(impls._plans, "COMBINE_STEP_ELEMENTS", 32)  # as hundreds of chunks would make it
     call = DecodeCall(DecodeVariant(64), serving_inputs("serving-cpu", 4), scale=0.125, sm_count=1)
     (_, _, slices), kernel, arguments = call.launches[1]
     assert slices == 4  # head dim 64 in slices of 16
@@ -681,13 +672,13 @@ def test_decode_tuner_tries_each_aimed_plan_once_per_chunk_length(monkeypatch):
     """The decode tuner times every kernel form with each split plan of ``AIMED_PLANS`` (one chunk a sequence
     where the GPU holds the batch, or more), once per distinct chunk length, and every plan of a form runs the
     same compiled kernel (the chunk length is a run-time argument)."""
-    import impls._serving
-    from impls._serving import AIMED_PLANS
+    import impls._plans
+    from impls._plans import AIMED_PLANS
     from impls.cutile.serving import DecodeVariant, plan_candidates
 
     inputs = serving_inputs("serving-cpu", 4)  # MQA at batch 1, 300 tokens: 5 tiles of 64 keys
     forms = [DecodeVariant(64), DecodeVariant(64, "indexed")]
-    monkeypatch.setattr(impls._serving, "SPLIT_MIN_TILES", 1)  # one-tile chunks, one SM: each plan cuts apart
+    monkeypatch.setattr(impls._plans, "SPLIT_MIN_TILES", 1)  # one-tile chunks, one SM: each plan cuts apart
     one_sm = plan_candidates(forms, inputs, scale=0.125, sm_count=1)
     assert len(one_sm) == len(forms) * len(AIMED_PLANS)
     for form in forms:
@@ -706,13 +697,13 @@ def test_decode_tuner_tries_split_steps_with_and_without_programmatic_dependent_
     """Where a GPU has programmatic dependent launch, the decode tuner times each split candidate both ways
     (``DecodeVariant.pdl``), and the chosen variant launches as it says; an unsplit step is tried once, as
     before (one launch: nothing to overlap). Without the feature (here, on CPU) nothing doubles."""
-    import impls._serving
+    import impls._plans
     import impls.cutile.serving as serving
 
     inputs = serving_inputs("serving-cpu", 4)  # MQA at batch 1, 300 tokens
     form = [serving.DecodeVariant(64)]
     with monkeypatch.context() as one_tile_chunks:
-        one_tile_chunks.setattr(impls._serving, "SPLIT_MIN_TILES", 1)
+        one_tile_chunks.setattr(impls._plans, "SPLIT_MIN_TILES", 1)
         plain = serving.plan_candidates(form, inputs, scale=0.125, sm_count=1)
         assert {call.variant.pdl for call in plain} == {None} and not any(c.dependent_launch for c in plain)
         monkeypatch.setattr(serving, "dependent_launch_available", lambda device: True)
@@ -739,7 +730,7 @@ def test_decode_without_a_split_writes_the_output_directly():
 
 
 def test_varlen_launches_compile():
-    from impls._serving import Varlen
+    from impls.contract import Varlen
     from impls.cutile.export import export_launch
     from impls.cutile.serving import VarlenCall, varlen_space
 
@@ -823,7 +814,7 @@ def test_varlen_with_a_window_and_softcap_compiles(causal, window):
     """Gemma-2's local layers over a packed batch: each candidate of the windowed space makes its launch with the
     window's bounds and the softcap, and the first two-warpgroup one and the persistent one compile for sm_90
     without a stack."""
-    from impls._serving import Varlen
+    from impls.contract import Varlen
     from impls.cutile import kernel
     from impls.cutile.export import export_launch
     from impls.cutile.serving import VarlenCall, varlen_space
@@ -853,7 +844,7 @@ def test_sm90_persistent_varlen_kernel_is_the_dense_persistent_kernel(causal):
     # The planned persistent varlen kernel runs the same tile work as one block per query tile: the same
     # matrix instructions, TMA loads and no stack (a run-time row check inside the loop doubled the HGMMA and
     # spilled, before the plan made it needless).
-    from impls._serving import Varlen
+    from impls.contract import Varlen
     from impls.cutile.export import export_launch
     from impls.cutile.serving import VarlenCall, varlen_space
 
@@ -902,7 +893,8 @@ def test_arguments_are_bound_by_the_kernels_parameter_names():
     pytest.importorskip("cuda.tile")
     import inspect
 
-    from impls.cutile import bind, kernel
+    from impls.cutile import kernel
+    from impls.cutile.config import bind
 
     names = list(inspect.signature(kernel.fmha_varlen._pyfunc).parameters)
     values = {name: i for i, name in enumerate(reversed(names))}
@@ -916,7 +908,7 @@ def test_a_kernel_and_its_hints_are_made_once():
     """Launches share one kernel object per kernel and set of hints: a new object per call would compile again,
     and would free its module while a CUDA graph captured from it still runs (session 12: a segfault)."""
     pytest.importorskip("cuda.tile")
-    from impls.cutile import Variant
+    from impls.cutile.config import Variant
 
     variant = Variant(64, 128, occupancy=2)
     assert variant.kernel() is variant.kernel()
@@ -931,14 +923,15 @@ def test_every_candidate_of_every_gpu_preset_case_makes_its_launches(monkeypatch
     with its window and softcap).
     A form some shape refuses at launch time fails here, not on the GPU (session 24's peeled diagonal reached the
     varlen space, which has no one query length, and refused every causal D=128 varlen case there)."""
-    import impls.cutile
-    from impls._serving import Varlen
-    from impls._validate import binding_window
-    from impls.cutile import Call, candidates
+    import impls.cutile.config
+    from impls.contract import Varlen, binding_window
+    from impls.cutile.launch import Call
     from impls.cutile.serving import VarlenCall, varlen_candidates
+    from impls.cutile.spaces import candidates
     from suite.cases import PRESETS
 
-    monkeypatch.setattr(impls.cutile, "_sm_count", lambda *args, **kwargs: 132)  # persistent grids size by SMs
+    # persistent grids size by SMs
+    monkeypatch.setattr(impls.cutile.config, "device_sm_count", lambda *args, **kwargs: 132)
     cases = {case.id: case for name, preset in PRESETS.items() if "cpu" not in name for case in preset}
     built = 0
     for case in cases.values():
@@ -1001,9 +994,9 @@ def test_sass_diff_reports_what_moved_between_two_trees():
 def test_a_persistent_grid_counts_clusters_as_blocks(monkeypatch):
     # a block of num_ctas=2 is a cluster on two SMs: 132 SMs hold 66 of them at once, not 132 (a second wave of
     # persistent blocks would run their whole share after the first)
-    import impls.cutile
+    import impls.cutile.config
 
-    monkeypatch.setattr(impls.cutile, "_sm_count", lambda *args, **kwargs: 132)
+    monkeypatch.setattr(impls.cutile.config, "device_sm_count", lambda *args, **kwargs: 132)
     q = torch.empty((4, 32, 4096, 128))
     assert HOPPER_STREAMING.grid(q) == (132, 1, 1)
     assert replace(HOPPER_STREAMING, num_ctas=2).grid(q) == (66, 1, 1)

@@ -18,9 +18,8 @@ if os.environ.get("CI"):
 else:
     pytest.importorskip("cuda.tile", reason='cuTile not installed: pip install "cuda-tile[tileiras]"')
 
-from impls._reference import visible
-from impls._validate import NO_WINDOW, window_bounds
-from impls.cutile import Variant
+from impls.contract import NO_WINDOW, window_bounds
+from impls.cutile.config import Variant
 from impls.cutile.kernel import (
     far_edge_or_same,
     key_tiles,
@@ -30,6 +29,7 @@ from impls.cutile.kernel import (
     paired_steps,
     work_item,
 )
+from impls.reference import visible
 
 SHAPES = [(300, 300), (333, 1000), (200, 130), (97, 97), (256, 256), (64, 700)]
 WINDOWS = [NO_WINDOW, (0, 0), (16, 0), (100, 37), (128, -1), (-1, 50), (1000, 1000)]

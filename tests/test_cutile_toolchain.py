@@ -18,7 +18,9 @@ else:
 
 from cuda.tile import _compile
 
-from impls.cutile import hopper_space, other_forms, requires, search_space, sixteen_warp_space, toolchain
+from impls.cutile import toolchain
+from impls.cutile.launch import requires
+from impls.cutile.spaces import hopper_space, other_forms, search_space, sixteen_warp_space
 
 
 @pytest.fixture
@@ -162,8 +164,8 @@ def test_a_readable_request_is_offered_and_opens_the_sixteen_warp_space(bytecode
 @pytest.mark.parametrize("head_dim", [32, 40, 64, 80, 96])
 @pytest.mark.parametrize("causal", [False, True])
 def test_sixteen_warp_candidates_compile_without_spilling(bytecode, head_dim, causal):
-    from impls._sass import sass_summary
     from impls.cutile.export import export_phases
+    from impls.sass import sass_summary
 
     bytecode("13.5")
     if tileiras_release() < (13, 5):

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import impls
-from impls._reference import attention_ref
 from impls.flash_attn_pkg import GENERATIONS
+from impls.reference import attention_ref
 
 
 @pytest.fixture(params=list(GENERATIONS))

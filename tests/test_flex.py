@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from impls import flex
-from impls._validate import NO_WINDOW
+from impls.contract import NO_WINDOW
 
 
 def test_compile_per_case_compiles_every_new_shape_past_dynamos_default_limit_of_eight() -> None:

@@ -18,7 +18,7 @@ from fnmatch import fnmatchcase
 import pytest
 import torch
 
-from impls._validate import NO_WINDOW
+from impls.contract import NO_WINDOW
 from suite.cases import UNEVEN_VARLEN, Case, uneven_varlen
 from suite.checks import Oracle
 
@@ -63,7 +63,10 @@ def kept(label: str) -> bool:
 
 def cutile_candidates(case: Case, q, k, v, out) -> list[tuple[str, Callable[[], object]]]:
     pytest.importorskip("cuda.tile")
-    from impls.cutile import HEAD_DIMS, Call, other_forms, precompile, search_space, tile_d
+    from impls.cutile.config import HEAD_DIMS, tile_d
+    from impls.cutile.launch import Call
+    from impls.cutile.spaces import other_forms, search_space
+    from impls.cutile.tuner import precompile
 
     if case.d not in HEAD_DIMS:
         return []
@@ -79,7 +82,8 @@ def cutile_candidates(case: Case, q, k, v, out) -> list[tuple[str, Callable[[], 
 
 def triton_candidates(case: Case, q, k, v, out) -> list[tuple[str, Callable[[], object]]]:
     pytest.importorskip("triton")
-    from impls.triton_fa import configs, descriptors_fit, launch, requires_tma
+    from impls.triton_fa.config import requires_tma
+    from impls.triton_fa.dense import configs, descriptors_fit, launch
 
     def call(config: dict) -> Callable[[], object]:
         return lambda: launch(config, q, k, v, out, causal=case.causal, scale=case.d ** -0.5, **case.variants)
@@ -132,8 +136,9 @@ def cutile_serving_candidates(inputs, window: tuple[int, int] = NO_WINDOW, softc
                               scale: float | None = None) -> list[tuple[str, Callable[[], torch.Tensor]]]:
     pytest.importorskip("cuda.tile")
     import impls.cutile.serving
-    from impls.cutile import precompile, tile_d
+    from impls.cutile.config import tile_d
     from impls.cutile.serving import DecodeCall, VarlenCall, decode_space, varlen_space, word_view_fits
+    from impls.cutile.tuner import precompile
 
     scale = inputs.head_dim ** -0.5 if scale is None else scale
     if inputs.op == "paged":  # one SM: the short twins split into several chunks
@@ -170,9 +175,9 @@ def check_serving_candidates(inputs, window: tuple[int, int] = NO_WINDOW, softca
 
 @pytest.mark.parametrize("case", serving_cases(), ids=lambda c: c.id)
 def test_every_serving_candidate(case: Case, monkeypatch):
-    import impls._serving
+    import impls._plans
 
-    monkeypatch.setattr(impls._serving, "SPLIT_MIN_TILES", 1)  # the short twins split, the combine runs
+    monkeypatch.setattr(impls._plans, "SPLIT_MIN_TILES", 1)  # the short twins split, the combine runs
     check_serving_candidates(case.make_inputs("cuda"), case.window, case.softcap)
 
 
@@ -189,10 +194,10 @@ def test_triton_serving_past_one_grid_axis(case: Case):
 def test_every_decode_form_over_fp8_keeps_bf16_queries_of_any_magnitude(monkeypatch):
     """cuTile's fp16 dots of bf16 queries over an fp8 cache (decode.py's F16_DOT) on queries far outside fp16's
     range, and an all-zero head (tests/test_serving.py's EXTREME_MAGNITUDES)."""
-    import impls._serving
+    import impls._plans
     from tests.test_serving import EXTREME_MAGNITUDES, extreme_fp8_inputs
 
-    monkeypatch.setattr(impls._serving, "SPLIT_MIN_TILES", 1)  # the combine runs too
+    monkeypatch.setattr(impls._plans, "SPLIT_MIN_TILES", 1)  # the combine runs too
     for magnitude in EXTREME_MAGNITUDES:
         inputs, scale = extreme_fp8_inputs("cuda", magnitude)
         oracle = Oracle.serving(inputs, scale=scale)

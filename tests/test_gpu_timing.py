@@ -4,7 +4,7 @@ profiler, and a call that cannot be captured falling back with its reason."""
 import pytest
 import torch
 
-from suite.timing import GraphCaptureError, GraphTarget, cuda_clock, profile_kernels
+from impls.timing import GraphCaptureError, GraphTarget, cuda_clock, profile_kernels
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -107,7 +107,7 @@ def test_a_host_sync_cannot_be_captured_and_says_why():
 
 
 def test_the_tuners_graph_time_of_an_uncapturable_call_falls_back_and_leaves_the_process_sound():
-    from impls._tuning import graph_ms
+    from impls.timing import graph_ms
 
     a = torch.randn(64, device="cuda")
     stream = torch.cuda.current_stream()
@@ -117,7 +117,7 @@ def test_the_tuners_graph_time_of_an_uncapturable_call_falls_back_and_leaves_the
 
 
 def test_tuners_settle_the_gpu_for_the_time_asked():
-    from impls._tuning import settle_gpu
+    from impls.timing import settle_gpu
 
     start = cuda_clock()
     settle_gpu(torch.device("cuda"), seconds=0.1)
@@ -125,7 +125,7 @@ def test_tuners_settle_the_gpu_for_the_time_asked():
 
 
 def test_settling_until_steady_times_real_windows_within_its_bound():
-    from impls._tuning import mean_ms, settle_until_steady
+    from impls.timing import mean_ms, settle_until_steady
 
     call = matmul_call()
     per_call_s = mean_ms(call) / 1e3
@@ -135,14 +135,14 @@ def test_settling_until_steady_times_real_windows_within_its_bound():
 
 
 def test_sustained_tuner_picks_the_cheaper_call():
-    from impls._tuning import sustained_fastest
+    from impls.tuning import sustained_fastest
 
     small, large = (torch.randn(n, n, device="cuda", dtype=torch.float16) for n in (1024, 4096))
     assert sustained_fastest([("large", lambda: large @ large), ("small", lambda: small @ small)], rounds=3) == "small"
 
 
 def test_settled_tuner_picks_the_cheaper_call():
-    from impls._tuning import settled_ranking
+    from impls.tuning import settled_ranking
 
     small, large = (torch.randn(n, n, device="cuda", dtype=torch.float16) for n in (1024, 4096))
     ranking = settled_ranking([("large", lambda: large @ large), ("small", lambda: small @ small)], seconds=0.05,

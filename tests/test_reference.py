@@ -1,6 +1,6 @@
 import torch
 
-from impls._reference import attention_ref, causal_visible
+from impls.reference import attention_ref, causal_visible
 
 
 def test_causal_is_bottom_right_aligned():

@@ -155,7 +155,7 @@ def test_more_sequences_than_a_grid_axis_holds_are_refused_with_the_limit_named(
     refuses more sequences than that with the limit named, before it compiles or launches anything (cuTile's
     prepare functions are called directly: on CPU the registry refuses them for the device first)."""
     from impls._registry import GRID_AXIS_MAX
-    from impls._serving import PagedKV, Varlen
+    from impls.contract import PagedKV, Varlen
 
     batch, heads, d = GRID_AXIS_MAX + 1, 1, 16
     zeros = functools.partial(torch.zeros, dtype=torch.bfloat16, device="cuda" if torch.cuda.is_available() else "cpu")

@@ -115,7 +115,7 @@ def test_report_shows_the_energy_of_a_call_where_nvml_measured_it(results, tmp_p
 
 
 def test_case_tables_show_what_decided_a_tuned_pick(results, tmp_path):
-    # A settled tuner's pick carries its finalists' times in the config (impls._tuning.EVIDENCE); the case
+    # A settled tuner's pick carries its finalists' times in the config (impls.tuning.EVIDENCE); the case
     # table shows a short label, and folded under it the whole config and each finalist's settled time per call
     # and the search's, fastest first, not a dict's repr.
     data = json.loads(results.read_text())

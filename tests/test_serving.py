@@ -9,8 +9,7 @@ import torch
 
 import impls
 from impls import Prepared, register, unregister
-from impls._serving import PagedKV, Varlen
-from impls._validate import UNBOUNDED
+from impls.contract import UNBOUNDED, PagedKV, Varlen
 from suite import metrics
 from suite.cases import PRESETS, UNEVEN_VARLEN, Case, case_by_id, paged, uneven_varlen, varlen
 from suite.checks import Oracle
@@ -156,7 +155,7 @@ def test_triton_decode_over_fp8_keeps_bf16_queries_of_any_magnitude():
     GPU; under the interpreter on CPU (its fp32 dots still take the scaled rows). tests/test_gpu_candidates.py checks
     cuTile's decode forms the same way."""
     pytest.importorskip("triton")
-    from impls.triton_fa import DECODE_TILES, INTERPRETER_DECODE_CONFIG, paged_launch
+    from impls.triton_fa.paged import DECODE_TILES, INTERPRETER_DECODE_CONFIG, paged_launch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     n, w, st = DECODE_TILES[0]
@@ -177,7 +176,7 @@ def off_word(cache: torch.Tensor) -> torch.Tensor:
 def test_triton_reads_fp8_values_as_words_only_where_it_can():
     """V_WORDS (decode.py): the values come as 32-bit words under fp16 dots in compiled code, over a word-aligned
     cache; bf16 dots, the interpreter or a cache off word alignment keep the byte path."""
-    from impls.triton_fa import word_values
+    from impls.triton_fa.paged import word_values
 
     inputs = fp8_inputs()
     assert word_values(inputs, interp=False) and not word_values(inputs, interp=True)
@@ -204,7 +203,7 @@ def test_triton_fp8_values_as_words_on_every_decode_tile(dtype, head_dim):
     """Every tile of the decode tuner over the fp8 twin (ragged pages, NaN in unused slots), its values read as
     words (bf16 queries with the fp16 dots, and fp16 queries; a head dim of 96 pads the tile to 128, its last
     words masked), then as bytes from a cache off word alignment: the oracle's output each time."""
-    from impls.triton_fa import DECODE_TILES, paged_launch, word_values
+    from impls.triton_fa.paged import DECODE_TILES, paged_launch, word_values
 
     inputs = paged((*TINY[:3], head_dim), 3, 100, lengths="longtail", kv_dtype="fp8").make_inputs("cuda")
     inputs = dataclasses.replace(inputs, q=inputs.q.to(dtype))
@@ -225,8 +224,8 @@ def test_triton_split_decode_prefetches_under_pdl_and_gives_the_oracle_output(he
     the L2 for its lookups before the wait (PREFETCH): on every tile of the tuner's space, with 1 and 4 new tokens,
     long-tailed lengths (NaN in unused slots) and a head dim that pads the tile (96), the output is the oracle's, with
     and without it. (``gpu_session.sh prefetch`` also runs it under compute-sanitizer's memcheck.)"""
-    from impls._serving import dependent_launch_available
-    from impls.triton_fa import DECODE_TILES, paged_launch
+    from impls._plans import dependent_launch_available
+    from impls.triton_fa.paged import DECODE_TILES, paged_launch
 
     if not dependent_launch_available(torch.device("cuda")):
         pytest.skip("programmatic dependent launch needs sm_90 or newer")
@@ -294,7 +293,7 @@ def test_serving_metrics_count_each_sequence():
 
 
 def test_split_plan_fills_the_gpu_and_balances_long_tails():
-    from impls._serving import split_plan
+    from impls._plans import split_plan
 
     splits, length = split_plan([131072], kv_heads=8, block_n=64, sm_count=132)
     assert splits * length >= 131072 and length % 64 == 0 and splits * 8 >= 4 * 132 // 2
@@ -310,8 +309,8 @@ def test_short_steps_get_one_tile_chunks_among_the_tuners_plans():
     """A short step (the 70B slice at 1 x 512: 16 tiles of 32 keys for 132 SMs) splits into chunks of SPLIT_MIN_TILES
     at the most, 4 of them; the plans of one-tile chunks (PLAN_MIN_TILES) cut it into 16, one dependent chain of
     loads a program. Both tuners try both; a batch that fills the GPU cuts alike either way."""
-    from impls._serving import PLAN_MIN_TILES, SPLIT_MIN_TILES, split_plan
-    from impls.triton_fa import DECODE_SPACE, LAUNCH_KEYS
+    from impls._plans import PLAN_MIN_TILES, SPLIT_MIN_TILES, split_plan
+    from impls.triton_fa.paged import DECODE_SPACE, LAUNCH_KEYS
 
     assert split_plan([512], 1, 32, 132, programs_per_sm=2) == (512 // 32 // SPLIT_MIN_TILES, 32 * SPLIT_MIN_TILES)
     assert split_plan([512], 1, 32, 132, min_tiles=1, programs_per_sm=2) == (16, 32)
@@ -326,7 +325,7 @@ def test_short_steps_get_one_tile_chunks_among_the_tuners_plans():
     ([32768] * 64, 1, 1), ([32768] * 64, 1, 2), ([32768] * 16, 1, 1), ([32768] + [1000] * 15, 8, 4),
     ([8192] * 256, 1, 1), ([300, 4000, 17, 1024], 8, 2), ([512] * 256, 8, 4)])
 def test_fitted_split_plan_is_the_shortest_chunk_whose_programs_fit_at_once(lengths, kv_heads, slots_per_sm):
-    from impls._serving import SPLIT_MIN_TILES, split_plan
+    from impls._plans import SPLIT_MIN_TILES, split_plan
 
     block_n, sm_count = 64, 132
     splits, length = split_plan(lengths, kv_heads, block_n, sm_count, programs_per_sm=slots_per_sm, fit=True)
@@ -350,7 +349,7 @@ def test_fitted_split_plan_is_the_shortest_chunk_whose_programs_fit_at_once(leng
     ([512, 1000], [512, 1000], False)])
 @pytest.mark.parametrize("slots", [1, 7, 132])
 def test_varlen_work_plan_runs_every_query_tile_once_and_balances_the_blocks(lengths_q, lengths_k, causal, slots):
-    from impls._serving import query_tile_cost, varlen_work_plan
+    from impls._plans import query_tile_cost, varlen_work_plan
 
     heads, tile_m, tile_n = 3, 128, 64
     plan = varlen_work_plan(lengths_q, lengths_k, heads, tile_m, tile_n, causal, slots)
@@ -375,7 +374,7 @@ def test_varlen_work_plan_runs_every_query_tile_once_and_balances_the_blocks(len
 def test_query_tile_cost_counts_the_key_tiles_the_tiles_rows_see(len_q, len_k, causal, window):
     # Against a row-by-row count: the key tiles from the first one some row of the query tile sees to the last
     # (its rows past the sequence's end included, as the kernel's key_tiles counts them), plus the overhead.
-    from impls._serving import PLAN_ITEM_OVERHEAD_TILES, query_tile_cost
+    from impls._plans import PLAN_ITEM_OVERHEAD_TILES, query_tile_cost
 
     tile_m, tile_n = 128, 64
     left, right = window
@@ -387,7 +386,7 @@ def test_query_tile_cost_counts_the_key_tiles_the_tiles_rows_see(len_q, len_k, c
 
 
 def test_varlen_work_plan_pairs_mirror_tiles_as_the_dense_kernel_does():
-    from impls._serving import varlen_work_plan
+    from impls._plans import varlen_work_plan
 
     plan = varlen_work_plan([1024] * 2, [1024] * 2, 2, 128, 128, True, 4)  # 8 tiles a head: 4 mirror pairs
     block0 = [plan.decode(item) for item in plan.items[plan.starts[0]:plan.starts[1]]]
@@ -400,7 +399,7 @@ def test_varlen_work_plan_fills_the_last_round_that_equal_pairs_leave_part_empty
     # GPT-2 1 x 32K as the dense kernel's planned share runs it: 12 heads of 128 query tiles of 256 rows, 768 equal
     # mirror pairs on 132 blocks. Whole pairs give the busiest block 6 where the mean is 5.82 (3% of the launch
     # idle); the trailing pairs split into their tiles fill that round, and the rest stay pairs.
-    from impls._serving import longest_first, query_tile_cost, varlen_work_plan
+    from impls._plans import longest_first, query_tile_cost, varlen_work_plan
 
     heads, length, tile_m, tile_n, blocks = 12, 32768, 256, 64, 132
     plan = varlen_work_plan([length], [length], heads, tile_m, tile_n, True, blocks)
@@ -420,7 +419,7 @@ def test_varlen_work_plan_fills_the_last_round_that_equal_pairs_leave_part_empty
 
 
 def test_combine_plan_merges_many_chunks_in_one_step():
-    from impls._serving import COMBINE_STEP_ELEMENTS, combine_plan
+    from impls._plans import COMBINE_STEP_ELEMENTS, combine_plan
 
     assert combine_plan(1, 128) == (128, 1) and combine_plan(5, 128) == (128, 8)  # few chunks: whole rows
     tile_d, chunks = combine_plan(256, 128)  # batch 1, 128K: a row's 256 chunks in one step, 8 blocks a row
@@ -434,14 +433,14 @@ def test_triton_decode_with_a_narrowed_combine(monkeypatch):
     """The Triton combine with head-dim slices (as many chunks make it) is correct: a small step budget narrows
     the slices of a CPU twin's few chunks."""
     pytest.importorskip("triton")
-    import impls._serving
+    import impls._plans
 
-    monkeypatch.setattr(impls._serving, "COMBINE_STEP_ELEMENTS", 64)
+    monkeypatch.setattr(impls._plans, "COMBINE_STEP_ELEMENTS", 64)
     inputs = PRESETS["serving-cpu"][4].make_inputs("cpu")  # MQA, 300 tokens: split under the interpreter
-    from impls.triton_fa import INTERPRETER_DECODE_CONFIG, paged_launch
+    from impls.triton_fa.paged import INTERPRETER_DECODE_CONFIG, paged_launch
 
     run, plan = paged_launch(inputs, inputs.head_dim ** -0.5, INTERPRETER_DECODE_CONFIG)
-    assert plan["num_splits"] > 4 and impls._serving.combine_plan(plan["num_splits"], inputs.head_dim)[0] == 16
+    assert plan["num_splits"] > 4 and impls._plans.combine_plan(plan["num_splits"], inputs.head_dim)[0] == 16
     result = Oracle.serving(inputs).check(run())
     assert result.passed, result.message
 
@@ -451,7 +450,7 @@ def test_triton_decode_plans_for_more_or_fewer_programs_are_correct():
     """The decode tuner's plan axes (PLAN_PROGRAMS, PLAN_FIT) change the chunk count; each plan is still
     correct."""
     pytest.importorskip("triton")
-    from impls.triton_fa import INTERPRETER_DECODE_CONFIG, paged_launch
+    from impls.triton_fa.paged import INTERPRETER_DECODE_CONFIG, paged_launch
 
     inputs = PRESETS["serving-cpu"][4].make_inputs("cpu")  # MQA, 300 tokens
     splits = set()
@@ -471,7 +470,7 @@ def test_triton_fitted_decode_plans_fill_whole_waves_of_resident_blocks(waves):
     ``waves`` x that x the SMs, and it is correct on every paged CPU twin and on the 70B slice at batch 1 (32K
     tokens: split)."""
     pytest.importorskip("triton")
-    from impls.triton_fa import DECODE_TILES, paged_launch
+    from impls.triton_fa.paged import DECODE_TILES, paged_launch
 
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     long_one = case_by_id("llama3-70b-tp8-paged-bf16-h8:1-q1-kv32768-uniform-p16-d128")
@@ -502,7 +501,7 @@ def test_triton_decode_with_and_without_the_mask_free_loop(case, mask_free):
     pytest.importorskip("triton")
     from triton.runtime.errors import OutOfResources
 
-    from impls.triton_fa import DECODE_SPACE, DECODE_TILES, INTERPRETER_DECODE_CONFIG, paged_launch
+    from impls.triton_fa.paged import DECODE_SPACE, DECODE_TILES, INTERPRETER_DECODE_CONFIG, paged_launch
 
     assert {config["MASK_FREE"] for config in DECODE_SPACE} == {True, False}
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -528,7 +527,7 @@ def test_triton_decode_tuner_leaves_out_configs_beyond_shared_memory():
     pytest.importorskip("triton")
     from triton.runtime.errors import OutOfResources
 
-    from impls.triton_fa import DECODE_SPACE, decode_candidates
+    from impls.triton_fa.paged import DECODE_SPACE, decode_candidates
 
     calls = []
 
@@ -552,10 +551,10 @@ def test_decode_tuners_time_a_step_that_fits_in_the_l2_over_copies_of_its_inputs
     """A step whose inputs fit in twice the L2 is timed cold by the decode tuners: each candidate's call runs over the
     inputs and then each copy of them (fresh memory, equal contents), enough copies that the others' bytes evict the
     L2 between a copy's uses; a step of twice the L2 or more, or off CUDA, keeps its calls as they are."""
-    from impls import _tuning
+    from impls import timing
 
     inputs = paged_inputs()
-    size = sum(t.nbytes for t in _tuning.input_tensors(inputs).values())
+    size = sum(t.nbytes for t in timing.input_tensors(inputs).values())
     assert size == sum(t.nbytes for t in (inputs.q, inputs.k_cache, inputs.v_cache, inputs.block_table,
                                           inputs.cache_seqlens))
     ran = []
@@ -564,9 +563,9 @@ def test_decode_tuners_time_a_step_that_fits_in_the_l2_over_copies_of_its_inputs
     def call_on(copy, name):
         return lambda: ran.append((name, copy))
 
-    assert _tuning.cold_candidates(candidates, inputs, call_on) is candidates  # CPU: no L2 to evict
-    monkeypatch.setattr(_tuning, "l2_bytes", lambda device: size)  # the inputs fit in twice the L2
-    cold = _tuning.cold_candidates(candidates, inputs, call_on)
+    assert timing.cold_candidates(candidates, inputs, call_on) is candidates  # CPU: no L2 to evict
+    monkeypatch.setattr(timing, "l2_bytes", lambda device: size)  # the inputs fit in twice the L2
+    cold = timing.cold_candidates(candidates, inputs, call_on)
     assert [name for name, _ in cold] == ["a", "b"]
     cold[1][1]()
     assert [name for name, _ in ran] == ["b"] * 3  # itself and 2 copies, whose bytes are twice the L2
@@ -575,8 +574,8 @@ def test_decode_tuners_time_a_step_that_fits_in_the_l2_over_copies_of_its_inputs
         assert copy.k_cache.data_ptr() != inputs.k_cache.data_ptr()
         torch.testing.assert_close(copy.k_cache, inputs.k_cache, rtol=0, atol=0, equal_nan=True)  # NaN in free slots
         assert torch.equal(copy.block_table, inputs.block_table) and copy.page_size == inputs.page_size
-    monkeypatch.setattr(_tuning, "l2_bytes", lambda device: size // 2)  # twice the L2 is the step: it evicts itself
-    assert _tuning.cold_candidates(candidates, inputs, call_on) is candidates
+    monkeypatch.setattr(timing, "l2_bytes", lambda device: size // 2)  # twice the L2 is the step: it evicts itself
+    assert timing.cold_candidates(candidates, inputs, call_on) is candidates
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's run of the unsplit decode: CPU")
@@ -584,7 +583,7 @@ def test_triton_decode_without_a_split_writes_the_output_directly(monkeypatch):
     """One chunk per sequence: the split kernel writes the output rows, and no combine is launched."""
     pytest.importorskip("triton")
     import impls.triton_fa.decode
-    from impls.triton_fa import INTERPRETER_DECODE_CONFIG, paged_launch
+    from impls.triton_fa.paged import INTERPRETER_DECODE_CONFIG, paged_launch
 
     def no_combine(*args, **kwargs):
         raise AssertionError("the combine was launched for an unsplit decode")
@@ -603,7 +602,7 @@ def test_triton_decode_asked_to_prefetch_runs_without_it_under_the_interpreter()
     config asking for it runs there without it, split and combined, says so, and stays correct
     (tests/test_triton_compile.py has the PTX)."""
     pytest.importorskip("triton")
-    from impls.triton_fa import INTERPRETER_DECODE_CONFIG, paged_launch
+    from impls.triton_fa.paged import INTERPRETER_DECODE_CONFIG, paged_launch
 
     inputs = PRESETS["serving-cpu"][0].make_inputs("cpu")
     run, plan = paged_launch(inputs, inputs.head_dim ** -0.5, {**INTERPRETER_DECODE_CONFIG, "PREFETCH": True})
@@ -628,7 +627,7 @@ def test_triton_decode_with_and_without_programmatic_dependent_launch(pdl):
     each kernel starts while the one before it still runs (it waits for it before its first load). Hopper and later
     take it; the interpreter and older GPUs launch as before, and the plan says which ran."""
     pytest.importorskip("triton")
-    from impls.triton_fa import INTERPRETER_DECODE_CONFIG, paged_launch
+    from impls.triton_fa.paged import INTERPRETER_DECODE_CONFIG, paged_launch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     hopper = device == "cuda" and torch.cuda.get_device_capability()[0] >= 9
@@ -669,7 +668,8 @@ def dense_decode(batch=2, hq=8, hkv=2, sq=1, skv=256, layout="bhsd", dtype=torch
 def test_a_dense_decode_step_is_seen_as_pages_of_the_same_memory(layout, sq, skv, page):
     """Each sequence's pages hold its own rows in order, for both layouts: the view gathers back to the dense
     cache exactly, and nothing was copied."""
-    from impls._serving import dense_as_paged, gather_sequence
+    from impls._plans import dense_as_paged
+    from impls.contract import gather_sequence
 
     q, k, v = dense_decode(batch=3, sq=sq, skv=skv, layout=layout)
     inputs = dense_as_paged(q, k, v, causal=True)
@@ -690,7 +690,7 @@ def test_a_dense_decode_step_is_seen_as_pages_of_the_same_memory(layout, sq, skv
     ({"sq": 1, "skv": 260}, True, lambda k, v: (k[:, :, :250], v[:, :, :250])),
 ])
 def test_dense_calls_that_are_not_decode_steps_are_not_seen_as_pages(shape, causal, change):
-    from impls._serving import dense_as_paged
+    from impls._plans import dense_as_paged
 
     q, k, v = dense_decode(**shape)
     if change:
@@ -707,7 +707,7 @@ def test_triton_runs_a_dense_decode_step_as_split_kv_decode(layout, sq, skv, cau
     """The dense ``triton`` entry hands a decode step to its split-KV decode (the config says so), whose output,
     in the dense layout, passes the float64 oracle; FMHA_DENSE_DECODE=0 keeps the dense kernel."""
     pytest.importorskip("triton")
-    from impls._serving import DENSE_DECODE_ENV
+    from impls._plans import DENSE_DECODE_ENV
 
     q, k, v = dense_decode(sq=sq, skv=skv, layout=layout)
     oracle = Oracle.dense(q, k, v, causal=causal, **variants)
@@ -765,7 +765,7 @@ def test_a_dense_decode_step_takes_whichever_route_is_faster_once_per_shape_clas
     the faster one runs (its config says which and where the choice came from), and the next call of the class
     reads the choice and prepares the dense kernel only if it runs it."""
     pytest.importorskip("triton")
-    import impls._serving as serving
+    import impls._plans as serving
 
     timed = []
     monkeypatch.setattr(serving, "timed_here", lambda q: True)

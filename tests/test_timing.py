@@ -1,28 +1,23 @@
-"""Timing modes, the tuning cache and sharding, on CPU: the plumbing, the fallbacks and what the report shows.
-The GPU half (graph and kernel modes measuring) is tests/test_gpu_timing.py."""
+"""Timing modes, settling, resting and sharding, on CPU: the plumbing, the fallbacks and what the report shows.
+The GPU half (graph and kernel modes measuring) is tests/test_gpu_timing.py; the tuning cache tests/test_tuning.py."""
 
 import argparse
 import copy
-import hashlib
-import importlib
 import json
-import multiprocessing
-import os
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from impls import _tuning
+from impls import timing, tuning
 from reports.build import load_run, render
 from suite.isolation import child_env
 from suite.plugin import rest_option
-from suite.timing import AUTO_REST_S, HEAVIER, RestPolicy, rest
+from suite.rest import AUTO_REST_S, HEAVIER, RestPolicy, rest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -108,7 +103,7 @@ def test_decode_ranks_by_bandwidth(cpu_modes, tmp_path):
 
 
 def test_settling_runs_the_call_for_the_time_asked_then_waits():
-    from impls._tuning import settle
+    from impls.timing import settle
 
     calls, syncs = [], []
     assert settle(lambda: calls.append(1), 0.25, 0.01, lambda: syncs.append(1)) == 25
@@ -118,7 +113,7 @@ def test_settling_runs_the_call_for_the_time_asked_then_waits():
 
 
 def test_settling_until_steady_goes_on_while_the_windows_move_and_stops_at_its_bound():
-    from impls._tuning import STEADY_WINDOW_S, settle_until_steady
+    from impls.timing import STEADY_WINDOW_S, settle_until_steady
 
     calls, windows = [], []
 
@@ -206,145 +201,11 @@ def test_a_saved_run_gates_regressions_through_pytest_benchmark(saved_baseline, 
 
 
 def test_graph_repeats_fill_about_a_millisecond():
-    from suite.timing import graph_repeats
+    from impls.timing import graph_repeats
 
     assert graph_repeats(1e-5, 1) == 100
     assert graph_repeats(5e-3, 1) == 1
     assert graph_repeats(1e-7, 4) == 64  # capped at 256 calls per graph
-
-
-def test_tuning_cache_modes(tmp_path, monkeypatch):
-    monkeypatch.setenv("FMHA_TUNING_CACHE", str(tmp_path))
-    cache = _tuning.TuningCache("toy", [Path(__file__)], ["torch"])
-    calls = []
-
-    def tune():
-        calls.append(1)
-        return {"BLOCK": 64 * len(calls)}
-
-    def fixed():
-        return {"BLOCK": 16}
-
-    monkeypatch.delenv("FMHA_GPU_SHARED", raising=False)
-    monkeypatch.setenv("FMHA_TUNING", "on")
-    assert cache.lookup("k", tune, fixed) == ({"BLOCK": 64}, _tuning.TUNED)
-    assert cache.lookup("k", tune, fixed) == ({"BLOCK": 64}, _tuning.CACHED) and len(calls) == 1  # tuned once
-    monkeypatch.setenv("FMHA_TUNING", "retune")
-    assert cache.lookup("k", tune, fixed) == ({"BLOCK": 128}, _tuning.TUNED)  # tuned again, overwritten
-    monkeypatch.setenv("FMHA_TUNING", "on")
-    assert cache.get("k") == {"BLOCK": 128}
-    monkeypatch.setenv("FMHA_TUNING", "off")
-    assert cache.lookup("k", tune, fixed) == ({"BLOCK": 192}, _tuning.TUNED)
-    monkeypatch.setenv("FMHA_TUNING", "on")
-    assert cache.get("k") == {"BLOCK": 128}  # off neither read nor wrote
-    (tmp_path / "toy.json").write_text("{torn")
-    assert cache.get("k") is None  # an unreadable file is ignored
-    monkeypatch.setenv("FMHA_TUNING", "sometimes")
-    with pytest.raises(ValueError, match="FMHA_TUNING='sometimes'"):
-        cache.get("k")
-
-
-def test_a_process_sharing_its_gpu_neither_tunes_nor_stores(tmp_path, monkeypatch):
-    """Beside other processes on its GPU (xdist workers outnumbering the GPUs) a tuner would time their load: the
-    cache's pick where there is one, else the fixed config, and nothing stored for the processes after it."""
-    monkeypatch.setenv("FMHA_TUNING_CACHE", str(tmp_path))
-    monkeypatch.setenv("FMHA_TUNING", "on")
-    monkeypatch.setenv("FMHA_GPU_SHARED", "1")
-    cache = _tuning.TuningCache("toy", [Path(__file__)], ["torch"])
-    assert cache.lookup("k", lambda: pytest.fail("tuned on a shared GPU"), lambda: {"BLOCK": 16}) == (
-        {"BLOCK": 16}, _tuning.UNTUNED)
-    assert cache.get("k") is None and not (tmp_path / "toy.json").exists()
-    cache.put("k", {"BLOCK": 64})  # tuned earlier, alone
-    assert cache.lookup("k", lambda: pytest.fail("tuned"), lambda: {"BLOCK": 16}) == ({"BLOCK": 64}, _tuning.CACHED)
-
-
-def test_a_process_sharing_its_gpu_compiles_the_candidates_when_asked(tmp_path, monkeypatch):
-    """A chain's prime (--compile-candidates): workers that share the GPU compile the tuners' candidates, untimed,
-    for the one process that tunes after them; they still run the fixed config and store nothing, and a class the
-    cache already holds compiles nothing."""
-    monkeypatch.setenv("FMHA_TUNING_CACHE", str(tmp_path))
-    monkeypatch.setenv("FMHA_TUNING", "on")
-    monkeypatch.setenv("FMHA_GPU_SHARED", "1")
-    cache = _tuning.TuningCache("toy", [Path(__file__)], ["torch"])
-    compiled = []
-
-    def lookup(key: str) -> tuple[dict, str]:
-        return cache.lookup(key, lambda: pytest.fail("tuned on a shared GPU"), lambda: {"BLOCK": 16},
-                            lambda: compiled.append(key))
-
-    assert lookup("k") == ({"BLOCK": 16}, _tuning.UNTUNED) and compiled == []  # not asked: nothing compiled
-    monkeypatch.setenv("FMHA_COMPILE_CANDIDATES", "1")
-    assert lookup("k") == ({"BLOCK": 16}, _tuning.UNTUNED) and compiled == ["k"]
-    assert cache.get("k") is None
-    cache.put("cached", {"BLOCK": 64})
-    assert lookup("cached") == ({"BLOCK": 64}, _tuning.CACHED) and compiled == ["k"]
-    monkeypatch.setenv("FMHA_GPU_SHARED", "0")  # alone on its GPU it tunes, and the tune compiles for itself
-    assert cache.lookup("alone", lambda: {"BLOCK": 32}, lambda: {"BLOCK": 16},
-                        lambda: compiled.append("alone")) == ({"BLOCK": 32}, _tuning.TUNED) and compiled == ["k"]
-
-
-def test_the_key_names_the_compiler_where_given(monkeypatch):
-    props = SimpleNamespace(name="H200", major=9, minor=0)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
-    plain = _tuning.TuningCache("toy", [Path(__file__)], ["torch"])
-    named = _tuning.TuningCache("toy", [Path(__file__)], ["torch"],
-                                lambda: {"tileiras": "tileiras 13.5.37", "bytecode": "13.5"})
-    key = json.loads(named.key("cuda", ["shape"]))
-    assert key["tileiras"] == "tileiras 13.5.37" and key["bytecode"] == "13.5" and key["gpu"] == "H200"
-    assert "bytecode" not in json.loads(plain.key("cuda", ["shape"]))
-
-
-def _store_entries(directory: str, worker: int, count: int) -> None:
-    os.environ["FMHA_TUNING_CACHE"] = directory
-    cache = _tuning.TuningCache("toy", [Path(__file__)], ["torch"])
-    for i in range(count):
-        cache.put(f"w{worker}-{i}", {"i": i})
-
-
-def test_processes_storing_side_by_side_lose_no_entry(tmp_path, monkeypatch):
-    """Workers tuning at once (pytest-xdist on a node) each add entries to one file: none may be lost to
-    another's read-modify-write."""
-    monkeypatch.setenv("FMHA_TUNING", "on")
-    workers, count = 6, 40
-    with multiprocessing.get_context("fork").Pool(workers) as pool:
-        pool.starmap(_store_entries, [(str(tmp_path), w, count) for w in range(workers)])
-    stored = json.loads((tmp_path / "toy.json").read_text())
-    assert len(stored) == workers * count
-
-
-def test_the_source_hash_changes_with_the_kernel_not_with_its_notes(tmp_path):
-    kernel = tmp_path / "kernel.py"
-
-    def digest(text: str) -> str:
-        kernel.write_text(text)
-        _tuning.source_hash.cache_clear()
-        return _tuning.source_hash((kernel,))
-
-    first = digest('"""A space."""\ndef space():\n    """Measured: 500."""\n    return [1, 2]  # the two forms\n')
-    # a docstring, a comment and the layout changed: the same code, the same picks
-    assert digest('"""A space, again."""\n\ndef space():\n    """Measured: 510."""\n    return [1,  2]\n') == first
-    assert digest('def space():\n    return [1, 2]\n') == first
-    # the code changed: a value, a string assigned beside the docstring
-    assert digest('def space():\n    return [1, 3]\n') != first
-    assert digest('def space():\n    """Measured."""\n    x = "b"\n    return [1, 2]\n') != first
-
-
-def test_the_source_hash_is_the_same_under_every_python():
-    # The digest of a kernel module is written where the kernels ran (the device's Python 3.12) and read where the
-    # cache is re-keyed or carried (CI's 3.11): ast.unparse wrote this f-string's inner quotes one way before 3.12
-    # and another from it, so one source had two digests. This value is what 3.11, 3.12 and 3.13 all give.
-    source = b'def fail(missing):\n    raise TypeError(f"no value for {\', \'.join(missing)}")\n'
-    assert hashlib.sha256(_tuning._code_only(source)).hexdigest()[:16] == "4e340604e4fdf8a3"
-
-
-@pytest.mark.parametrize("family", ["cutile", "triton_fa"])
-def test_a_familys_tuning_key_covers_every_module_its_picks_depend_on(family):
-    """The decode kernel's module, the serving launches and the shared split plans change a family's picks as
-    much as the dense kernel does: an edit to any of them must not reuse the cached choices."""
-    package = Path(importlib.import_module(f"impls.{family}").__file__).parent
-    sources = importlib.import_module(f"impls.{family}").TUNING.sources
-    assert set(package.glob("*.py")) <= set(sources)
-    assert {"decode.py", "kernel.py", "_serving.py"} <= {path.name for path in sources}
 
 
 @pytest.fixture(scope="module")
@@ -520,46 +381,11 @@ def test_dist_each_runs_every_benchmark_on_every_worker(tmp_path):
 
 
 def test_settling_a_tuner_is_nothing_off_cuda():
-    from impls._tuning import settle_gpu
+    from impls.timing import settle_gpu
 
     start = time.perf_counter()
     settle_gpu(torch.device("cpu"), seconds=10.0)
     assert time.perf_counter() - start < 1.0
-
-
-def test_the_dense_tuner_is_named_or_refused(monkeypatch):
-    monkeypatch.delenv("FMHA_TUNER", raising=False)
-    assert _tuning.dense_tuner() == "settled"
-    monkeypatch.setenv("FMHA_TUNER", "exhaustive")
-    assert _tuning.dense_tuner() == "exhaustive"
-    monkeypatch.setenv("FMHA_TUNER", "sustained")
-    assert _tuning.dense_tuner() == "sustained"
-    monkeypatch.setenv("FMHA_TUNER", "settled")
-    assert _tuning.dense_tuner() == "settled"
-    monkeypatch.setenv("FMHA_TUNER", "fastest")
-    with pytest.raises(ValueError, match="FMHA_TUNER='fastest'"):
-        _tuning.dense_tuner()
-
-
-def test_sustained_tuner_ranks_by_the_median_of_interleaved_rounds(monkeypatch):
-    # Candidate "burst" has one round far below the others (a boost after a pause): ranked by its best round it
-    # would win, by its median it does not. Rounds time every candidate in turn, in the order given.
-    rounds = iter([[1.0, 2.0, 2.1], [3.0, 2.0, 2.1], [3.0, 2.0, 2.1], [3.0, 2.0, 1.9], [3.0, 2.0, 2.1]])
-    calls = []
-    monkeypatch.setattr(_tuning, "_replay", lambda call, replay_ms: (call, 1))
-    monkeypatch.setattr(_tuning, "settle_gpu", lambda *a, **k: calls.append("settle"))
-    monkeypatch.setattr(_tuning, "_time_round", lambda replays: calls.append(len(replays)) or next(rounds))
-    pick = _tuning.sustained_fastest([("burst", None), ("steady", None), ("close", None)], rounds=5)
-    assert pick == "steady"
-    assert calls == ["settle", 3, 3, 3, 3, 3]  # settled once, after every capture, then five rounds of all three
-    assert _tuning.interleaved_medians(lambda: [2.0, 1.0], 1) == [2.0, 1.0]
-
-
-def test_finalists_are_the_candidates_near_the_best_fastest_first():
-    timings = [("a", 1.02), ("b", 1.0), ("c", 1.031), ("d", 1.5)]
-    assert _tuning.finalists(timings, margin=0.03) == ["b", "a"]
-    assert _tuning.finalists(timings, margin=0.5) == ["b", "a", "c", "d"]
-    assert _tuning.finalists([]) == []
 
 
 def test_settled_times_settle_each_call_on_itself_and_alternate_the_order(monkeypatch):
@@ -568,19 +394,19 @@ def test_settled_times_settle_each_call_on_itself_and_alternate_the_order(monkey
     # holds 2 calls). a: medians 2.0 and 3.0 -> 1.0 and 1.5 per call; b: 1.0 (a 9.0 outlier) and 5.0 -> 0.5, 2.5.
     events = []
     clock = {"a": iter([9.0, 2.0, 2.2, 2.0, 9.0, 3.0, 3.0, 3.0]), "b": iter([9.0, 1.0, 9.0, 1.0, 9.0, 5.0, 5.2, 5.0])}
-    monkeypatch.setattr(_tuning, "_replay", lambda call, replay_ms: (call, 2))
-    monkeypatch.setattr(_tuning, "settle", lambda target, seconds, per_call, sync: events.append(target))
-    monkeypatch.setattr(_tuning, "_event_ms", lambda replay: next(clock[replay]))
-    assert _tuning.settled_times(["a", "b"], rounds=3) == pytest.approx([1.25, 1.5])
+    monkeypatch.setattr(timing, "graph_replay", lambda call, replay_ms: (call, 2))
+    monkeypatch.setattr(timing, "settle", lambda target, seconds, per_call, sync: events.append(target))
+    monkeypatch.setattr(timing, "_event_ms", lambda replay: next(clock[replay]))
+    assert timing.settled_times(["a", "b"], rounds=3) == pytest.approx([1.25, 1.5])
     assert events == ["a", "b", "b", "a"]
-    monkeypatch.setattr(_tuning, "settled_times", lambda calls, **timing: [3.0, 1.0, 2.0])
-    assert _tuning.settled_ranking([("x", None), ("y", None), ("z", None)]) == [("y", 1.0), ("z", 2.0), ("x", 3.0)]
+    monkeypatch.setattr(tuning, "settled_times", lambda calls, **timing: [3.0, 1.0, 2.0])
+    assert tuning.settled_ranking([("x", None), ("y", None), ("z", None)]) == [("y", 1.0), ("z", 2.0), ("x", 3.0)]
 
 
 def test_device_time_is_the_union_of_kernel_spans():
     """Kernel time counts a stretch where kernels overlap once (programmatic dependent launch starts a kernel
     before the one it waits on ends), and leaves out the gaps between them."""
-    from suite.timing import DeviceSpan, busy_seconds
+    from impls.timing import DeviceSpan, busy_seconds
 
     def spans(*pairs: tuple[float, float]) -> list[DeviceSpan]:
         return [DeviceSpan(f"k{i}", start, end) for i, (start, end) in enumerate(pairs)]
@@ -595,13 +421,11 @@ def test_device_time_is_the_union_of_kernel_spans():
 def test_a_rotation_too_small_to_evict_the_l2_is_not_called_cold(monkeypatch):
     """--cold-l2 in graph mode rotates over at most MAX_INPUT_COPIES copies: for the smallest calls they all fit in
     the L2 together, so those times are warm ones, and the record must not call them cold."""
-    from impls import _tuning
-
-    monkeypatch.setattr(_tuning, "l2_bytes", lambda device: 60 << 20)
+    monkeypatch.setattr(timing, "l2_bytes", lambda device: 60 << 20)
     device = torch.device("cpu")
     mib = 1 << 20
-    copies = _tuning.copies_for_cold_l2(2 * mib, device)
-    assert copies == 61 and _tuning.rotation_evicts(2 * mib, copies, device)
-    tiny = _tuning.copies_for_cold_l2(mib // 4, device)
-    assert tiny == _tuning.MAX_INPUT_COPIES and not _tuning.rotation_evicts(mib // 4, tiny, device)
-    assert not _tuning.rotation_evicts(200 * mib, 1, device)  # one copy: nothing rotates
+    copies = timing.copies_for_cold_l2(2 * mib, device)
+    assert copies == 61 and timing.rotation_evicts(2 * mib, copies, device)
+    tiny = timing.copies_for_cold_l2(mib // 4, device)
+    assert tiny == timing.MAX_INPUT_COPIES and not timing.rotation_evicts(mib // 4, tiny, device)
+    assert not timing.rotation_evicts(200 * mib, 1, device)  # one copy: nothing rotates

@@ -55,7 +55,7 @@ def test_decode_tiles_double_buffer_k_and_v_from_five_stages_and_none_spills_in_
     issuing its loads), from 5 on two. The decode tuner's tiles are what their comment says they are, and fit.
     No tile touches local memory inside its loop; only the double-buffered tile of 2 warps holds any stack (at
     255 registers it parks a few values before the loop and reads them back after it: 6 stores, 8 loads)."""
-    from impls.triton_fa import DECODE_TILES
+    from impls.triton_fa.paged import DECODE_TILES
 
     results = compiled(*(f"--arch 90 --decode {n} {w} {st}" for n, w, st in DECODE_TILES))
     assert any(st >= 5 for _, _, st in DECODE_TILES)
@@ -66,7 +66,7 @@ def test_decode_tiles_double_buffer_k_and_v_from_five_stages_and_none_spills_in_
 
 
 def test_loop_spills_counts_local_memory_only_between_a_backward_branch_and_its_target():
-    from impls._sass import loop_spills
+    from impls.sass import loop_spills
 
     listing = """
         /*0010*/                   STL [R1], R14 ;
@@ -87,7 +87,7 @@ def test_decode_tiles_over_an_fp8_cache_read_values_as_words_and_hold_no_stack()
     (V_WORDS) and widens it before the dot's layout: V reaches the dot through transposing 16-bit loads, no byte
     loads, and no tile holds stack. Read as bytes (before session 40) each tile gathered V with LDS.U8 and the
     128-key ones spilled 56-64 B (Triton 3.9)."""
-    from impls.triton_fa import DECODE_TILES
+    from impls.triton_fa.paged import DECODE_TILES
 
     words = compiled(*(f"--arch 90 --decode {n} {w} {st} --kv-fp8" for n, w, st in DECODE_TILES))
     byte_tile = compiled("--arch 90 --decode 128 4 5 --kv-fp8 --value-bytes")[0]

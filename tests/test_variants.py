@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import impls
-from impls._reference import attention_ref, visible
-from impls._validate import NO_WINDOW, UNBOUNDED, binding_window
+from impls.contract import NO_WINDOW, UNBOUNDED, binding_window
+from impls.reference import attention_ref, visible
 from suite import metrics
 from suite.cases import PRESETS, Case
 from suite.checks import Oracle

@@ -95,7 +95,7 @@ def probe(case_id: str, device: str = "cuda", quick: bool = False, chunks: tuple
     """Every grouping, tile shape and split of the reader on the case, each checked against the sum it must read
     (and, on a GPU, timed beside a flat read and the tuned decode)."""
     import impls
-    from impls._tuning import graph_ms
+    from impls.timing import graph_ms
     from suite import metrics
     from suite.cases import case_by_id
 

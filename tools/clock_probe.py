@@ -26,7 +26,7 @@ def probe(case_id: str, names: list[str], rest: float, seconds: float, round_ms:
     from suite import metrics
     from suite.cases import case_by_id
     from suite.telemetry import gpu_state
-    from suite.timing import GraphTarget, graph_repeats, iterations_for, time_once
+    from impls.timing import GraphTarget, graph_repeats, iterations_for, time_once
 
     case = case_by_id(case_id)
     q, k, v = case.make_inputs("cuda")

@@ -19,8 +19,8 @@ EPILOG = """examples:
 
 def report(args: argparse.Namespace) -> None:
     """One line per variant and kernel phase: its SASS summary, and the HGMMA runs or overlap if asked."""
-    from impls._sass import hgmma_runs, sass_summary, softmax_overlap
-    from impls.cutile import LADDER, search_space
+    from impls.sass import hgmma_runs, sass_summary, softmax_overlap
+    from impls.cutile.spaces import LADDER, search_space
     from impls.cutile.export import export_phases
 
     variants = {"window": args.window, "softcap": args.softcap, "value_dim": args.value_dim}

@@ -34,9 +34,9 @@ def emit(args: argparse.Namespace) -> None:
     """One JSON line per candidate of the tree on PYTHONPATH: its label, FIELDS and a digest of its SASS."""
     import torch
 
-    from impls._sass import find_cuobjdump, sass_summary
-    from impls.cutile import search_space
     from impls.cutile.export import export_cubin
+    from impls.cutile.spaces import search_space
+    from impls.sass import find_cuobjdump, sass_summary
 
     capability = (int(args.arch[3:-1]), int(args.arch[-1]))
     options = {"value_dim": args.value_dim} if args.value_dim else {}

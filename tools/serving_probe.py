@@ -81,7 +81,7 @@ def emit(**fields: Any) -> None:
 
 def report(name: str, call: Callable[[], Any], case: Any, oracle: Any, **extra: Any) -> None:
     """A candidate's first call and graph time, GB/s and check, as one JSON line."""
-    from impls._tuning import graph_ms
+    from impls.timing import graph_ms
     from suite import metrics
 
     first = seconds(call)
@@ -92,7 +92,7 @@ def report(name: str, call: Callable[[], Any], case: Any, oracle: Any, **extra: 
 
 def interleaved(calls: dict[str, Callable[[], Any]], rounds: int) -> dict[str, float]:
     """Each call's graph time (a replay of 20 calls), the calls timed in turn ``rounds`` times: the median each."""
-    from impls._tuning import graph_ms
+    from impls.timing import graph_ms
 
     ms: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(rounds):
@@ -118,9 +118,9 @@ def probe_decode(case_id: str, args: argparse.Namespace) -> None:
     """The listing of every decode candidate on one case (the module's docstring)."""
     import torch
 
-    from impls.cutile import _sm_count
+    from impls.cutile.config import device_sm_count as _sm_count
     from impls.cutile.serving import DecodeCall, decode_space_for
-    from impls.triton_fa import DECODE_SPACE, paged_launch
+    from impls.triton_fa.paged import DECODE_SPACE, paged_launch
     from suite.cases import case_by_id
     from suite.checks import Oracle
 
@@ -161,8 +161,8 @@ def fastest(inputs: Any, scale: float, space: list[dict[str, Any]]) -> tuple[dic
                                                                             dict[str, Any]] | None:
     """The fastest Triton decode config of ``space`` by one graph time each (compiled first): (config, run,
     plan), or None where none runs."""
-    from impls._tuning import graph_ms
-    from impls.triton_fa import paged_launch
+    from impls.timing import graph_ms
+    from impls.triton_fa.paged import paged_launch
 
     timed = []
     for config in space:
@@ -206,8 +206,9 @@ def probe_varlen(grid: str, match: str, rounds: int = 3) -> None:
     twin; ``rounds`` rounds in alternation, the median."""
     import torch
 
-    from impls._validate import NO_WINDOW
-    from impls.cutile import Call, precompile
+    from impls.contract import NO_WINDOW
+    from impls.cutile.launch import Call
+    from impls.cutile.tuner import precompile
     from impls.cutile.serving import VarlenCall, varlen_space
     from suite import metrics
     from suite.cases import preset
@@ -236,7 +237,7 @@ def comparison_spaces(ab: tuple[str, dict[str, Any]] | None,
     (``--triton-ab``), or the tuner's space and one over other tiles (``--triton-tiles``); None for neither."""
     if not ab and not tiles:
         return None
-    from impls.triton_fa import DECODE_SPACE, decode_space
+    from impls.triton_fa.paged import DECODE_SPACE, decode_space
 
     if not ab:
         return {"space": DECODE_SPACE, "tiles": decode_space(tuple(tiles))}

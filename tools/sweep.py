@@ -34,7 +34,9 @@ def cutile_candidates(head_dim: int = 128, extras: bool = True, value_dim: int |
     spaces; ``value_dim``: V's head dim where it differs (MLA)."""
     from dataclasses import replace
 
-    from impls.cutile import LADDER, Call, Variant, head_tiles, other_forms, search_space
+    from impls.cutile.config import Variant, head_tiles
+    from impls.cutile.launch import Call
+    from impls.cutile.spaces import LADDER, other_forms, search_space
 
     # Wider pipelines and the blog's branch form, compared against the spaces when they were chosen
     wide = Variant(128, 128, occupancy=1, num_worker_warps=8, k_latency=3, v_latency=6, head_group=None)
@@ -70,7 +72,7 @@ def cutile_candidates(head_dim: int = 128, extras: bool = True, value_dim: int |
 
 def triton_candidates() -> Iterator[tuple[str, Maker]]:
     """The Triton autotuner's configs (pointer and TMA) and a few outside them."""
-    from impls.triton_fa import configs, launch
+    from impls.triton_fa.dense import configs, launch
 
     extra = [{"BLOCK_M": m, "BLOCK_N": n, "USE_TMA": tma, "num_warps": w, "num_stages": s}
              for tma, m, n, w, s in [(False, 128, 128, 8, 4), (False, 128, 64, 8, 2), (True, 128, 64, 8, 4),

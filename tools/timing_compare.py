@@ -4,7 +4,7 @@ For every case of the presets and every implementation given, in this process an
 suite's CUDA-event rounds), graph (the suite's ``GraphTarget``, replays timed with events, per call), kernel (the
 profiler's device time of one call's kernels) and ``do_bench_cudagraph`` (median). Prints a row each and the
 median differences; ``--out`` keeps the rows as JSON, rewritten after each so that a run cut short keeps them.
-Rerun it after a change to ``suite/timing.py`` or on a new GPU: see docs/design.md#timing.
+Rerun it after a change to ``impls/timing.py`` or on a new GPU: see docs/design.md#timing.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def compare(grids: list[str], names: list[str], out: str | None) -> list[dict[st
     import impls
     from suite.cases import cases
     from suite.plugin import Problem
-    from suite.timing import GraphTarget, event_rounds_median, graph_repeats, profile_kernels, time_once
+    from impls.timing import GraphTarget, event_rounds_median, graph_repeats, profile_kernels, time_once
 
     device = torch.device("cuda")
     rows: list[dict[str, Any]] = []

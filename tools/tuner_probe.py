@@ -5,7 +5,7 @@ The tuner ranks its candidates with ``cuda.tile.tune.exhaustive_search`` (one la
 mean of at least five) and by default (``FMHA_TUNER=settled``) times its finalists again, each alone at its own
 sustained clocks; the suite reports CUDA-graph time of back-to-back calls, and ``tools.sweep`` do_bench's median.
 For each case this times every candidate of the tuner's space by each method (``tune``: exhaustive_search;
-``graph``: ``impls._tuning.graph_ms``, 20 calls a replay; ``do_bench``: median, L2 flushed; ``settled``: each
+``graph``: ``impls.timing.graph_ms``, 20 calls a replay; ``do_bench``: median, L2 flushed; ``settled``: each
 alone after 0.25 s of its own calls, as the suite times a benchmark), ``--repeats`` times, and prints a JSON line
 per candidate (TFLOPS at its best and at its median time, per method) and, with ``graph`` among the methods, each
 method's pick and what that pick costs under graph time.
@@ -53,8 +53,9 @@ def candidates(case: Any, match: list[str], also: list[str], add: list[str]) -> 
     that the case's shape allows, each once."""
     import torch
 
-    from impls._validate import NO_WINDOW
-    from impls.cutile import HOPPER_WIDE, kernel_window, search_space
+    from impls.contract import NO_WINDOW
+    from impls.cutile.config import kernel_window
+    from impls.cutile.spaces import HOPPER_WIDE, search_space
 
     full = search_space(torch.cuda.get_device_capability(), case.d, causal=case.causal, value_dim=case.dv or None,
                         window="window" in case.variants)
@@ -77,8 +78,9 @@ def probe(case_id: str, repeats: int, methods: list[str], match: list[str], also
     """The JSON lines of one case: checks where asked, then a line per candidate and the picks."""
     import triton
 
-    from impls._tuning import graph_ms, settle_gpu, settled_times
-    from impls.cutile import Call, exhaustive_timings, precompile
+    from impls.timing import graph_ms, settle_gpu, settled_times
+    from impls.cutile.launch import Call
+    from impls.cutile.tuner import exhaustive_timings, precompile
     from suite.cases import case_by_id
     from suite.checks import Oracle
     from suite.metrics import flops

@@ -21,7 +21,7 @@ enough blocks to keep HBM busy:
      loaded part reinterpreted as the cache's dtype. For caches of 2**31 elements or more: cuTile indexes
      those in 64 bits, and then reads them without TMA (sm_90 SASS: no UTMALDG, twice the integer work),
      where the word view has half the elements and keeps 32-bit indexing; its SASS is a small cache's. On
-     the H200 (session 14): 8B 64 x 32K and 256 x 8K 3.58 / 3.63 -> 4.34 TB/s, 16 x 128K 3.62 -> 3.98.
+     the H200: 8B 64 x 32K and 256 x 8K 3.58 / 3.63 -> 4.34 TB/s, 16 x 128K 3.62 -> 3.98.
    The last tile of a sequence is masked after loading, so that whatever the slots past its end hold (NaN
    included) never reaches the output; table entries past its last page are never followed.
 
@@ -51,7 +51,7 @@ import math
 
 import cuda.tile as ct
 
-from impls._serving import F16_ROW_EXP
+from impls._plans import F16_ROW_EXP
 from impls.cutile.kernel import (
     ConstBool,
     ConstFloat,
@@ -292,7 +292,7 @@ def paged_decode_combine(
 ):
     """Block (batch * kv head, row, head-dim slice): merge the row's chunks by log-sum-exp over TILE_D of its
     columns, CHUNKS chunks per step, and write them to ``Out``. Only the chunks that hold keys of this sequence
-    are read (a short sequence of a long-tailed batch has few). ``impls._serving.combine_plan`` narrows the
+    are read (a short sequence of a long-tailed batch has few). ``impls._plans.combine_plan`` narrows the
     slice when there are many chunks (a long cache at batch 1: hundreds), so that one step takes them all and
     the row is merged by several blocks at once instead of one block looping over dependent loads."""
     await_inputs(PDL)

@@ -8,7 +8,7 @@ import typing
 
 import torch
 
-from impls.cutile import Variant, bind, state_arrays
+from impls.cutile.config import Variant, bind, state_arrays
 
 # The window a windowed signature stands for (Mistral-7B's, bottom-right causal bounds): a multiple of every
 # TILE_M, as a kernel with the diagonal peeled needs (``Variant.peel_refusal``); only its divisibility matters.

@@ -26,7 +26,7 @@ Every step of the blog's optimisation ladder is a compile-time switch of this on
                  persistent block takes such mirror pairs in turn, heavy tile first (see ``paired_item``).
 - PLANNED:       not in the blog: a persistent block runs the work items the host planned for it, as FlashInfer's
                  plan() does: mirror pairs shared longest-first, the trailing ones split into their tiles to fill
-                 the last round that equal pairs leave part empty (``impls._serving.varlen_work_plan``; 768 pairs
+                 the last round that equal pairs leave part empty (``impls._plans.varlen_work_plan``; 768 pairs
                  on 132 blocks: the busiest runs 6 where the mean is 5.82).
 - PHASE:         not in the blog: the masked tiles and the mask-free tiles in two launches of this kernel.
                  Any mask in the loop body keeps the compiler's K/V pipeline shallow (99-132 KB on sm_90, where
@@ -50,15 +50,10 @@ Every step of the blog's optimisation ladder is a compile-time switch of this on
                  64-column tail comes from the first tile's load (``one_load``), so that the two products
                  run without a wait between them.
 
-Measured on an H200 and dropped (docs/h200-results-*.md, docs/h200-session11-*.md, git history):
-FlashAttention-4's lazy rescaling (a block-wide vote costs more than the multiplies it saves), a
-software-pipelined Q K^T (within noise), and FlashAttention-4's exp2 on the FMA units for part of a tile (a
-degree-3 polynomial and an exponent add; commit 1534338): every form lost, 8-23% at head dim 64, so the
-special-function unit is not what bounds this loop; cutting a key tile into parts that share one max lost too.
-Also measured and dropped (commit ccf50f3 has it): the PHASE halves as two loops of one persistent launch, the
-same block running the masked tiles of its items and then their mask-free rest (a deeper pipeline, 167-200 KB,
-but the fixed share of causal work and the state traffic cost more: blog causal 2K 282, 16K 471 TFLOPS against
-444 and 554 for one block per query tile).
+Measured on an H200 and dropped (docs/design.md#cutile-forward): FlashAttention-4's lazy rescaling, a
+software-pipelined Q K^T, FlashAttention-4's exp2 on the FMA units for part of a tile (8-23% slower at head dim
+64: the special-function unit is not what bounds this loop), and the PHASE halves as two loops of one persistent
+launch.
 
 Conventions (the suite's contract): causal is aligned bottom-right, i.e. query row i sees keys
 j <= i + causal_offset with causal_offset = Skv - Sq (the blog's ``input_pos``); a row that sees no key
@@ -110,8 +105,8 @@ def fmha_fwd(
     ``(batch * num_m + query tile) * num_heads + head``) only by a PLANNED one.
 
     The three scheduling forms call ``attend_query_tile`` each with the same arguments. One ``while`` loop for
-    all three (a non-persistent block running it once) compiles worse (session 12, sm_90 SASS): the persistent
-    mask-free pipeline falls from 198 to 99 KB, and 128 x 64 tiles and head dim 64 start to spill."""
+    all three (a non-persistent block running it once) compiles worse (sm_90 SASS): the persistent mask-free
+    pipeline falls from 198 to 99 KB, and 128 x 64 tiles and head dim 64 start to spill."""
     num_m = ct.cdiv(Q.shape[2], TILE_M)
     num_bh = Q.shape[0] * num_heads
     heaviest_first = CAUSAL and REVERSE_ORDER and PHASE != DIAGONAL  # diagonal items are all alike
@@ -182,17 +177,16 @@ def fmha_varlen(
     Q, K, V and Out are (1, H, total, D) views of the packed (total, H, D) tensors; sequence b is rows
     ``CuSeqlens[b]:CuSeqlens[b + 1]``. Grid: query tiles of the longest sequence x Hq x B; tiles past a shorter
     sequence's end do nothing. PERSISTENT: one block per SM slot that runs the items the host planned for it
-    (``impls._serving.varlen_work_plan``): ``WorkItems[WorkStarts[b]:WorkStarts[b + 1]]``, each item
+    (``impls._plans.varlen_work_plan``): ``WorkItems[WorkStarts[b]:WorkStarts[b + 1]]``, each item
     ``(sequence * max_tiles + query tile) * num_heads + head``. Otherwise the work arrays are placeholders.
 
     Q, K and V tiles are read at the sequence's first row plus a row offset (ROW_OFFSETS: a view whose tiles
     step by one row), through the packed tensors' own tensor maps. Rows past the sequence's end belong to the
     next sequence: its keys are masked like the ragged end of a dense Skv (so their values are weighted by
     zero), its queries give output rows that are never stored: only Out is sliced to the sequence, so that
-    those rows stay unwritten. Slicing all four arrays instead (sessions 6-11) made every block build four
-    tensor maps at run time before its first load. H200, session 12, per variant against the dense kernel on
-    the equal-length batch: sliced 0.91-0.98, row offsets 0.97-1.0; on the random-length batches row offsets
-    are as fast or faster for every variant (up to 8%; the best variant of each form: 0-2%). OUT_TMA: the
+    those rows stay unwritten. Slicing all four arrays instead made every block build four tensor maps at run
+    time before its first load (H200, against the dense kernel on an equal-length batch: sliced 0.91-0.98, row
+    offsets 0.97-1.0). OUT_TMA: the
     sliced output is stored through TMA, with the one tensor map each block still makes at run time, or, False,
     with bounds-checked plain stores and none (``impls.cutile.serving.varlen_output_store``).
 
@@ -248,7 +242,7 @@ def attend_sequence_tile(Q, K, V, Out, CuSeqlensQ, CuSeqlensK, batch, tile_m, he
 
 def planned_item(item, max_tiles, num_heads):
     """(sequence, query tile, head) of a host plan's item ``(sequence * max_tiles + query tile) * num_heads + head``
-    (``impls._serving.WorkPlan``); a dense batch's sequences are its batch entries."""
+    (``impls._plans.WorkPlan``); a dense batch's sequences are its batch entries."""
     rest = item // num_heads
     return rest // max_tiles, rest % max_tiles, item % num_heads
 
@@ -323,7 +317,7 @@ def attend_query_tile(Q, K, V, Out, MaxState, SumState, AccState, tile_m, batch_
 
     score_scale_log2 = score_scale(qk_scale, SOFTCAP)  # softcap: the tanh per score, SOFTCAP scales after
     offs_m = (tile_m * TILE_M + ct.arange(TILE_M, dtype=ct.int32))[:, None]
-    if PHASE == OFF_DIAGONAL:  # carry on from where launch 1 left this tile
+    if PHASE == OFF_DIAGONAL:  # resume from where launch 1 left this tile
         m_i, l_i, acc, acc_tail = load_state(MaxState, SumState, AccState, batch, head, tile_m, TILE_M, TILE_DV,
                                              TILE_DV_TAIL)
     else:
@@ -419,7 +413,7 @@ def peel_narrow(acc, acc_tail, l_i, m_i, q, q_tail, K, V, batch, kv_head, tile_m
     of them, its diagonal block, is masked; the up to k - 1 before it, which every row sees whole, run without a
     mask (a run-time ``if`` each), and the keys past the diagonal, which no row sees, are never visited. A
     TILE_N-wide masked tile held twice the score registers and read those keys too: with it peeled, 128 x 256
-    tiles spilled 240-256 B on sm_90 (session 24).
+    tiles spilled 240-256 B on sm_90.
 
     A window's far edge, before the mask-free loop, runs the same way (``narrow_far_tiles``): its first TILE_M-key
     tile masked, the up to k - 1 after it whole. Masked tiles take the causal and the window mask alike."""
@@ -579,7 +573,7 @@ def normalised(acc, l_i, FAST_MATH):
 def load_state(MaxState, SumState, AccState, batch, head, tile_m, TILE_M, TILE_DV, TILE_DV_TAIL):
     """The running max, sum and unnormalised accumulator(s) of one query tile, as launch 1 left them. The max and
     the sum come by plain loads: through TMA each consumer warpgroup fetched the whole vector into one shared buffer
-    (compute-sanitizer racecheck: a write-after-write of the TMA load with itself, session 43)."""
+    (compute-sanitizer racecheck: a write-after-write of the TMA load with itself)."""
     m_i = ct.load(MaxState, index=(batch, head, tile_m), shape=(1, 1, TILE_M), allow_tma=False).reshape((TILE_M, 1))
     l_i = ct.load(SumState, index=(batch, head, tile_m), shape=(1, 1, TILE_M), allow_tma=False).reshape((TILE_M, 1))
     acc = load_rows(AccState, batch, head, tile_m, TILE_M, TILE_DV, 0, None)
@@ -620,7 +614,7 @@ def one_load(TILE_M, TAIL):
     """Whether a head dim's tail tile of width TAIL comes from its first tile's load (``head_and_tail``): where the
     tail is ONE_LOAD_TAIL columns or more (Q/K 192 = 128 + 64), in blocks of 128 query rows or more.
 
-    Elsewhere it lost (sm_90, tileiras 13.5; docs/cutile-hopper-space.md, sessions 49 and 50): with a tail of 32 the
+    Elsewhere it lost (sm_90, tileiras 13.5): with a tail of 32 the
     16-warp 256x64 (D=96) and the 128x128 at D=160 kept their waits between the products and paid 25-33 KB of shared
     memory; MLA's 64x128 block of one warpgroup went from 128 registers to 255; at D=96 the 8-warp 128-row blocks
     chained their Q K^T but ran 3-27% slower on an H100."""
@@ -634,8 +628,8 @@ def head_and_tail(tile, WIDTH, TAIL, axis):
 
     Loaded as two tiles, each has a buffer and a barrier of its own, and the compiler waits for the first product
     to finish (to free its buffer) before it issues the second: the tensor cores drain once more per key tile
-    (sm_90 SASS, tileiras 13.5, session 49: MLA's Q K^T ran as 8 HGMMAs, a wait, 4 more; cut from one load, the 12
-    follow each other with one wait, +1.7-3.2% on an H100; docs/cutile-hopper-space.md has the table)."""
+    (sm_90 SASS, tileiras 13.5: MLA's Q K^T ran as 8 HGMMAs, a wait, 4 more; cut from one load, the 12 follow each
+    other with one wait, +1.7-3.2% on an H100)."""
     other = tile.shape[1 - axis]
     head_shape, tail_shape = ((WIDTH, other), (TAIL, other)) if axis == 0 else ((other, WIDTH), (other, TAIL))
     tail_index = (WIDTH // TAIL, 0) if axis == 0 else (0, WIDTH // TAIL)
@@ -648,8 +642,7 @@ def capped(qk, qk_scale, SOFTCAP, FAST_MATH):
     if SOFTCAP > 0:
         # FAST_MATH: the hardware's tanh (one MUFU op; relative error about 2**-11, so a score capped at 50 moves
         # by at most ~0.025, and a typical one, far below the cap, by much less), as FlashInfer's softcap does.
-        # Session 6 chose the precise one without measuring it; session 10 (H200) found Gemma-2's cases at
-        # 0.74-0.79 of FlashInfer's.
+        # The precise one held Gemma-2's cases at 0.74-0.79 of FlashInfer's (H200).
         mode = ct.RoundingMode.APPROX if FAST_MATH else ct.RoundingMode.FULL
         return ct.tanh(qk * (qk_scale / SOFTCAP), rounding_mode=mode)
     return qk

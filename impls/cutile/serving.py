@@ -1,13 +1,13 @@
-"""Our cuTile kernels for the serving operations (``impls._serving``), registered as ``cutile``:
+"""Our cuTile kernels for the serving operations (``impls.contract``), registered as ``cutile``:
 
 - ``paged``: split-KV decode over the paged cache with GQA packing (``decode.py``), then the combine; the key
   tile width, how pages are read (gathered row by row, or a page at a time with block loads) and the load
-  latencies are tuned per decode shape class, with the split plan (``impls._serving.split_plan``: from the
+  latencies are tuned per decode shape class, with the split plan (``impls._plans.split_plan``: from the
   tile width, the batch's lengths, the programs per SM it aims at, ``AIMED_PLANS``, and the shortest chunk,
   ``PLAN_MIN_TILES``);
 - ``varlen``: the dense kernel's query-tile work on each packed sequence (``kernel.fmha_varlen``), with the
   dense kernel's Hopper candidates, tuned per shape class: one block per query tile, or a persistent block per
-  SM slot that runs the query tiles a host plan gave it (``impls._serving.varlen_work_plan``). A sliding window
+  SM slot that runs the query tiles a host plan gave it (``impls._plans.varlen_work_plan``). A sliding window
   and softcap apply per sequence as in the dense kernel: key tiles outside the window are never visited, and the
   plan costs each query tile by the tiles its window shows.
 
@@ -24,13 +24,10 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from impls._registry import HALF, Prepared, Unsupported, heads_by_batch, length_class, parallel_class, register
-from impls._serving import (
+from impls._plans import (
     AIMED_PLANS,
     PLAN_MIN_TILES,
     PROGRAMS_PER_SM,
-    PagedKV,
-    Varlen,
     combine_plan,
     decode_shape_class,
     dependent_launch_available,
@@ -39,25 +36,22 @@ from impls._serving import (
     variant_tags,
     varlen_work_plan,
 )
-from impls._tuning import dense_tuner, fastest
-from impls._validate import NO_WINDOW, UNBOUNDED, window_bounds
-from impls.cutile import (
+from impls._registry import HALF, Prepared, Unsupported, heads_by_batch, length_class, parallel_class, register
+from impls.contract import NO_WINDOW, UNBOUNDED, PagedKV, Varlen, window_bounds
+from impls.cutile.config import (
     HEAD_DIMS,
-    TUNING,
-    Launches,
     Variant,
-    _kernel_with_hints,
-    _sm_count,
     bind,
-    compiled_candidates,
+    device_sm_count,
     kernel_window,
+    kernel_with_hints,
     needs_int64,
-    remembered,
-    requires,
-    search_space,
     tile_d,
-    tuned,
 )
+from impls.cutile.launch import Launches, requires
+from impls.cutile.spaces import search_space
+from impls.cutile.tuner import TUNING, compiled_candidates, remembered, tuned
+from impls.tuning import dense_tuner, fastest
 
 # The Q tile, the accumulator and the partial outputs are TILE_D wide: a head dim below it (Phi-3's 96) reads zeros
 # past its end (page loads pad, gathers are bounds-checked) and its output stores stop there.
@@ -88,7 +82,7 @@ class DecodeVariant:
     def split_kernel(self, int64: bool):
         """The split kernel of this form: 64-bit cache offsets or not, with its occupancy hint."""
         hints = (("occupancy", self.occupancy),) if self.occupancy else ()
-        return _kernel_with_hints("paged_decode_split" + ("_int64" if int64 else ""), hints, module="decode")
+        return kernel_with_hints("paged_decode_split" + ("_int64" if int64 else ""), hints, module="decode")
 
     def fits(self, page_size: int) -> bool:
         """Rows take any page size; block loads take tiles that hold whole pages or lie within one; an
@@ -107,43 +101,25 @@ class DecodeVariant:
         return asdict(self)
 
 
-# Session 7, H200, first version: row gathers reached 1.4 TB/s, a tile of 16 keys (one page of 16) 0.7, a
-# page load of 64 keys (pages of 64) 3.9. Hence tiles of 64 and 128 keys over whole pages, and row gathers only
-# where no page form fits the page size.
-# Session 8 (H200, probe): two blocks per SM asked of the compiler lift the 64-key page load by 10-40% (8B, 16 x
-# 32K: 3.68 -> 4.07 TB/s; the 70B slice at batch 1, 128K: 1.38 -> 2.11) and sink the 128-key one (its pipeline
-# no longer fits); the indexed load with 64-key tiles was never the fastest, so it left the space.
-# Session 14 (H200, probe on four 70B-slice cases): 128-key page loads issued 2 tiles ahead instead of 3 read
-# 70B 64 x 32K at 3.81 TB/s (the space's best before: 3.47) and 256 x 512 at 2.26 (2.17); 4 blocks per SM
-# asked of the compiler halved most forms; latencies 4 / 4 changed little.
-# Session 39 (sm_90 SASS, tileiras 13.4, an fp8 cache under bf16 queries with the fp16 dots, group 4): the 128-key
-# page loads spill 376-472 B at latencies 3 / 3 and 2 / 2 (1 / 1: 408, 5 / 5: 416, two blocks per SM: 152-184) and
-# none at 4 / 4 (168 registers); over a bf16 cache 4 / 4 still spills 288 B. Session 40 timed it (H100,
-# serving_probe.py --latency 4,4, fp8 with the fp16 dots): 8B 16 x 32K 1758 GB/s and the 70B slice's 64 x 8K 1405,
-# against 2009 and 1795 for the 64-key page load with two blocks a SM, so it stays out. Like Triton's, this kernel
-# gathers an fp8 V tile from shared memory byte by byte (LDS.U8: 320-512 a thread on sm_90); read through a word view
-# and widened after, the compiler still does (tileiras 13.4), and cuTile has no other way to order the two.
-# Session 64 (H200, serving_probe.py --occupancy 3 --plans 2, every form on the unsplit plan the tuner picks there):
-# 64-key page loads with 3 blocks per SM asked ran 5% behind 2 at the 70B slice's 256 x 8K (266.2 against 253.7 us)
-# and 4% at 8B 256 x 8K (2060 against 1977 us), though on a plan of 3 chunks they led by 1.7%. Not in the space.
+# Page loads of 64 and 128 keys over whole pages (H200: 3.9 TB/s against 1.4 for row gathers, which stay for page
+# sizes no page form fits); two blocks per SM lift the 64-key load by 10-40%; 128-key loads issued 2 tiles ahead
+# lead some 70B-slice steps. See docs/design.md#cutile-serving for the forms measured and left out.
 DECODE_SPACE = [DecodeVariant(64, "pages", occupancy=2), DecodeVariant(64, "pages"), DecodeVariant(128, "pages"),
                 DecodeVariant(128, "pages", k_latency=2, v_latency=2), DecodeVariant(128, "indexed")]
-# Session 32 (H200, probe, GPT-2: head dim 64, one query head per kv head): the 128-key page load with two blocks
-# per SM read 64 x 8K at 3.94 TB/s and 16 x 32K at 3.25, where the space's best was 2.83 and 2.47. A 128-key tile of
-# a head dim of 64 holds the bytes of a 64-key tile of 128, whose pipeline fits twice on an SM (session 8).
+# A 128-key tile of a head dim of 64 holds the bytes of a 64-key tile of 128, whose pipeline fits twice on an SM
+# (H200, GPT-2 64 x 8K: 3.94 TB/s against the space's best 2.83).
 NARROW_HEAD_SPACE = [DecodeVariant(128, "pages", occupancy=2)]
 NARROW_HEAD_DIM = 64  # head dims up to this (as tiles) add NARROW_HEAD_SPACE
 ROWS_FALLBACK = DecodeVariant(64, "rows", 2, 2)
-# The combine is a small reduction per row; left to itself the compiler gave it 255 registers, 17 KB of shared
-# memory and TMA loads (sm_90), so about two blocks ran per SM: 54 us for the 2048 rows of a 70B slice at batch
-# 256 (session 10, H200; Triton's combine: 3.3 us). Asking for 16 blocks per SM gives 31 registers and 3 KB.
+# The combine is a small reduction per row; left to itself the compiler gave it 255 registers and about two blocks
+# per SM (H200: 54 us for a 70B slice at batch 256, Triton's combine 3.3). 16 blocks per SM give 31 registers.
 COMBINE_OCCUPANCY = 16
 
 
 def chunks_of(variant: DecodeVariant, inputs: PagedKV, sm_count: int,
               window_left: int = UNBOUNDED) -> tuple[int, int]:
     """(num_splits, split_len): how ``variant``'s split plan cuts what it reads of these caches
-    (``impls._serving.split_plan``; a window's from the tile that holds its first position)."""
+    (``impls._plans.split_plan``; a window's from the tile that holds its first position)."""
     return split_plan(inputs.read_lengths(window_left, variant.tile_n), inputs.k_cache.shape[2], variant.tile_n,
                       sm_count, min_tiles=variant.plan_min_tiles, programs_per_sm=variant.plan_programs)
 
@@ -170,7 +146,7 @@ class DecodeCall(Launches):
     def __init__(self, variant: DecodeVariant, inputs: PagedKV, *, scale: float, sm_count: int,
                  window_left: int = UNBOUNDED, softcap: float = 0.0, f16_dot: bool | None = None) -> None:
         """``f16_dot``: the dots of bf16 queries over an fp8 cache in fp16 (decode.py's F16_DOT); by default
-        wherever that applies (``impls._serving.fp16_dots``; False is the bf16 form, kept for
+        wherever that applies (``impls._plans.fp16_dots``; False is the bf16 form, kept for
         scripts/serving_probe.py's comparison). Both launches run under programmatic dependent launch (decode.py's
         PDL) as the variant says (``DecodeVariant.pdl``)."""
         self.variant, self.out = variant, inputs.output_like()
@@ -203,7 +179,7 @@ class DecodeCall(Launches):
             fp16_dots(inputs) if f16_dot is None else f16_dot, self.dependent_launch))]
         if split:
             slice_d, chunks = combine_plan(self.num_splits, width)
-            combine = _kernel_with_hints("paged_decode_combine", (("occupancy", COMBINE_OCCUPANCY),), module="decode")
+            combine = kernel_with_hints("paged_decode_combine", (("occupancy", COMBINE_OCCUPANCY),), module="decode")
             self.launches.append(((batch * hkv, group * sq, width // slice_d), combine, (
                 self.part, self.lse, inputs.cache_seqlens, self.out, hkv, self.split_len, window_left, group, sq,
                 slice_d, chunks, variant.tile_n, self.dependent_launch)))
@@ -217,8 +193,8 @@ def decode_space(page_size: int, huge: bool = False, words: bool = False,
                  head_dim: int = 128) -> list[DecodeVariant]:
     """The candidates for this page size and head dim. ``huge``: a cache of 2**31 elements or more. Read through 32-bit
     word views (``words``: ``word_view_fits``), page loads keep 32-bit indexing and TMA, so the page-load forms
-    are tried. Otherwise such a cache needs 64-bit offsets, where the first version's tiles of eight joined
-    pages compiled for minutes (H200, session 7), so only the smallest page-load tile is tried."""
+    are tried. Otherwise such a cache needs 64-bit offsets, where tiles of eight joined pages compiled for minutes,
+    so only the smallest page-load tile is tried."""
     narrow = NARROW_HEAD_SPACE if tile_d(head_dim) <= NARROW_HEAD_DIM else []
     space = [variant for variant in DECODE_SPACE + narrow if variant.fits(page_size)]
     if huge:
@@ -238,12 +214,8 @@ def plan_candidates(forms: list[DecodeVariant], inputs: PagedKV, *, scale: float
     """The decode tuner's candidates: each kernel form with each aimed split plan (``AIMED_PLANS``, each with the
     shortest chunks of ``PLAN_MIN_TILES``), one call per form and chunk length (plans that cut the batch alike are
     timed once), and where that splits on a GPU that has programmatic dependent launch, with it and without
-    (``DecodeVariant.pdl``). Session 26 (H200): with the one plan the 70B slice at 256 x 8K split in 3 chunks, 83%
-    of HBM, where the Triton kernel's tuner took one chunk a sequence for 88%. Session 45 (H200, serving republished
-    with PDL on wherever a step split, against session 44's run without, the same configs): short split steps gained
-    6-10% (the 70B slice's 64 x 512, batch 1 up to 8K), but split steps of 256 programs at two a SM lost up to 13%
-    (the 70B slice's 1 x 128K 2534 -> 2243 GB/s, 16 x 8K 2653 -> 2544; the profiler saw its combine run 13 us where
-    it had run 4), on an instance where every unsplit step read 1-3% faster. So the tuner decides."""
+    (``DecodeVariant.pdl``). PDL gained 6-10% on short split steps but cost up to 13% on split steps of 256 programs
+    at two a SM (H200, the 70B slice's 1 x 128K: 2534 -> 2243 GB/s), so the tuner decides."""
     distinct: dict[tuple, DecodeVariant] = {}
     for form in forms:
         for programs, min_tiles in itertools.product(AIMED_PLANS, PLAN_MIN_TILES):
@@ -271,7 +243,7 @@ def prepare_paged(inputs: PagedKV, *, scale: float, window: tuple[int, int] = NO
     if rows > MAX_PACKED_ROWS:
         raise Unsupported(f"{hq // inputs.k_cache.shape[2]} query heads per kv head x {sq} new tokens = {rows} "
                           f"rows: this kernel packs at most {MAX_PACKED_ROWS} in one tile")
-    sm_count = _sm_count(inputs.q.device.index)
+    sm_count = device_sm_count(inputs.q.device.index)
 
     def candidates(forms: list[DecodeVariant]) -> list[DecodeCall]:
         return plan_candidates(forms, inputs, scale=scale, sm_count=sm_count, window_left=window_left, softcap=softcap)
@@ -298,10 +270,7 @@ def varlen_output_store() -> str:
     """How the varlen kernel stores its output, from FMHA_VARLEN_STORE: "plain" (the default), bounds-checked
     vector stores, or "tma", a tensor map of the sequence's rows that each block makes at run time. The default is
     plain because compute-sanitizer memcheck finds the write of that run-time tensor map outside every allocation
-    on an H200, with every varlen candidate (sessions 22-23; plain: no error). In the SASS the map's workspace slot
-    comes from the block's virtual SM id and slot on the SM, not from its index in the grid; that workspace is
-    cuTile's, not ours to size. The plain store costs nothing on the candidates the tuner picks (session 23).
-    ``gpu_session.sh varlen-memcheck`` checks both stores; ``serving_probe.py --varlen-stores`` times them."""
+    on an H200 (its workspace is cuTile's, not ours to size); the plain store costs nothing on the tuner's picks."""
     store = os.environ.get("FMHA_VARLEN_STORE", VARLEN_STORES[0])
     if store not in VARLEN_STORES:
         raise ValueError(f"FMHA_VARLEN_STORE={store!r}: expected one of {', '.join(VARLEN_STORES)}")
@@ -311,7 +280,7 @@ def varlen_output_store() -> str:
 class VarlenCall(Launches):
     """One packed prefill with a dense ``variant``: the kernel reads the packed tensors through (1, H, total, D)
     views. One block per query tile of the longest sequence and (sequence, head), or, persistent, one block per
-    SM slot running the query tiles the host planned for it (``impls._serving.varlen_work_plan``, made here, so
+    SM slot running the query tiles the host planned for it (``impls._plans.varlen_work_plan``, made here, so
     that a timed call only launches). ``window`` and ``softcap`` as the dense entry takes them, applied in each
     sequence. Construction touches no GPU where ``sm_count`` is given."""
 
@@ -336,7 +305,7 @@ class VarlenCall(Launches):
         self.store = store or varlen_output_store()
         self.plan = None
         if variant.persistent:
-            slots = variant.resident_blocks(sm_count or _sm_count(inputs.q.device.index))
+            slots = variant.resident_blocks(sm_count or device_sm_count(inputs.q.device.index))
             self.plan = varlen_work_plan(inputs.seqlens_q(), inputs.seqlens_k(), heads, variant.tile_m,
                                          variant.tile_n, inputs.causal, slots, bounds)
             grid = (self.plan.blocks, 1, 1)
@@ -366,10 +335,7 @@ def varlen_space(capability: tuple[int, int], head_dim: int, causal: bool, windo
     candidate again). Not the two-launch forms, nor the deferred
     P V (``Variant.defer_pv``: dense only). The peeled forms stay (a packed batch runs them where
     ``varlen_resolved`` keeps their peel), the 128x256 one, its diagonal peeled in 128-key tiles, only with a
-    window. Session 48 (H100, each peeled candidate beside its masked loop, ``gpu_session.sh varlen-peel``): the
-    128x128 ones ahead on 20 of 22 pairs (up to 7%); the persistent 128x256 10% ahead on Mistral-7B's windowed 64K
-    in 16, 3-12% slower on four of the six batches without a window and never the fastest there (the tuner picked
-    it once at 64K in 16: 582 TFLOPS against 607)."""
+    window (H100: 10% ahead on Mistral-7B's windowed 64K, 3-12% slower on most batches without a window)."""
     space = []
     for variant in search_space(capability, head_dim, causal=causal, window=window):
         if variant.two_launch or variant.dynamic or variant.defer_pv or (

@@ -24,11 +24,8 @@ BYTECODE_ENV = "FMHA_CUTILE_BYTECODE"
 HOME_ENV = "FMHA_TILEIRAS_HOME"
 SIXTEEN_WARPS = "13.5"  # the first bytecode (and tileiras) with 16 worker warps a block
 # The first whose compile of a persistent block's ``while`` loop over work items from an atomic counter (the
-# kernel's DYNAMIC form) is right under compute-sanitizer memcheck. Session 43, H200, causal bf16 D=64 (Sq 333 x Skv
-# 1000 and 1000 x 1000): 13.4's form gave wrong rows in every item of more than three key tiles under memcheck
-# (max error 0.31-0.45; the counter right), none in 20 runs without it; 13.5's was right both ways. Its sm_90 SASS
-# waits on its pipeline's barriers 67 times (SYNCS.PHASECHK.TRYWAIT) where 13.5's waits 115 times: a race that
-# slowed warps expose. The fixed-share and one-block-per-tile forms were right under memcheck with either.
+# kernel's DYNAMIC form) is right under compute-sanitizer memcheck: 13.4's gave wrong rows under it (H200, causal bf16
+# D=64; its sm_90 SASS waits on its pipeline's barriers 67 times where 13.5's waits 115: a race slowed warps expose).
 DYNAMIC_SCHEDULER = "13.5"
 
 

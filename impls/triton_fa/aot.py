@@ -1,8 +1,8 @@
 """Compile the Triton kernel for a GPU architecture without a GPU, and read its resource usage.
 
 Triton compiles to a cubin for any ``GPUTarget`` with the ptxas it ships; ``cuobjdump`` reads the result.
-This is how the pointer path's spills on sm_90 were found (see ``docs/``), and what CI checks. It needs the
-kernel as compiled code, so it refuses to run under ``TRITON_INTERPRET=1``; from such a process use
+This is how the pointer path's spills on sm_90 were found (docs/design.md#triton-forward), and what CI checks. It
+needs the kernel as compiled code, so it refuses to run under ``TRITON_INTERPRET=1``; from such a process use
 ``python -m impls.triton_fa.aot`` (which drops the variable):
 
     python -m impls.triton_fa.aot --arch 90 --tma
@@ -17,8 +17,8 @@ import re
 import shlex
 import sys
 
-from impls._sass import sass_summary
-from impls.triton_fa import head_dims
+from impls.sass import sass_summary
+from impls.triton_fa.config import head_dims
 
 
 def compile_cubin(arch: int, *, dtype: str = "fp16", head_dim: int = 128, causal: bool = True,
@@ -50,7 +50,7 @@ def compile_decode(arch: int, *, block_n: int, num_warps: int, num_stages: int, 
                  "BLOCK_M": max(16, triton.next_power_of_2(group)),  # the rows as paged_launch tiles them
                  "BLOCK_N": block_n, "DOT_FP32": False, "SPLIT": True,
                  "MASK_FREE": mask_free, "HAS_WINDOW": False, "SOFTCAP": 0.0,  # every constexpr, defaults too
-                 "KV_FP8": kv_fp8, "F16_DOT": kv_fp8 and dtype == "bf16",  # impls._serving.fp16_dots
+                 "KV_FP8": kv_fp8, "F16_DOT": kv_fp8 and dtype == "bf16",  # impls._plans.fp16_dots
                  "V_WORDS": kv_fp8 and v_words, "USE_PDL": pdl,  # word_values, for a word-aligned cache
                  "PREFETCH": prefetch}
     pointers = {**dict.fromkeys(("Q", "Out"), dtype), **dict.fromkeys(("K_cache", "V_cache"), "fp8e4nv" if kv_fp8
@@ -127,7 +127,7 @@ def parser() -> argparse.ArgumentParser:
                              "16): its resources, shared memory and K/V buffers")
     parser.add_argument("--kv-fp8", action="store_true", help="--decode over an fp8 (e4m3) cache")
     parser.add_argument("--value-bytes", action="store_true",
-                        help="--kv-fp8 with the values read as bytes (V_WORDS off), as before session 40")
+                        help="--kv-fp8 with the values read as bytes (V_WORDS off), the older form")
     parser.add_argument("--pdl", action="store_true", help="--decode for programmatic dependent launch (USE_PDL)")
     parser.add_argument("--prefetch", action="store_true", help="--decode with its lookups prefetched (PREFETCH)")
     parser.add_argument("--each", action="store_true",

@@ -54,7 +54,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from impls._serving import F16_ROW_EXP
+from impls._plans import F16_ROW_EXP
 from impls.triton_fa.kernel import scaled_scores
 
 
@@ -336,7 +336,7 @@ def paged_decode_combine(
     its columns and write them to ``Out``.
 
     The log-sum-exps of all chunks fit in registers (one float each); the partial outputs are read SPLIT_CHUNK
-    chunks at a time (``impls._serving.combine_plan``: with many chunks the slice narrows so that one step
+    chunks at a time (``impls._plans.combine_plan``: with many chunks the slice narrows so that one step
     takes them all, instead of a loop of dependent loads).
     """
     await_inputs(USE_PDL)

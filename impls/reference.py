@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from impls._validate import NO_WINDOW, validate_attention_inputs
+from impls.contract import NO_WINDOW, sequences, validate_attention_inputs
 
 
 def causal_visible(sq: int, skv: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -94,11 +94,9 @@ def attention_ref(
 def serving_attention_ref(inputs, *, scale: float | None = None, upcast: bool = True,
                           indices: list[int] | None = None, window: tuple[int, int] = NO_WINDOW,
                           softcap: float = 0.0) -> dict[int, torch.Tensor]:
-    """The dense reference per sequence of a paged-decode or varlen batch (``impls._serving``): sequence
+    """The dense reference per sequence of a paged-decode or varlen batch (``impls.contract``): sequence
     ``b`` -> its output ``(1, Hq, Sq, D)``. ``indices`` picks sequences (all by default); a window and softcap
     apply within each sequence, bottom-right like its causal mask."""
-    from impls._serving import sequences
-
     scale = inputs.scale(scale)
 
     def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:

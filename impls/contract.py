@@ -1,0 +1,411 @@
+"""The contract every implementation is held to: its inputs, their validation and the rules of their shapes.
+
+Dense forward takes ``q (B, Hq, Sq, D)``, ``k, v (B, Hkv, Skv, D)`` (``validate_attention_inputs``); a sliding
+window ``(left, right)`` (-1: unbounded) and softcap are its model variants (``validate_variants``). Beside dense
+forward there are the serving operations, each one dataclass that carries its tensors and validates them once,
+at prepare time, with an error that names the problem. Host copies of the lengths are taken then too, so that no
+adapter needs a device sync in its timed call.
+
+Paged decode (the layout of vLLM, FlashInfer and flash-attn):
+- ``q (B, Sq_new, Hq, D)``: the new tokens, which are the last ``Sq_new`` positions of each sequence;
+- ``k_cache, v_cache (num_pages, page_size, Hkv, D)``;
+- ``block_table (B, max_pages) int32``: page ``block_table[b, i]`` holds positions ``i*page_size ...`` of
+  sequence ``b``; entries past a sequence's last page are never read and may hold anything;
+- ``cache_seqlens (B,) int32``: each sequence's length, the new tokens included.
+Attention is causal within each sequence, bottom-right: new token ``i`` sees positions ``<= L - Sq_new + i``.
+Output ``(B, Sq_new, Hq, D)``. Page slots past a sequence's length may hold anything, NaN included.
+
+An fp8 KV cache (vLLM's ``kv_cache_dtype="fp8"``, FlashInfer's ``kv_data_type``): the caches may be
+``float8_e4m3fn`` under fp16/bf16 queries, each with a per-tensor scale (``k_scale``, ``v_scale``, host floats):
+the key at a slot is ``k_scale * k_cache[slot]`` (dequantized), and so for values. The output stays q's dtype.
+Implementations declare it (``variants=("kv_fp8",)``); the others refuse such a batch with the reason.
+
+Varlen prefill (flash-attn's packed layout):
+- ``q (total_q, Hq, D)``, ``k, v (total_k, Hkv, D)``;
+- ``cu_seqlens_q, cu_seqlens_k (B+1,) int32``: sequence ``b`` is rows ``cu[b]:cu[b+1]``;
+- ``causal`` per sequence, bottom-right like dense. Output ``(total_q, Hq, D)``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field, replace
+
+import torch
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)
+
+
+def validate_attention_inputs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
+) -> float:
+    """Check the contract's shapes, dtypes and devices; return the softmax scale to use.
+
+    Raises ``TypeError`` for a wrong type or dtype and ``ValueError`` for a wrong shape, device or scale,
+    with the offending argument named in the message.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            layout = "(B, Hq, Sq, D)" if name == "q" else "(B, Hkv, Skv, D)"
+            raise ValueError(f"{name} must be 4-D {layout}, got shape {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+    if k.shape[:3] != v.shape[:3]:  # the head dim of v may differ (DeepSeek's MLA prefill: Dqk 192, Dv 128)
+        raise ValueError(f"k and v must have the same shape (B, Hkv, Skv; only the head dim may differ), got "
+                         f"k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if q.device != k.device or q.device != v.device:
+        raise ValueError(f"q, k and v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
+    (b, hq, sq, d), (bk, hkv, skv, dk) = q.shape, k.shape
+    if b != bk:
+        raise ValueError(f"batch size of q ({b}) and k/v ({bk}) differ")
+    if d != dk:
+        raise ValueError(f"head dim of q ({d}) and k/v ({dk}) differ")
+    if min(b, hq, hkv, d, v.shape[-1]) == 0:
+        raise ValueError(f"empty tensor: q {tuple(q.shape)}, k/v {tuple(k.shape)}")
+    if sq == 0 or skv == 0:
+        raise ValueError(f"empty sequence: Sq={sq}, Skv={skv} (both must be at least 1)")
+    if hq % hkv != 0:
+        raise ValueError(
+            f"GQA ratio: query heads Hq={hq} must be a multiple of key/value heads Hkv={hkv}"
+        )
+    return default_scale(d) if scale is None else validate_scale(scale)
+
+
+def unit_head_stride(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each tensor with its head dim (the last) at unit stride, as kernels address it: a copy where it is
+    strided, else the tensor itself."""
+    return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in tensors)
+
+
+def validate_scale(scale: float) -> float:
+    if isinstance(scale, bool) or not isinstance(scale, int | float):
+        raise TypeError(f"scale must be a real number, got {type(scale).__name__}")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return float(scale)
+
+
+NO_WINDOW = (-1, -1)  # window=(left, right) with both sides unbounded: no sliding window
+UNBOUNDED = 1 << 30  # what a kernel is given for an unbounded (-1) window side: more keys than any sequence has
+
+
+def window_bounds(window: tuple[int, int], causal: bool) -> tuple[int, int]:
+    """``(left, right)`` as our kernels take them: an unbounded side as UNBOUNDED keys, right 0 when causal."""
+    left, right = (UNBOUNDED if w < 0 else w for w in window)
+    return left, 0 if causal else right
+
+
+def binding_window(window: tuple[int, int], causal: bool, q_len: int, kv_len: int) -> tuple[int, int]:
+    """``window`` with each side that hides no key unbounded (-1), so NO_WINDOW where it hides none: a kernel
+    then runs without the window's masks and loops (flash-attn drops such a side too). Mistral-7B's window of
+    4096 over a 4K prefill is the common case. Bottom-right aligned: the last query row sits at key position
+    kv_len - 1 and the first at kv_len - q_len, so the left side hides a key iff left < kv_len - 1, and the right
+    side (not causal; causal already hides everything right of a row) iff right < q_len - 1."""
+    left, right = window
+    left = left if 0 <= left < kv_len - 1 else -1
+    right = right if not causal and 0 <= right < q_len - 1 else -1
+    return left, right
+
+
+def validate_variants(window: tuple[int, int] | None, softcap: float) -> tuple[tuple[int, int], float]:
+    """The model variants: ``window=(left, right)`` of ints >= -1 (-1: unbounded), ``softcap >= 0``."""
+    window = NO_WINDOW if window is None else window
+    if (not isinstance(window, tuple | list) or len(window) != 2
+            or not all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window)):
+        raise ValueError(f"window must be (left, right) with ints >= -1 (-1: unbounded), got {window!r}")
+    if isinstance(softcap, bool) or not isinstance(softcap, int | float) or not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be a finite number >= 0 (0: off), got {softcap!r}")
+    return (int(window[0]), int(window[1])), float(softcap)
+
+
+def _check_tensor(name: str, t: torch.Tensor, dims: int, layout: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != dims:
+        raise ValueError(f"{name} must be {dims}-D {layout}, got shape {tuple(t.shape)}")
+
+
+def _check_index(name: str, t: torch.Tensor, dims: int, layout: str, device: torch.device) -> None:
+    _check_tensor(name, t, dims, layout)
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device} with q, got {t.device}")
+
+
+FP8_KV = torch.float8_e4m3fn  # the fp8 KV cache's storage dtype (e4m3: vLLM's and FlashInfer's "fp8")
+FP8_QUERIES = (torch.float16, torch.bfloat16)  # the query (and output) dtypes over an fp8 cache
+
+
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_name: str, v_name: str,
+               fp8_kv: bool = False) -> None:
+    """``fp8_kv``: k and v may be FP8_KV under half-precision queries (paged decode)."""
+    if k.shape != v.shape:
+        raise ValueError(f"{k_name} and {v_name} must have the same shape, got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
+    for name, t in (("q", q), (k_name, k), (v_name, v)):
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+    quantized = fp8_kv and k.dtype == FP8_KV and v.dtype == FP8_KV
+    if quantized and q.dtype not in FP8_QUERIES:
+        raise TypeError(f"an fp8 {k_name}/{v_name} needs fp16 or bf16 q, got {q.dtype}")
+    if not quantized and (q.dtype != k.dtype or q.dtype != v.dtype):
+        also = f" (or {k_name} and {v_name} both {FP8_KV})" if fp8_kv else ""
+        raise TypeError(f"q, {k_name} and {v_name} must share one dtype{also}, got {q.dtype}, {k.dtype}, "
+                        f"{v.dtype}")
+    if q.device != k.device or q.device != v.device:
+        raise ValueError(f"q, {k_name} and {v_name} must be on one device, got {q.device}, {k.device}, "
+                         f"{v.device}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"head dim of q ({q.shape[-1]}) and {k_name} ({k.shape[-1]}) differ")
+    hq, hkv = q.shape[-2], k.shape[-2]
+    if min(hq, hkv, q.shape[-1]) == 0:
+        raise ValueError(f"empty tensor: q {tuple(q.shape)}, {k_name} {tuple(k.shape)}")
+    if hq % hkv:
+        raise ValueError(f"GQA ratio: query heads Hq={hq} must be a multiple of key/value heads Hkv={hkv}")
+
+
+def _check_layouts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_name: str, v_name: str,
+                   layouts: tuple[str, str], indices: dict[str, tuple[torch.Tensor, str]],
+                   fp8_kv: bool = False) -> None:
+    """Shapes, dtypes and devices of an operation's tensors; ``layouts`` are q's and k/v's, ``indices`` the
+    int32 index tensors with theirs. The rank of each is read off its layout."""
+    def rank(layout: str) -> int:
+        return len([d for d in layout.strip("()").split(",") if d.strip()])
+
+    q_layout, kv_layout = layouts
+    for name, t, layout in (("q", q, q_layout), (k_name, k, kv_layout), (v_name, v, kv_layout)):
+        _check_tensor(name, t, rank(layout), layout)
+    _check_qkv(q, k, v, k_name, v_name, fp8_kv)
+    for name, (t, layout) in indices.items():
+        _check_index(name, t, rank(layout), layout, q.device)
+
+
+class _ServingInputs:
+    """What both operations' inputs share (each defines ``q``)."""
+
+    q: torch.Tensor
+    kv_fp8 = False  # K and V stored in fp8 (PagedKV's caches can be; varlen's k and v never are)
+    head_dim_tensors: tuple[str, ...] = ("q",)  # the fields that hold a head dim: each operation names its own
+    index_tensors: tuple[str, ...] = ()  # its int32 index fields
+
+    @property
+    def head_dim(self) -> int:
+        return self.q.shape[-1]
+
+    def scale(self, scale: float | None) -> float:
+        return default_scale(self.head_dim) if scale is None else validate_scale(scale)
+
+    def output_like(self) -> torch.Tensor:
+        return torch.empty_like(self.q)
+
+    def in_kernel_layout(self):
+        """These inputs as kernels address them: the head dim (the last) of q, K and V at unit stride
+        (``unit_head_stride``) and the index tensors contiguous (a kernel reads ``cache_seqlens + b``). A copy of
+        each tensor that is not (made when a call is prepared, so out of its timed runs), the others as they are."""
+        heads = [getattr(self, name) for name in self.head_dim_tensors]
+        laid_out = dict(zip(self.head_dim_tensors, unit_head_stride(*heads), strict=True))
+        laid_out |= {name: getattr(self, name).contiguous() for name in self.index_tensors}
+        copies = {name: t for name, t in laid_out.items() if t is not getattr(self, name)}
+        return replace(self, **copies) if copies else self
+
+
+def decode_read_length(length: int, new_tokens: int, window_left: int = UNBOUNDED, align: int = 1) -> int:
+    """Cache positions of one sequence that its new tokens see together, so a decode kernel reads: the whole
+    cache, or with a sliding window of ``window_left`` keys the last ``window_left + new_tokens`` positions,
+    from the first of them rounded down to a multiple of ``align`` (a kernel that reads whole tiles from the
+    tile that holds it)."""
+    return length - max(length - new_tokens - window_left, 0) // align * align
+
+
+@dataclass
+class PagedKV(_ServingInputs):
+    """Decode over a paged KV cache (module doc). Construction validates and reads the lengths once."""
+
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_table: torch.Tensor
+    cache_seqlens: torch.Tensor
+    k_scale: float = 1.0  # an fp8 cache's dequantization scales (module doc); 1 for any other cache
+    v_scale: float = 1.0
+    seqlens: tuple[int, ...] = field(init=False)  # host copy of cache_seqlens
+
+    op = "paged"
+    head_dim_tensors = ("q", "k_cache", "v_cache")
+    index_tensors = ("block_table", "cache_seqlens")
+
+    def __post_init__(self) -> None:
+        _check_layouts(self.q, self.k_cache, self.v_cache, "k_cache", "v_cache",
+                       ("(B, Sq_new, Hq, D)", "(num_pages, page_size, Hkv, D)"),
+                       {"block_table": (self.block_table, "(B, max_pages)"),
+                        "cache_seqlens": (self.cache_seqlens, "(B,)")}, fp8_kv=True)
+        for name in ("k_scale", "v_scale"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name} must be a finite positive number, got {value!r}")
+            if value != 1.0 and not self.kv_fp8:
+                raise ValueError(f"{name} = {value} applies to an fp8 cache only; this one is {self.k_cache.dtype}")
+        batch, sq = self.q.shape[:2]
+        if sq == 0 or batch == 0:
+            raise ValueError(f"empty q: {tuple(self.q.shape)}")
+        if self.block_table.shape[0] != batch or self.cache_seqlens.shape[0] != batch:
+            raise ValueError(f"batch size of q ({batch}), block_table ({self.block_table.shape[0]}) and "
+                             f"cache_seqlens ({self.cache_seqlens.shape[0]}) differ")
+        self.seqlens = tuple(int(n) for n in self.cache_seqlens.tolist())
+        num_pages, page_size, max_pages = self.k_cache.shape[0], self.page_size, self.block_table.shape[1]
+        table = self.block_table.cpu()
+        for b, length in enumerate(self.seqlens):
+            if length < sq:
+                raise ValueError(f"cache_seqlens[{b}] = {length} is shorter than the {sq} new tokens of q")
+            pages = math.ceil(length / page_size)
+            if pages > max_pages:
+                raise ValueError(f"cache_seqlens[{b}] = {length} needs {pages} pages of {page_size}, but "
+                                 f"block_table has {max_pages} per sequence")
+            used = table[b, :pages]
+            bad = ((used < 0) | (used >= num_pages)).nonzero()
+            if len(bad):
+                i = int(bad[0, 0])
+                raise ValueError(f"block_table[{b}, {i}] = {int(used[i])} is out of range: the cache has "
+                                 f"{num_pages} pages")
+
+    @property
+    def page_size(self) -> int:
+        return self.k_cache.shape[1]
+
+    @property
+    def kv_fp8(self) -> bool:
+        """Whether the caches are fp8 (dequantized by ``k_scale`` and ``v_scale``)."""
+        return self.k_cache.dtype == FP8_KV
+
+    def dequantized(self, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values read from these caches, as ``dtype``: scaled where the caches are fp8."""
+        if not self.kv_fp8:
+            return k.to(dtype), v.to(dtype)
+        return k.to(dtype) * self.k_scale, v.to(dtype) * self.v_scale
+
+    @property
+    def max_seqlen(self) -> int:
+        return max(self.seqlens)
+
+    def read_lengths(self, window_left: int = UNBOUNDED, align: int = 1) -> list[int]:
+        """``decode_read_length`` of each sequence."""
+        return [decode_read_length(n, self.q.shape[1], window_left, align) for n in self.seqlens]
+
+    def window_left(self, window: tuple[int, int]) -> int:
+        """A window's left side as the decode kernels take it: UNBOUNDED where it hides no key of these
+        sequences (decode is causal: no right side)."""
+        left, _ = binding_window(window, True, self.q.shape[1], self.max_seqlen)
+        return UNBOUNDED if left < 0 else left
+
+
+@dataclass
+class Varlen(_ServingInputs):
+    """Packed variable-length prefill (module doc). Construction validates and reads the offsets once."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    causal: bool = False
+    offsets_q: tuple[int, ...] = field(init=False)  # host copies of the cu_seqlens
+    offsets_k: tuple[int, ...] = field(init=False)
+
+    op = "varlen"
+    head_dim_tensors = ("q", "k", "v")
+    index_tensors = ("cu_seqlens_q", "cu_seqlens_k")
+
+    def __post_init__(self) -> None:
+        _check_layouts(self.q, self.k, self.v, "k", "v", ("(total_q, Hq, D)", "(total_k, Hkv, D)"),
+                       {"cu_seqlens_q": (self.cu_seqlens_q, "(B+1,)"), "cu_seqlens_k": (self.cu_seqlens_k, "(B+1,)")})
+        if self.cu_seqlens_q.shape != self.cu_seqlens_k.shape or self.cu_seqlens_q.shape[0] < 2:
+            raise ValueError(f"cu_seqlens_q {tuple(self.cu_seqlens_q.shape)} and cu_seqlens_k "
+                             f"{tuple(self.cu_seqlens_k.shape)} must both be (B+1,) with B >= 1")
+        self.offsets_q = tuple(int(n) for n in self.cu_seqlens_q.tolist())
+        self.offsets_k = tuple(int(n) for n in self.cu_seqlens_k.tolist())
+        for name, offsets, total in (("cu_seqlens_q", self.offsets_q, self.q.shape[0]),
+                                     ("cu_seqlens_k", self.offsets_k, self.k.shape[0])):
+            if offsets[0] != 0:
+                raise ValueError(f"{name}[0] must be 0, got {offsets[0]}")
+            drops = [i for i in range(1, len(offsets)) if offsets[i] < offsets[i - 1]]
+            if drops:
+                i = drops[0]
+                raise ValueError(f"{name} must be non-decreasing: {name}[{i}] = {offsets[i]} < "
+                                 f"{name}[{i - 1}] = {offsets[i - 1]}")
+            if offsets[-1] != total:
+                raise ValueError(f"{name}[-1] = {offsets[-1]} but the packed tensor has {total} rows")
+
+    @property
+    def batch(self) -> int:
+        return len(self.offsets_q) - 1
+
+    def seqlens_q(self) -> list[int]:
+        return [b - a for a, b in itertools.pairwise(self.offsets_q)]
+
+    def seqlens_k(self) -> list[int]:
+        return [b - a for a, b in itertools.pairwise(self.offsets_k)]
+
+    @property
+    def max_seqlen_q(self) -> int:
+        return max(self.seqlens_q())
+
+    @property
+    def max_seqlen_k(self) -> int:
+        return max(self.seqlens_k())
+
+    def binding_window(self, window: tuple[int, int]) -> tuple[int, int]:
+        """``window`` with each side that hides no key of any sequence unbounded (``binding_window``): bottom-right
+        in each sequence, a side that hides no key of the longest sequences hides none of the others."""
+        return binding_window(window, self.causal, self.max_seqlen_q, self.max_seqlen_k)
+
+
+def gather_sequence(inputs: PagedKV, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence ``b``'s keys and values, ``(Hkv, L, D)`` each, gathered from its pages."""
+    length = inputs.seqlens[b]
+    pages = inputs.block_table[b, : math.ceil(length / inputs.page_size)].long()
+    k, v = (c[pages].flatten(0, 1)[:length].transpose(0, 1) for c in (inputs.k_cache, inputs.v_cache))
+    return k, v
+
+
+# A dense call shaped like decode: a few new tokens at the end of a longer cache, causal (bottom-right) or one token.
+# Such a step reads its whole cache for little compute, so it is bound by the bytes it reads, like paged decode.
+DENSE_DECODE_MAX_NEW = 16  # new tokens, as the paged operation takes them (speculative decoding verifies up to 16)
+
+
+def decode_shaped(sq: int, skv: int, causal: bool) -> bool:
+    """Whether a dense call of ``sq`` queries over ``skv`` keys is a decode step: at most DENSE_DECODE_MAX_NEW new
+    tokens, the last ``sq`` positions of the cache, each seeing the keys up to its own (causal, bottom-right, or a
+    single token, which sees them all either way)."""
+    return sq <= DENSE_DECODE_MAX_NEW and sq < skv and (causal or sq == 1)
+
+
+def sequences(inputs: PagedKV | Varlen, indices: list[int] | None = None, kv_dtype: torch.dtype | None = None):
+    """Per sequence: (index, q (1, Hq, Sq, D), k, v (1, Hkv, Skv, D), causal) in the dense contract's layout. An
+    fp8 cache's keys and values come dequantized, as ``kv_dtype`` (default q's)."""
+    batch = inputs.q.shape[0] if isinstance(inputs, PagedKV) else inputs.batch
+    for b in range(batch) if indices is None else indices:
+        if isinstance(inputs, PagedKV):
+            k, v = gather_sequence(inputs, b)
+            if inputs.kv_fp8:
+                k, v = inputs.dequantized(k, v, kv_dtype or inputs.q.dtype)
+            yield b, inputs.q[b].transpose(0, 1)[None], k[None], v[None], True
+        else:
+            (q0, q1), (k0, k1) = inputs.offsets_q[b:b + 2], inputs.offsets_k[b:b + 2]
+            q, k, v = (t.transpose(0, 1)[None] for t in (inputs.q[q0:q1], inputs.k[k0:k1], inputs.v[k0:k1]))
+            yield b, q, k, v, inputs.causal
+
+
+def scatter_sequence(out: torch.Tensor, inputs: PagedKV | Varlen, b: int, o: torch.Tensor) -> None:
+    """Write sequence ``b``'s output ``o (1, Hq, Sq, D)`` into the operation's output layout."""
+    if isinstance(inputs, PagedKV):
+        out[b] = o[0].transpose(0, 1)
+    else:
+        out[inputs.offsets_q[b]:inputs.offsets_q[b + 1]] = o[0].transpose(0, 1)

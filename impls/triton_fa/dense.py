@@ -1,0 +1,246 @@
+"""Registers our Triton FlashAttention-2 kernel (``kernel.py``) as ``triton`` and, with its tiles moved through
+tensor descriptors (TMA on Hopper) only, as ``triton-tma``, and over packed batches as ``triton``'s varlen entry.
+
+Autotuned over tile shape, warps, pipeline depth and, on sm_90 and newer, how tiles are loaded (pointers or
+descriptors: ``USE_TMA`` is a config parameter like the tile shape), keyed on the shape class (sequence-length
+buckets, head dim, causal, GQA group, dtype); the chosen config is reported with every benchmark. Under
+``TRITON_INTERPRET=1`` (CPU) the autotuner, which times on a GPU, is bypassed for one fixed config, and the dots run
+in float32 because the interpreter computes half-precision ``tl.dot`` wrongly.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from impls._plans import decode_route
+from impls._registry import FLOATS, Prepared, heads_by_batch, length_class, register
+from impls.contract import NO_WINDOW, binding_window, window_bounds
+from impls.timing import settle_gpu
+from impls.triton_fa.config import (
+    HEAD_DIMS,
+    POW2_HEAD_DIMS,
+    TUNING,
+    block_d,
+    head_dims,
+    install_descriptor_allocator,
+    interpreting,
+    requires,
+    requires_tma,
+    tma_available,
+)
+
+# One config that runs every head dim (one pipeline stage): under the interpreter, and on a GPU that other processes
+# share, where the autotuner would time their load (impls.tuning.shares_gpu).
+INTERPRETER_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1, "USE_TMA": False}
+# (BLOCK_M, BLOCK_N, num_warps, num_stages). Measured on an H200 (fp16, D=128, 2K/8K, causal and not):
+# 128x64 with 8 warps led (418-461 TFLOPS), 128x128/8 warps close behind; 4 warps on 128 rows fell to ~120.
+# 64-row tiles stay for short sequences and 32-row tiles for decode-like Sq.
+# 128x32 with 8 warps: the tile that does not spill at head dims padded to 256 (192, 256; cuobjdump: 253
+# registers, no stack, where 64x64 with 4 warps needs 872 B of stack).
+SEARCH_SPACE = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (64, 64, 4, 3), (64, 128, 4, 3), (32, 64, 4, 3),
+                (128, 32, 8, 3)]
+# The descriptor (TMA) path on sm_90+: it needs ~140 registers at 128x64 where the pointer path needs 244
+# (cuobjdump, Triton 3.6), so with two pipeline stages two 128-row programs fit on one SM.
+TMA_SEARCH_SPACE = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (32, 64, 4, 3)]
+
+
+def plain_kernel():
+    """The plain JIT kernel (no autotuning): for the interpreter and for scripts that pick a config."""
+    from impls.triton_fa.kernel import attention_fwd
+
+    return attention_fwd
+
+
+def configs(pointer: bool = True, tma: bool = False) -> list[dict]:
+    """The autotuner's candidates as launch options: the pointer-path space, the TMA-path space, or both."""
+    spaces = [(False, SEARCH_SPACE)] * pointer + [(True, TMA_SEARCH_SPACE)] * tma
+    return [{"BLOCK_M": m, "BLOCK_N": n, "USE_TMA": use_tma, "num_warps": w, "num_stages": s}
+            for use_tma, space in spaces for m, n, w, s in space]
+
+
+@functools.cache
+def autotuned(pointer: bool, tma: bool):
+    """The kernel autotuned over ``configs(pointer, tma)``, keyed on the shape class."""
+    import triton
+
+    def as_config(c: dict) -> triton.Config:
+        options = {k: c[k] for k in ("num_warps", "num_stages")}
+        return triton.Config({k: v for k, v in c.items() if k not in options}, **options)
+
+    key = ["q_len_class", "kv_len_class", "group", "HEAD_DIM", "CAUSAL", "HAS_WINDOW", "SOFTCAP"]
+    return triton.autotune(configs=[as_config(c) for c in configs(pointer, tma)], key=key)(plain_kernel())
+
+
+def launch(config: dict, q, k, v, out, *, causal: bool, scale: float, window: tuple[int, int] = NO_WINDOW,
+           softcap: float = 0.0) -> None:
+    """One launch with a fixed config (no autotuning), on contiguous CUDA tensors: for sweeps and tests."""
+    import triton
+
+    if config["USE_TMA"]:
+        install_descriptor_allocator()
+    batch, heads, q_len = q.shape[:3]
+    grid = (triton.cdiv(q_len, config["BLOCK_M"]), *heads_by_batch(heads, batch))
+    plain_kernel()[grid](*kernel_arguments(q, k, v, out, scale, window, causal),
+                         **dense_meta(q, v, causal=causal, window=window, softcap=softcap), **config)
+
+
+def dense_meta(q, v, *, causal: bool, window: tuple[int, int], softcap: float) -> dict:
+    """``attention_fwd``'s compile-time arguments for a dense call, but for the tile config."""
+    return {**head_dims(q.shape[-1], v.shape[-1]), "CAUSAL": causal,
+            "DOT_FP32": interpreting() or q.dtype == torch.float32, "HAS_WINDOW": window != NO_WINDOW,
+            "SOFTCAP": softcap}
+
+
+def kernel_arguments(q, k, v, out, scale: float, window: tuple[int, int] = NO_WINDOW, causal: bool = False) -> tuple:
+    """``attention_fwd``'s runtime arguments, in order (the compile-time ones go by keyword)."""
+    from impls.triton_fa.kernel import LOG2_E
+
+    heads, q_len, kv_len = q.shape[1], q.shape[2], k.shape[2]
+    return (
+        q, k, v, out, scale * LOG2_E,  # scale in log2 units: exp(x * s) == exp2(x * s * log2 e)
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+        heads, q_len, kv_len, length_class(q_len), length_class(kv_len), heads // k.shape[1], None, None,
+        *window_bounds(window, causal),
+    )
+
+
+def varlen_arguments(inputs, out, scale: float, window: tuple[int, int] = NO_WINDOW) -> tuple:
+    """``attention_fwd``'s runtime arguments for a packed batch: the (B, H, S, D) views of its strides with a
+    batch stride of 0 (the kernel starts each sequence at its cu_seqlens offset) and the longest lengths."""
+    from impls.triton_fa.kernel import LOG2_E
+
+    q, k, v = (t.transpose(0, 1)[None] for t in (inputs.q, inputs.k, inputs.v))  # (1, H, total, D) views
+    o = out.transpose(0, 1)[None]
+    strides = [(0, *t.stride()[1:3]) for t in (q, k, v, o)]
+    heads, q_len, kv_len = q.shape[1], inputs.max_seqlen_q, inputs.max_seqlen_k
+    return (
+        inputs.q, inputs.k, inputs.v, out, scale * LOG2_E, *(x for st in strides for x in st),
+        heads, q_len, kv_len, length_class(q_len), length_class(kv_len), heads // k.shape[1],
+        inputs.cu_seqlens_q, inputs.cu_seqlens_k, *window_bounds(window, inputs.causal),
+    )
+
+
+def precompile(kernel, args: tuple, meta: dict, grid, candidates: list[dict]) -> None:
+    """Compile every candidate config at once, in threads (Triton's compiler and ptxas release the GIL):
+    the autotuner then finds them all compiled, and a cold tune costs about one compile, not one per config."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=min(len(candidates), os.cpu_count() or 1)) as pool:
+        list(pool.map(lambda c: kernel.warmup(*args, grid=grid(c), **meta, **c), candidates))
+
+
+def prepared_launch(args: tuple, meta: dict, grid, out: torch.Tensor, *, pointer: bool, tma: bool,
+                    shape_class: tuple) -> Prepared:
+    """The timed call: ``attention_fwd`` with ``args`` and ``meta``, its config from the tuning cache or the
+    autotuner (keyed on ``shape_class``); under the interpreter one fixed config. Runs once (compile, tune)."""
+    kernel = plain_kernel()
+    fixed = {**INTERPRETER_CONFIG, "USE_TMA": tma and not pointer}
+    if interpreting():  # the autotuner times on a GPU
+        config, source = fixed, "fixed (interpreter)"
+    else:
+        def compile_all() -> None:
+            precompile(kernel, args, meta, grid, configs(pointer, tma))
+
+        def tune() -> dict:
+            compile_all()
+            settle_gpu(out.device)  # compiling was a pause: time every config at sustained clocks
+            tuner = autotuned(pointer, tma)
+            tuner[grid](*args, **meta)
+            return _describe(tuner.best_config)
+
+        key = TUNING.key(out.device, (f"pointer={pointer}", f"tma={tma}", out.dtype, *shape_class))
+        config, source = TUNING.lookup(key, tune, lambda: fixed, compile_all)
+    launch_grid = grid(config)
+
+    def run() -> torch.Tensor:
+        kernel[launch_grid](*args, **meta, **config)
+        return out
+
+    run()  # compiles this config: outside any timed region
+    return Prepared(run, config={**config, "chosen": source})
+
+
+def descriptors_fit(head_dim: int, value_dim: int) -> bool:
+    """Tensor descriptors (TMA) need the exact power of two, in both head dims: padded ones run on pointers."""
+    return block_d(head_dim) == head_dim and block_d(value_dim) == value_dim
+
+
+def _make(name: str, paths: str, description: str) -> None:
+    """Register one entry: ``paths`` is "pointer", "tma" or "pointer+tma" (the autotuner chooses)."""
+    @register(name, family="triton", dtypes=FLOATS, head_dims=POW2_HEAD_DIMS if paths == "tma" else HEAD_DIMS,
+              requires=requires_tma if paths == "tma" else requires, description=description,
+              variants=("window", "softcap", "value_dim"))
+    def prepare(q, k, v, *, causal: bool, scale: float, window: tuple[int, int] = NO_WINDOW,
+                softcap: float = 0.0) -> Prepared:
+        def dense() -> Prepared:
+            return prepare_dense(q, k, v, paths, causal=causal, scale=scale, window=window, softcap=softcap)
+
+        if paths == "tma":  # the blog's TMA step stays itself
+            return dense()
+        return decode_route(name, q, k, v, causal=causal, scale=scale, window=window, softcap=softcap, dense=dense,
+                            tuning=TUNING)
+
+
+def prepare_dense(q, k, v, paths: str, *, causal: bool, scale: float, window: tuple[int, int],
+                  softcap: float) -> Prepared:
+    """The dense kernel's call, on ``paths`` (``_make``'s)."""
+    import triton
+
+    axes = heads_by_batch(q.shape[1], q.shape[0])
+    pointer = "pointer" in paths
+    value_dim = v.shape[-1]  # within the declared head dims (the registry checks it like the query's)
+    tma = "tma" in paths and descriptors_fit(q.shape[-1], value_dim) and (
+        paths == "tma" or tma_available(q.device.type))
+    if tma:  # descriptors address the contiguous (B*H, S, D) views; they need scratch memory
+        q, k, v = (t.contiguous() for t in (q, k, v))
+        if q.is_cuda:
+            install_descriptor_allocator()
+    batch, heads, q_len, head_dim = q.shape
+    out = q.new_empty((batch, heads, q_len, value_dim))
+    window = binding_window(window, causal, q_len, k.shape[2])  # one that hides no key: no window masks
+    meta = dense_meta(q, v, causal=causal, window=window, softcap=softcap)
+
+    def grid(cfg):
+        return (triton.cdiv(q_len, cfg["BLOCK_M"]), *axes)
+
+    shape = (head_dim, causal, heads // k.shape[1], length_class(q_len), length_class(k.shape[2]),
+             meta["HAS_WINDOW"], softcap, value_dim)
+    return prepared_launch(kernel_arguments(q, k, v, out, scale, window, causal), meta, grid, out,
+                           pointer=pointer, tma=tma, shape_class=shape)
+
+
+_make("triton", "pointer+tma", "our FlashAttention-2 Triton kernel, autotuned over tiles, warps, stages and, "
+      "on sm_90+, pointer or descriptor (TMA) loads; decode steps (up to 16 new tokens) through our split-KV "
+      "decode over the cache as pages where that is faster")
+_make("triton-tma", "tma", "the same kernel, tiles moved through tensor descriptors (TMA) only, autotuned")
+
+
+@register("triton", op="varlen", family="triton", dtypes=FLOATS, head_dims=HEAD_DIMS, requires=requires,
+          variants=("window", "softcap"),
+          description="the same kernel over a packed batch: each program finds its sequence in cu_seqlens "
+                      "(pointer loads; autotuned like the dense entry)")
+def prepare_varlen(inputs, *, scale: float, window: tuple[int, int] = NO_WINDOW, softcap: float = 0.0) -> Prepared:
+    import triton
+
+    heads, head_dim = inputs.q.shape[1], inputs.head_dim
+    axes = heads_by_batch(heads, inputs.batch)
+    out = inputs.output_like()
+    window = inputs.binding_window(window)
+    meta = {**head_dims(head_dim), "CAUSAL": inputs.causal, "VARLEN": True,
+            "DOT_FP32": interpreting() or inputs.q.dtype == torch.float32, "HAS_WINDOW": window != NO_WINDOW,
+            "SOFTCAP": softcap}
+
+    def grid(cfg):
+        return (triton.cdiv(inputs.max_seqlen_q, cfg["BLOCK_M"]), *axes)
+
+    shape = ("varlen", head_dim, inputs.causal, heads // inputs.k.shape[1], length_class(inputs.max_seqlen_q),
+             length_class(inputs.max_seqlen_k), meta["HAS_WINDOW"], softcap)
+    return prepared_launch(varlen_arguments(inputs, out, scale, window), meta, grid, out, pointer=True, tma=False,
+                           shape_class=shape)
+
+
+def _describe(cfg) -> dict:
+    return {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
