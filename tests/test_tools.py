@@ -47,7 +47,7 @@ def test_the_tools_are_the_documented_set() -> None:
 
 def test_the_tuner_probe_builds_a_variant_from_field_changes() -> None:
     pytest.importorskip("cuda.tile")
-    from impls.cutile import HOPPER_WIDE
+    from impls.cutile.spaces import HOPPER_WIDE
     from tools.tuner_probe import changed
 
     variant = changed(HOPPER_WIDE, "tile_n=256,persistent=1,k_latency=3")
@@ -71,7 +71,7 @@ def test_the_sweep_names_every_candidate_once() -> None:
 
 def test_the_serving_probe_compares_a_key_at_each_value_or_other_tiles() -> None:
     pytest.importorskip("triton")
-    from impls.triton_fa import DECODE_SPACE
+    from impls.triton_fa.paged import DECODE_SPACE
     from tools.serving_probe import comparison_spaces, values_arg
 
     assert values_arg("PDL") == ("PDL", {"off": False, "on": True})

@@ -225,9 +225,10 @@ def test_a_cache_is_rekeyed_from_a_commits_digest_to_the_work_trees(tmp_path):
 
 
 def test_the_rekey_script_names_each_familys_sources_as_its_tuning_cache_does():
+    from scripts.rekey_tuning import FAMILIES, sources
+
     from impls.cutile.tuner import TUNING as CUTILE
     from impls.triton_fa.config import TUNING as TRITON
-    from scripts.rekey_tuning import FAMILIES, sources
 
     named = {family: sources(family) for family in FAMILIES}
     assert {cache.family: cache.sources for cache in (CUTILE, TRITON)} == named

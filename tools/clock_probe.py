@@ -23,10 +23,10 @@ def probe(case_id: str, names: list[str], rest: float, seconds: float, round_ms:
     import torch
 
     import impls
+    from impls.timing import GraphTarget, graph_repeats, iterations_for, time_once
     from suite import metrics
     from suite.cases import case_by_id
     from suite.telemetry import gpu_state
-    from impls.timing import GraphTarget, graph_repeats, iterations_for, time_once
 
     case = case_by_id(case_id)
     q, k, v = case.make_inputs("cuda")

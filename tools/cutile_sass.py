@@ -19,9 +19,9 @@ EPILOG = """examples:
 
 def report(args: argparse.Namespace) -> None:
     """One line per variant and kernel phase: its SASS summary, and the HGMMA runs or overlap if asked."""
-    from impls.sass import hgmma_runs, sass_summary, softmax_overlap
-    from impls.cutile.spaces import LADDER, search_space
     from impls.cutile.export import export_phases
+    from impls.cutile.spaces import LADDER, search_space
+    from impls.sass import hgmma_runs, sass_summary, softmax_overlap
 
     variants = {"window": args.window, "softcap": args.softcap, "value_dim": args.value_dim}
     capability = (int(args.arch[3:-1]), int(args.arch[-1]))

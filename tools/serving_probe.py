@@ -208,8 +208,8 @@ def probe_varlen(grid: str, match: str, rounds: int = 3) -> None:
 
     from impls.contract import NO_WINDOW
     from impls.cutile.launch import Call
-    from impls.cutile.tuner import precompile
     from impls.cutile.serving import VarlenCall, varlen_space
+    from impls.cutile.tuner import precompile
     from suite import metrics
     from suite.cases import preset
     from suite.checks import Oracle

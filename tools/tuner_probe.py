@@ -78,9 +78,9 @@ def probe(case_id: str, repeats: int, methods: list[str], match: list[str], also
     """The JSON lines of one case: checks where asked, then a line per candidate and the picks."""
     import triton
 
-    from impls.timing import graph_ms, settle_gpu, settled_times
     from impls.cutile.launch import Call
     from impls.cutile.tuner import exhaustive_timings, precompile
+    from impls.timing import graph_ms, settle_gpu, settled_times
     from suite.cases import case_by_id
     from suite.checks import Oracle
     from suite.metrics import flops
