@@ -83,7 +83,7 @@ def decode_route(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     shape = ("dense decode", *decode_shape_class(paged, paged.window_left(window), softcap))
     entry, source = tuning.lookup(tuning.key(q.device, shape),
                                   lambda: {"route": fastest([("decode", routed), ("dense", dense_kernel())])},
-                                  lambda: {"route": "decode"}, dense_kernel)
+                                  lambda: {"route": "decode"}, dense_kernel, [1 + i for i in NEAR_DECODE])
     if entry["route"] == "dense":
         return dense_kernel().with_config(route="dense kernel (faster than the split-KV decode here)",
                                           route_chosen=source)
@@ -191,6 +191,10 @@ def decode_shape_class(inputs: PagedKV, window_left: int = UNBOUNDED, softcap: f
     pow2 = [1 << (n - 1).bit_length() for n in (batch, max(lengths))]
     return ("paged", inputs.q.dtype, head_dim, hkv, hq // hkv, sq, inputs.page_size, *pow2, spread,
             *variant_tags(window_left < UNBOUNDED, softcap), *(("kv_fp8",) if inputs.kv_fp8 else ()))
+
+
+# The positions of ``decode_shape_class`` a shipped pick carries across: batch, longest length read, their spread.
+NEAR_DECODE = (7, 8, 9)
 
 
 def variant_tags(window: bool, softcap: float) -> tuple[str, ...]:

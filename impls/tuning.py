@@ -1,19 +1,21 @@
-"""Tune once per machine: the configs our autotuners chose, in a JSON file per kernel family, and how the tuners
-rank their candidates (built on ``impls.timing``).
+"""Where our kernels' configs come from: a table shipped for the GPU, a heuristic, or a tune on this machine; the
+on-disk cache of those tunes; and how the tuners rank their candidates (built on ``impls.timing``).
 
-An entry's key holds everything that can change the choice: the GPU's name and compute capability, the
-versions of torch and of the kernel's compiler (triton, cuda-tile), a hash of the kernel's source files (so an
-edited kernel or search space is tuned again) and the shape class the caller tunes per. The value is the chosen
-config, which still goes into every benchmark's JSON.
+No call waits for a tuner by default. A lookup takes, in order: the pick this machine tuned earlier (the cache),
+the pick shipped for this GPU model and shape class (``impls/<family>/tuned/<gpu>.json``, written by ``python -m
+impls.tune``), the shipped pick of the nearest shape class (lengths and batch may differ, nothing else; this GPU's
+table first, then those of GPUs of the same compute capability), and last the kernel's fixed config.
 
-``FMHA_TUNING=off`` neither reads nor writes the cache, ``FMHA_TUNING=retune`` tunes again and overwrites
-(the suite's ``--no-tuning-cache`` and ``--retune`` set them). ``FMHA_TUNING_CACHE=DIR`` moves the files from
-``~/.cache/fmha-bench``. A file that cannot be read or parsed is ignored, and rewritten on the next store.
+``FMHA_TUNING=tune`` (the suite's ``--tune``) tunes each shape class the cache lacks, and stores it; ``retune``
+tunes again and overwrites; ``off`` neither reads nor writes the cache nor tunes (shipped and heuristic picks
+only). A cache entry's key holds everything that can change the choice: the GPU's name and compute capability,
+the versions of torch and of the kernel's compiler, a hash of the kernel's source files (an edited kernel or search
+space is tuned again) and the shape class. ``FMHA_TUNING_CACHE=DIR`` moves the files from ``~/.cache/fmha-bench``.
+A file that cannot be read or parsed is ignored, and rewritten on the next store.
 
 A process that shares its GPU with others running at the same time (``FMHA_GPU_SHARED=1``, which
 ``suite/sharding.py`` sets in pytest-xdist workers that outnumber the GPUs) tunes nothing and stores nothing: its
-timings would measure the other processes' load as much as its candidates, and a pick stored from them would be
-what later benchmarks run. It runs the cache's pick where there is one, else its tuner's fixed config.
+timings would measure the other processes' load as much as its candidates. See docs/design.md#tuning.
 """
 
 from __future__ import annotations
@@ -24,10 +26,12 @@ import fcntl
 import functools
 import hashlib
 import json
+import math
 import os
+import re
 import statistics
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -36,7 +40,8 @@ import torch
 
 from impls.timing import graph_ms, graph_replay, settle_gpu, settled_times, time_replays
 
-MODES = ("on", "off", "retune")
+MODES = ("on", "tune", "retune", "off")
+TUNING_MODES = ("tune", "retune")  # the modes that time candidates
 # How the cuTile dense tuner ranks its candidates (FMHA_TUNER; the first is the default): ``settled``,
 # cuda.tile.tune.exhaustive_search and then its finalists again by ``settled_times``; ``exhaustive``, the search
 # alone; or ``sustained_fastest``. Settled picks ran up to 6% faster in the suite (H200, Qwen2.5-7B 1 x 32K: 646
@@ -49,8 +54,9 @@ FINALIST_MARGIN = 0.10
 # finalists with their search and settled times), so a published run shows what decided each pick.
 EVIDENCE = "finalists"
 
-# Where a lookup's config came from (a prepared call's config says it as "chosen").
-CACHED, TUNED, UNTUNED = "tuning cache", "autotuned", "fixed (GPU shared: not tuned)"
+# Where a lookup's config came from (a prepared call's config says it as "chosen", the GPU's table in brackets).
+CACHED, TUNED = "tuning cache", "autotuned"
+SHIPPED, NEAREST, FIXED = "shipped", "heuristic: nearest shipped class", "heuristic: fixed config"
 
 
 def shares_gpu() -> bool:
@@ -101,7 +107,7 @@ def source_hash(paths: tuple[Path, ...]) -> str:
 
 
 def contents_hash(sources: Iterable[bytes]) -> str:
-    """``source_hash`` of modules given as their bytes, in order (``scripts/rekey_tuning.py``: a commit's)."""
+    """``source_hash`` of modules given as their bytes, in order (a commit's, given as its files' bytes)."""
     digest = hashlib.sha256()
     for source in sources:
         digest.update(_code_only(source))
@@ -144,11 +150,13 @@ def family_sources(package_init: str) -> list[Path]:
 
 class TuningCache:
     """The tuning results of one kernel family (``family``.json), for kernels built from ``sources`` with
-    ``libraries`` and, where the library's version does not say it all, the compiler ``toolchain()`` names."""
+    ``libraries`` and, where the library's version does not say it all, the compiler ``toolchain()`` names; the
+    picks shipped in ``tables`` (a folder, ``ShippedTables``) answer where this machine has tuned nothing."""
 
     def __init__(self, family: str, sources: Iterable[Path], libraries: Iterable[str],
-                 toolchain: Callable[[], dict[str, str]] | None = None) -> None:
+                 toolchain: Callable[[], dict[str, str]] | None = None, tables: Path | None = None) -> None:
         self.family = family
+        self.tables = ShippedTables(tables) if tables else None
         self.sources = tuple(sorted(Path(p) for p in sources))
         self._libraries = tuple(libraries)
         self._toolchain = toolchain
@@ -174,7 +182,7 @@ class TuningCache:
         return data if isinstance(data, dict) else {}
 
     def get(self, key: str) -> dict | None:
-        return None if mode() != "on" else self._entries().get(key)
+        return self._entries().get(key) if mode() in ("on", "tune") else None
 
     def put(self, key: str, config: dict) -> None:
         if mode() == "off":
@@ -200,20 +208,90 @@ class TuningCache:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
     def lookup(self, key: str, tune: Callable[[], dict], fixed: Callable[[], dict],
-               compile_all: Callable[[], object] | None = None) -> tuple[dict, str]:
-        """The cached config for ``key``; or where this process shares its GPU (``shares_gpu``), ``fixed()``'s,
-        not stored, after ``compile_all()`` (the tuner's candidates compiled, untimed) where
-        ``compiles_candidates``; or ``tune()``'s result, stored. Returns (config, CACHED, UNTUNED or TUNED)."""
+               compile_all: Callable[[], object] | None = None, near: Sequence[int] = (),
+               valid: Callable[[dict], bool] | None = None) -> tuple[dict, str]:
+        """(config, where it came from) for ``key``: this machine's earlier tune (CACHED); under ``tune`` or
+        ``retune`` and alone on the GPU, ``tune()``'s result, stored (TUNED); else the shipped table's pick
+        (SHIPPED), that of the nearest shipped shape class, whose shape may differ at the positions ``near``
+        (NEAREST), either only where ``valid(config)``, or ``fixed()``'s (FIXED). A process sharing its GPU under a
+        tuning mode compiles the candidates first (``compile_all``) where ``compiles_candidates``, for the process
+        that tunes after it."""
         cached = self.get(key)
         if cached is not None:
             return cached, CACHED
-        if shares_gpu():
+        if mode() in TUNING_MODES:
+            if not shares_gpu():
+                config = tune()
+                self.put(key, config)
+                return config, TUNED
             if compile_all is not None and compiles_candidates():
                 compile_all()
-            return fixed(), UNTUNED
-        config = tune()
-        self.put(key, config)
-        return config, TUNED
+        shipped = self.tables.pick(key, near, valid) if self.tables else None
+        return shipped if shipped else (fixed(), FIXED)
+
+
+def gpu_file(gpu: str) -> str:
+    """The file name of a GPU model's shipped table: ``NVIDIA H200`` -> ``nvidia-h200.json``."""
+    return re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-") + ".json"
+
+
+def _shape_distance(shape: Sequence[str], other: Sequence[str], near: Sequence[int]) -> float | None:
+    """How far apart two shape classes are: None unless they match everywhere but at the positions ``near``, where
+    sizes count by their ratio (powers of two apart) and other integers by their difference."""
+    if len(shape) != len(other):
+        return None
+    distance = 0.0
+    for i, (a, b) in enumerate(zip(shape, other, strict=True)):
+        if a == b:
+            continue
+        if i not in near or not (a.lstrip("-").isdigit() and b.lstrip("-").isdigit()):
+            return None
+        x, y = int(a), int(b)
+        distance += abs(math.log2(x / y)) if x > 0 and y > 0 else abs(x - y)
+    return distance
+
+
+class ShippedTables:
+    """The picks shipped beside a kernel family, one JSON file per GPU model in ``folder`` (``gpu_file``):
+    ``{"gpu", "capability", "picks": [{"shape": [...], "config": {...}}, ...]}``."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = Path(folder)
+
+    @functools.cached_property
+    def tables(self) -> list[dict]:
+        tables = []
+        for path in sorted(self.folder.glob("*.json")):
+            table = json.loads(path.read_text())
+            table["by_shape"] = {tuple(pick["shape"]): pick["config"] for pick in table["picks"]}
+            tables.append(table)
+        return tables
+
+    def pick(self, key: str, near: Sequence[int] = (),
+             valid: Callable[[dict], bool] | None = None) -> tuple[dict, str] | None:
+        """The shipped config for a cache key (``TuningCache.key``) and where it came from, or None; a config that
+        ``valid`` refuses (not in the caller's space for this shape) is passed over."""
+        try:
+            fields = json.loads(key)
+            gpu, capability, shape = fields["gpu"], fields["capability"], tuple(fields["shape"])
+        except (ValueError, TypeError, KeyError):
+            return None
+        def usable(config: dict) -> bool:
+            return valid is None or valid(config)
+
+        own = [t for t in self.tables if t["gpu"] == gpu]
+        if own and shape in own[0]["by_shape"] and usable(own[0]["by_shape"][shape]):
+            return dict(own[0]["by_shape"][shape]), f"{SHIPPED} ({gpu})"
+        kin = [t for t in self.tables if t["gpu"] != gpu and t["capability"] == capability]
+        def larger_first(other: tuple) -> list[int]:  # between classes as near, the one tuned for more work
+            return [-int(other[i]) if other[i].lstrip("-").isdigit() else 0 for i in near]
+
+        for table in own + kin:  # this GPU's nearest class first
+            ranked = sorted((d, larger_first(other), other) for other, config in table["by_shape"].items()
+                            if (d := _shape_distance(shape, other, near)) is not None and usable(config))
+            if ranked:
+                return dict(table["by_shape"][ranked[0][2]]), f"{NEAREST} ({table['gpu']})"
+        return None
 
 
 def fastest(candidates: Iterable[tuple[Any, Callable[[], object]]], *, warmup: int = 3, repeats: int = 10) -> Any:

@@ -45,18 +45,20 @@ def filled_columns(rows: Sequence[dict[str, Any]], keys: Iterable[str]) -> list[
     return [key for key in keys if any(row.get(key) not in (None, "", [], {}) for row in rows)]
 
 
-# How a config was chosen, from its "chosen" field (impls/_tuning.py); a config of ours without one is what the
-# implementation ships.
-CHOSEN = {"tuning cache": "cached", "autotuned": "tuned here", "fixed (GPU shared: not tuned)": "heuristic",
-          "fixed (interpreter)": "shipped"}
+# How a config was chosen, from its "chosen" field (impls/tuning.py): tuned on the run's machine (now or earlier, in
+# its tuning cache), a pick shipped for the GPU, a heuristic (the nearest shipped class, or the kernel's fixed config),
+# or fixed by design (the interpreter's config, the ladder's steps).
+CHOSEN = {"tuning cache": "tuned here", "autotuned": "tuned here", "fixed (GPU shared: not tuned)": "heuristic",
+          "fixed (interpreter)": "fixed"}
 EVIDENCE = "finalists"  # impls.tuning.EVIDENCE: the settled tuner's finalists and their times
 
 
 def chosen(config: dict[str, Any]) -> str:
     source = config.get("chosen")
     if source is None:
-        return "shipped" if {"tile_m", "tile_n", "BLOCK_M", "BLOCK_N"} & set(config) else ""
-    return CHOSEN.get(str(source), str(source))
+        return "fixed" if {"tile_m", "tile_n", "BLOCK_M", "BLOCK_N"} & set(config) else ""
+    source = str(source)
+    return CHOSEN.get(source) or next((word for word in ("shipped", "heuristic") if source.startswith(word)), source)
 
 
 def _tile(config: dict[str, Any]) -> str:
@@ -93,7 +95,7 @@ def _count(n: int | None, noun: str) -> str:
 
 def config_label(config: dict[str, Any]) -> str:
     """A config in a few words: tile, pipeline stages (cuTile's K/V latency hints), warps, split, and how it was
-    chosen (shipped, heuristic, tuned here, cached): ``128×128 · 8 warps · L3,6 · persistent · cached``."""
+    chosen (shipped, heuristic, tuned here, fixed): ``128×128 · 8 warps · L3,6 · persistent · tuned here``."""
     warps = config.get("num_worker_warps") or config.get("num_warps")
     latency = (config.get("k_latency"), config.get("v_latency"))
     parts = [

@@ -355,6 +355,7 @@ def test_settled_tuner_times_again_only_the_candidates_near_the_searchs_best(mon
         return sorted(((variant, settled_ms[variant]) for variant, _ in candidates), key=lambda entry: entry[1])
 
     monkeypatch.setenv("FMHA_TUNING_CACHE", str(tmp_path))
+    monkeypatch.setenv("FMHA_TUNING", "tune")
     monkeypatch.delenv("FMHA_GPU_SHARED", raising=False)
     monkeypatch.setattr(cutile, "_TUNED", {})
     monkeypatch.setattr(cutile, "precompile", lambda calls: calls)
@@ -388,7 +389,7 @@ def test_settled_tuner_times_again_only_the_candidates_near_the_searchs_best(mon
     # a process that shares its GPU runs the space's first candidate, untimed, and stores nothing
     monkeypatch.setenv("FMHA_GPU_SHARED", "1")
     shared = cutile.tuned(("test-shape", "shared"), torch.device("cpu"), space[::-1], lambda v: pytest.fail("timed"))
-    assert shared == (space[2], _tuning.UNTUNED, None) and shared.provenance() == {"chosen": _tuning.UNTUNED}
+    assert shared == (space[2], _tuning.FIXED, None) and shared.provenance() == {"chosen": _tuning.FIXED}
     assert cutile.TUNING.get(repr(("test-shape", "shared"))) is None
     # ... after compiling every candidate of the space, untimed, where a chain's prime asks it to
     compiled = []
@@ -396,7 +397,7 @@ def test_settled_tuner_times_again_only_the_candidates_near_the_searchs_best(mon
     monkeypatch.setenv("FMHA_COMPILE_CANDIDATES", "1")
     primed = cutile.tuned(("test-shape", "primed"), torch.device("cpu"), space[::-1],
                           lambda v: SimpleNamespace(variant=v, __call__=lambda: pytest.fail("timed")))
-    assert primed == (space[2], _tuning.UNTUNED, None) and compiled == space[::-1]
+    assert primed == (space[2], _tuning.FIXED, None) and compiled == space[::-1]
     assert cutile.TUNING.get(repr(("test-shape", "primed"))) is None
 
 

@@ -126,7 +126,7 @@ def test_case_tables_show_what_decided_a_tuned_pick(results, tmp_path):
     tuned = tmp_path / "tuned.json"
     tuned.write_text(json.dumps(data))
     html = write_report([tuned], tmp_path / "t.html").read_text()
-    assert ('<details class="config"><summary>128×256 · 8 warps · cached</summary>'
+    assert ('<details class="config"><summary>128×256 · 8 warps · tuned here</summary>'
             "<code>tile_m=128, tile_n=256, num_worker_warps=8, chosen=tuning cache</code>") in html
     rows = re.findall(r'<tr><td class="l"><code>([^<]+)</code></td><td>([^<]+)</td><td>([^<]+)</td></tr>', html)
     assert rows[:2] == [("128x256:persistent:peeled", "5398", "5412"), ("128x128:persistent:peeled", "5572", "5390")]

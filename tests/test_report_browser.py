@@ -129,7 +129,7 @@ def test_a_gpu_report_labels_configs_and_kernels_short_and_keeps_the_whole_under
     # Configs: a short label whose last word says how it was chosen; the whole config and the finalists folded.
     labels = page.locator("td.cfg details.config > summary").all_inner_texts()
     assert labels and all(len(label) <= 60 for label in labels), max(labels, key=len)
-    assert any(label.endswith("cached") for label in labels) and any(label.endswith("shipped") for label in labels)
+    assert any(label.endswith("tuned here") for label in labels) and any(label.endswith("fixed") for label in labels)
     tuned = page.locator("td.cfg details.config").filter(has=page.locator("table.finalists")).first
     assert not tuned.locator("table.finalists").is_visible()
     tuned.locator("summary").click()

@@ -47,16 +47,20 @@ CUTILE = {"tile_m": 128, "tile_n": 256, "occupancy": 1, "num_worker_warps": 8, "
 
 
 @pytest.mark.parametrize(("config", "label"), [
-    (CUTILE, "128×256 · L3,6 · 8 warps · persistent · cached"),
+    (CUTILE, "128×256 · L3,6 · 8 warps · persistent · tuned here"),
     ({"tile_m": 64, "tile_n": 64, "occupancy": 2, "k_latency": 2, "v_latency": 4},
-     "64×64 · L2,4 · occupancy 2 · shipped"),
+     "64×64 · L2,4 · occupancy 2 · fixed"),
     ({"tile_n": 64, "read": "pages", "k_latency": 3, "v_latency": 3, "occupancy": 2, "num_splits": 8,
       "split_len": 64, "chosen": "autotuned"}, "tile 64 · L3,3 · occupancy 2 · split 8×64 · tuned here"),
     ({"route": "split-KV decode over the cache as pages of 256", "BLOCK_N": 32, "BLOCK_M": 16, "num_stages": 2,
       "num_warps": 4, "num_splits": 16, "split_len": 64, "chosen": "fixed (GPU shared: not tuned)"},
      "16×32 · 2 stages · 4 warps · split 16×64 · via split-KV decode · heuristic"),
     ({"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1, "USE_TMA": False, "chosen": "fixed (interpreter)"},
-     "64×64 · 1 stage · 4 warps · shipped"),
+     "64×64 · 1 stage · 4 warps · fixed"),
+    ({"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "chosen": "shipped (NVIDIA H200)"},
+     "128×64 · 3 stages · 8 warps · shipped"),
+    ({"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3,
+      "chosen": "heuristic: nearest shipped class (NVIDIA H200)"}, "128×64 · 3 stages · 8 warps · heuristic"),
     ({"num_splits": 1, "pack_gqa": True, "why": "SplitKV not supported on SM 9.0"}, "no split"),
     ({"compiled": False, "block_size": [128, 128], "full_blocks": True}, "block 128×128 · not compiled"),
     ({"layout": "NHD"}, "layout=NHD"),

@@ -6,7 +6,6 @@ import importlib
 import json
 import multiprocessing
 import os
-import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,6 +18,8 @@ TUNING_MODULES = {"cutile": "impls.cutile.tuner", "triton_fa": "impls.triton_fa.
 
 
 def test_tuning_cache_modes(tmp_path, monkeypatch):
+    """By default nothing is tuned: the cache's pick, else (no table here) the fixed config. ``tune`` tunes what the
+    cache lacks and stores it, ``retune`` tunes again and overwrites, ``off`` neither reads, writes nor tunes."""
     monkeypatch.setenv("FMHA_TUNING_CACHE", str(tmp_path))
     cache = tuning.TuningCache("toy", [Path(__file__)], ["torch"])
     calls = []
@@ -32,14 +33,19 @@ def test_tuning_cache_modes(tmp_path, monkeypatch):
 
     monkeypatch.delenv("FMHA_GPU_SHARED", raising=False)
     monkeypatch.setenv("FMHA_TUNING", "on")
+    assert cache.lookup("k", tune, fixed) == ({"BLOCK": 16}, tuning.FIXED) and not calls  # no call waits for a tuner
+    monkeypatch.setenv("FMHA_TUNING", "tune")
     assert cache.lookup("k", tune, fixed) == ({"BLOCK": 64}, tuning.TUNED)
     assert cache.lookup("k", tune, fixed) == ({"BLOCK": 64}, tuning.CACHED) and len(calls) == 1  # tuned once
+    monkeypatch.setenv("FMHA_TUNING", "on")
+    assert cache.lookup("k", tune, fixed) == ({"BLOCK": 64}, tuning.CACHED)  # this machine's tune, by default
     monkeypatch.setenv("FMHA_TUNING", "retune")
     assert cache.lookup("k", tune, fixed) == ({"BLOCK": 128}, tuning.TUNED)  # tuned again, overwritten
     monkeypatch.setenv("FMHA_TUNING", "on")
     assert cache.get("k") == {"BLOCK": 128}
     monkeypatch.setenv("FMHA_TUNING", "off")
-    assert cache.lookup("k", tune, fixed) == ({"BLOCK": 192}, tuning.TUNED)
+    assert cache.lookup("k", tune, fixed) == ({"BLOCK": 16}, tuning.FIXED) and len(calls) == 2
+    cache.put("k", {"BLOCK": 999})
     monkeypatch.setenv("FMHA_TUNING", "on")
     assert cache.get("k") == {"BLOCK": 128}  # off neither read nor wrote
     (tmp_path / "toy.json").write_text("{torn")
@@ -50,25 +56,25 @@ def test_tuning_cache_modes(tmp_path, monkeypatch):
 
 
 def test_a_process_sharing_its_gpu_neither_tunes_nor_stores(tmp_path, monkeypatch):
-    """Beside other processes on its GPU (xdist workers outnumbering the GPUs) a tuner would time their load: the
-    cache's pick where there is one, else the fixed config, and nothing stored for the processes after it."""
+    """Beside other processes on its GPU (xdist workers outnumbering the GPUs) a tuner would time their load: even
+    when tuning is asked for, the cache's pick where there is one, else the fixed config, and nothing stored."""
     monkeypatch.setenv("FMHA_TUNING_CACHE", str(tmp_path))
-    monkeypatch.setenv("FMHA_TUNING", "on")
+    monkeypatch.setenv("FMHA_TUNING", "tune")
     monkeypatch.setenv("FMHA_GPU_SHARED", "1")
     cache = tuning.TuningCache("toy", [Path(__file__)], ["torch"])
     assert cache.lookup("k", lambda: pytest.fail("tuned on a shared GPU"), lambda: {"BLOCK": 16}) == (
-        {"BLOCK": 16}, tuning.UNTUNED)
+        {"BLOCK": 16}, tuning.FIXED)
     assert cache.get("k") is None and not (tmp_path / "toy.json").exists()
     cache.put("k", {"BLOCK": 64})  # tuned earlier, alone
     assert cache.lookup("k", lambda: pytest.fail("tuned"), lambda: {"BLOCK": 16}) == ({"BLOCK": 64}, tuning.CACHED)
 
 
 def test_a_process_sharing_its_gpu_compiles_the_candidates_when_asked(tmp_path, monkeypatch):
-    """A chain's prime (--compile-candidates): workers that share the GPU compile the tuners' candidates, untimed,
-    for the one process that tunes after them; they still run the fixed config and store nothing, and a class the
-    cache already holds compiles nothing."""
+    """A tuning run's prime (--compile-candidates): workers that share the GPU compile the tuners' candidates,
+    untimed, for the one process that tunes after them; they still run the fixed config and store nothing, and a
+    class the cache already holds compiles nothing."""
     monkeypatch.setenv("FMHA_TUNING_CACHE", str(tmp_path))
-    monkeypatch.setenv("FMHA_TUNING", "on")
+    monkeypatch.setenv("FMHA_TUNING", "tune")
     monkeypatch.setenv("FMHA_GPU_SHARED", "1")
     cache = tuning.TuningCache("toy", [Path(__file__)], ["torch"])
     compiled = []
@@ -77,15 +83,81 @@ def test_a_process_sharing_its_gpu_compiles_the_candidates_when_asked(tmp_path, 
         return cache.lookup(key, lambda: pytest.fail("tuned on a shared GPU"), lambda: {"BLOCK": 16},
                             lambda: compiled.append(key))
 
-    assert lookup("k") == ({"BLOCK": 16}, tuning.UNTUNED) and compiled == []  # not asked: nothing compiled
+    assert lookup("k") == ({"BLOCK": 16}, tuning.FIXED) and compiled == []  # not asked: nothing compiled
     monkeypatch.setenv("FMHA_COMPILE_CANDIDATES", "1")
-    assert lookup("k") == ({"BLOCK": 16}, tuning.UNTUNED) and compiled == ["k"]
+    assert lookup("k") == ({"BLOCK": 16}, tuning.FIXED) and compiled == ["k"]
     assert cache.get("k") is None
     cache.put("cached", {"BLOCK": 64})
     assert lookup("cached") == ({"BLOCK": 64}, tuning.CACHED) and compiled == ["k"]
     monkeypatch.setenv("FMHA_GPU_SHARED", "0")  # alone on its GPU it tunes, and the tune compiles for itself
     assert cache.lookup("alone", lambda: {"BLOCK": 32}, lambda: {"BLOCK": 16},
                         lambda: compiled.append("alone")) == ({"BLOCK": 32}, tuning.TUNED) and compiled == ["k"]
+
+
+def _table(folder: Path, gpu: str, capability: str, picks: dict[tuple, dict]) -> None:
+    folder.mkdir(exist_ok=True)
+    (folder / tuning.gpu_file(gpu)).write_text(json.dumps({
+        "gpu": gpu, "capability": capability,
+        "picks": [{"shape": list(shape), "config": config, "tuned_with": {}} for shape, config in picks.items()]}))
+
+
+def test_shipped_tables_answer_exactly_then_by_the_nearest_class_then_by_kin(tmp_path, monkeypatch):
+    """A shape class in this GPU's table runs its pick; one that is not runs the pick of the nearest class that
+    differs only where ``near`` allows (lengths a power of two apart count 1; a tie goes to the longer), then a
+    GPU's of the same compute capability; a pick ``valid`` refuses is passed over; nothing near: the fixed
+    config."""
+    monkeypatch.setenv("FMHA_TUNING_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("FMHA_TUNING", "on")
+    monkeypatch.delenv("FMHA_GPU_SHARED", raising=False)
+    tables = tmp_path / "tuned"
+    _table(tables, "GPU A", "9.0", {("fp16", "128", "4096", "64"): {"tile": 1},
+                                     ("fp16", "128", "16384", "64"): {"tile": 2},
+                                     ("fp16", "64", "4096", "64"): {"tile": 3}})
+    _table(tables, "GPU B", "9.0", {("bf16", "128", "4096", "64"): {"tile": 4}})
+    _table(tables, "GPU C", "8.0", {("fp32", "128", "4096", "64"): {"tile": 5}})
+    cache = tuning.TuningCache("toy", [Path(__file__)], ["torch"], tables=tables)
+
+    def key(gpu: str, *shape: str) -> str:
+        return json.dumps({"gpu": gpu, "capability": "9.0", "shape": list(shape)})
+
+    def lookup(k: str, valid=None) -> tuple[dict, str]:
+        return cache.lookup(k, lambda: pytest.fail("tuned"), lambda: {"tile": 0}, near=(2, 3), valid=valid)
+
+    assert lookup(key("GPU A", "fp16", "128", "16384", "64")) == ({"tile": 2}, "shipped (GPU A)")
+    assert lookup(key("GPU A", "fp16", "128", "8192", "64")) == ({"tile": 2}, f"{tuning.NEAREST} (GPU A)")  # a tie
+    assert lookup(key("GPU A", "fp16", "128", "2048", "64")) == ({"tile": 1}, f"{tuning.NEAREST} (GPU A)")
+    assert lookup(key("GPU A", "fp16", "128", "32768", "256")) == ({"tile": 2}, f"{tuning.NEAREST} (GPU A)")
+    assert lookup(key("GPU A", "fp16", "128", "16384", "64"), valid=lambda c: c["tile"] != 2) == (
+        {"tile": 1}, f"{tuning.NEAREST} (GPU A)")
+    assert lookup(key("GPU A", "fp16", "96", "4096", "64")) == ({"tile": 0}, tuning.FIXED)  # a head dim is not near
+    assert lookup(key("GPU A", "bf16", "128", "4096", "64")) == ({"tile": 4}, f"{tuning.NEAREST} (GPU B)")
+    assert lookup(key("GPU D", "fp16", "64", "2048", "64")) == ({"tile": 3}, f"{tuning.NEAREST} (GPU A)")
+    assert lookup(key("GPU D", "fp32", "128", "4096", "64")) == ({"tile": 0}, tuning.FIXED)  # sm_80's is no kin
+    assert lookup("not a key's JSON") == ({"tile": 0}, tuning.FIXED)
+
+
+def test_the_tune_command_exports_this_codes_picks_as_a_table(tmp_path):
+    """``python -m impls.tune --export-only``: the cache's entries of one source digest, evidence dropped, merged
+    into a table per GPU that the lookup then reads."""
+    from impls.tune import export
+
+    def entry(gpu: str, source: str, shape: list[str], config: dict) -> tuple[str, dict]:
+        return json.dumps({"gpu": gpu, "capability": "9.0", "source": source, "torch": "2.11.0",
+                           "shape": shape}, sort_keys=True), config
+
+    cache_file = tmp_path / "toy.json"
+    cache_file.write_text(json.dumps(dict([
+        entry("NVIDIA H200", "new", ["fp16", "64"], {"tile": 1, tuning.EVIDENCE: [{"variant": "x"}]}),
+        entry("NVIDIA H200", "old", ["fp16", "128"], {"tile": 2}),
+        entry("NVIDIA H100 80GB HBM3", "new", ["fp16", "64"], {"tile": 3})])))
+    folder = tmp_path / "tuned"
+    assert export(cache_file, folder, source="new") == {"nvidia-h200.json": 1, "nvidia-h100-80gb-hbm3.json": 1}
+    table = json.loads((folder / "nvidia-h200.json").read_text())
+    assert table["picks"] == [{"shape": ["fp16", "64"], "config": {"tile": 1}, "tuned_with": {"torch": "2.11.0"}}]
+    assert export(cache_file, folder, source=None, gpu="NVIDIA H200") == {"nvidia-h200.json": 2}  # merged
+    picks = tuning.ShippedTables(folder)
+    assert picks.pick(json.dumps({"gpu": "NVIDIA H200", "capability": "9.0", "shape": ["fp16", "128"]})) == (
+        {"tile": 2}, "shipped (NVIDIA H200)")
 
 
 def test_the_key_names_the_compiler_where_given(monkeypatch):
@@ -187,48 +259,3 @@ def test_finalists_are_the_candidates_near_the_best_fastest_first():
     assert tuning.finalists([]) == []
 
 
-def test_a_cache_is_rekeyed_from_a_commits_digest_to_the_work_trees(tmp_path):
-    """scripts/rekey_tuning.py: the digest of a family's modules at a commit (a module added since left out), the
-    commit a digest was tuned at with what changed since, and only the entries keyed on it moved to the working
-    tree's digest."""
-    from scripts.rekey_tuning import changed_since, digest_at, rekey
-    from scripts.rekey_tuning import tuned_at as commit_of
-
-    def git(*args: str) -> None:
-        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
-
-    kernel, added = tmp_path / "kernel.py", tmp_path / "added.py"
-    kernel.write_text("def space():\n    return [1, 2]\n")
-    git("init", "-q")
-    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "--allow-empty", "-m", "empty")
-    git("add", "kernel.py")
-    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "kernel")
-    tuned_at = tuning.source_hash.__wrapped__((kernel,))
-    assert digest_at("HEAD", (kernel,), tmp_path) == tuned_at
-    kernel.write_text('def space():\n    """Plumbing changed, not the picks."""\n    return [1, 2]\n')
-    added.write_text("X = 1\n")
-    assert digest_at("HEAD", (added, kernel), tmp_path) == tuned_at  # not yet at the commit: left out
-    assert digest_at("HEAD~1", (kernel,), tmp_path) != tuned_at
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tmp_path, capture_output=True, text=True,
-                          check=True).stdout.strip()
-    assert commit_of(tuned_at, (added, kernel), tmp_path) == head  # the commit whose code was tuned
-    assert commit_of("0123456789abcdef", (kernel,), tmp_path) is None
-    assert changed_since(head, (added, kernel), tmp_path).startswith("kernel.py: 1 file changed")  # added: untracked
-    now = tuning.source_hash.__wrapped__((added, kernel))
-    cache = tmp_path / "toy.json"
-    stale = {"gpu": "H200", "shape": ["a"], "source": tuned_at}
-    other = {"gpu": "H200", "shape": ["b"], "source": "0123456789abcdef"}
-    cache.write_text(json.dumps({json.dumps(stale): {"BLOCK": 64}, json.dumps(other): {"BLOCK": 32}}))
-    assert rekey(cache, tuned_at, now) == 1
-    assert json.loads(cache.read_text()) == {json.dumps({**stale, "source": now}, sort_keys=True): {"BLOCK": 64},
-                                             json.dumps(other, sort_keys=True): {"BLOCK": 32}}
-
-
-def test_the_rekey_script_names_each_familys_sources_as_its_tuning_cache_does():
-    from scripts.rekey_tuning import FAMILIES, sources
-
-    from impls.cutile.tuner import TUNING as CUTILE
-    from impls.triton_fa.config import TUNING as TRITON
-
-    named = {family: sources(family) for family in FAMILIES}
-    assert {cache.family: cache.sources for cache in (CUTILE, TRITON)} == named

@@ -26,6 +26,7 @@ import torch
 
 from impls._plans import (
     AIMED_PLANS,
+    NEAR_DECODE,
     PLAN_MIN_TILES,
     PROGRAMS_PER_SM,
     combine_plan,
@@ -209,6 +210,14 @@ def decode_space_for(inputs: PagedKV) -> list[DecodeVariant]:
     return decode_space(inputs.page_size, huge=huge, words=words, head_dim=inputs.head_dim)
 
 
+PLAN_FIELDS = ("plan_programs", "plan_min_tiles", "pdl")  # a decode form's plan: made for each step
+
+
+def form(config: dict) -> dict:
+    """A decode config without its plan."""
+    return {name: value for name, value in config.items() if name not in PLAN_FIELDS}
+
+
 def plan_candidates(forms: list[DecodeVariant], inputs: PagedKV, *, scale: float, sm_count: int,
                     window_left: int = UNBOUNDED, softcap: float = 0.0) -> list[DecodeCall]:
     """The decode tuner's candidates: each kernel form with each aimed split plan (``AIMED_PLANS``, each with the
@@ -257,8 +266,11 @@ def prepare_paged(inputs: PagedKV, *, scale: float, window: tuple[int, int] = NO
     def first() -> dict:  # on a shared GPU: the first form's first plan, untimed
         return candidates(decode_space_for(inputs)[:1])[0].variant.describe()
 
+    def valid(config: dict) -> bool:  # a shipped pick's form is one of this step's (its plan is the step's own)
+        return form(config) in [form(f.describe()) for f in decode_space_for(inputs)]
+
     key = TUNING.key(inputs.q.device, decode_shape_class(inputs, window_left, softcap))
-    picked = remembered(key, search, DecodeVariant, first, compiled)
+    picked = remembered(key, search, DecodeVariant, first, compiled, NEAR_DECODE, valid)
     return DecodeCall(picked.choice, inputs, scale=scale, sm_count=sm_count, window_left=window_left,
                       softcap=softcap).prepared(**picked.provenance())
 

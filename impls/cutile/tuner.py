@@ -4,7 +4,8 @@ the family's tuning cache and in the process."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, Generic, NamedTuple, TypeVar
 
 import torch
@@ -28,14 +29,19 @@ from impls.tuning import (
 )
 
 COMPILE_TIMEOUT_S = 120  # per config while tuning: a config that compiles longer is dropped
-# Tune once per machine: the chosen variant per shape class, on disk (impls/tuning.py), and in the process.
-TUNING = TuningCache("cutile", family_sources(__file__), ["cuda-tile"], toolchain.describe)
+# The chosen variant per shape class: shipped in tuned/, tuned on this machine on request (impls/tuning.py).
+TUNING = TuningCache("cutile", family_sources(__file__), ["cuda-tile"], toolchain.describe,
+                     tables=Path(__file__).parent / "tuned")
+# The positions of a shape class (dense and varlen: ``shape_class``) a shipped pick carries across: the query and
+# key length classes and the parallel class.
+NEAR_LENGTHS = (5, 6, 7)
 Choice = TypeVar("Choice")
 
 
 class Tuned(NamedTuple, Generic[Choice]):
-    """A tuner's pick: the choice, where it came from (``impls.tuning``'s CACHED, TUNED or UNTUNED), and what decided
-    it where the tuner kept that (``impls.tuning.EVIDENCE``: the settled tuner's finalists and their times)."""
+    """A tuner's pick: the choice, where it came from (``impls.tuning``'s CACHED, TUNED, SHIPPED, NEAREST or
+    FIXED), and what decided it where the tuner kept that (``impls.tuning.EVIDENCE``: the settled tuner's finalists
+    and their times)."""
 
     choice: Choice
     source: str
@@ -50,13 +56,14 @@ _TUNED: dict[str, Tuned[Any]] = {}
 
 
 def remembered(key: str, search: Callable[[], dict], build: Callable[..., Choice],
-               fixed: Callable[[], dict], compile_all: Callable[[], object] | None = None) -> Tuned[Choice]:
-    """The choice for tuning key ``key``, made once per process: ``build(**config)`` of the config in the tuning
-    cache, of ``fixed()``'s where the GPU is shared (``TuningCache.lookup``, which may ``compile_all()`` first), or
-    of ``search()``'s result (stored there), with where it came from and the evidence the entry keeps beside the
-    config."""
+               fixed: Callable[[], dict], compile_all: Callable[[], object] | None = None,
+               near: Sequence[int] = (), valid: Callable[[dict], bool] | None = None) -> Tuned[Choice]:
+    """The choice for tuning key ``key``, made once per process: ``build(**config)`` of the config
+    ``TuningCache.lookup`` gives (this machine's tune, a shipped or nearest shipped pick that ``valid`` accepts,
+    ``search()``'s result where tuning is asked for, else ``fixed()``'s), with where it came from and the evidence
+    the entry keeps beside the config."""
     if key not in _TUNED:
-        entry, source = TUNING.lookup(key, search, fixed, compile_all)
+        entry, source = TUNING.lookup(key, search, fixed, compile_all, near, valid)
         config = {name: value for name, value in entry.items() if name != EVIDENCE}
         _TUNED[key] = Tuned(build(**config), source, entry.get(EVIDENCE))
     return _TUNED[key]
@@ -157,7 +164,9 @@ def tuned(shape: tuple, device: torch.device, space: list[Variant],
         return result.best.config.describe()
 
     shape = shape if method == TUNERS[0] else (*shape, f"tuner={method}")  # each method's picks kept apart
-    return remembered(TUNING.key(device, shape), search, Variant, space[0].describe, compiled)
+    described = [variant.describe() for variant in space]
+    return remembered(TUNING.key(device, shape), search, Variant, space[0].describe, compiled, NEAR_LENGTHS,
+                      lambda config: config in described)
 
 
 def tune(q, k, v, *, causal: bool, scale: float, **variants) -> Tuned[Variant]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import os
+from pathlib import Path
 
 import torch
 
@@ -61,5 +62,5 @@ def tma_available(device: str) -> bool:
     return device != "cpu" and requires_tma(device) is None
 
 
-# Tune once per machine: the chosen config per shape class, on disk (impls/tuning.py).
-TUNING = TuningCache("triton", family_sources(__file__), ["triton"])
+# The chosen config per shape class: shipped in tuned/, tuned on this machine on request (impls/tuning.py).
+TUNING = TuningCache("triton", family_sources(__file__), ["triton"], tables=Path(__file__).parent / "tuned")

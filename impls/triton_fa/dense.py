@@ -32,8 +32,7 @@ from impls.triton_fa.config import (
     tma_available,
 )
 
-# One config that runs every head dim (one pipeline stage): under the interpreter, and on a GPU that other processes
-# share, where the autotuner would time their load (impls.tuning.shares_gpu).
+# One config that runs every head dim (one pipeline stage): under the interpreter, which times nothing.
 INTERPRETER_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1, "USE_TMA": False}
 # (BLOCK_M, BLOCK_N, num_warps, num_stages). Measured on an H200 (fp16, D=128, 2K/8K, causal and not):
 # 128x64 with 8 warps led (418-461 TFLOPS), 128x128/8 warps close behind; 4 warps on 128 rows fell to ~120.
@@ -45,6 +44,18 @@ SEARCH_SPACE = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (64, 64, 4, 
 # The descriptor (TMA) path on sm_90+: it needs ~140 registers at 128x64 where the pointer path needs 244
 # (cuobjdump, Triton 3.6), so with two pipeline stages two 128-row programs fit on one SM.
 TMA_SEARCH_SPACE = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (32, 64, 4, 3)]
+
+
+def heuristic_config(block_d: int, q_len_class: int, pointer: bool) -> dict:
+    """The config without a shipped pick (a GPU we have no table for): the tile the measurements above favour for
+    the padded head dim and the query length, from the path's own space."""
+    if q_len_class <= 32:
+        m, n, warps, stages = 32, 64, 4, 3
+    elif block_d > 128:
+        m, n, warps, stages = 128, 32, 8, 3
+    else:
+        m, n, warps, stages = 128, 64, 8, 3 if pointer else 2
+    return {"BLOCK_M": m, "BLOCK_N": n, "USE_TMA": not pointer, "num_warps": warps, "num_stages": stages}
 
 
 def plain_kernel():
@@ -133,9 +144,10 @@ def precompile(kernel, args: tuple, meta: dict, grid, candidates: list[dict]) ->
 
 
 def prepared_launch(args: tuple, meta: dict, grid, out: torch.Tensor, *, pointer: bool, tma: bool,
-                    shape_class: tuple) -> Prepared:
-    """The timed call: ``attention_fwd`` with ``args`` and ``meta``, its config from the tuning cache or the
-    autotuner (keyed on ``shape_class``); under the interpreter one fixed config. Runs once (compile, tune)."""
+                    shape_class: tuple, lengths: tuple[int, int]) -> Prepared:
+    """The timed call: ``attention_fwd`` with ``args`` and ``meta``, its config as ``TuningCache.lookup`` gives it
+    for ``shape_class`` (whose positions ``lengths``, the length classes, a shipped pick carries across); under the
+    interpreter one fixed config. Runs once (compile, tune where asked)."""
     kernel = plain_kernel()
     fixed = {**INTERPRETER_CONFIG, "USE_TMA": tma and not pointer}
     if interpreting():  # the autotuner times on a GPU
@@ -151,8 +163,11 @@ def prepared_launch(args: tuple, meta: dict, grid, out: torch.Tensor, *, pointer
             tuner[grid](*args, **meta)
             return _describe(tuner.best_config)
 
-        key = TUNING.key(out.device, (f"pointer={pointer}", f"tma={tma}", out.dtype, *shape_class))
-        config, source = TUNING.lookup(key, tune, lambda: fixed, compile_all)
+        prefix = (f"pointer={pointer}", f"tma={tma}", out.dtype)
+        space = configs(pointer, tma)
+        guess = heuristic_config(meta["BLOCK_D"], shape_class[lengths[0]], pointer)
+        config, source = TUNING.lookup(TUNING.key(out.device, (*prefix, *shape_class)), tune, lambda: guess,
+                                       compile_all, [len(prefix) + i for i in lengths], space.__contains__)
     launch_grid = grid(config)
 
     def run() -> torch.Tensor:
@@ -209,7 +224,7 @@ def prepare_dense(q, k, v, paths: str, *, causal: bool, scale: float, window: tu
     shape = (head_dim, causal, heads // k.shape[1], length_class(q_len), length_class(k.shape[2]),
              meta["HAS_WINDOW"], softcap, value_dim)
     return prepared_launch(kernel_arguments(q, k, v, out, scale, window, causal), meta, grid, out,
-                           pointer=pointer, tma=tma, shape_class=shape)
+                           pointer=pointer, tma=tma, shape_class=shape, lengths=(3, 4))
 
 
 _make("triton", "pointer+tma", "our FlashAttention-2 Triton kernel, autotuned over tiles, warps, stages and, "
@@ -239,7 +254,7 @@ def prepare_varlen(inputs, *, scale: float, window: tuple[int, int] = NO_WINDOW,
     shape = ("varlen", head_dim, inputs.causal, heads // inputs.k.shape[1], length_class(inputs.max_seqlen_q),
              length_class(inputs.max_seqlen_k), meta["HAS_WINDOW"], softcap)
     return prepared_launch(varlen_arguments(inputs, out, scale, window), meta, grid, out, pointer=True, tma=False,
-                           shape_class=shape)
+                           shape_class=shape, lengths=(4, 5))
 
 
 def _describe(cfg) -> dict:

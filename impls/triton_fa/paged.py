@@ -190,7 +190,8 @@ def prepare_paged(inputs, *, scale: float, window: tuple[int, int] = NO_WINDOW, 
             return fastest(cold_candidates(compiled(), inputs, lambda copy, candidate: launch(copy, candidate)[0]))
 
         config, source = TUNING.lookup(TUNING.key(inputs.q.device, decode_shape_class(inputs, window_left, softcap)),
-                                       timed_cold, lambda: INTERPRETER_DECODE_CONFIG, compiled)
+                                       timed_cold, lambda: DECODE_SPACE[0], compiled,  # the lead tile
+                                       _plans.NEAR_DECODE, DECODE_SPACE.__contains__)
     run, plan = paged_launch(inputs, scale, config, window_left, softcap)
     run()  # compile outside any timed region
     return Prepared(run, config={**config, **plan, "chosen": source})
