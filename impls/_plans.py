@@ -193,8 +193,9 @@ def decode_shape_class(inputs: PagedKV, window_left: int = UNBOUNDED, softcap: f
             *variant_tags(window_left < UNBOUNDED, softcap), *(("kv_fp8",) if inputs.kv_fp8 else ()))
 
 
-# The positions of ``decode_shape_class`` a shipped pick carries across: batch, longest length read, their spread.
-NEAR_DECODE = (7, 8, 9)
+# The positions of ``decode_shape_class`` a shipped pick carries across: the page size, batch, longest length read
+# and their spread (a form the step's space lacks is passed over).
+NEAR_DECODE = (6, 7, 8, 9)
 
 
 def variant_tags(window: bool, softcap: float) -> tuple[str, ...]:

@@ -237,15 +237,18 @@ def gpu_file(gpu: str) -> str:
 
 def _shape_distance(shape: Sequence[str], other: Sequence[str], near: Sequence[int]) -> float | None:
     """How far apart two shape classes are: None unless they match everywhere but at the positions ``near``, where
-    sizes count by their ratio (powers of two apart) and other integers by their difference."""
+    sizes count by their ratio (powers of two apart), other integers by their difference and anything else as 1."""
     if len(shape) != len(other):
         return None
     distance = 0.0
     for i, (a, b) in enumerate(zip(shape, other, strict=True)):
         if a == b:
             continue
-        if i not in near or not (a.lstrip("-").isdigit() and b.lstrip("-").isdigit()):
+        if i not in near:
             return None
+        if not (a.lstrip("-").isdigit() and b.lstrip("-").isdigit()):
+            distance += 1
+            continue
         x, y = int(a), int(b)
         distance += abs(math.log2(x / y)) if x > 0 and y > 0 else abs(x - y)
     return distance

@@ -32,9 +32,11 @@ COMPILE_TIMEOUT_S = 120  # per config while tuning: a config that compiles longe
 # The chosen variant per shape class: shipped in tuned/, tuned on this machine on request (impls/tuning.py).
 TUNING = TuningCache("cutile", family_sources(__file__), ["cuda-tile"], toolchain.describe,
                      tables=Path(__file__).parent / "tuned")
-# The positions of a shape class (dense and varlen: ``shape_class``) a shipped pick carries across: the query and
-# key length classes and the parallel class.
+# The positions of a shape class a shipped pick carries across: the query and key length classes and the parallel
+# class (dense and varlen), and whether the lengths are whole peeled tiles (dense; a pick the shape's space lacks,
+# a peeled form where they are not, is passed over).
 NEAR_LENGTHS = (5, 6, 7)
+NEAR_DENSE = (*NEAR_LENGTHS, 10)
 Choice = TypeVar("Choice")
 
 
@@ -132,8 +134,8 @@ def exhaustive_timings(calls: list[Launches]):
                              args_fn=lambda var: launches[var][2], quiet=True)
 
 
-def tuned(shape: tuple, device: torch.device, space: list[Variant],
-          make_call: Callable[[Variant], Launches]) -> Tuned[Variant]:
+def tuned(shape: tuple, device: torch.device, space: list[Variant], make_call: Callable[[Variant], Launches],
+          near: Sequence[int] = NEAR_LENGTHS) -> Tuned[Variant]:
     """The fastest variant of ``space`` for shape class ``shape`` (``make_call`` prepares one candidate; all
     share one output; on a shared GPU the first, untimed), where it came from, and the finalists' times where there
     were several.
@@ -165,7 +167,7 @@ def tuned(shape: tuple, device: torch.device, space: list[Variant],
 
     shape = shape if method == TUNERS[0] else (*shape, f"tuner={method}")  # each method's picks kept apart
     described = [variant.describe() for variant in space]
-    return remembered(TUNING.key(device, shape), search, Variant, space[0].describe, compiled, NEAR_LENGTHS,
+    return remembered(TUNING.key(device, shape), search, Variant, space[0].describe, compiled, near,
                       lambda config: config in described)
 
 
@@ -176,4 +178,4 @@ def tune(q, k, v, *, causal: bool, scale: float, **variants) -> Tuned[Variant]:
     out = q.new_empty((*q.shape[:3], v.shape[-1]))
     space = candidates(torch.cuda.get_device_capability(q.device), q, k, v, causal=causal, **variants)
     return tuned(shape_class(q, k, causal, value_dim=v.shape[-1], **variants), q.device, space,
-                 lambda variant: Call(variant, q, k, v, causal=causal, scale=scale, out=out, **variants))
+                 lambda variant: Call(variant, q, k, v, causal=causal, scale=scale, out=out, **variants), NEAR_DENSE)
