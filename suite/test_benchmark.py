@@ -14,7 +14,8 @@ from impls import Impl, Prepared
 from impls._tuning import SETTLE_S, copies_for_cold_l2, rotation_evicts, settle, settle_until_steady
 from suite import metrics
 from suite.cases import Case
-from suite.plugin import Problem, Recorder, run_state
+from suite.problem import Problem
+from suite.recording import Recorder, run_state
 from suite.telemetry import energy_during, gpu_state
 from suite.timing import (
     GraphCaptureError,

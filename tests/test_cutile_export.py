@@ -82,15 +82,15 @@ def test_search_space_compiles(capability, causal):
             assert cubin[:4] == b"\x7fELF"
 
 
-NEW_HEAD_DIMS = [32, 80, 96, 192, 256]  # issue 13's widths besides 64 and 128 (which every other test compiles)
+NEW_HEAD_DIMS = [32, 80, 96, 192, 256]  # the model widths besides 64 and 128 (which every other test compiles)
 
 
 @pytest.mark.parametrize("head_dim", NEW_HEAD_DIMS)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_new_head_dims_compile(head_dim, arch):
-    # A head dim that is not a power of two runs as one power-of-two tile and a tail (96 = 64 + 32) or padded in
-    # the next one (zero-padded loads, clipped stores); the first candidate of each architecture's space for that
-    # width, causal and ragged, compiles on every architecture.
+    """A head dim that is not a power of two runs as one power-of-two tile and a tail (96 = 64 + 32) or padded in
+    the next one (zero-padded loads, clipped stores); the first candidate of each architecture's space for that
+    width, causal and ragged, compiles on every architecture."""
     capability = (int(arch[3:-1]), int(arch[-1]))
     variant = search_space(capability, head_dim, causal=True)[0]
     cubin = export_cubin(variant, arch=arch, dtype=torch.bfloat16, head_dim=head_dim, causal=True, even_n=False)
@@ -124,11 +124,11 @@ def test_window_and_softcap_compile(arch):
 
 @pytest.mark.parametrize("head_dim", [128, 256])
 def test_sm90_windowed_kernel_has_the_causal_kernels_loops(head_dim):
-    # A window's far-edge tiles run in the diagonal's masked loop, not a third loop: the windowed kernel issues
-    # as many matrix products and TMA loads as the causal one (a third loop cost the persistent 128x256 its
-    # registers: 11-15 spilled words). The persistent candidates a window adds do not spill. Each as it runs
-    # where the lengths are not whole tiles: with the masked loop (peeled, the far edge is straight-line code
-    # of its own, test_sm90_peeled_candidates_deepen_the_pipeline_without_spilling).
+    """A window's far-edge tiles run in the diagonal's masked loop, not a third loop: the windowed kernel issues
+    as many matrix products and TMA loads as the causal one (a third loop cost the persistent 128x256 its
+    registers: 11-15 spilled words). The persistent candidates a window adds do not spill. Each as it runs
+    where the lengths are not whole tiles: with the masked loop (peeled, the far edge is straight-line code
+    of its own, test_sm90_peeled_candidates_deepen_the_pipeline_without_spilling)."""
     space = search_space((9, 0), head_dim, causal=True, window=True)
     added = [v for v in space if v not in search_space((9, 0), head_dim, causal=True)]
     assert added and all(v.persistent for v in added)
@@ -150,13 +150,13 @@ def test_fast_math_softcap_is_one_hardware_tanh_per_score():
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_mla_candidates_compile_without_spills(causal):
-    # DeepSeek's MLA prefill: Q/K 192 wide (128 + 64), V and the output 128. The accumulator takes the value
-    # width, so the Hopper space is the 128-wide one (two-warpgroup 128x128 tiles; not the 256-wide space of
-    # 64-key tiles), less 128x64 with occupancy 2 and the causal 256-key tile, which spill; nothing left does,
-    # with whole key tiles or a ragged last one. Blocks of 128 query rows read K's 64-column tail from the head
-    # tile's load (kernel.head_and_tail), so Q K^T issues its 12 HGMMAs as one run: loaded apart, the compiler
-    # waited for the first product before it issued the second (8 HGMMAs, a WARPGROUP.DEPBAR wait, 4 more) every
-    # key tile. The one-warpgroup blocks keep two loads (kernel.one_load).
+    """DeepSeek's MLA prefill: Q/K 192 wide (128 + 64), V and the output 128. The accumulator takes the value
+    width, so the Hopper space is the 128-wide one (two-warpgroup 128x128 tiles; not the 256-wide space of
+    64-key tiles), less 128x64 with occupancy 2 and the causal 256-key tile, which spill; nothing left does,
+    with whole key tiles or a ragged last one. Blocks of 128 query rows read K's 64-column tail from the head
+    tile's load (kernel.head_and_tail), so Q K^T issues its 12 HGMMAs as one run: loaded apart, the compiler
+    waited for the first product before it issued the second (8 HGMMAs, a WARPGROUP.DEPBAR wait, 4 more) every
+    key tile. The one-warpgroup blocks keep two loads (kernel.one_load)."""
     space = search_space((9, 0), 192, causal=causal, value_dim=128)
     shapes = {(v.tile_m, v.tile_n) for v in space}
     assert (128, 128) in shapes and (128, 64) not in shapes and ((128, 256) in shapes) is not causal
@@ -175,11 +175,11 @@ def test_mla_candidates_compile_without_spills(causal):
 
 @pytest.mark.parametrize(("head_dim", "value_dim"), [(128, None), (192, 128), (256, None)])
 def test_deferred_candidates_overlap_the_softmax_with_the_previous_tiles_product(head_dim, value_dim):
-    # Variant.defer_pv (session 52): written with each mask-free tile's P V issued in the next step, the causal
-    # candidates that won with it on the H200 (MLA's peeled 128x128 forms, D=128's peeled one-block-a-tile 128x128,
-    # D=256's 128x64) issue P V's HGMMAs between the next tile's exponentials, with no stack; written plainly, the
-    # compiler waits for each product before or after the softmax (sm_90, tileiras 13.5: it overlaps them by
-    # itself only in the non-causal persistent loop). Only causal spaces without a window take them.
+    """Variant.defer_pv: written with each mask-free tile's P V issued in the next step, the causal
+    candidates that won with it on the H200 (MLA's peeled 128x128 forms, D=128's peeled one-block-a-tile 128x128,
+    D=256's 128x64) issue P V's HGMMAs between the next tile's exponentials, with no stack; written plainly, the
+    compiler waits for each product before or after the softmax (sm_90, tileiras 13.5: it overlaps them by
+    itself only in the non-causal persistent loop). Only causal spaces without a window take them."""
     space = search_space((9, 0), head_dim, causal=True, value_dim=value_dim)
     deferred = [v for v in space if v.defer_pv and not v.planned]  # the planned twins: their own test
     assert len(deferred) == (3 if value_dim else 1 if head_dim == 128 else 2)
@@ -215,10 +215,10 @@ def test_head_dims_run_as_a_power_of_two_and_a_narrower_tail():
 @pytest.mark.parametrize("head_dim", [32, 40, 80, 96, 128, 192, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_sm90_two_warpgroup_candidate_never_spills(head_dim, causal):
-    # Issue 13: every head dim has a candidate of the Hopper space without stack, whatever the keys' raggedness
-    # and the dtype: the two-warpgroup block (128 x 128, or 128 x 64 keys with a 256-wide accumulator). A few
-    # others carry 8-80 B of stack in some of those combinations (hopper_space's docstring lists them); the
-    # tuner times each compiled kernel, so one whose spill costs is not picked.
+    """Every head dim has a candidate of the Hopper space without stack, whatever the keys' raggedness
+    and the dtype: the two-warpgroup block (128 x 128, or 128 x 64 keys with a 256-wide accumulator). A few
+    others hold 8-80 B of stack in some of those combinations (hopper_space's docstring lists them); the
+    tuner times each compiled kernel, so one whose spill costs is not picked."""
     two_warpgroups = replace(HOPPER_WIDE, tile_n=64 if tile_d(head_dim) > 128 else 128)
     space = search_space((9, 0), head_dim, causal=causal)
     assert two_warpgroups in space or replace(two_warpgroups, peel_diagonal=True) in space  # peeled where aligned
@@ -239,10 +239,10 @@ def test_sm90_head_tail_candidates_do_not_spill(causal):
 @pytest.mark.parametrize(("head_dim", "value_dim", "window"),
                          [(128, None, False), (128, None, True), (192, 128, False)])
 def test_sm90_peeled_candidates_deepen_the_pipeline_without_spilling(head_dim, value_dim, window):
-    # peeled_space (issue 15): with the diagonal's masked tiles as straight-line code, each peeled candidate of the
-    # Hopper space keeps no stack and gets more shared memory for its K/V pipeline than the same form with the
-    # masked loop (session 24: 99 / 132 -> 165 KB at D=128, 149 -> 214 KB for MLA, 198 KB with a window; session 25:
-    # the paired 128x256, its diagonal peeled in 128-key tiles, 161 -> 225 KB; session 47: its window's far edge too).
+    """peeled_space: with the diagonal's masked tiles as straight-line code, each peeled candidate of the Hopper
+    space keeps no stack and gets more shared memory for its K/V pipeline than the same form with the masked loop
+    (99 / 132 -> 165 KB at D=128, 149 -> 214 KB for MLA, 198 KB with a window; the paired 128x256, its diagonal
+    peeled in 128-key tiles, 161 -> 225 KB, its window's far edge too). See docs/design.md#cutile-forward."""
     peeled = [v for v in search_space((9, 0), head_dim, causal=True, value_dim=value_dim, window=window)
               if v.peel_diagonal]
     assert len(peeled) >= 3
@@ -253,16 +253,16 @@ def test_sm90_peeled_candidates_deepen_the_pipeline_without_spilling(head_dim, v
         assert usage["stack"] == 0 and usage["hgmma"] > 0, (variant.label(), usage)
         assert usage["shared"] > looped["shared"], (variant.label(), usage["shared"], looped["shared"])
         if variant.tile_n > variant.tile_m:  # peel_narrow: 165 -> 225 KB, causal and windowed alike; a run-time
-            # branch around its diagonal block (session 47, caught in the SASS) had left it at 193 KB, 1.2x
+            # branch around its diagonal block (caught in the SASS) had left it at 193 KB, 1.2x
             assert usage["shared"] >= 1.3 * looped["shared"], (variant.label(), usage["shared"], looped["shared"])
 
 
 @pytest.mark.parametrize(("head_dim", "value_dim"), [(64, None), (128, None), (192, 128)])
 def test_sm90_planned_candidates_compile_as_their_paired_twins(head_dim, value_dim):
-    # Variant.planned changes where a persistent block's items come from (the host's plan, by loads) and nothing
-    # in the loop: the same registers, K/V pipeline and products as the paired form, and no more stack. (A few bytes
-    # of stack come and go with the compiler: tileiras 13.4 gives the D=128 128x256 8 B in both forms, 13.5 the
-    # paired D=64 one 8 B and its planned twin none.)
+    """Variant.planned changes where a persistent block's items come from (the host's plan, by loads) and nothing
+    in the loop: the same registers, K/V pipeline and products as the paired form, and no more stack. (A few bytes
+    of stack come and go with the compiler: tileiras 13.4 gives the D=128 128x256 8 B in both forms, 13.5 the
+    paired D=64 one 8 B and its planned twin none.)"""
     planned = [v for v in search_space((9, 0), head_dim, causal=True, value_dim=value_dim) if v.planned]
     assert planned
     for variant in planned:
@@ -312,18 +312,18 @@ def test_two_launch_variants_pass_the_softmax_state_between_launches():
 
 def test_the_two_launch_form_loads_its_softmax_state_without_tma():
     # Through TMA each consumer warpgroup fetched the max and sum vectors into one shared buffer, a write-after-write
-    # that compute-sanitizer racecheck reported on the H200 (session 43); plain loads take them to registers.
+    # that compute-sanitizer racecheck reported on the H200; plain loads take them to registers.
     _, mask_free = export_phases(replace(HOPPER_STREAMING, two_launch=True), arch="sm_90", head_dim=128, causal=True)[1]
     usage = sass(mask_free)
     assert usage["utmaldg_3d"] == 0 and usage["utmaldg"] > 0 and usage["stack"] == 0, usage
 
 
 def test_search_space_holds_single_launches_only():
-    # The tuner times one launch per candidate (cuda.tile.tune.exhaustive_search); on the H200 the two-launch
-    # and dynamically scheduled forms lost, so no causal candidate is persistent but the 128x256 one at head
-    # dims 33-128 on Hopper (the only one whose masked loop kept up there; with GQA it leads from 4K at D=128),
-    # with each block's share taken every num_blocks-th item or in mirror pairs, and at D=128 a 128x128 one
-    # with the diagonal peeled (no masked loop at all where it runs) and the paired 128x256 peeled too.
+    """The tuner times one launch per candidate (cuda.tile.tune.exhaustive_search); on the H200 the two-launch
+    and dynamically scheduled forms lost, so no causal candidate is persistent but the 128x256 one at head
+    dims 33-128 on Hopper (the only one whose masked loop kept up there; with GQA it leads from 4K at D=128),
+    with each block's share taken every num_blocks-th item or in mirror pairs, and at D=128 a 128x128 one
+    with the diagonal peeled (no masked loop at all where it runs) and the paired 128x256 peeled too."""
     for capability in ((8, 0), (9, 0), (10, 0), (12, 0)):
         for head_dim in (32, 64, 96, 128, 256):
             for causal in (False, True):
@@ -343,10 +343,10 @@ def test_search_space_holds_single_launches_only():
 
 
 def test_settled_tuner_times_again_only_the_candidates_near_the_searchs_best(monkeypatch, tmp_path):
-    # FMHA_TUNER=settled: exhaustive_search first; the candidates within FINALIST_MARGIN of its best are timed
-    # again each at its own sustained clocks, and that decides. Where the search alone decides (the default),
-    # its best is the pick. The settled pick keeps its finalists' times in the tuning cache, beside the config,
-    # and a later process reads them back with the pick.
+    """FMHA_TUNER=settled: exhaustive_search first; the candidates within FINALIST_MARGIN of its best are timed
+    again each at its own sustained clocks, and that decides. Where the search alone decides (the default),
+    its best is the pick. The settled pick keeps its finalists' times in the tuning cache, beside the config,
+    and a later process reads them back with the pick."""
     import impls.cutile as cutile
     from impls import _tuning
 
@@ -441,9 +441,9 @@ def test_sm90_kernel_without_a_mask_keeps_the_deep_pipeline():
 
 
 def test_sm90_cubin_is_the_one_that_runs():
-    # With the launcher's alignment facts the compiler moves K/V tiles with TMA (UTMALDG); the tuned 128x128
-    # tile with eight worker warps does not spill. Without them the export silently fell back to ordinary
-    # loads and its SASS described a kernel that never runs.
+    """With the launcher's alignment facts the compiler moves K/V tiles with TMA (UTMALDG); the tuned 128x128
+    tile with eight worker warps does not spill. Without them the export silently fell back to ordinary
+    loads and its SASS described a kernel that never runs."""
     summary = sass(export_cubin(Variant(128, 128, occupancy=1, num_worker_warps=8), arch="sm_90"))
     assert summary["utmaldg"] > 0 and summary["hgmma"] > 0
     assert summary["stack"] == 0
@@ -651,7 +651,7 @@ def test_a_dense_decode_step_of_any_length_compiles_as_row_gathers_of_one_page()
 
 
 def test_decode_combine_is_small_enough_for_many_blocks_per_sm(short_chunks):
-    """The combine's occupancy hint reaches the compiler: few registers, little shared memory (session 10's
+    """The combine's occupancy hint reaches the compiler: few registers, little shared memory (the
     combine, left to the compiler, took 255 registers and ran two blocks per SM)."""
     from impls._sass import find_cuobjdump, sass_summary
     from impls.cutile.export import export_launch
@@ -768,9 +768,9 @@ def test_varlen_launches_compile():
 
 
 def test_varlen_peels_the_diagonal_where_every_sequence_is_aligned():
-    # A packed batch runs a peeled candidate peeled where every sequence's keys start a whole number of 128-row
-    # tiles before its queries (ragged ends are fine: causal hides the keys past a sequence's end); otherwise, and
-    # without causal, with the masked loop, as a dense call that refuses the peel (the kernel gets DIAGONAL_TILES).
+    """A packed batch runs a peeled candidate peeled where every sequence's keys start a whole number of 128-row
+    tiles before its queries (ragged ends are fine: causal hides the keys past a sequence's end); otherwise, and
+    without causal, with the masked loop, as a dense call that refuses the peel (the kernel gets DIAGONAL_TILES)."""
     from impls.cutile.serving import VarlenCall, varlen_candidates, varlen_resolved, varlen_space
 
     unwindowed, windowed = ([v for v in varlen_space((9, 0), 128, True, window=window) if v.peel_diagonal]
@@ -797,9 +797,9 @@ def test_varlen_peels_the_diagonal_where_every_sequence_is_aligned():
 
 
 def test_sm90_peeled_varlen_candidates_deepen_the_pipeline_without_spilling():
-    # As the dense kernel's (test_sm90_peeled_candidates_deepen_the_pipeline_without_spilling), the packed
-    # prefill's peeled candidates get a deeper K/V pipeline than their masked loop (sm_90, tileiras 13.5, D=128:
-    # the persistent 128x128 99 -> 165 KB; with a window 99 / 132 -> 198 KB, the persistent 128x256 165 -> 230 KB).
+    """As the dense kernel's (test_sm90_peeled_candidates_deepen_the_pipeline_without_spilling), the packed
+    prefill's peeled candidates get a deeper K/V pipeline than their masked loop (sm_90, tileiras 13.5, D=128:
+    the persistent 128x128 99 -> 165 KB; with a window 99 / 132 -> 198 KB, the persistent 128x256 165 -> 230 KB)."""
     from impls.cutile.export import export_launch
     from impls.cutile.serving import VarlenCall, varlen_space
 
@@ -812,7 +812,7 @@ def test_sm90_peeled_varlen_candidates_deepen_the_pipeline_without_spilling():
                                                             window=window).launches[0][1:], arch="sm_90"))
                              for form in (variant, replace(variant, peel_diagonal=False)))
             label = (variant.label(), window)
-            # No stack: until session 57 the persistent 128x128 spilled 8 B, which reading each item one ahead
+            # No stack: the persistent 128x128 once spilled 8 B, which reading each item one ahead
             # (as the dense planned loop does) took away, with tileiras 13.4 and 13.5.
             assert usage["stack"] == 0 and usage["ldl"] == usage["stl"] == 0 and usage["hgmma"] > 0, (label, usage)
             assert usage["shared"] >= 1.2 * looped["shared"], (label, usage["shared"], looped["shared"])
@@ -850,9 +850,9 @@ def test_varlen_with_a_window_and_softcap_compiles(causal, window):
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_sm90_persistent_varlen_kernel_is_the_dense_persistent_kernel(causal):
-    # The planned persistent varlen kernel runs the same tile work as one block per query tile: the same
-    # matrix instructions, TMA loads and no stack (a run-time row check inside the loop doubled the HGMMA and
-    # spilled, before the plan made it needless).
+    """The planned persistent varlen kernel runs the same tile work as one block per query tile: the same
+    matrix instructions, TMA loads and no stack (a run-time row check inside the loop doubled the HGMMA and
+    spilled, before the plan made it needless)."""
     from impls._serving import Varlen
     from impls.cutile.export import export_launch
     from impls.cutile.serving import VarlenCall, varlen_space
@@ -871,9 +871,9 @@ def test_sm90_persistent_varlen_kernel_is_the_dense_persistent_kernel(causal):
 
 @pytest.mark.parametrize("persistent", [False, True])
 def test_sm90_varlen_plain_store_makes_no_tensor_map_at_run_time(monkeypatch, persistent):
-    # The output of a packed sequence is the packed output sliced at run time: a TMA store of it makes a tensor
-    # map in the kernel and writes it to a global workspace (ATOMG.E.EXCH; memcheck flagged that write, session
-    # 22). The default store, plain, uses bounds-checked vector stores instead: no tensor map, no ATOMG.
+    """The output of a packed sequence is the packed output sliced at run time: a TMA store of it makes a tensor
+    map in the kernel and writes it to a global workspace (ATOMG.E.EXCH; memcheck flagged that write). The
+    default store, plain, uses bounds-checked vector stores instead: no tensor map, no ATOMG."""
     from impls.cutile.export import export_launch
     from impls.cutile.serving import VarlenCall, varlen_space
 
@@ -914,7 +914,7 @@ def test_arguments_are_bound_by_the_kernels_parameter_names():
 
 def test_a_kernel_and_its_hints_are_made_once():
     """Launches share one kernel object per kernel and set of hints: a new object per call would compile again,
-    and would free its module while a CUDA graph captured from it still runs (session 12: a segfault)."""
+    and would free its module while a CUDA graph captured from it still runs (a segfault)."""
     pytest.importorskip("cuda.tile")
     from impls.cutile import Variant
 
@@ -929,7 +929,7 @@ def test_every_candidate_of_every_gpu_preset_case_makes_its_launches(monkeypatch
     """What the tuners try on the GPU presets, built on the CPU without compiling: each dense case's candidates
     (``candidates``, its window bound as ``prepare_tuned`` binds it) and each varlen case's (``varlen_candidates``,
     with its window and softcap).
-    A form some shape refuses at launch time fails here, not on the GPU (session 24's peeled diagonal reached the
+    A form some shape refuses at launch time fails here, not on the GPU (a peeled diagonal once reached the
     varlen space, which has no one query length, and refused every causal D=128 varlen case there)."""
     import impls.cutile
     from impls._serving import Varlen
@@ -966,9 +966,9 @@ def test_every_candidate_of_every_gpu_preset_case_makes_its_launches(monkeypatch
 
 
 def test_sm90_wide_block_joins_the_head_dim_256_space_with_its_deep_pipeline():
-    # Session 27: the 128x128 block of 8 warps joined the D=256 space (H200, Gemma-2: 3-4% ahead of the 128x64
-    # block). Its 256-wide accumulator leaves the compiler few registers: none spilled without softcap on whole key
-    # tiles, a few words with softcap (24 B), and the deep K/V pipeline either way.
+    """The 128x128 block of 8 warps is in the D=256 space (H200, Gemma-2: 3-4% ahead of the 128x64
+    block). Its 256-wide accumulator leaves the compiler few registers: none spilled without softcap on whole key
+    tiles, a few words with softcap (24 B), and the deep K/V pipeline either way."""
     for causal in (True, False):
         assert HOPPER_WIDE in search_space((9, 0), 256, causal=causal)
     for softcap, most in ((0.0, 0), (50.0, 24)):

@@ -120,7 +120,7 @@ def test_a_heartbeat_cut_short_by_a_kill_still_reads(tmp_path):
 
 def test_inputs_that_outgrow_the_free_memory_are_reported_and_the_run_goes_on(tmp_path):
     """Out of memory while making a case's inputs (before any implementation runs) is that case's outcome for every
-    implementation, not an error of the run (session 29, 16 workers on an 80 GB H100: five errors at setup)."""
+    implementation, not an error of the run (16 workers on an 80 GB H100 once made five errors at setup)."""
     proc, data = run_suite(tmp_path, "-k", "correctness", "-p", "tests.oom_inputs", "--impl", "naive",
                            "--impl", "sdpa-math")
     assert proc.returncode == 0, proc.stdout[-2000:]
@@ -133,21 +133,23 @@ def test_inputs_that_outgrow_the_free_memory_are_reported_and_the_run_goes_on(tm
 
 @pytest.mark.parametrize(("option", "says", "known"), [
     ("--impl=flash-atn4", "no implementation matches flash-atn4; known: ", "flash-attn4"),
-    ("--grid=serving-cpu-twin", "argument --grid: invalid choice: 'serving-cpu-twin'", "'serving-cpu'"),
+    ("--grid=serving-cpu-twin", "pytest: --grid serving-cpu-twin: unknown preset; choose from ", "serving-cpu"),
+    ("--timing=wall", "pytest: --timing wall: unknown timing mode; choose from ", "graph"),
 ])
 def test_a_mistyped_selection_is_a_usage_error_naming_the_choices(option, says, known):
-    """A typo in --impl or --grid stops the run before anything is collected, with pytest's usage exit status and
-    the known names, not an internal error's traceback."""
+    """A typo in --impl, --grid or --timing stops the run before anything is collected, with pytest's usage exit
+    status and the documented names, not argparse's usage of ``__main__.py`` or an internal error's traceback."""
     proc = subprocess.run([sys.executable, "-m", "pytest", "suite", "-p", "no:cacheprovider", "-k", "correctness",
                            option], cwd=ROOT, capture_output=True, text=True, timeout=120, env=child_env())
     output = proc.stdout + proc.stderr
     assert proc.returncode == pytest.ExitCode.USAGE_ERROR, output[-2000:]
     assert says in output and known in output.split(says, 1)[1]
     assert "Traceback" not in output and "INTERNALERROR" not in output
+    assert "__main__.py" not in output and "sanitize" not in output
 
 
 def test_the_suite_runs_without_pytest_xdist(tmp_path):
-    """Every case carries an ``xdist_group`` marker for ``--dist loadgroup``; with xdist switched off (or not
+    """Every case has an ``xdist_group`` marker for ``--dist loadgroup``; with xdist switched off (or not
     installed) the strict marker check must not refuse the run."""
     proc, data = run_suite(tmp_path, "-p", "no:xdist", "-k", "correctness", "--impl", "naive")
     assert proc.returncode == pytest.ExitCode.OK, proc.stdout[-2000:] + proc.stderr[-2000:]

@@ -162,7 +162,7 @@ def test_a_compile_failure_is_reported_by_its_cause():
     reason = flex.compile_error(RuntimeError(traceback))
     assert reason == ("RuntimeError: triton.runtime.errors.OutOfResources: out of resource: shared memory, "
                       "Required: 264192")
-    # torch 2.11 on an H200, a physical cache of 2^31 elements or more (session 58): Triton's compile error
+    # torch 2.11 on an H200, a physical cache of 2^31 elements or more: Triton's compile error
     # names the line first and the cause after the source excerpt
     triton_error = ("CompilationError: at 194:23:\n\n    acc, l_i, m_i = forward_inner(\n"
                     "        block_n_start, block_n_end if block_n_end <= block_n_last_valid else block_n_last_valid,\n"

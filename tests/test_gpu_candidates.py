@@ -117,11 +117,10 @@ def test_every_candidate(family, case: Case, amplitude: float):
     assert launched or not candidates, "no candidate fits this GPU"
 
 
-# The serving operations: every decode form (key tile width, rows / pages / indexed reads) and every varlen
-# candidate of our cuTile kernels, on the serving twins (NaN in every unused cache slot, ragged lengths over
-# page boundaries, several new tokens, splits merged by the combine), and on the models' twins with a sliding
-# window or softcap.
 def serving_cases() -> list[Case]:
+    """The cases every decode form and varlen candidate of our cuTile kernels run on: the serving twins (NaN in
+    every unused cache slot, ragged lengths over page boundaries, several new tokens, splits merged by the
+    combine) and the models' twins with a sliding window or softcap."""
     from suite.cases import preset
 
     variants = [c for c in preset("models-serving-cpu") if c.window != NO_WINDOW or c.softcap]

@@ -224,7 +224,7 @@ def test_triton_split_decode_prefetches_under_pdl_and_gives_the_oracle_output(he
     """Where a step splits on Hopper its kernels run under PDL, and the first chunk's program of each sequence asks
     the L2 for its lookups before the wait (PREFETCH): on every tile of the tuner's space, with 1 and 4 new tokens,
     long-tailed lengths (NaN in unused slots) and a head dim that pads the tile (96), the output is the oracle's, with
-    and without it. (``gpu_session.sh prefetch`` also runs it under compute-sanitizer's memcheck.)"""
+    and without it (also worth running under compute-sanitizer's memcheck)."""
     from impls._serving import dependent_launch_available
     from impls.triton_fa import DECODE_TILES, paged_launch
 
@@ -397,9 +397,9 @@ def test_varlen_work_plan_pairs_mirror_tiles_as_the_dense_kernel_does():
 
 
 def test_varlen_work_plan_fills_the_last_round_that_equal_pairs_leave_part_empty():
-    # GPT-2 1 x 32K as the dense kernel's planned share runs it: 12 heads of 128 query tiles of 256 rows, 768 equal
-    # mirror pairs on 132 blocks. Whole pairs give the busiest block 6 where the mean is 5.82 (3% of the launch
-    # idle); the trailing pairs split into their tiles fill that round, and the rest stay pairs.
+    """GPT-2 1 x 32K as the dense kernel's planned share runs it: 12 heads of 128 query tiles of 256 rows, 768 equal
+    mirror pairs on 132 blocks. Whole pairs give the busiest block 6 where the mean is 5.82 (3% of the launch
+    idle); the trailing pairs split into their tiles fill that round, and the rest stay pairs."""
     from impls._serving import longest_first, query_tile_cost, varlen_work_plan
 
     heads, length, tile_m, tile_n, blocks = 12, 32768, 256, 64, 132
@@ -431,8 +431,8 @@ def test_combine_plan_merges_many_chunks_in_one_step():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's run of the narrowed combine: CPU")
 def test_triton_decode_with_a_narrowed_combine(monkeypatch):
-    """The Triton combine with head-dim slices (as many chunks make it) is correct: a small step budget narrows
-    the slices of a CPU twin's few chunks."""
+    """The Triton combine with head-dim slices (as many chunks make it) is correct: a small
+    ``COMBINE_STEP_ELEMENTS`` narrows the slices of a CPU twin's few chunks."""
     pytest.importorskip("triton")
     import impls._serving
 
@@ -623,8 +623,9 @@ def test_the_cpu_twins_cover_gqa_mqa_several_tokens_and_ragged_pages(name):
 
 @pytest.mark.parametrize("programs", [1, 3, 64])
 def test_streamk_probe_merges_the_items_its_ranges_cut(programs):
-    """scripts/streamk_probe.py's persistent decode (a probe, dropped in session 34) stays correct: contiguous tile
-    ranges that cut items, whole items written directly, cut ones merged by log-sum-exp (ragged lengths, group 7)."""
+    """scripts/streamk_probe.py's persistent decode (a probe, not a registered implementation) stays correct:
+    contiguous tile ranges that cut items, whole items written directly, cut ones merged by log-sum-exp (ragged
+    lengths, group 7)."""
     pytest.importorskip("triton")
     from scripts.streamk_probe import streamk_launch
 

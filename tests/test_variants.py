@@ -79,7 +79,7 @@ def test_the_oracle_fails_an_output_that_ignores_the_variant(variants):
     assert not Oracle.dense(q, k, v, causal=True, **variants).check(plain).passed
 
 
-def test_models_presets_name_the_model_and_carry_its_variants():
+def test_models_presets_name_the_model_and_hold_its_variants():
     ids = [c.id for c in PRESETS["models"]]
     assert "gemma2-9b-local-bf16-causal-h16:8-s4096x4096-d256-w4096:0-cap50-b4" in ids
     assert "phi3-mini-bf16-causal-h32:32-s32768x32768-d96" in ids
@@ -174,7 +174,7 @@ def test_serving_implementations_without_a_variant_refuse_with_the_reason():
         impls.get("naive", "paged").prepare(decode, window=(16,))
 
 
-def test_the_models_serving_presets_carry_each_models_variants():
+def test_the_models_serving_presets_hold_each_models_variants():
     cases = PRESETS["models-serving"]
     assert {c.op for c in cases} == {"paged", "varlen"}
     local = [c for c in cases if c.model == "gemma2-9b-local"]
