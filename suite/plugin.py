@@ -275,6 +275,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if others:
             config.hook.pytest_deselected(items=others)
             items[:] = [item for item in items if "benchmark" in getattr(item, "fixturenames", ())]
+    tiered = project_test_run(config)
+    first_of: set[tuple] = set()
     for item in items:
         params = getattr(item, "callspec", None) and item.callspec.params
         if params and isinstance(params.get("case"), Case):
@@ -282,6 +284,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             by_impl = isinstance(impl, Impl) and "benchmark" not in item.fixturenames
             item.add_marker(pytest.mark.xdist_group(check_group(impl, params["case"]) if by_impl
                                                     else params["case"].id))
+            if tiered and isinstance(impl, Impl):
+                form = (item.originalname, check_group(impl, params["case"]),
+                        *(f"{k}={v}" for k, v in params.items() if k not in ("impl", "case")))
+                if form in first_of:
+                    item.add_marker(pytest.mark.slow)
+                first_of.add(form)
+
+
+def project_test_run(config: pytest.Config) -> bool:
+    """``pytest`` without paths (the ``testpaths``): the project's own test run, whose fast tier checks each
+    compiled form of an implementation on its first case and leaves the other cases to ``-m slow``. A run that
+    names ``suite`` checks every case. See docs/design.md#correctness."""
+    given = {(config.invocation_params.dir / arg.split("::")[0]).resolve() for arg in config.args}
+    return given == {(config.rootpath / path).resolve() for path in config.getini("testpaths")}
 
 
 def check_group(impl: Impl, case: Case) -> str:

@@ -56,23 +56,23 @@ def aligned(rows: list[list[str]]) -> list[str]:
 
 
 def preset_table(run: Run, preset: str) -> tuple[str, list[str]]:
-    """(title, lines) of one preset: an implementation a row, ranked as the report's leaderboard ranks them by the
-    geometric mean of the figure of merit; then, up to MAX_CASE_COLUMNS cases, each case's median in ms."""
+    """(preset, lines): a caption, then an implementation a row, ranked as the report's leaderboard ranks them by
+    the geometric mean of the figure of merit; then, up to MAX_CASE_COLUMNS cases, each case's median in ms."""
     ids = [cid for cid in run.presets.get(preset, []) if run.by_case.get(cid)]
     if not ids:
         return preset, []
     metric = figure_of_merit(run.cases.get(cid, {}) for cid in ids)
     labels, shared = case_labels({cid: run.cases.get(cid, {}) for cid in ids})
     per_case = len(ids) <= MAX_CASE_COLUMNS
-    title = (f"{preset}: {UNITS[metric]} (geomean)" + (", median ms per case" if per_case else "")
-             + f"; {run.lead} timing" + (f"; every case {', '.join(shared)}" if shared else ""))
+    caption = (f"{UNITS[metric]} (geomean)" + (", median ms per case" if per_case else "")
+               + f"; {run.lead} timing" + (f"; every case {', '.join(shared)}" if shared else ""))
     header = ["", UNITS[metric]] + ([labels[cid] for cid in ids] if per_case else ["cases"])
     rows = [header]
     for row in leaderboard(run, preset):
         impl = row["impl"]
         cells = [number(run.by_case[cid][impl].median_s * 1e3) if impl in run.by_case[cid] else "-" for cid in ids]
         rows.append([impl, number(row["value"])] + (cells if per_case else [f"{row['cases']}/{len(ids)}"]))
-    return title, aligned(rows)
+    return preset, [caption, *aligned(rows)]
 
 
 def preset_tables(run: Run) -> list[tuple[str, list[str]]]:

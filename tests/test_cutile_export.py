@@ -35,8 +35,11 @@ from impls.cutile import (
 )
 from impls.cutile.export import export_cubin, export_phases
 from suite.cases import uneven_varlen
+from tests.tiers import first_fast, only_fast
 
 ARCHS = ["sm_80", "sm_90", "sm_100", "sm_120"]
+# The fast tier compiles the first ladder step on every architecture and each head dim once; -m slow, the rest.
+FIRST_STEP = next(iter(LADDER))
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -54,8 +57,8 @@ def sass(cubin: bytes) -> dict[str, int]:
     return sass_summary(cubin)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("name", list(LADDER))
+@pytest.mark.parametrize(("name", "arch"), only_fast(itertools.product(LADDER, ARCHS),
+                                                    [(FIRST_STEP, arch) for arch in ARCHS], unpack=True))
 def test_ladder_kernel_compiles(name, arch):
     variant, _ = LADDER[name]
     # causal with a ragged Skv compiles every branch: the unmasked loop, both masks and the division.
@@ -63,7 +66,7 @@ def test_ladder_kernel_compiles(name, arch):
     assert cubin[:4] == b"\x7fELF"
 
 
-@pytest.mark.parametrize("name", [name for name, (v, _) in LADDER.items() if not v.loop_split])
+@pytest.mark.parametrize("name", first_fast(name for name, (v, _) in LADDER.items() if not v.loop_split))
 def test_ladder_kernel_without_a_mask_does_the_matrix_work(name):
     # Non-causal, Skv a multiple of the tile: nothing to mask, and the steps before the loop split still run
     # every key tile (a loop-structure slip once compiled them to kernels with no loop at all, writing zeros).
@@ -71,7 +74,8 @@ def test_ladder_kernel_without_a_mask_does_the_matrix_work(name):
     assert usage["hgmma"] > 0, usage
 
 
-@pytest.mark.parametrize(("capability", "causal"), [((9, 0), False), ((9, 0), True), ((10, 0), False)])
+@pytest.mark.parametrize(("capability", "causal"), only_fast([((9, 0), False), ((9, 0), True), ((10, 0), False)],
+                                                           [((10, 0), False)], unpack=True))
 def test_search_space_compiles(capability, causal):
     # Causal on sm_90 adds the kernel's other forms: two launches and the dynamic scheduler (sweep candidates;
     # the scheduler compiles with bytecode 13.4 too, where other_forms leaves it out).
@@ -85,8 +89,9 @@ def test_search_space_compiles(capability, causal):
 NEW_HEAD_DIMS = [32, 80, 96, 192, 256]  # the model widths besides 64 and 128 (which every other test compiles)
 
 
-@pytest.mark.parametrize("head_dim", NEW_HEAD_DIMS)
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize(("arch", "head_dim"), only_fast(
+    itertools.product(ARCHS, NEW_HEAD_DIMS), [("sm_120", 32), ("sm_100", 80), ("sm_90", 96), ("sm_100", 192),
+                                              ("sm_90", 256)], unpack=True))
 def test_new_head_dims_compile(head_dim, arch):
     """A head dim that is not a power of two runs as one power-of-two tile and a tail (96 = 64 + 32) or padded in
     the next one (zero-padded loads, clipped stores); the first candidate of each architecture's space for that
@@ -97,7 +102,7 @@ def test_new_head_dims_compile(head_dim, arch):
     assert cubin[:4] == b"\x7fELF"
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", only_fast(ARCHS, ["sm_90"]))
 def test_mla_value_dim_compiles(arch):
     # DeepSeek's MLA prefill: Q and K 192 wide, V and the output 128, on every architecture.
     capability = (int(arch[3:-1]), int(arch[-1]))
@@ -107,7 +112,7 @@ def test_mla_value_dim_compiles(arch):
     assert cubin[:4] == b"\x7fELF"
 
 
-@pytest.mark.parametrize("arch", ["sm_90", "sm_100"])
+@pytest.mark.parametrize("arch", only_fast(["sm_90", "sm_100"], ["sm_100"]))
 def test_window_and_softcap_compile(arch):
     # Gemma 2's local layers (sliding window and softcap, D=256 here, 128 on the others); on sm_90 the first
     # candidate of the space must not spill.
@@ -122,6 +127,7 @@ def test_window_and_softcap_compile(arch):
         assert usage["stack"] == 0 and usage["hgmma"] > 0, usage
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("head_dim", [128, 256])
 def test_sm90_windowed_kernel_has_the_causal_kernels_loops(head_dim):
     """A window's far-edge tiles run in the diagonal's masked loop, not a third loop: the windowed kernel issues
@@ -139,6 +145,7 @@ def test_sm90_windowed_kernel_has_the_causal_kernels_loops(head_dim):
         assert windowed["stack"] == 0, (variant.label(), windowed)
 
 
+@pytest.mark.slow
 def test_fast_math_softcap_is_one_hardware_tanh_per_score():
     # Gemma 2's softcap: the tuned kernel (fast math) takes the hardware's tanh; the precise one, a dozen
     # instructions per score, is left to the fast_math=False form.
@@ -148,6 +155,7 @@ def test_fast_math_softcap_is_one_hardware_tanh_per_score():
     assert fast["mufu_tanh"] > 0 and precise["mufu_tanh"] == 0, (fast, precise)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("causal", [True, False])
 def test_mla_candidates_compile_without_spills(causal):
     """DeepSeek's MLA prefill: Q/K 192 wide (128 + 64), V and the output 128. The accumulator takes the value
@@ -173,6 +181,7 @@ def test_mla_candidates_compile_without_spills(causal):
     assert Variant(64, 64, two_launch=True).state(q, 128)[2].shape == (1, 2, 100, 128)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("head_dim", "value_dim"), [(128, None), (192, 128), (256, None)])
 def test_deferred_candidates_overlap_the_softmax_with_the_previous_tiles_product(head_dim, value_dim):
     """Variant.defer_pv: written with each mask-free tile's P V issued in the next step, the causal
@@ -212,8 +221,8 @@ def test_head_dims_run_as_a_power_of_two_and_a_narrower_tail():
     assert Variant(64, 64, head_tail=False).head_tiles(96) == (128, 0, 128, 0)
 
 
-@pytest.mark.parametrize("head_dim", [32, 40, 80, 96, 128, 192, 256])
-@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(("causal", "head_dim"), only_fast(
+    itertools.product([False, True], [32, 40, 80, 96, 128, 192, 256]), [(False, 40)], unpack=True))
 def test_sm90_two_warpgroup_candidate_never_spills(head_dim, causal):
     """Every head dim has a candidate of the Hopper space without stack, whatever the keys' raggedness
     and the dtype: the two-warpgroup block (128 x 128, or 128 x 64 keys with a 256-wide accumulator). A few
@@ -228,6 +237,7 @@ def test_sm90_two_warpgroup_candidate_never_spills(head_dim, causal):
         assert usage["stack"] == 0 and usage["hgmma"] > 0, (dtype, even_n, usage)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("causal", [False, True])
 def test_sm90_head_tail_candidates_do_not_spill(causal):
     # Every Hopper candidate at D=96 (64 + 32) keeps its two accumulators in registers.
@@ -236,6 +246,7 @@ def test_sm90_head_tail_candidates_do_not_spill(causal):
         assert usage["stack"] == 0 and usage["hgmma"] > 0, (variant.label(), usage)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("head_dim", "value_dim", "window"),
                          [(128, None, False), (128, None, True), (192, 128, False)])
 def test_sm90_peeled_candidates_deepen_the_pipeline_without_spilling(head_dim, value_dim, window):
@@ -257,7 +268,7 @@ def test_sm90_peeled_candidates_deepen_the_pipeline_without_spilling(head_dim, v
             assert usage["shared"] >= 1.3 * looped["shared"], (variant.label(), usage["shared"], looped["shared"])
 
 
-@pytest.mark.parametrize(("head_dim", "value_dim"), [(64, None), (128, None), (192, 128)])
+@pytest.mark.parametrize(("head_dim", "value_dim"), first_fast([(64, None), (128, None), (192, 128)], unpack=True))
 def test_sm90_planned_candidates_compile_as_their_paired_twins(head_dim, value_dim):
     """Variant.planned changes where a persistent block's items come from (the host's plan, by loads) and nothing
     in the loop: the same registers, K/V pipeline and products as the paired form, and no more stack. (A few bytes
@@ -310,6 +321,7 @@ def test_two_launch_variants_pass_the_softmax_state_between_launches():
     assert all(t.numel() == 1 for t in Variant(64, 64).state(q))  # one launch: placeholders only
 
 
+@pytest.mark.slow
 def test_the_two_launch_form_loads_its_softmax_state_without_tma():
     # Through TMA each consumer warpgroup fetched the max and sum vectors into one shared buffer, a write-after-write
     # that compute-sanitizer racecheck reported on the H200; plain loads take them to registers.
@@ -409,6 +421,7 @@ def test_settled_tuner_times_again_only_the_candidates_near_the_searchs_best(mon
     assert cutile.TUNING.get(repr(("test-shape", "primed"))) is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("head_dim", [40, 64])
 def test_sm90_causal_candidates_do_not_spill_at_head_dims_up_to_64(head_dim):
     # The persistent 128x256 causal candidate included: 83 KB of pipeline at D=64, no stack (it spills at 32).
@@ -418,6 +431,7 @@ def test_sm90_causal_candidates_do_not_spill_at_head_dims_up_to_64(head_dim):
         assert usage["stack"] == 0 and usage["hgmma"] > 0, (variant.label(), usage)
 
 
+@pytest.mark.slow
 def test_sm90_mask_free_launch_gets_a_deeper_pipeline():
     # The point of two launches: the causal persistent kernel with its mask in the loop body gets a shallow
     # K/V pipeline; the mask-free second launch a deeper one (sm_90 shared memory: 100 KB against 167 KB).
@@ -431,6 +445,7 @@ def test_sm90_mask_free_launch_gets_a_deeper_pipeline():
     assert deep["stack"] == 0 and sass(diagonal)["stack"] == 0
 
 
+@pytest.mark.slow
 def test_sm90_kernel_without_a_mask_keeps_the_deep_pipeline():
     # Non-causal with Skv a multiple of the tile: no masked loop is compiled at all (one the compiler cannot
     # prove empty cut the persistent kernel's pipeline from 198 KB to 99 KB); a ragged Skv needs it.
@@ -494,7 +509,7 @@ def short_chunks(monkeypatch):
     monkeypatch.setattr(impls._serving, "SPLIT_MIN_TILES", 1)
 
 
-@pytest.mark.parametrize("read", ["pages", "indexed", "rows"])
+@pytest.mark.parametrize("read", only_fast(["pages", "indexed", "rows"], ["indexed"]))
 def test_decode_launches_compile(read, short_chunks):
     from impls.cutile.export import export_launch
     from impls.cutile.serving import DecodeCall, DecodeVariant
@@ -508,6 +523,7 @@ def test_decode_launches_compile(read, short_chunks):
         assert export_launch(kernel, arguments, arch="sm_90")[:4] == b"\x7fELF"
 
 
+@pytest.mark.slow
 def test_decode_split_steps_launch_as_programmatic_dependents(short_chunks):
     """Where a step splits, both launches may run as programmatic dependents of the kernel before them (the
     default on Hopper, ``DecodeVariant.pdl`` forces it here): each then waits for that grid before anything else
@@ -527,6 +543,7 @@ def test_decode_split_steps_launch_as_programmatic_dependents(short_chunks):
             assert (usage["acqbulk"], usage["preexit"]) == ((1, 1) if pdl else (0, 0)), (pdl, usage)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("read", ["pages", "indexed"])
 def test_decode_with_a_window_softcap_and_a_padded_head_dim_compiles(read, short_chunks):
     """Gemma-2's local layers (a window, softcap) and Phi-3's head dim 96 (padded to a tile of 128): the chunks
@@ -544,6 +561,7 @@ def test_decode_with_a_window_softcap_and_a_padded_head_dim_compiles(read, short
         assert export_launch(kernel, arguments, arch="sm_90")[:4] == b"\x7fELF"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("read", ["pages", "indexed", "rows"])
 def test_decode_over_an_fp8_cache_compiles(read, short_chunks):
     """An fp8 cache's tiles are loaded as stored (page loads on TMA) and widened after each load; the split
@@ -571,6 +589,7 @@ def test_decode_over_an_fp8_cache_compiles(read, short_chunks):
         assert usage["utmaldg"] > 0 and usage["stack"] == 0, usage
 
 
+@pytest.mark.slow
 def test_a_cache_of_2_31_elements_is_read_through_word_views_with_tma(monkeypatch):
     """cuTile reads an array indexed in 64 bits without TMA (sm_90: no UTMALDG, about twice the integer work).
     A cache of 2**31 elements or more (faked: the twin's) goes through 32-bit word views instead: its page
@@ -607,6 +626,7 @@ def test_a_cache_of_2_31_elements_is_read_through_word_views_with_tma(monkeypatc
     assert usage[2]["utmaldg"] == 0, usage  # why: 64-bit indexing loses TMA
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tile_n", [64, 128])
 def test_a_dense_decode_step_compiles_as_page_loads_of_the_dense_cache(tile_n, short_chunks):
     """A dense decode step as the dense ``cutile`` entry hands it to the decode (``impls._serving.dense_as_paged``):
@@ -634,6 +654,7 @@ def test_a_dense_decode_step_compiles_as_page_loads_of_the_dense_cache(tile_n, s
     assert view.numel() >= 2**31 and not needs_int64(view) and needs_int64(torch.empty(2**31, device="meta"))
 
 
+@pytest.mark.slow
 def test_a_dense_decode_step_of_any_length_compiles_as_row_gathers_of_one_page():
     """A length that no page size of 16-256 divides is one page a sequence: cuTile's page loads need pages of whole
     tiles, so its decode space is the row gather, which compiles for such a page."""
@@ -796,6 +817,7 @@ def test_varlen_peels_the_diagonal_where_every_sequence_is_aligned():
     assert any(v.peel_diagonal for v in varlen_candidates((9, 0), ragged))
 
 
+@pytest.mark.slow
 def test_sm90_peeled_varlen_candidates_deepen_the_pipeline_without_spilling():
     """As the dense kernel's (test_sm90_peeled_candidates_deepen_the_pipeline_without_spilling), the packed
     prefill's peeled candidates get a deeper K/V pipeline than their masked loop (sm_90, tileiras 13.5, D=128:
@@ -818,6 +840,7 @@ def test_sm90_peeled_varlen_candidates_deepen_the_pipeline_without_spilling():
             assert usage["shared"] >= 1.2 * looped["shared"], (label, usage["shared"], looped["shared"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("causal", "window"), [(True, (4096, 0)), (False, (300, 200))])
 def test_varlen_with_a_window_and_softcap_compiles(causal, window):
     """Gemma-2's local layers over a packed batch: each candidate of the windowed space makes its launch with the
@@ -848,6 +871,7 @@ def test_varlen_with_a_window_and_softcap_compiles(causal, window):
         assert usage["hgmma"] > 0 and usage["stack"] == 0, (call.variant.label(), usage)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("causal", [True, False])
 def test_sm90_persistent_varlen_kernel_is_the_dense_persistent_kernel(causal):
     """The planned persistent varlen kernel runs the same tile work as one block per query tile: the same
@@ -869,6 +893,7 @@ def test_sm90_persistent_varlen_kernel_is_the_dense_persistent_kernel(causal):
     assert usage[0]["stack"] == 0 and usage[0]["ldl"] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("persistent", [False, True])
 def test_sm90_varlen_plain_store_makes_no_tensor_map_at_run_time(monkeypatch, persistent):
     """The output of a packed sequence is the packed output sliced at run time: a TMA store of it makes a tensor
@@ -965,6 +990,7 @@ def test_every_candidate_of_every_gpu_preset_case_makes_its_launches(monkeypatch
     assert built > len(cases)
 
 
+@pytest.mark.slow
 def test_sm90_wide_block_joins_the_head_dim_256_space_with_its_deep_pipeline():
     """The 128x128 block of 8 warps is in the D=256 space (H200, Gemma-2: 3-4% ahead of the 128x64
     block). Its 256-wide accumulator leaves the compiler few registers: none spilled without softcap on whole key
@@ -977,6 +1003,7 @@ def test_sm90_wide_block_joins_the_head_dim_256_space_with_its_deep_pipeline():
         assert usage["stack"] <= most and usage["shared"] > 190_000 and usage["hgmma"] > 0, (softcap, usage)
 
 
+@pytest.mark.slow
 def test_sass_diff_reports_what_moved_between_two_trees():
     # scripts/sass_diff.py: a change to the pipeline (shared memory) or to the instructions is named, one that
     # moved nothing reads "same", and a candidate on one side only says which

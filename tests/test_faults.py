@@ -16,6 +16,7 @@ import torch
 
 from reports.build import load_run
 from suite.isolation import child_env, heartbeat_span, read_heartbeat
+from tests.tiers import first_fast
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,6 +36,7 @@ def statuses(data: dict, impl: str) -> Counter:
     return Counter(o["status"] for o in data["fmha"]["outcomes"] if o["impl"] == impl)
 
 
+@pytest.mark.slow
 def test_a_hang_and_a_process_killing_fault_cost_only_their_case(tmp_path):
     """Under --isolate, in one run: a hang is ended by the case timeout, a crash kills only its child process;
     every number measured before and after survives."""
@@ -92,6 +94,7 @@ def test_a_device_side_fault_costs_only_that_implementation(tmp_path):
     assert any("illegal memory access" in o["message"] or "process died" in o["message"] for o in bad)
 
 
+@pytest.mark.slow
 def test_a_worker_that_dies_under_xdist_costs_only_its_case(tmp_path):
     """pytest-xdist replaces a worker that died; the case is recorded as failed, is not run again (it would kill
     the replacement too), and the rest of the run stands. Here it is the last test of the run: a dead worker's
@@ -131,11 +134,14 @@ def test_inputs_that_outgrow_the_free_memory_are_reported_and_the_run_goes_on(tm
                "inputs" for o in ooms)
 
 
-@pytest.mark.parametrize(("option", "says", "known"), [
-    ("--impl=flash-atn4", "no implementation matches flash-atn4; known: ", "flash-attn4"),
+MISTYPED = [
     ("--grid=serving-cpu-twin", "pytest: --grid serving-cpu-twin: unknown preset; choose from ", "serving-cpu"),
+    ("--impl=flash-atn4", "pytest: --impl: no implementation matches flash-atn4; known: ", "flash-attn4"),
     ("--timing=wall", "pytest: --timing wall: unknown timing mode; choose from ", "graph"),
-])
+]
+
+
+@pytest.mark.parametrize(("option", "says", "known"), first_fast(MISTYPED, unpack=True))
 def test_a_mistyped_selection_is_a_usage_error_naming_the_choices(option, says, known):
     """A typo in --impl, --grid or --timing stops the run before anything is collected, with pytest's usage exit
     status and the documented names, not argparse's usage of ``__main__.py`` or an internal error's traceback."""

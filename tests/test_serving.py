@@ -14,6 +14,7 @@ from impls._validate import UNBOUNDED
 from suite import metrics
 from suite.cases import PRESETS, UNEVEN_VARLEN, Case, case_by_id, paged, uneven_varlen, varlen
 from suite.checks import Oracle
+from tests.tiers import first_fast, only_fast
 
 TINY = ("", 4, 2, 64)
 
@@ -59,7 +60,7 @@ def test_varlen_input_errors_name_the_problem(change, words):
 
 
 @pytest.mark.parametrize("name", [impl.name for impl in impls.select() if impl.op == "varlen"])
-@pytest.mark.parametrize(("lengths_q", "lengths_k", "causal"), UNEVEN_VARLEN)
+@pytest.mark.parametrize(("lengths_q", "lengths_k", "causal"), first_fast(UNEVEN_VARLEN, unpack=True))
 def test_uneven_varlen_batches_pass_or_are_refused_with_a_reason(name, lengths_q, lengths_k, causal):
     """Sequences with no queries or no keys, more keys than queries: what runs here matches the oracle (rows
     that see no key are zeros), what cannot run says why."""
@@ -638,7 +639,7 @@ def test_streamk_probe_merges_the_items_its_ranges_cut(programs):
         assert result.passed, f"{case_id}, {programs} programs: {result.message}"
 
 
-@pytest.mark.parametrize("pdl", [True, False, None])
+@pytest.mark.parametrize("pdl", only_fast([True, False, None], [None]))
 def test_triton_decode_with_and_without_programmatic_dependent_launch(pdl):
     """Both launch modes of the decode (config ``PDL``; by default on where the step splits) are correct on every
     paged CPU twin, split and unsplit. On a GPU the steps also run back to back in one CUDA graph, where under PDL
@@ -717,9 +718,9 @@ def test_dense_calls_that_are_not_decode_steps_are_not_seen_as_pages(shape, caus
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's run of the dense route: CPU")
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
-@pytest.mark.parametrize(("sq", "skv", "causal", "variants"), [
+@pytest.mark.parametrize(("sq", "skv", "causal", "variants"), first_fast([
     (1, 256, False, {}), (4, 192, True, {}), (1, 512, True, {"window": (100, 0), "softcap": 30.0}),
-    (3, 130, True, {})])  # 130 rows: one page a sequence
+    (3, 130, True, {})], unpack=True))  # 130 rows: one page a sequence
 def test_triton_runs_a_dense_decode_step_as_split_kv_decode(layout, sq, skv, causal, variants, monkeypatch):
     """The dense ``triton`` entry hands a decode step to its split-KV decode (the config says so), whose output,
     in the dense layout, passes the float64 oracle; FMHA_DENSE_DECODE=0 keeps the dense kernel."""

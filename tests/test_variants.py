@@ -12,6 +12,7 @@ from impls._validate import NO_WINDOW, UNBOUNDED, binding_window
 from suite import metrics
 from suite.cases import PRESETS, Case
 from suite.checks import Oracle
+from tests.tiers import first_fast
 
 
 @pytest.mark.parametrize(("sq", "skv", "causal", "window"), list(itertools.product(
@@ -133,7 +134,7 @@ def serving_cases() -> list[Case]:
 
 
 @pytest.mark.parametrize("variants", SERVING_VARIANTS, ids=str)
-@pytest.mark.parametrize("case", serving_cases(), ids=lambda c: c.id)
+@pytest.mark.parametrize("case", first_fast(serving_cases()), ids=lambda c: c.id)
 @pytest.mark.parametrize("name", ["naive", "triton"])
 def test_serving_operations_apply_the_variants_and_the_oracle_sees_it(name, case, variants):
     """Our Triton decode (split into chunks of the window under the interpreter) and varlen kernels, and naive,
