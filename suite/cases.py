@@ -129,7 +129,7 @@ class Case:
     def merit(self) -> str:
         """What this case ranks by: ``gbps`` where it is a decode step and so bound by the KV bytes it reads (paged,
         or dense and decode-shaped, ``impls.contract.decode_shaped``: our dense entries run it as decode), else
-        ``tflops``. Results files carry it per case, and the report reads it from there."""
+        ``tflops``. Results files record it per case, and the report reads it from there."""
         decode = self.op == "paged" or (self.op == "dense" and decode_shaped(self.sq, self.skv, self.causal))
         return "gbps" if decode else "tflops"
 
@@ -277,9 +277,8 @@ def varlen(model: tuple[str, int, int, int], batch: int, total: int, *, lengths:
                 **variants)
 
 
-# Packed batches that the varlen cases do not make, as (query lengths, key lengths, causal): more keys than
-# queries (chunked prefill), sequences with no queries or no keys, sequences shorter than a tile, the last one
-# ending the packed tensors. For tests on CPU and GPU (``uneven_varlen``).
+# Packed batches the varlen cases do not make (query lengths, key lengths, causal): chunked prefill, empty
+# sequences, sequences shorter than a tile, the last one ending the packed tensors (``uneven_varlen``).
 UNEVEN_VARLEN = [
     ([70, 0, 190, 3], [200, 64, 190, 3], True),
     ([1, 129, 64, 0, 77], [1, 300, 0, 5, 77], False),
@@ -451,15 +450,20 @@ PRESETS: dict[str, list[Case]] = {
 }
 
 
+# The presets the README documents. ``sanitize`` is run by the GPU tools under compute-sanitizer: accepted by
+# ``--grid`` but left out of the lists a user reads.
+LISTED_PRESETS = tuple(name for name in PRESETS if name != "sanitize")
+
+
 def preset(name: str) -> list[Case]:
     try:
         return PRESETS[name]
     except KeyError:
-        raise ValueError(f"unknown grid preset {name!r}; known: {', '.join(PRESETS)}") from None
+        raise ValueError(f"unknown grid preset {name!r}; known: {', '.join(LISTED_PRESETS)}") from None
 
 
 def case_by_id(case_id: str) -> Case:
-    """The case with this id, from whichever preset holds it (for scripts that take a case id)."""
+    """The case with this id, from whichever preset holds it (for tools that take a case id)."""
     for grid_cases in PRESETS.values():
         for case in grid_cases:
             if case.id == case_id:

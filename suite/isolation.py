@@ -67,7 +67,7 @@ def child_args(config: pytest.Config) -> list[str]:
 
 def heartbeat_events(path: Path) -> list[dict]:
     """The events of a heartbeat file (``--heartbeat``): ``{"event": "start" | "finish", "nodeid", "t", "worker"}``
-    (the xdist worker, None outside xdist; files written before session 54 have no "worker")."""
+    (the xdist worker, None outside xdist; older files have no "worker")."""
     events = []
     if path.exists():
         for line in path.read_text().splitlines():
@@ -191,8 +191,8 @@ def merge_files(paths: list[Path], fmha: dict[str, Any]) -> dict[str, Any]:
 
 
 def workdir() -> Path:
-    """A fresh folder for the children's results: under FMHA_ISOLATE_DIR where set (a device call's $OUT, so that
-    they come back even if the parent is stopped before it merges them), else the system's temporary folder.
+    """A fresh folder for the children's results: under FMHA_ISOLATE_DIR where set (a folder that outlives the run,
+    so the files stay even if the parent is stopped before it merges them), else the system's temporary folder.
     Not TMPDIR: a JIT's compiler (FlashInfer's nvcc) writes its own temporary files there."""
     parent = os.environ.get("FMHA_ISOLATE_DIR")
     if parent:

@@ -1,35 +1,43 @@
-"""pytest plugin of the suite: options, the implementation x case parametrisation, shared fixtures, and
-the records (outcomes, unavailable implementations, machine) that go into pytest-benchmark's JSON."""
+"""pytest plugin of the suite: options, the implementation x case parametrisation, the fixtures of
+``suite/test_*.py`` (``device``, ``problem``, ``record``), and the hooks that record a run and say what it did.
+Problems live in ``suite/problem.py``, records in ``suite/recording.py``, the closing summary in
+``suite/summary.py``. See docs/design.md#architecture."""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import gc
 import json
 import os
-import platform
-import re
 import time
-import traceback
+import warnings
 from collections import defaultdict
-from collections.abc import Iterator
-from dataclasses import dataclass, field
-from functools import cached_property
 from pathlib import Path
-from typing import Any, NoReturn
 
 import pytest
 import torch
 
 import impls
-from impls import Impl, Prepared, Unsupported, timing
-from impls.timing import STEADY_TOLERANCE, STEADY_WINDOW_S, clone_inputs
+from impls import Impl, timing
+from impls.timing import STEADY_TOLERANCE, STEADY_WINDOW_S
 from suite import cases as grid
 from suite.cases import Case
-from suite.checks import CheckResult, Oracle
+from suite.environment import environment
+from suite.problem import Problem, problem_for
+from suite.recording import (
+    STATE_KEY,
+    Recorder,
+    RunState,
+    benchmark_json,
+    checkpoint,
+    drop_from_queue,
+    fmha_record,
+    merge_worker_results,
+    record_crash,
+    run_state,
+)
 from suite.rest import AUTO_REST_S, HEAVIER, RestPolicy
 
+DEVICES = ("cpu", "cuda")
 DEFAULT_GRIDS = {  # phase -> (without a GPU, with one)
     "correctness": (("cpu", "serving-cpu", "varlen-cpu", "models-cpu", "models-serving-cpu"),
                     ("gpu", "serving-cpu", "varlen-cpu", "models-cpu", "models-serving-cpu")),
@@ -44,11 +52,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("fmha", "fmha-bench")
     group.addoption("--impl", action="append", default=[], metavar="GLOB",
                     help="implementations to run (repeatable, globs like 'sdpa-*'); default all")
-    group.addoption("--grid", action="append", default=[], metavar="PRESET", choices=list(grid.PRESETS),
-                    help=f"case presets (repeatable): {', '.join(grid.PRESETS)}; "
+    group.addoption("--grid", action="append", default=[], metavar="PRESET",
+                    help=f"case presets (repeatable): {', '.join(grid.LISTED_PRESETS)}; "
                          "default cpu/gpu for correctness, cpu-bench/blog for benchmarks")
-    group.addoption("--device", default=None, choices=("cpu", "cuda"),
-                    help="where to run; default cuda when available")
+    group.addoption("--device", default=None, metavar="DEVICE",
+                    help=f"where to run: {', '.join(DEVICES)}; default cuda when available")
     group.addoption("--rounds", type=int, default=None, help="timed rounds per benchmark (default 20 GPU, 5 CPU)")
     group.addoption("--warmup-rounds", type=int, default=3, help="untimed rounds before timing (default 3)")
     group.addoption("--settle-ms", type=float, default=None,
@@ -75,21 +83,29 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--cold-l2", action="store_true",
                     help="keep the L2 cache cold: eager and kernel modes flush it before every round (one call "
                          "per round; flush not timed), graph mode rotates over enough copies of the inputs")
-    group.addoption("--timing", action="append", default=[], choices=timing.MODES,
+    group.addoption("--timing", action="append", default=[], metavar="MODE",
                     help="timing mode (repeatable): eager (CUDA events around queued calls), graph (CUDA-graph "
                          "replays), kernel (profiler: device time of the kernels); default graph and eager on "
                          "a GPU, eager on CPU")
+    group.addoption("--tune", action="store_true",
+                    help="tune our kernels on this machine where its tuning cache has no pick, and store the pick "
+                         "(FMHA_TUNING=tune; by default they run the pick shipped for the GPU, or a heuristic)")
     group.addoption("--retune", action="store_true",
                     help="tune our kernels again and overwrite the tuning cache (FMHA_TUNING=retune)")
     group.addoption("--no-tuning-cache", action="store_true",
-                    help="tune our kernels without reading or writing the tuning cache (FMHA_TUNING=off)")
+                    help="neither read nor write the tuning cache, nor tune: shipped and heuristic picks only "
+                         "(FMHA_TUNING=off)")
     group.addoption("--compile-candidates", action="store_true",
                     help="a worker that shares its GPU (and so tunes nothing) still compiles our tuners' candidates, "
                          "untimed, into the compile caches on disk, for the tuning run after it "
                          "(FMHA_COMPILE_CANDIDATES=1)")
     group.addoption("--report", metavar="HTML", default=None,
-                    help="write the HTML comparison report at the end of the session")
-    group.addoption("--baseline", default="sdpa", help="implementation speedups are relative to (report)")
+                    help="write the HTML comparison report at the end of the run")
+    group.addoption("--baseline", default=None,
+                    help="implementation speedups are relative to in the report (default: each case's best peer)")
+    group.addoption("--benchmark-table", action="store_true",
+                    help="also print pytest-benchmark's own tables (times in its units, every statistic); by "
+                         "default a run prints one compact table per preset in the report's units")
     group.addoption("--isolate", action="store_true",
                     help="run each implementation in its own process: a crash, device fault or hang costs "
                          "only that implementation's case (see suite/isolation.py)")
@@ -112,35 +128,28 @@ def rest_option(value: str) -> float | str:
         raise argparse.ArgumentTypeError(f"milliseconds or 'auto', not {value!r}") from None
 
 
-@dataclass
-class RunState:
-    device: torch.device
-    impls: list[Impl]
-    unavailable: dict[str, str]
-    outcomes: list[dict[str, Any]] = field(default_factory=list)
-    presets: dict[str, list[str]] = field(default_factory=dict)
-    cases: dict[str, dict] = field(default_factory=dict)
-    machine_info: dict | None = None
-    commit_info: dict | None = None
-    rest: RestPolicy = field(default_factory=RestPolicy)  # --rest-ms: when a benchmark starts after a pause
-
-
-STATE_KEY = pytest.StashKey[RunState]()
-
-
-def run_state(config: pytest.Config) -> RunState:
-    return config.stash[STATE_KEY]
+def check_choices(config: pytest.Config) -> None:
+    """The options that take a name, checked here rather than by argparse, whose message names ``__main__.py``
+    under ``python -m pytest`` and would list the presets the README leaves out."""
+    choices = {"--device": ("device", DEVICES, DEVICES), "--grid": ("preset", grid.PRESETS, grid.LISTED_PRESETS),
+               "--timing": ("timing mode", timing.MODES, timing.MODES)}
+    for option, (what, accepted, listed) in choices.items():
+        given = config.getoption(option)
+        for value in given if isinstance(given, list) else [given]:
+            if value is not None and value not in accepted:
+                raise pytest.UsageError(f"pytest: {option} {value}: unknown {what}; choose from {', '.join(listed)}")
 
 
 def device_and_selection(config: pytest.Config) -> tuple[torch.device, list[Impl]]:
     """The device a run uses (``--device``, default cuda where there is one) and the implementations its ``--impl``
     globs (and ``--isolate``'s ``--only-impl``) pick, whether or not they can run there."""
+    check_choices(config)
     requested = config.getoption("--device")
     device = torch.device(requested or ("cuda" if torch.cuda.is_available() else "cpu"))
     try:
         selected = impls.select(config.getoption("--impl"))
     except ValueError as error:  # a glob that names nothing: a usage error, not a traceback
-        raise pytest.UsageError(str(error)) from None
+        raise pytest.UsageError(f"pytest: --impl: {error}") from None
     if config.getoption("--only-impl"):
         selected = [i for i in selected if i.name == config.getoption("--only-impl")]
     return device, selected
@@ -167,9 +176,10 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "xdist_group(name): pytest-xdist's --dist loadgroup runs a group on one worker")
     device, selected = device_and_selection(config)
     reasons = {(i.op, i.name): r for i in selected if (r := i.availability(device.type))}
-    if config.getoption("--retune") or config.getoption("--no-tuning-cache"):
-        # Read by impls.tuning, in this process and in the children of --isolate.
-        os.environ["FMHA_TUNING"] = "retune" if config.getoption("--retune") else "off"
+    tuning_mode = next((mode for option, mode in (("--retune", "retune"), ("--tune", "tune"),
+                                                  ("--no-tuning-cache", "off")) if config.getoption(option)), None)
+    if tuning_mode:  # read by impls.tuning, in this process and in the children of --isolate
+        os.environ["FMHA_TUNING"] = tuning_mode
     if config.getoption("--compile-candidates"):
         os.environ["FMHA_COMPILE_CANDIDATES"] = "1"
     rest_ms = config.getoption("--rest-ms")
@@ -197,15 +207,6 @@ def unavailable_by_name(selected: list[Impl], reasons: dict[tuple[str, str], str
         whole = all((other, name) in reasons for other in ops[name])
         unavailable[name if whole else f"{name} ({op})"] = reason
     return unavailable
-
-
-def benchmark_json(config: pytest.Config) -> Path | None:
-    """Where ``--benchmark-json`` writes, or None. pytest-benchmark 5.3 keeps the option as a path; older ones (5.2.3,
-    the GPU image's own) as the file they opened for it, whose name is the path."""
-    value = config.getoption("benchmark_json", None)
-    if hasattr(value, "write"):  # an open file (a Path has a ``name`` too: the file name alone)
-        value = value.name
-    return Path(value) if value else None
 
 
 def grids_for(config: pytest.Config, phase: str) -> list[str]:
@@ -241,146 +242,9 @@ def device(pytestconfig: pytest.Config) -> torch.device:
     return run_state(pytestconfig).device
 
 
-class Problem:
-    """One case's inputs on the device and, on first use, its oracle."""
-
-    def __init__(self, case: Case, device: torch.device) -> None:
-        self.case = case
-        self.device = device
-        self.inputs = case.make_inputs(device)
-
-    @property
-    def q(self) -> torch.Tensor:
-        return self.inputs[0] if self.case.op == "dense" else self.inputs.q
-
-    @property
-    def k(self) -> torch.Tensor:  # dense only
-        return self.inputs[1]
-
-    @property
-    def v(self) -> torch.Tensor:  # dense only
-        return self.inputs[2]
-
-    @cached_property
-    def oracle(self) -> Oracle:
-        if self.case.op == "dense":
-            return Oracle.dense(*self.inputs, causal=self.case.causal, **self.case.variants)
-        return Oracle.serving(self.inputs, **self.case.variants)
-
-    def prepare(self, impl: Impl, inputs: Any = None) -> Prepared:
-        """``impl`` prepared on this case's inputs (or on a copy of them, ``inputs``)."""
-        inputs = self.inputs if inputs is None else inputs
-        if self.case.op == "dense":
-            return impl.prepare(*inputs, causal=self.case.causal, **self.case.variants)
-        return impl.prepare(inputs, **self.case.variants)
-
-    def input_copies(self, n: int) -> list[Any]:
-        """``n`` copies of the inputs in fresh memory, the first being the inputs themselves."""
-        return [self.inputs] + [clone_inputs(self.inputs) for _ in range(n - 1)]
-
-    def check(self, out: torch.Tensor) -> CheckResult:
-        return self.oracle.check(out)
-
-
-_last_problem: list[Problem] = []  # tests run case-major, so one cached case serves all implementations
-
-
 @pytest.fixture
 def problem(case: Case, device: torch.device, record: Recorder) -> Problem:
-    if not _last_problem or _last_problem[0].case != case or _last_problem[0].device != device:
-        _last_problem.clear()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        try:
-            _last_problem.append(Problem(case, device))
-        except Exception as exc:  # the case's inputs alone outgrow the memory free now (e.g. many xdist workers
-            if not is_out_of_memory(exc):  # sharing one 80 GB GPU, session 29): recorded, and the run goes on
-                raise
-            record.skip_out_of_memory(exc, "making the case's inputs")
-    return _last_problem[0]
-
-
-def is_out_of_memory(exc: BaseException) -> bool:
-    """CUDA's OutOfMemoryError, or the CPU allocator's refusal (a plain RuntimeError)."""
-    return isinstance(exc, torch.OutOfMemoryError) or (
-        isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))
-
-
-def out_of_memory_message(exc: BaseException) -> str:
-    text = str(exc)
-    asked = re.search(r"Tried to allocate ([\d.]+ [KMGT]?i?B)", text)
-    if asked:
-        return f"out of memory (asked for {asked.group(1)})"
-    asked = re.search(r"tried to allocate (\d+) bytes", text)
-    return f"out of memory (asked for {int(asked.group(1))} bytes)" if asked else "out of memory"
-
-
-def release_device_memory(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-class Recorder:
-    """Records one implementation x case outcome: what the correctness matrix of the report shows."""
-
-    def __init__(self, state: RunState, impl: Impl, case: Case, phase: str) -> None:
-        self._state, self._impl, self._case, self._phase = state, impl, case, phase
-        self.recorded = False
-        self.seconds: dict[str, float] = {}  # wall time of the test's steps, so a slow suite shows where it goes
-
-    def __call__(self, status: str, message: str = "", **extra: Any) -> None:
-        self.recorded = True
-        self._state.outcomes.append({
-            "impl": self._impl.name, "family": self._impl.family, "case": self._case.id,
-            "phase": self._phase, "status": status, "message": message, **extra,
-            **({"seconds": {k: round(v, 4) for k, v in self.seconds.items()}} if self.seconds else {}),
-        })
-
-    @contextlib.contextmanager
-    def timer(self, step: str) -> Iterator[None]:
-        """Wall time of one step of the test (prepare: validation, tuning and compile; oracle; check), kept
-        with the outcome. A host clock is right here: this is the suite's own cost, not a kernel's speed."""
-        start = time.perf_counter()
-        yield  # a step that raised is not timed: its outcome says what happened
-        if self._state.device.type == "cuda":
-            torch.cuda.synchronize(self._state.device)  # the step's device work belongs to it
-        self.seconds[step] = self.seconds.get(step, 0.0) + time.perf_counter() - start
-
-    @contextlib.contextmanager
-    def guard(self) -> Iterator[None]:
-        """Whatever the implementation does, the outcome is recorded and the run goes on.
-
-        Unsupported -> skipped with the reason; out of memory -> skipped as "out of memory (asked for N)",
-        memory released; any other error -> failed with the error (and re-raised for pytest).
-        """
-        try:
-            yield
-        except Unsupported as exc:
-            self("unsupported", str(exc))
-            pytest.skip(f"unsupported: {exc}")
-        except Exception as exc:
-            if not is_out_of_memory(exc):
-                if not self.recorded:
-                    self("failed", f"{type(exc).__name__}: {exc}"[:500])
-                raise
-            self.skip_out_of_memory(exc)
-
-    def skip_out_of_memory(self, exc: BaseException, during: str = "") -> NoReturn:
-        """Record an out-of-memory error as the outcome ("out of memory (asked for N)", and ``during`` what),
-        release what it held and skip the test."""
-        message = out_of_memory_message(exc) + (f" {during}" if during else "")
-        self("out of memory", message)
-        traceback.clear_frames(exc.__traceback__)  # drop the frames' references to big tensors
-        del exc
-        release_device_memory(self._state.device)
-        pytest.skip(message)
-
-    def check(self, problem: Problem, prepared: Prepared) -> CheckResult:
-        result = problem.check(prepared())
-        if not result.passed:
-            self("failed", **result.as_dict())
-        return result
+    return problem_for(case, device, record)
 
 
 @pytest.fixture
@@ -391,20 +255,33 @@ def record(request: pytest.FixtureRequest, impl: Impl, case: Case) -> Recorder:
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     """An xdist worker alone on its GPU times its benchmarks (suite/sharding.py): pytest-benchmark, which
-    switched itself off under xdist, is switched back on."""
+    switched itself off under xdist, is switched back on. Its own tables (times in µs, every statistic) give
+    way to the compact ones of ``suite/summary.py`` unless asked for."""
     from suite.sharding import worker_may_time
 
-    bench_session = getattr(session.config, "_benchmarksession", None)
-    if bench_session is not None and bench_session.disabled and worker_may_time():
+    config = session.config
+    bench_session = getattr(config, "_benchmarksession", None)
+    if bench_session is None:
+        return
+    if bench_session.disabled and worker_may_time():
         bench_session.disabled = False
+    if not (config.getoption("--benchmark-table") or config.getoption("benchmark_compare", None)):
+        bench_session.quiet = True  # its tables only: a regression check still fails the run
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook turns the markers into node-id suffixes
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Groups for pytest-xdist's ``--dist loadgroup``. A benchmark goes with its case: every implementation of
-    one case is timed on one worker, one device, so that side-by-side ratios compare like with like. A check
-    goes with its implementation's compiled form (``check_group``): the cases one kernel signature serves run
-    on one worker, which compiles and tunes them once, while an implementation's other forms run beside it."""
+    """``--benchmark-only`` deselects the other tests (pytest-benchmark would list each as skipped). Groups for
+    pytest-xdist's ``--dist loadgroup``: a benchmark goes with its case, so that every implementation of one case
+    is timed on one device; a check goes with its implementation's compiled form (``check_group``), so that one
+    worker compiles and tunes each kernel signature once. See docs/design.md#architecture."""
+    if config.getoption("benchmark_only", False):
+        others = [item for item in items if "benchmark" not in getattr(item, "fixturenames", ())]
+        if others:
+            config.hook.pytest_deselected(items=others)
+            items[:] = [item for item in items if "benchmark" in getattr(item, "fixturenames", ())]
+    tiered = project_test_run(config)
+    first_of: set[tuple] = set()
     for item in items:
         params = getattr(item, "callspec", None) and item.callspec.params
         if params and isinstance(params.get("case"), Case):
@@ -412,6 +289,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             by_impl = isinstance(impl, Impl) and "benchmark" not in item.fixturenames
             item.add_marker(pytest.mark.xdist_group(check_group(impl, params["case"]) if by_impl
                                                     else params["case"].id))
+            if tiered and isinstance(impl, Impl):
+                form = (item.originalname, check_group(impl, params["case"]),
+                        *(f"{k}={v}" for k, v in params.items() if k not in ("impl", "case")))
+                if form in first_of:
+                    item.add_marker(pytest.mark.slow)
+                first_of.add(form)
+
+
+def project_test_run(config: pytest.Config) -> bool:
+    """``pytest`` without paths (the ``testpaths``): the project's own test run, whose fast tier checks each
+    compiled form of an implementation on its first case and leaves the other cases to ``-m slow``. A run that
+    names ``suite`` checks every case. See docs/design.md#correctness."""
+    given = {(config.invocation_params.dir / arg.split("::")[0]).resolve() for arg in config.args}
+    return given == {(config.rootpath / path).resolve() for path in config.getini("testpaths")}
 
 
 def check_group(impl: Impl, case: Case) -> str:
@@ -422,91 +313,32 @@ def check_group(impl: Impl, case: Case) -> str:
     return f"{impl.name}:{case.op}:{case.dtype}:d{case.d}:{mask}"
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    """A compact table per preset of what was timed, which implementations ran and which could not."""
     state = config.stash.get(STATE_KEY, None)
-    if state and state.unavailable:
-        terminalreporter.section("unavailable implementations")
+    if state is None or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    from suite import summary
+
+    run = summary.measured_run(config, benchmark_json(config))
+    for title, lines in summary.preset_tables(run) if run else []:
+        terminalreporter.write_sep("-", title)
+        for line in lines:
+            terminalreporter.write_line(line)
+    outcomes = run.outcomes if run else state.outcomes
+    if outcomes:
+        terminalreporter.write_sep("-", "implementations")
+        for line in summary.implementation_lines(state, outcomes):
+            terminalreporter.write_line(line)
+    elif state.unavailable:  # outcomes stay with pytest-xdist's workers where no results file gathers them
+        terminalreporter.write_sep("-", "unavailable implementations")
         for name, reason in state.unavailable.items():
             terminalreporter.write_line(f"{name}: {reason}")
 
 
-def environment(device: torch.device) -> dict[str, Any]:
-    """Versions and, on a GPU, the device's identity: what a reader needs to place the numbers."""
-    from importlib import metadata
-
-    def version(dist: str) -> str | None:
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            return None
-
-    from suite.metrics import device_peak_tflops
-
-    info: dict[str, Any] = {
-        "device": device.type,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cuda_runtime": torch.version.cuda,
-        "triton": version("triton"),
-        "cuda-tile": version("cuda-tile"),
-        "flash-attn": version("flash-attn") or version("flash-attn-4") or version("flash_attn_3"),
-    }
-    peak, source = device_peak_tflops(device)
-    info.update(peak_tflops=peak, peak_source=source)
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        info.update(
-            gpu=props.name,
-            sm_count=props.multi_processor_count,
-            compute_capability=f"{props.major}.{props.minor}",
-            memory_gib=round(props.total_memory / 2**30, 1),
-            l2_mib=round(getattr(props, "L2_cache_size", 0) / 2**20, 1),
-            driver=_nvidia_smi("driver_version"),
-            sm_clock_max_mhz=_nvidia_smi("clocks.max.sm"),
-            mem_clock_max_mhz=_nvidia_smi("clocks.max.mem"),
-        )
-    else:
-        info["cpu"] = platform.processor() or platform.machine()
-    return info
-
-
-def _nvidia_smi(query: str) -> str | None:
-    import subprocess
-
-    try:
-        out = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=10, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.strip().splitlines()[0] if out.strip() else None
-
-
 def pytest_benchmark_update_machine_info(config: pytest.Config, machine_info: dict) -> None:
     machine_info["fmha"] = environment(run_state(config).device)
-
-
-def fmha_record(config: pytest.Config) -> dict[str, Any]:
-    """The suite's own block in the JSON: outcomes of every check, unavailable implementations, cases."""
-    state = run_state(config)
-    return {
-        "schema": 1,
-        "device": state.device.type,
-        "baseline": config.getoption("--baseline"),
-        "presets": state.presets,
-        "cases": state.cases,
-        "impls": {name: {"family": entries[0].family, "descriptions": {i.op: i.description for i in entries}}
-                  for name, entries in _by_name(state.impls).items()},
-        "unavailable": state.unavailable,
-        "outcomes": state.outcomes,
-    }
-
-
-def _by_name(entries: list[Impl]) -> dict[str, list[Impl]]:
-    """Implementations by name: one name is registered once per operation it runs."""
-    grouped: dict[str, list[Impl]] = defaultdict(list)
-    for impl in entries:
-        grouped[impl.name].append(impl)
-    return dict(grouped)
 
 
 def pytest_benchmark_update_json(config: pytest.Config, benchmarks, output_json: dict) -> None:
@@ -553,94 +385,42 @@ def pytest_runtestloop(session: pytest.Session) -> bool | None:
     return True
 
 
-def checkpoint(config: pytest.Config) -> None:
-    """Rewrite the results JSON after every test, atomically: a run killed part-way leaves a valid file
-    with everything that finished (pytest-benchmark writes the same file once more at the end)."""
-    path = benchmark_json(config)
-    bench_session = getattr(config, "_benchmarksession", None)  # pytest-benchmark keeps its results there
-    if not path or bench_session is None:
-        return
-    state = run_state(config)
-    if state.machine_info is None:
-        state.machine_info = bench_session.get_machine_info()
-        state.commit_info = config.hook.pytest_benchmark_generate_commit_info(config=config)
-    benchmarks = [b for b in bench_session.benchmarks if b and b.stats.rounds]
-    output = config.hook.pytest_benchmark_generate_json(
-        config=config, benchmarks=benchmarks, include_data=False,
-        machine_info=state.machine_info, commit_info=state.commit_info)
-    config.hook.pytest_benchmark_update_json(config=config, benchmarks=benchmarks, output_json=output)
-    path = worker_results_path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(output, indent=1, default=str))
-    os.replace(partial, path)
-
-
 @pytest.hookimpl(optionalhook=True)
 def pytest_handlecrashitem(crashitem: str, report: pytest.TestReport, sched) -> None:
     """pytest-xdist, on the controller: a worker died in ``crashitem`` (a segfault, an abort, a device fault).
     The case is recorded as failed with that reason, like ``--isolate`` does; the other workers' files stand.
     It is not run again: it would only kill the replacement worker too."""
     drop_from_queue(sched, crashitem)
-    state = run_state(sched.config)
-    param = crashitem.split("[", 1)[1].split("]", 1)[0] if "[" in crashitem else crashitem
-    impl = max((i for i in state.impls if param.startswith(f"{i.name}-")), key=lambda i: len(i.name), default=None)
-    if impl is None:
-        return
-    case = param.removeprefix(f"{impl.name}-")
-    phase = "benchmark" if "test_benchmark" in crashitem else "correctness"
-    if phase == "benchmark":
-        case = case.rsplit("-", 1)[0]  # the timing mode
-    state.outcomes.append({"impl": impl.name, "family": impl.family, "case": case, "phase": phase,
-                           "status": "failed", "message": f"the worker process died running it ({crashitem})"})
-
-
-def drop_from_queue(sched, nodeid: str) -> None:
-    """Mark ``nodeid`` done in pytest-xdist's group/scope scheduler, which puts a dead worker's whole unit of
-    work back in its queue, the test that killed it included. A unit with nothing left to run is removed: an
-    empty one left in the queue keeps the run waiting for ever (seen with a crash in the last group)."""
-    queue = getattr(sched, "workqueue", None)
-    if not isinstance(queue, dict):
-        return  # the load scheduler does not run a crashed test again
-    for scope, unit in list(queue.items()):
-        if nodeid in unit:
-            unit[nodeid] = True
-        if all(unit.values()):
-            del queue[scope]
-
-
-def worker_results_path(path: Path) -> Path:
-    """Under pytest-xdist each worker streams its results to its own file beside ``path`` (``bench.gw0.json``);
-    the controller merges them into ``path`` at the end."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER")
-    return path.with_name(f"{path.stem}.{worker}{path.suffix}") if worker else path
-
-
-def merge_worker_results(config: pytest.Config, path: Path) -> None:
-    """The controller of an xdist run: one results file from the workers' (each removed once merged)."""
-    from suite import isolation
-
-    files = sorted(path.parent.glob(f"{path.stem}.gw*{path.suffix}"))
-    if not files:
-        return
-    merged = isolation.merge([isolation.ChildResult("xdist", json_files=files)], fmha_record(config))
-    path.write_text(json.dumps(merged, indent=1, default=str))
-    for f in files:
-        f.unlink()
+    record_crash(run_state(sched.config), crashitem)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     # pytest-benchmark writes its JSON in a wrapper around this hook, so the file exists here.
-    report = session.config.getoption("--report")
-    results = benchmark_json(session.config)
+    config = session.config
+    report = config.getoption("--report")
+    results = benchmark_json(config)
     if results and not os.environ.get("PYTEST_XDIST_WORKER"):
-        merge_worker_results(session.config, results)
+        merge_worker_results(config, results)
     if not report:
         return
     if not results or not results.exists():
-        session.config.get_terminal_writer().line(f"fmha-bench: no benchmark results, {report} not written")
+        config.get_terminal_writer().line(f"fmha-bench: no benchmark results, {report} not written")
         return
     from reports.build import write_report
 
-    write_report([results], Path(report), baseline=session.config.getoption("--baseline"))
-    session.config.get_terminal_writer().line(f"fmha-bench: report written to {report}")
+    run_state(config).report = write_report([results], Path(report), baseline=config.getoption("--baseline"))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_unconfigure(config: pytest.Config):
+    """pytest-benchmark's closing warning that xdist disabled it is dropped (docs/usage.md says what a run under
+    ``-n`` times); then the report's path, the run's last line, after pytest's own summary."""
+    from pytest_benchmark.logger import PytestBenchmarkWarning
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Benchmarks are automatically disabled because xdist plugin is active",
+                                PytestBenchmarkWarning)
+        yield
+    state = config.stash.get(STATE_KEY, None)
+    if state is not None and state.report is not None:
+        config.get_terminal_writer().line(f"fmha-bench: report written to {state.report}")

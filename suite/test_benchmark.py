@@ -28,7 +28,8 @@ from impls.timing import (
 )
 from suite import metrics
 from suite.cases import Case
-from suite.plugin import Problem, Recorder, run_state
+from suite.problem import Problem
+from suite.recording import Recorder, run_state
 from suite.rest import rest
 from suite.telemetry import energy_during, gpu_state
 

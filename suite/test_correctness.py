@@ -2,7 +2,8 @@
 
 from impls import Impl
 from suite.cases import Case
-from suite.plugin import Problem, Recorder
+from suite.problem import Problem
+from suite.recording import Recorder
 
 
 def test_correctness(impl: Impl, case: Case, problem: Problem, record: Recorder) -> None:

@@ -1,5 +1,5 @@
 """A pytest plugin for tests/test_faults.py: making the inputs of the cases of length 256 runs out of memory, as
-on a GPU shared by many xdist workers (session 29: an H100 of 80 GB with 16 of them)."""
+on a GPU shared by many xdist workers (16 of them on an 80 GB H100)."""
 
 import torch
 

@@ -26,8 +26,11 @@ from impls.cutile.export import export_cubin, export_phases
 from impls.cutile.spaces import HOPPER_DYNAMIC, HOPPER_STREAMING, HOPPER_WIDE, LADDER, other_forms, search_space
 from impls.sass import find_cuobjdump, hgmma_runs, sass_summary, softmax_overlap
 from suite.cases import uneven_varlen
+from tests.tiers import first_fast, only_fast
 
 ARCHS = ["sm_80", "sm_90", "sm_100", "sm_120"]
+# The fast tier compiles the first ladder step on every architecture and each head dim once; -m slow, the rest.
+FIRST_STEP = next(iter(LADDER))
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -45,8 +48,8 @@ def sass(cubin: bytes) -> dict[str, int]:
     return sass_summary(cubin)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("name", list(LADDER))
+@pytest.mark.parametrize(("name", "arch"), only_fast(itertools.product(LADDER, ARCHS),
+                                                    [(FIRST_STEP, arch) for arch in ARCHS], unpack=True))
 def test_ladder_kernel_compiles(name, arch):
     variant, _ = LADDER[name]
     # causal with a ragged Skv compiles every branch: the unmasked loop, both masks and the division.
@@ -54,7 +57,7 @@ def test_ladder_kernel_compiles(name, arch):
     assert cubin[:4] == b"\x7fELF"
 
 
-@pytest.mark.parametrize("name", [name for name, (v, _) in LADDER.items() if not v.loop_split])
+@pytest.mark.parametrize("name", first_fast(name for name, (v, _) in LADDER.items() if not v.loop_split))
 def test_ladder_kernel_without_a_mask_does_the_matrix_work(name):
     # Non-causal, Skv a multiple of the tile: nothing to mask, and the steps before the loop split still run
     # every key tile (a loop-structure slip once compiled them to kernels with no loop at all, writing zeros).
@@ -62,7 +65,8 @@ def test_ladder_kernel_without_a_mask_does_the_matrix_work(name):
     assert usage["hgmma"] > 0, usage
 
 
-@pytest.mark.parametrize(("capability", "causal"), [((9, 0), False), ((9, 0), True), ((10, 0), False)])
+@pytest.mark.parametrize(("capability", "causal"), only_fast([((9, 0), False), ((9, 0), True), ((10, 0), False)],
+                                                           [((10, 0), False)], unpack=True))
 def test_search_space_compiles(capability, causal):
     # Causal on sm_90 adds the kernel's other forms: two launches and the dynamic scheduler (sweep candidates;
     # the scheduler compiles with bytecode 13.4 too, where other_forms leaves it out).
@@ -73,22 +77,23 @@ def test_search_space_compiles(capability, causal):
             assert cubin[:4] == b"\x7fELF"
 
 
-NEW_HEAD_DIMS = [32, 80, 96, 192, 256]  # issue 13's widths besides 64 and 128 (which every other test compiles)
+NEW_HEAD_DIMS = [32, 80, 96, 192, 256]  # the model widths besides 64 and 128 (which every other test compiles)
 
 
-@pytest.mark.parametrize("head_dim", NEW_HEAD_DIMS)
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize(("arch", "head_dim"), only_fast(
+    itertools.product(ARCHS, NEW_HEAD_DIMS), [("sm_120", 32), ("sm_100", 80), ("sm_90", 96), ("sm_100", 192),
+                                              ("sm_90", 256)], unpack=True))
 def test_new_head_dims_compile(head_dim, arch):
-    # A head dim that is not a power of two runs as one power-of-two tile and a tail (96 = 64 + 32) or padded in
-    # the next one (zero-padded loads, clipped stores); the first candidate of each architecture's space for that
-    # width, causal and ragged, compiles on every architecture.
+    """A head dim that is not a power of two runs as one power-of-two tile and a tail (96 = 64 + 32) or padded in
+    the next one (zero-padded loads, clipped stores); the first candidate of each architecture's space for that
+    width, causal and ragged, compiles on every architecture."""
     capability = (int(arch[3:-1]), int(arch[-1]))
     variant = search_space(capability, head_dim, causal=True)[0]
     cubin = export_cubin(variant, arch=arch, dtype=torch.bfloat16, head_dim=head_dim, causal=True, even_n=False)
     assert cubin[:4] == b"\x7fELF"
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", only_fast(ARCHS, ["sm_90"]))
 def test_mla_value_dim_compiles(arch):
     # DeepSeek's MLA prefill: Q and K 192 wide, V and the output 128, on every architecture.
     capability = (int(arch[3:-1]), int(arch[-1]))
@@ -98,7 +103,7 @@ def test_mla_value_dim_compiles(arch):
     assert cubin[:4] == b"\x7fELF"
 
 
-@pytest.mark.parametrize("arch", ["sm_90", "sm_100"])
+@pytest.mark.parametrize("arch", only_fast(["sm_90", "sm_100"], ["sm_100"]))
 def test_window_and_softcap_compile(arch):
     # Gemma 2's local layers (sliding window and softcap, D=256 here, 128 on the others); on sm_90 the first
     # candidate of the space must not spill.
@@ -113,13 +118,14 @@ def test_window_and_softcap_compile(arch):
         assert usage["stack"] == 0 and usage["hgmma"] > 0, usage
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("head_dim", [128, 256])
 def test_sm90_windowed_kernel_has_the_causal_kernels_loops(head_dim):
-    # A window's far-edge tiles run in the diagonal's masked loop, not a third loop: the windowed kernel issues
-    # as many matrix products and TMA loads as the causal one (a third loop cost the persistent 128x256 its
-    # registers: 11-15 spilled words). The persistent candidates a window adds do not spill. Each as it runs
-    # where the lengths are not whole tiles: with the masked loop (peeled, the far edge is straight-line code
-    # of its own, test_sm90_peeled_candidates_deepen_the_pipeline_without_spilling).
+    """A window's far-edge tiles run in the diagonal's masked loop, not a third loop: the windowed kernel issues
+    as many matrix products and TMA loads as the causal one (a third loop cost the persistent 128x256 its
+    registers: 11-15 spilled words). The persistent candidates a window adds do not spill. Each as it runs
+    where the lengths are not whole tiles: with the masked loop (peeled, the far edge is straight-line code
+    of its own, test_sm90_peeled_candidates_deepen_the_pipeline_without_spilling)."""
     space = search_space((9, 0), head_dim, causal=True, window=True)
     added = [v for v in space if v not in search_space((9, 0), head_dim, causal=True)]
     assert added and all(v.persistent for v in added)
@@ -130,6 +136,7 @@ def test_sm90_windowed_kernel_has_the_causal_kernels_loops(head_dim):
         assert windowed["stack"] == 0, (variant.label(), windowed)
 
 
+@pytest.mark.slow
 def test_fast_math_softcap_is_one_hardware_tanh_per_score():
     # Gemma 2's softcap: the tuned kernel (fast math) takes the hardware's tanh; the precise one, a dozen
     # instructions per score, is left to the fast_math=False form.
@@ -139,15 +146,16 @@ def test_fast_math_softcap_is_one_hardware_tanh_per_score():
     assert fast["mufu_tanh"] > 0 and precise["mufu_tanh"] == 0, (fast, precise)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("causal", [True, False])
 def test_mla_candidates_compile_without_spills(causal):
-    # DeepSeek's MLA prefill: Q/K 192 wide (128 + 64), V and the output 128. The accumulator takes the value
-    # width, so the Hopper space is the 128-wide one (two-warpgroup 128x128 tiles; not the 256-wide space of
-    # 64-key tiles), less 128x64 with occupancy 2 and the causal 256-key tile, which spill; nothing left does,
-    # with whole key tiles or a ragged last one. Blocks of 128 query rows read K's 64-column tail from the head
-    # tile's load (kernel.head_and_tail), so Q K^T issues its 12 HGMMAs as one run: loaded apart, the compiler
-    # waited for the first product before it issued the second (8 HGMMAs, a WARPGROUP.DEPBAR wait, 4 more) every
-    # key tile. The one-warpgroup blocks keep two loads (kernel.one_load).
+    """DeepSeek's MLA prefill: Q/K 192 wide (128 + 64), V and the output 128. The accumulator takes the value
+    width, so the Hopper space is the 128-wide one (two-warpgroup 128x128 tiles; not the 256-wide space of
+    64-key tiles), less 128x64 with occupancy 2 and the causal 256-key tile, which spill; nothing left does,
+    with whole key tiles or a ragged last one. Blocks of 128 query rows read K's 64-column tail from the head
+    tile's load (kernel.head_and_tail), so Q K^T issues its 12 HGMMAs as one run: loaded apart, the compiler
+    waited for the first product before it issued the second (8 HGMMAs, a WARPGROUP.DEPBAR wait, 4 more) every
+    key tile. The one-warpgroup blocks keep two loads (kernel.one_load)."""
     space = search_space((9, 0), 192, causal=causal, value_dim=128)
     shapes = {(v.tile_m, v.tile_n) for v in space}
     assert (128, 128) in shapes and (128, 64) not in shapes and ((128, 256) in shapes) is not causal
@@ -164,13 +172,14 @@ def test_mla_candidates_compile_without_spills(causal):
     assert Variant(64, 64, two_launch=True).state(q, 128)[2].shape == (1, 2, 100, 128)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("head_dim", "value_dim"), [(128, None), (192, 128), (256, None)])
 def test_deferred_candidates_overlap_the_softmax_with_the_previous_tiles_product(head_dim, value_dim):
-    # Variant.defer_pv (session 52): written with each mask-free tile's P V issued in the next step, the causal
-    # candidates that won with it on the H200 (MLA's peeled 128x128 forms, D=128's peeled one-block-a-tile 128x128,
-    # D=256's 128x64) issue P V's HGMMAs between the next tile's exponentials, with no stack; written plainly, the
-    # compiler waits for each product before or after the softmax (sm_90, tileiras 13.5: it overlaps them by
-    # itself only in the non-causal persistent loop). Only causal spaces without a window take them.
+    """Variant.defer_pv: written with each mask-free tile's P V issued in the next step, the causal
+    candidates that won with it on the H200 (MLA's peeled 128x128 forms, D=128's peeled one-block-a-tile 128x128,
+    D=256's 128x64) issue P V's HGMMAs between the next tile's exponentials, with no stack; written plainly, the
+    compiler waits for each product before or after the softmax (sm_90, tileiras 13.5: it overlaps them by
+    itself only in the non-causal persistent loop). Only causal spaces without a window take them."""
     space = search_space((9, 0), head_dim, causal=True, value_dim=value_dim)
     deferred = [v for v in space if v.defer_pv and not v.planned]  # the planned twins: their own test
     assert len(deferred) == (3 if value_dim else 1 if head_dim == 128 else 2)
@@ -203,13 +212,13 @@ def test_head_dims_run_as_a_power_of_two_and_a_narrower_tail():
     assert Variant(64, 64, head_tail=False).head_tiles(96) == (128, 0, 128, 0)
 
 
-@pytest.mark.parametrize("head_dim", [32, 40, 80, 96, 128, 192, 256])
-@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(("causal", "head_dim"), only_fast(
+    itertools.product([False, True], [32, 40, 80, 96, 128, 192, 256]), [(False, 40)], unpack=True))
 def test_sm90_two_warpgroup_candidate_never_spills(head_dim, causal):
-    # Issue 13: every head dim has a candidate of the Hopper space without stack, whatever the keys' raggedness
-    # and the dtype: the two-warpgroup block (128 x 128, or 128 x 64 keys with a 256-wide accumulator). A few
-    # others carry 8-80 B of stack in some of those combinations (hopper_space's docstring lists them); the
-    # tuner times each compiled kernel, so one whose spill costs is not picked.
+    """Every head dim has a candidate of the Hopper space without stack, whatever the keys' raggedness
+    and the dtype: the two-warpgroup block (128 x 128, or 128 x 64 keys with a 256-wide accumulator). A few
+    others hold 8-80 B of stack in some of those combinations (hopper_space's docstring lists them); the
+    tuner times each compiled kernel, so one whose spill costs is not picked."""
     two_warpgroups = replace(HOPPER_WIDE, tile_n=64 if tile_d(head_dim) > 128 else 128)
     space = search_space((9, 0), head_dim, causal=causal)
     assert two_warpgroups in space or replace(two_warpgroups, peel_diagonal=True) in space  # peeled where aligned
@@ -219,6 +228,7 @@ def test_sm90_two_warpgroup_candidate_never_spills(head_dim, causal):
         assert usage["stack"] == 0 and usage["hgmma"] > 0, (dtype, even_n, usage)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("causal", [False, True])
 def test_sm90_head_tail_candidates_do_not_spill(causal):
     # Every Hopper candidate at D=96 (64 + 32) keeps its two accumulators in registers.
@@ -227,13 +237,14 @@ def test_sm90_head_tail_candidates_do_not_spill(causal):
         assert usage["stack"] == 0 and usage["hgmma"] > 0, (variant.label(), usage)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("head_dim", "value_dim", "window"),
                          [(128, None, False), (128, None, True), (192, 128, False)])
 def test_sm90_peeled_candidates_deepen_the_pipeline_without_spilling(head_dim, value_dim, window):
-    # peeled_space (issue 15): with the diagonal's masked tiles as straight-line code, each peeled candidate of the
-    # Hopper space keeps no stack and gets more shared memory for its K/V pipeline than the same form with the
-    # masked loop (session 24: 99 / 132 -> 165 KB at D=128, 149 -> 214 KB for MLA, 198 KB with a window; session 25:
-    # the paired 128x256, its diagonal peeled in 128-key tiles, 161 -> 225 KB; session 47: its window's far edge too).
+    """peeled_space: with the diagonal's masked tiles as straight-line code, each peeled candidate of the Hopper
+    space keeps no stack and gets more shared memory for its K/V pipeline than the same form with the masked loop
+    (99 / 132 -> 165 KB at D=128, 149 -> 214 KB for MLA, 198 KB with a window; the paired 128x256, its diagonal
+    peeled in 128-key tiles, 161 -> 225 KB, its window's far edge too). See docs/design.md#cutile-forward."""
     peeled = [v for v in search_space((9, 0), head_dim, causal=True, value_dim=value_dim, window=window)
               if v.peel_diagonal]
     assert len(peeled) >= 3
@@ -244,16 +255,16 @@ def test_sm90_peeled_candidates_deepen_the_pipeline_without_spilling(head_dim, v
         assert usage["stack"] == 0 and usage["hgmma"] > 0, (variant.label(), usage)
         assert usage["shared"] > looped["shared"], (variant.label(), usage["shared"], looped["shared"])
         if variant.tile_n > variant.tile_m:  # peel_narrow: 165 -> 225 KB, causal and windowed alike; a run-time
-            # branch around its diagonal block (session 47, caught in the SASS) had left it at 193 KB, 1.2x
+            # branch around its diagonal block (caught in the SASS) had left it at 193 KB, 1.2x
             assert usage["shared"] >= 1.3 * looped["shared"], (variant.label(), usage["shared"], looped["shared"])
 
 
-@pytest.mark.parametrize(("head_dim", "value_dim"), [(64, None), (128, None), (192, 128)])
+@pytest.mark.parametrize(("head_dim", "value_dim"), first_fast([(64, None), (128, None), (192, 128)], unpack=True))
 def test_sm90_planned_candidates_compile_as_their_paired_twins(head_dim, value_dim):
-    # Variant.planned changes where a persistent block's items come from (the host's plan, by loads) and nothing
-    # in the loop: the same registers, K/V pipeline and products as the paired form, and no more stack. (A few bytes
-    # of stack come and go with the compiler: tileiras 13.4 gives the D=128 128x256 8 B in both forms, 13.5 the
-    # paired D=64 one 8 B and its planned twin none.)
+    """Variant.planned changes where a persistent block's items come from (the host's plan, by loads) and nothing
+    in the loop: the same registers, K/V pipeline and products as the paired form, and no more stack. (A few bytes
+    of stack come and go with the compiler: tileiras 13.4 gives the D=128 128x256 8 B in both forms, 13.5 the
+    paired D=64 one 8 B and its planned twin none.)"""
     planned = [v for v in search_space((9, 0), head_dim, causal=True, value_dim=value_dim) if v.planned]
     assert planned
     for variant in planned:
@@ -301,20 +312,21 @@ def test_two_launch_variants_pass_the_softmax_state_between_launches():
     assert all(t.numel() == 1 for t in Variant(64, 64).state(q))  # one launch: placeholders only
 
 
+@pytest.mark.slow
 def test_the_two_launch_form_loads_its_softmax_state_without_tma():
     # Through TMA each consumer warpgroup fetched the max and sum vectors into one shared buffer, a write-after-write
-    # that compute-sanitizer racecheck reported on the H200 (session 43); plain loads take them to registers.
+    # that compute-sanitizer racecheck reported on the H200; plain loads take them to registers.
     _, mask_free = export_phases(replace(HOPPER_STREAMING, two_launch=True), arch="sm_90", head_dim=128, causal=True)[1]
     usage = sass(mask_free)
     assert usage["utmaldg_3d"] == 0 and usage["utmaldg"] > 0 and usage["stack"] == 0, usage
 
 
 def test_search_space_holds_single_launches_only():
-    # The tuner times one launch per candidate (cuda.tile.tune.exhaustive_search); on the H200 the two-launch
-    # and dynamically scheduled forms lost, so no causal candidate is persistent but the 128x256 one at head
-    # dims 33-128 on Hopper (the only one whose masked loop kept up there; with GQA it leads from 4K at D=128),
-    # with each block's share taken every num_blocks-th item or in mirror pairs, and at D=128 a 128x128 one
-    # with the diagonal peeled (no masked loop at all where it runs) and the paired 128x256 peeled too.
+    """The tuner times one launch per candidate (cuda.tile.tune.exhaustive_search); on the H200 the two-launch
+    and dynamically scheduled forms lost, so no causal candidate is persistent but the 128x256 one at head
+    dims 33-128 on Hopper (the only one whose masked loop kept up there; with GQA it leads from 4K at D=128),
+    with each block's share taken every num_blocks-th item or in mirror pairs, and at D=128 a 128x128 one
+    with the diagonal peeled (no masked loop at all where it runs) and the paired 128x256 peeled too."""
     for capability in ((8, 0), (9, 0), (10, 0), (12, 0)):
         for head_dim in (32, 64, 96, 128, 256):
             for causal in (False, True):
@@ -334,10 +346,10 @@ def test_search_space_holds_single_launches_only():
 
 
 def test_settled_tuner_times_again_only_the_candidates_near_the_searchs_best(monkeypatch, tmp_path):
-    # FMHA_TUNER=settled: exhaustive_search first; the candidates within FINALIST_MARGIN of its best are timed
-    # again each at its own sustained clocks, and that decides. Where the search alone decides (the default),
-    # its best is the pick. The settled pick keeps its finalists' times in the tuning cache, beside the config,
-    # and a later process reads them back with the pick.
+    """FMHA_TUNER=settled: exhaustive_search first; the candidates within FINALIST_MARGIN of its best are timed
+    again each at its own sustained clocks, and that decides. Where the search alone decides (the default),
+    its best is the pick. The settled pick keeps its finalists' times in the tuning cache, beside the config,
+    and a later process reads them back with the pick."""
     import impls.cutile.tuner as cutile
     from impls import tuning as _tuning
 
@@ -401,6 +413,7 @@ def test_settled_tuner_times_again_only_the_candidates_near_the_searchs_best(mon
     assert cutile.TUNING.get(repr(("test-shape", "primed"))) is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("head_dim", [40, 64])
 def test_sm90_causal_candidates_do_not_spill_at_head_dims_up_to_64(head_dim):
     # The persistent 128x256 causal candidate included: 83 KB of pipeline at D=64, no stack (it spills at 32).
@@ -410,6 +423,7 @@ def test_sm90_causal_candidates_do_not_spill_at_head_dims_up_to_64(head_dim):
         assert usage["stack"] == 0 and usage["hgmma"] > 0, (variant.label(), usage)
 
 
+@pytest.mark.slow
 def test_sm90_mask_free_launch_gets_a_deeper_pipeline():
     # The point of two launches: the causal persistent kernel with its mask in the loop body gets a shallow
     # K/V pipeline; the mask-free second launch a deeper one (sm_90 shared memory: 100 KB against 167 KB).
@@ -423,6 +437,7 @@ def test_sm90_mask_free_launch_gets_a_deeper_pipeline():
     assert deep["stack"] == 0 and sass(diagonal)["stack"] == 0
 
 
+@pytest.mark.slow
 def test_sm90_kernel_without_a_mask_keeps_the_deep_pipeline():
     # Non-causal with Skv a multiple of the tile: no masked loop is compiled at all (one the compiler cannot
     # prove empty cut the persistent kernel's pipeline from 198 KB to 99 KB); a ragged Skv needs it.
@@ -433,9 +448,9 @@ def test_sm90_kernel_without_a_mask_keeps_the_deep_pipeline():
 
 
 def test_sm90_cubin_is_the_one_that_runs():
-    # With the launcher's alignment facts the compiler moves K/V tiles with TMA (UTMALDG); the tuned 128x128
-    # tile with eight worker warps does not spill. Without them the export silently fell back to ordinary
-    # loads and its SASS described a kernel that never runs.
+    """With the launcher's alignment facts the compiler moves K/V tiles with TMA (UTMALDG); the tuned 128x128
+    tile with eight worker warps does not spill. Without them the export silently fell back to ordinary
+    loads and its SASS described a kernel that never runs."""
     summary = sass(export_cubin(Variant(128, 128, occupancy=1, num_worker_warps=8), arch="sm_90"))
     assert summary["utmaldg"] > 0 and summary["hgmma"] > 0
     assert summary["stack"] == 0
@@ -486,7 +501,7 @@ def short_chunks(monkeypatch):
     monkeypatch.setattr(impls._plans, "SPLIT_MIN_TILES", 1)
 
 
-@pytest.mark.parametrize("read", ["pages", "indexed", "rows"])
+@pytest.mark.parametrize("read", only_fast(["pages", "indexed", "rows"], ["indexed"]))
 def test_decode_launches_compile(read, short_chunks):
     from impls.cutile.export import export_launch
     from impls.cutile.serving import DecodeCall, DecodeVariant
@@ -500,6 +515,7 @@ def test_decode_launches_compile(read, short_chunks):
         assert export_launch(kernel, arguments, arch="sm_90")[:4] == b"\x7fELF"
 
 
+@pytest.mark.slow
 def test_decode_split_steps_launch_as_programmatic_dependents(short_chunks):
     """Where a step splits, both launches may run as programmatic dependents of the kernel before them (the
     default on Hopper, ``DecodeVariant.pdl`` forces it here): each then waits for that grid before anything else
@@ -519,6 +535,7 @@ def test_decode_split_steps_launch_as_programmatic_dependents(short_chunks):
             assert (usage["acqbulk"], usage["preexit"]) == ((1, 1) if pdl else (0, 0)), (pdl, usage)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("read", ["pages", "indexed"])
 def test_decode_with_a_window_softcap_and_a_padded_head_dim_compiles(read, short_chunks):
     """Gemma-2's local layers (a window, softcap) and Phi-3's head dim 96 (padded to a tile of 128): the chunks
@@ -536,6 +553,7 @@ def test_decode_with_a_window_softcap_and_a_padded_head_dim_compiles(read, short
         assert export_launch(kernel, arguments, arch="sm_90")[:4] == b"\x7fELF"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("read", ["pages", "indexed", "rows"])
 def test_decode_over_an_fp8_cache_compiles(read, short_chunks):
     """An fp8 cache's tiles are loaded as stored (page loads on TMA) and widened after each load; the split
@@ -563,6 +581,7 @@ def test_decode_over_an_fp8_cache_compiles(read, short_chunks):
         assert usage["utmaldg"] > 0 and usage["stack"] == 0, usage
 
 
+@pytest.mark.slow
 def test_a_cache_of_2_31_elements_is_read_through_word_views_with_tma(monkeypatch):
     """cuTile reads an array indexed in 64 bits without TMA (sm_90: no UTMALDG, about twice the integer work).
     A cache of 2**31 elements or more (faked: the twin's) goes through 32-bit word views instead: its page
@@ -599,6 +618,7 @@ def test_a_cache_of_2_31_elements_is_read_through_word_views_with_tma(monkeypatc
     assert usage[2]["utmaldg"] == 0, usage  # why: 64-bit indexing loses TMA
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tile_n", [64, 128])
 def test_a_dense_decode_step_compiles_as_page_loads_of_the_dense_cache(tile_n, short_chunks):
     """A dense decode step as the dense ``cutile`` entry hands it to the decode (``impls._plans.dense_as_paged``):
@@ -626,6 +646,7 @@ def test_a_dense_decode_step_compiles_as_page_loads_of_the_dense_cache(tile_n, s
     assert view.numel() >= 2**31 and not needs_int64(view) and needs_int64(torch.empty(2**31, device="meta"))
 
 
+@pytest.mark.slow
 def test_a_dense_decode_step_of_any_length_compiles_as_row_gathers_of_one_page():
     """A length that no page size of 16-256 divides is one page a sequence: cuTile's page loads need pages of whole
     tiles, so its decode space is the row gather, which compiles for such a page."""
@@ -643,7 +664,7 @@ def test_a_dense_decode_step_of_any_length_compiles_as_row_gathers_of_one_page()
 
 
 def test_decode_combine_is_small_enough_for_many_blocks_per_sm(short_chunks):
-    """The combine's occupancy hint reaches the compiler: few registers, little shared memory (session 10's
+    """The combine's occupancy hint reaches the compiler: few registers, little shared memory (the
     combine, left to the compiler, took 255 registers and ran two blocks per SM)."""
     from impls.cutile.export import export_launch
     from impls.cutile.serving import DecodeCall, DecodeVariant
@@ -760,9 +781,9 @@ def test_varlen_launches_compile():
 
 
 def test_varlen_peels_the_diagonal_where_every_sequence_is_aligned():
-    # A packed batch runs a peeled candidate peeled where every sequence's keys start a whole number of 128-row
-    # tiles before its queries (ragged ends are fine: causal hides the keys past a sequence's end); otherwise, and
-    # without causal, with the masked loop, as a dense call that refuses the peel (the kernel gets DIAGONAL_TILES).
+    """A packed batch runs a peeled candidate peeled where every sequence's keys start a whole number of 128-row
+    tiles before its queries (ragged ends are fine: causal hides the keys past a sequence's end); otherwise, and
+    without causal, with the masked loop, as a dense call that refuses the peel (the kernel gets DIAGONAL_TILES)."""
     from impls.cutile.serving import VarlenCall, varlen_candidates, varlen_resolved, varlen_space
 
     unwindowed, windowed = ([v for v in varlen_space((9, 0), 128, True, window=window) if v.peel_diagonal]
@@ -788,10 +809,11 @@ def test_varlen_peels_the_diagonal_where_every_sequence_is_aligned():
     assert any(v.peel_diagonal for v in varlen_candidates((9, 0), ragged))
 
 
+@pytest.mark.slow
 def test_sm90_peeled_varlen_candidates_deepen_the_pipeline_without_spilling():
-    # As the dense kernel's (test_sm90_peeled_candidates_deepen_the_pipeline_without_spilling), the packed
-    # prefill's peeled candidates get a deeper K/V pipeline than their masked loop (sm_90, tileiras 13.5, D=128:
-    # the persistent 128x128 99 -> 165 KB; with a window 99 / 132 -> 198 KB, the persistent 128x256 165 -> 230 KB).
+    """As the dense kernel's (test_sm90_peeled_candidates_deepen_the_pipeline_without_spilling), the packed
+    prefill's peeled candidates get a deeper K/V pipeline than their masked loop (sm_90, tileiras 13.5, D=128:
+    the persistent 128x128 99 -> 165 KB; with a window 99 / 132 -> 198 KB, the persistent 128x256 165 -> 230 KB)."""
     from impls.cutile.export import export_launch
     from impls.cutile.serving import VarlenCall, varlen_space
 
@@ -804,12 +826,13 @@ def test_sm90_peeled_varlen_candidates_deepen_the_pipeline_without_spilling():
                                                             window=window).launches[0][1:], arch="sm_90"))
                              for form in (variant, replace(variant, peel_diagonal=False)))
             label = (variant.label(), window)
-            # No stack: until session 57 the persistent 128x128 spilled 8 B, which reading each item one ahead
+            # No stack: the persistent 128x128 once spilled 8 B, which reading each item one ahead
             # (as the dense planned loop does) took away, with tileiras 13.4 and 13.5.
             assert usage["stack"] == 0 and usage["ldl"] == usage["stl"] == 0 and usage["hgmma"] > 0, (label, usage)
             assert usage["shared"] >= 1.2 * looped["shared"], (label, usage["shared"], looped["shared"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("causal", "window"), [(True, (4096, 0)), (False, (300, 200))])
 def test_varlen_with_a_window_and_softcap_compiles(causal, window):
     """Gemma-2's local layers over a packed batch: each candidate of the windowed space makes its launch with the
@@ -840,11 +863,12 @@ def test_varlen_with_a_window_and_softcap_compiles(causal, window):
         assert usage["hgmma"] > 0 and usage["stack"] == 0, (call.variant.label(), usage)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("causal", [True, False])
 def test_sm90_persistent_varlen_kernel_is_the_dense_persistent_kernel(causal):
-    # The planned persistent varlen kernel runs the same tile work as one block per query tile: the same
-    # matrix instructions, TMA loads and no stack (a run-time row check inside the loop doubled the HGMMA and
-    # spilled, before the plan made it needless).
+    """The planned persistent varlen kernel runs the same tile work as one block per query tile: the same
+    matrix instructions, TMA loads and no stack (a run-time row check inside the loop doubled the HGMMA and
+    spilled, before the plan made it needless)."""
     from impls.contract import Varlen
     from impls.cutile.export import export_launch
     from impls.cutile.serving import VarlenCall, varlen_space
@@ -861,11 +885,12 @@ def test_sm90_persistent_varlen_kernel_is_the_dense_persistent_kernel(causal):
     assert usage[0]["stack"] == 0 and usage[0]["ldl"] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("persistent", [False, True])
 def test_sm90_varlen_plain_store_makes_no_tensor_map_at_run_time(monkeypatch, persistent):
-    # The output of a packed sequence is the packed output sliced at run time: a TMA store of it makes a tensor
-    # map in the kernel and writes it to a global workspace (ATOMG.E.EXCH; memcheck flagged that write, session
-    # 22). The default store, plain, uses bounds-checked vector stores instead: no tensor map, no ATOMG.
+    """The output of a packed sequence is the packed output sliced at run time: a TMA store of it makes a tensor
+    map in the kernel and writes it to a global workspace (ATOMG.E.EXCH; memcheck flagged that write). The
+    default store, plain, uses bounds-checked vector stores instead: no tensor map, no ATOMG."""
     from impls.cutile.export import export_launch
     from impls.cutile.serving import VarlenCall, varlen_space
 
@@ -907,7 +932,7 @@ def test_arguments_are_bound_by_the_kernels_parameter_names():
 
 def test_a_kernel_and_its_hints_are_made_once():
     """Launches share one kernel object per kernel and set of hints: a new object per call would compile again,
-    and would free its module while a CUDA graph captured from it still runs (session 12: a segfault)."""
+    and would free its module while a CUDA graph captured from it still runs (a segfault)."""
     pytest.importorskip("cuda.tile")
     from impls.cutile.config import Variant
 
@@ -922,7 +947,7 @@ def test_every_candidate_of_every_gpu_preset_case_makes_its_launches(monkeypatch
     """What the tuners try on the GPU presets, built on the CPU without compiling: each dense case's candidates
     (``candidates``, its window bound as ``prepare_tuned`` binds it) and each varlen case's (``varlen_candidates``,
     with its window and softcap).
-    A form some shape refuses at launch time fails here, not on the GPU (session 24's peeled diagonal reached the
+    A form some shape refuses at launch time fails here, not on the GPU (a peeled diagonal once reached the
     varlen space, which has no one query length, and refused every causal D=128 varlen case there)."""
     import impls.cutile.config
     from impls.contract import Varlen, binding_window
@@ -959,10 +984,11 @@ def test_every_candidate_of_every_gpu_preset_case_makes_its_launches(monkeypatch
     assert built > len(cases)
 
 
+@pytest.mark.slow
 def test_sm90_wide_block_joins_the_head_dim_256_space_with_its_deep_pipeline():
-    # Session 27: the 128x128 block of 8 warps joined the D=256 space (H200, Gemma-2: 3-4% ahead of the 128x64
-    # block). Its 256-wide accumulator leaves the compiler few registers: none spilled without softcap on whole key
-    # tiles, a few words with softcap (24 B), and the deep K/V pipeline either way.
+    """The 128x128 block of 8 warps is in the D=256 space (H200, Gemma-2: 3-4% ahead of the 128x64
+    block). Its 256-wide accumulator leaves the compiler few registers: none spilled without softcap on whole key
+    tiles, a few words with softcap (24 B), and the deep K/V pipeline either way."""
     for causal in (True, False):
         assert HOPPER_WIDE in search_space((9, 0), 256, causal=causal)
     for softcap, most in ((0.0, 0), (50.0, 24)):
@@ -971,10 +997,11 @@ def test_sm90_wide_block_joins_the_head_dim_256_space_with_its_deep_pipeline():
         assert usage["stack"] <= most and usage["shared"] > 190_000 and usage["hgmma"] > 0, (softcap, usage)
 
 
+@pytest.mark.slow
 def test_sass_diff_reports_what_moved_between_two_trees():
-    # scripts/sass_diff.py: a change to the pipeline (shared memory) or to the instructions is named, one that
+    # tools/sass_diff.py: a change to the pipeline (shared memory) or to the instructions is named, one that
     # moved nothing reads "same", and a candidate on one side only says which
-    from scripts.sass_diff import compare
+    from tools.sass_diff import compare
 
     row = {"reg": 168, "stack": 0, "shared": 230544, "digest": "a"}
     old = {"kept": row, "deepened": {**row, "shared": 197800}, "rescheduled": row, "dropped": row}
@@ -986,7 +1013,7 @@ def test_sass_diff_reports_what_moved_between_two_trees():
                                  "added: only in the working tree"]
     # end to end, against the checked-out revision itself (a git worktree, compiled apart): nothing moved
     one = "64x64:{'occupancy': 2}:L2,4:g-auto"
-    proc = subprocess.run([sys.executable, "scripts/sass_diff.py", "HEAD", "--head-dim", "64", "--no-causal",
+    proc = subprocess.run([sys.executable, "tools/sass_diff.py", "HEAD", "--head-dim", "64", "--no-causal",
                            "--match", one], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines() == [f"{one}: same reg/stack/shared"], proc.stdout

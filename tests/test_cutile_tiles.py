@@ -83,10 +83,10 @@ def narrow_peel_visits(tile: int, free_end: int, offset: int, tile_m: int, tile_
 @pytest.mark.parametrize(("tile_m", "tile_n"), TILES)
 @pytest.mark.parametrize(("sq", "skv"), PEEL_SHAPES + SHAPES)
 def test_peeled_diagonal_visits_the_same_tiles_as_the_masked_loop(sq, skv, tile_m, tile_n):
-    # Variant.peel_diagonal: where peel_refusal accepts a shape, every query tile has exactly DIAGONAL_TILES
-    # masked tiles at the diagonal (and a window's far edge none or as many), the kernel's straight-line code
-    # visits the same key tiles as the masked loop would, and every row sees a key in the first diagonal tile
-    # (so the online softmax there needs no guard against a row without keys).
+    """Variant.peel_diagonal: where peel_refusal accepts a shape, every query tile has exactly DIAGONAL_TILES
+    masked tiles at the diagonal (and a window's far edge none or as many), the kernel's straight-line code
+    visits the same key tiles as the masked loop would, and every row sees a key in the first diagonal tile
+    (so the online softmax there needs no guard against a row without keys)."""
     variant = Variant(tile_m, tile_n, peel_diagonal=True)
     accepted = 0
     for window in (NO_WINDOW, (128, 0), (256, 0), (100, 0), (384, 0), (512, 0)):
@@ -171,9 +171,9 @@ def test_paired_share_runs_every_query_tile_and_evens_out_the_causal_work(num_m,
 
 
 def test_paired_share_fixes_the_fixed_share_at_few_items_a_block():
-    # The Llama-3-70B slice at 4 x 4K, 128-row query tiles on 132 SMs: 1024 items, about 8 a block. Taken every
-    # 132nd in turn, heaviest first over 4 heads at a time (the L2 group at 4K), the busiest block gets 1.5x the
-    # mean work; in mirror pairs, within 4%.
+    """The Llama-3-70B slice at 4 x 4K, 128-row query tiles on 132 SMs: 1024 items, about 8 a block. Taken every
+    132nd in turn, heaviest first over 4 heads at a time (the L2 group at 4K), the busiest block gets 1.5x the
+    mean work; in mirror pairs, within 4%."""
     def busiest_over_mean(paired: bool) -> float:
         share = causal_share(32, 32, 132, paired, head_group=4)
         work = [sum(t + 1 for t, _ in items) for items in share.values()]

@@ -134,13 +134,13 @@ def test_bytecode_13_5_needs_tileiras_13_5(bytecode):
 
 
 def test_sixteen_warps_run_head_dims_whose_first_tile_is_64_at_most():
-    # at D=128 every 16-warp shape that does not spill ran at 0.3-0.8 of the 8-warp candidates (session 15); D=96
-    # runs as 64 + 32 and wins there (session 16); 112 and 192 run 128 wide first
+    # at D=128 every 16-warp shape that does not spill ran at 0.3-0.8 of the 8-warp candidates; D=96
+    # runs as 64 + 32 and wins there; 112 and 192 run 128 wide first
     for head_dim in (112, 128, 192, 256):
         assert sixteen_warp_space(head_dim, True) == [] == sixteen_warp_space(head_dim, False)
     for head_dim in (32, 64, 72, 80, 96):
         assert [v.tile_m for v in sixteen_warp_space(head_dim, False)] == [256, 256]
-        # causal: one block a tile, and persistent only with the paired share (session 19)
+        # causal: one block a tile, and persistent only with the paired share
         assert [(v.persistent, v.paired) for v in sixteen_warp_space(head_dim, True)] == [(False, False), (True, True)]
 
 

@@ -16,6 +16,7 @@ import torch
 
 from reports.build import load_run
 from suite.isolation import child_env, heartbeat_span, read_heartbeat
+from tests.tiers import first_fast
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,6 +36,7 @@ def statuses(data: dict, impl: str) -> Counter:
     return Counter(o["status"] for o in data["fmha"]["outcomes"] if o["impl"] == impl)
 
 
+@pytest.mark.slow
 def test_a_hang_and_a_process_killing_fault_cost_only_their_case(tmp_path):
     """Under --isolate, in one run: a hang is ended by the case timeout, a crash kills only its child process;
     every number measured before and after survives."""
@@ -92,6 +94,7 @@ def test_a_device_side_fault_costs_only_that_implementation(tmp_path):
     assert any("illegal memory access" in o["message"] or "process died" in o["message"] for o in bad)
 
 
+@pytest.mark.slow
 def test_a_worker_that_dies_under_xdist_costs_only_its_case(tmp_path):
     """pytest-xdist replaces a worker that died; the case is recorded as failed, is not run again (it would kill
     the replacement too), and the rest of the run stands. Here it is the last test of the run: a dead worker's
@@ -120,7 +123,7 @@ def test_a_heartbeat_cut_short_by_a_kill_still_reads(tmp_path):
 
 def test_inputs_that_outgrow_the_free_memory_are_reported_and_the_run_goes_on(tmp_path):
     """Out of memory while making a case's inputs (before any implementation runs) is that case's outcome for every
-    implementation, not an error of the run (session 29, 16 workers on an 80 GB H100: five errors at setup)."""
+    implementation, not an error of the run (16 workers on an 80 GB H100 once made five errors at setup)."""
     proc, data = run_suite(tmp_path, "-k", "correctness", "-p", "tests.oom_inputs", "--impl", "naive",
                            "--impl", "sdpa-math")
     assert proc.returncode == 0, proc.stdout[-2000:]
@@ -131,23 +134,28 @@ def test_inputs_that_outgrow_the_free_memory_are_reported_and_the_run_goes_on(tm
                "inputs" for o in ooms)
 
 
-@pytest.mark.parametrize(("option", "says", "known"), [
-    ("--impl=flash-atn4", "no implementation matches flash-atn4; known: ", "flash-attn4"),
-    ("--grid=serving-cpu-twin", "argument --grid: invalid choice: 'serving-cpu-twin'", "'serving-cpu'"),
-])
+MISTYPED = [
+    ("--grid=serving-cpu-twin", "pytest: --grid serving-cpu-twin: unknown preset; choose from ", "serving-cpu"),
+    ("--impl=flash-atn4", "pytest: --impl: no implementation matches flash-atn4; known: ", "flash-attn4"),
+    ("--timing=wall", "pytest: --timing wall: unknown timing mode; choose from ", "graph"),
+]
+
+
+@pytest.mark.parametrize(("option", "says", "known"), first_fast(MISTYPED, unpack=True))
 def test_a_mistyped_selection_is_a_usage_error_naming_the_choices(option, says, known):
-    """A typo in --impl or --grid stops the run before anything is collected, with pytest's usage exit status and
-    the known names, not an internal error's traceback."""
+    """A typo in --impl, --grid or --timing stops the run before anything is collected, with pytest's usage exit
+    status and the documented names, not argparse's usage of ``__main__.py`` or an internal error's traceback."""
     proc = subprocess.run([sys.executable, "-m", "pytest", "suite", "-p", "no:cacheprovider", "-k", "correctness",
                            option], cwd=ROOT, capture_output=True, text=True, timeout=120, env=child_env())
     output = proc.stdout + proc.stderr
     assert proc.returncode == pytest.ExitCode.USAGE_ERROR, output[-2000:]
     assert says in output and known in output.split(says, 1)[1]
     assert "Traceback" not in output and "INTERNALERROR" not in output
+    assert "__main__.py" not in output and "sanitize" not in output
 
 
 def test_the_suite_runs_without_pytest_xdist(tmp_path):
-    """Every case carries an ``xdist_group`` marker for ``--dist loadgroup``; with xdist switched off (or not
+    """Every case has an ``xdist_group`` marker for ``--dist loadgroup``; with xdist switched off (or not
     installed) the strict marker check must not refuse the run."""
     proc, data = run_suite(tmp_path, "-p", "no:xdist", "-k", "correctness", "--impl", "naive")
     assert proc.returncode == pytest.ExitCode.OK, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -165,7 +173,7 @@ def test_where_time_goes_finds_what_bounded_a_sharded_pass(tmp_path):
               ("start", "t::b[2]@fast", 5.0, "gw1")]  # cut off
     heartbeat.write_text("".join(json.dumps({"event": e, "nodeid": n, "t": 1000 + t, "worker": w}) + "\n"
                                  for e, n, t, w in events))
-    out = subprocess.run([sys.executable, "scripts/where_time_goes.py", "--heartbeat", str(heartbeat)], cwd=ROOT,
+    out = subprocess.run([sys.executable, "tools/where_time_goes.py", "--heartbeat", str(heartbeat)], cwd=ROOT,
                          capture_output=True, text=True, check=True, env=child_env()).stdout
     assert "3 tests finished in 50 s on 2 workers: 55 s of tests, 28 s a worker" in out, out
     assert "busy to the end: gw0 50 s, gw1 5 s" in out and "heaviest groups: slow 50 s, fast 5 s" in out

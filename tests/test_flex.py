@@ -7,6 +7,7 @@ import torch
 
 from impls import flex
 from impls.contract import NO_WINDOW
+from tests.tiers import only_fast
 
 
 def test_compile_per_case_compiles_every_new_shape_past_dynamos_default_limit_of_eight() -> None:
@@ -45,9 +46,9 @@ def whole_page_inputs(new_tokens: int, *, keep_nan: bool = False):
                                k_cache=inputs.k_cache.nan_to_num(), v_cache=inputs.v_cache.nan_to_num())
 
 
-@pytest.mark.parametrize("new_tokens", [1, 4])
+@pytest.mark.parametrize("new_tokens", only_fast([1, 4], [1]))
 @pytest.mark.parametrize(("window", "softcap"), [(NO_WINDOW, 0.0), ((40, 0), 0.0), (NO_WINDOW, 30.0)])
-@pytest.mark.parametrize("full_blocks", [False, True])
+@pytest.mark.parametrize("full_blocks", only_fast([False, True], [False]))
 def test_paged_block_mask_lists_each_sequences_pages_full_or_partial(new_tokens, window, softcap,
                                                                      full_blocks) -> None:
     """The paged block mask (key block = page) gives the oracle's output, and lists a page of a sequence as full
@@ -131,6 +132,7 @@ def test_paged_flex_refuses_what_it_would_get_wrong() -> None:
         impls.get("flex", "paged").prepare(inputs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("full_blocks", "window"), [(False, NO_WINDOW), (True, (40, 0))])
 def test_compiled_paged_flex_reads_only_the_pages_its_block_mask_lists(full_blocks, window) -> None:
     """Compiled (inductor's CPU kernel, as on a GPU), flex visits only the pages the mask lists: the spare pages
@@ -162,7 +164,7 @@ def test_a_compile_failure_is_reported_by_its_cause():
     reason = flex.compile_error(RuntimeError(traceback))
     assert reason == ("RuntimeError: triton.runtime.errors.OutOfResources: out of resource: shared memory, "
                       "Required: 264192")
-    # torch 2.11 on an H200, a physical cache of 2^31 elements or more (session 58): Triton's compile error
+    # torch 2.11 on an H200, a physical cache of 2^31 elements or more: Triton's compile error
     # names the line first and the cause after the source excerpt
     triton_error = ("CompilationError: at 194:23:\n\n    acc, l_i, m_i = forward_inner(\n"
                     "        block_n_start, block_n_end if block_n_end <= block_n_last_valid else block_n_last_valid,\n"

@@ -5,7 +5,7 @@ case would show up only on the GPU that happens to prefer it. Each candidate of 
 (cuTile and Triton, the Triton TMA path included) is launched directly, without autotuning, on edge cases
 (ragged lengths, Sq != Skv both ways with rows that see no key, GQA, MQA, bf16, large scores that keep moving
 the running max) and checked against the float64 oracle. Without autotuning each candidate runs once per case,
-which is also what the sanitizers run (scripts/gpu_checks.sh). ``FMHA_CANDIDATES=GLOB`` keeps the cuTile
+which is also what the sanitizers run (tools/gpu_checks.sh). ``FMHA_CANDIDATES=GLOB`` keeps the cuTile
 candidates whose label matches (``*two-launch*``: the sanitizer's subset; serving candidates too, by their
 label or, for decode, their description). The kernel's forms the tuner
 does not try (``impls.cutile.other_forms``) are checked too.
@@ -121,11 +121,10 @@ def test_every_candidate(family, case: Case, amplitude: float):
     assert launched or not candidates, "no candidate fits this GPU"
 
 
-# The serving operations: every decode form (key tile width, rows / pages / indexed reads) and every varlen
-# candidate of our cuTile kernels, on the serving twins (NaN in every unused cache slot, ragged lengths over
-# page boundaries, several new tokens, splits merged by the combine), and on the models' twins with a sliding
-# window or softcap.
 def serving_cases() -> list[Case]:
+    """The cases every decode form and varlen candidate of our cuTile kernels run on: the serving twins (NaN in
+    every unused cache slot, ragged lengths over page boundaries, several new tokens, splits merged by the
+    combine) and the models' twins with a sliding window or softcap."""
     from suite.cases import preset
 
     variants = [c for c in preset("models-serving-cpu") if c.window != NO_WINDOW or c.softcap]

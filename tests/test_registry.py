@@ -133,7 +133,7 @@ def test_checks_group_by_implementation_and_compiled_form():
 def test_benchmark_json_is_a_path_whichever_pytest_benchmark_keeps_it(tmp_path):
     # pytest-benchmark 5.3 keeps --benchmark-json as a path, 5.2.3 (the GPU image's own) as the file it opened:
     # the plugin's checkpoints and merges take the path from either (a file object once stopped a GPU run).
-    from suite.plugin import benchmark_json
+    from suite.recording import benchmark_json
 
     class Config:
         def __init__(self, value) -> None:

@@ -13,6 +13,7 @@ from impls.contract import UNBOUNDED, PagedKV, Varlen
 from suite import metrics
 from suite.cases import PRESETS, UNEVEN_VARLEN, Case, case_by_id, paged, uneven_varlen, varlen
 from suite.checks import Oracle
+from tests.tiers import first_fast, only_fast
 
 TINY = ("", 4, 2, 64)
 
@@ -58,7 +59,7 @@ def test_varlen_input_errors_name_the_problem(change, words):
 
 
 @pytest.mark.parametrize("name", [impl.name for impl in impls.select() if impl.op == "varlen"])
-@pytest.mark.parametrize(("lengths_q", "lengths_k", "causal"), UNEVEN_VARLEN)
+@pytest.mark.parametrize(("lengths_q", "lengths_k", "causal"), first_fast(UNEVEN_VARLEN, unpack=True))
 def test_uneven_varlen_batches_pass_or_are_refused_with_a_reason(name, lengths_q, lengths_k, causal):
     """Sequences with no queries or no keys, more keys than queries: what runs here matches the oracle (rows
     that see no key are zeros), what cannot run says why."""
@@ -223,7 +224,7 @@ def test_triton_split_decode_prefetches_under_pdl_and_gives_the_oracle_output(he
     """Where a step splits on Hopper its kernels run under PDL, and the first chunk's program of each sequence asks
     the L2 for its lookups before the wait (PREFETCH): on every tile of the tuner's space, with 1 and 4 new tokens,
     long-tailed lengths (NaN in unused slots) and a head dim that pads the tile (96), the output is the oracle's, with
-    and without it. (``gpu_session.sh prefetch`` also runs it under compute-sanitizer's memcheck.)"""
+    and without it (also worth running under compute-sanitizer's memcheck)."""
     from impls._plans import dependent_launch_available
     from impls.triton_fa.paged import DECODE_TILES, paged_launch
 
@@ -396,9 +397,9 @@ def test_varlen_work_plan_pairs_mirror_tiles_as_the_dense_kernel_does():
 
 
 def test_varlen_work_plan_fills_the_last_round_that_equal_pairs_leave_part_empty():
-    # GPT-2 1 x 32K as the dense kernel's planned share runs it: 12 heads of 128 query tiles of 256 rows, 768 equal
-    # mirror pairs on 132 blocks. Whole pairs give the busiest block 6 where the mean is 5.82 (3% of the launch
-    # idle); the trailing pairs split into their tiles fill that round, and the rest stay pairs.
+    """GPT-2 1 x 32K as the dense kernel's planned share runs it: 12 heads of 128 query tiles of 256 rows, 768 equal
+    mirror pairs on 132 blocks. Whole pairs give the busiest block 6 where the mean is 5.82 (3% of the launch
+    idle); the trailing pairs split into their tiles fill that round, and the rest stay pairs."""
     from impls._plans import longest_first, query_tile_cost, varlen_work_plan
 
     heads, length, tile_m, tile_n, blocks = 12, 32768, 256, 64, 132
@@ -430,8 +431,8 @@ def test_combine_plan_merges_many_chunks_in_one_step():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's run of the narrowed combine: CPU")
 def test_triton_decode_with_a_narrowed_combine(monkeypatch):
-    """The Triton combine with head-dim slices (as many chunks make it) is correct: a small step budget narrows
-    the slices of a CPU twin's few chunks."""
+    """The Triton combine with head-dim slices (as many chunks make it) is correct: a small
+    ``COMBINE_STEP_ELEMENTS`` narrows the slices of a CPU twin's few chunks."""
     pytest.importorskip("triton")
     import impls._plans
 
@@ -620,7 +621,7 @@ def test_the_cpu_twins_cover_gqa_mqa_several_tokens_and_ragged_pages(name):
         assert {c.page_size for c in grid} >= {16, 32}
 
 
-@pytest.mark.parametrize("pdl", [True, False, None])
+@pytest.mark.parametrize("pdl", only_fast([True, False, None], [None]))
 def test_triton_decode_with_and_without_programmatic_dependent_launch(pdl):
     """Both launch modes of the decode (config ``PDL``; by default on where the step splits) are correct on every
     paged CPU twin, split and unsplit. On a GPU the steps also run back to back in one CUDA graph, where under PDL
@@ -700,9 +701,9 @@ def test_dense_calls_that_are_not_decode_steps_are_not_seen_as_pages(shape, caus
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's run of the dense route: CPU")
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
-@pytest.mark.parametrize(("sq", "skv", "causal", "variants"), [
+@pytest.mark.parametrize(("sq", "skv", "causal", "variants"), first_fast([
     (1, 256, False, {}), (4, 192, True, {}), (1, 512, True, {"window": (100, 0), "softcap": 30.0}),
-    (3, 130, True, {})])  # 130 rows: one page a sequence
+    (3, 130, True, {})], unpack=True))  # 130 rows: one page a sequence
 def test_triton_runs_a_dense_decode_step_as_split_kv_decode(layout, sq, skv, causal, variants, monkeypatch):
     """The dense ``triton`` entry hands a decode step to its split-KV decode (the config says so), whose output,
     in the dense layout, passes the float64 oracle; FMHA_DENSE_DECODE=0 keeps the dense kernel."""

@@ -235,11 +235,11 @@ def test_xdist_workers_results_merge_into_one_file(sharded):
     assert len({c for _, c, _ in statuses}) == len(twins) and {i for i, _, _ in statuses} == {"naive", "sdpa"}
     assert sorted(s for _, _, s in statuses) == ["passed"] * passed + ["unsupported"] * causal_varlen
     assert not list(tmp_path.glob("bench.gw*.json"))  # the workers' files are merged away
-    # Every check that ran keeps the wall time of its steps, which scripts/where_time_goes.py adds up.
+    # Every check that ran keeps the wall time of its steps, which tools/where_time_goes.py adds up.
     timed = [o["seconds"] for o in checks if o["status"] == "passed"]
     assert len(timed) == passed and all(set(t) == {"prepare", "oracle", "check"} for t in timed)
     assert all(v >= 0 for t in timed for v in t.values()) and sum(t["oracle"] for t in timed) > 0
-    summary = subprocess.run([sys.executable, "scripts/where_time_goes.py", str(tmp_path / "bench.json")], cwd=ROOT,
+    summary = subprocess.run([sys.executable, "tools/where_time_goes.py", str(tmp_path / "bench.json")], cwd=ROOT,
                              capture_output=True, text=True, check=True).stdout
     checked = sum(o["phase"] == "correctness" and o["status"] == "passed" for o in data["fmha"]["outcomes"])
     assert any(line.split()[:2] == ["all", str(checked)] for line in summary.splitlines() if line.strip()), summary

@@ -30,17 +30,18 @@ def compiled(*configs: str) -> list[dict]:
 
 def test_hopper_uses_warpgroup_mma_and_tma_and_the_autotuners_pick_does_not_spill():
     # 128x64 tiles, 8 warps: the H200 autotuner's usual pick. Compiled with the run-time specialisation
-    # (16-divisible pointers and strides); without it the pointer path spilled, which misled session 1.
+    # (16-divisible pointers and strides); without it the pointer path spilled, which misleads.
     pointer, tma = compiled("--arch 90", "--arch 90 --tma")
     assert pointer["hgmma"] > 0 and tma["hgmma"] > 0  # warpgroup MMA, not the older HMMA path
     assert tma["utmaldg"] > 0 and pointer["utmaldg"] == 0  # the descriptor path really uses TMA loads
     assert pointer["stack"] == 0 and tma["stack"] == 0
 
 
+@pytest.mark.slow
 def test_ampere_padded_head_dims_window_and_softcap_compile_without_spills():
-    # Ampere (no warpgroup MMA); Phi-3 (96), D=80 and DeepSeek-style 192 padded to 128 / 256 in registers,
-    # masked loads (at 256 the search space's 128x32 with 8 warps); Gemma-2's local layers (a sliding window
-    # and softcap 50) at the autotuner's usual tile.
+    """Ampere (no warpgroup MMA); Phi-3 (96), D=80 and DeepSeek-style 192 padded to 128 / 256 in registers,
+    masked loads (at 256 the search space's 128x32 with 8 warps); Gemma-2's local layers (a sliding window
+    and softcap 50) at the autotuner's usual tile."""
     ampere, *hopper = compiled("--arch 80 --d 64 --full", "--arch 90 --d 80", "--arch 90 --d 96",
                                "--arch 90 --d 192 --block 128 32 --warps 8",
                                "--arch 90 --d 128 --window --softcap 50")
@@ -49,6 +50,7 @@ def test_ampere_padded_head_dims_window_and_softcap_compile_without_spills():
         assert result["hgmma"] > 0 and result["stack"] == 0, result
 
 
+@pytest.mark.slow
 def test_decode_tiles_double_buffer_k_and_v_from_five_stages_and_none_spills_in_its_loop():
     """Triton's pipeliner spends two stages on the block-table load that a decode tile's K/V addresses depend on:
     up to 4 stages the split kernel holds one K and one V buffer (a program waits for each tile right after
@@ -82,10 +84,11 @@ def test_loop_spills_counts_local_memory_only_between_a_backward_branch_and_its_
     assert loop_spills(listing.replace("BRA 0x20", "BRA 0x50")) == 0
 
 
+@pytest.mark.slow
 def test_decode_tiles_over_an_fp8_cache_read_values_as_words_and_hold_no_stack():
     """Over an fp8 cache under bf16 queries (fp16 dots, F16_DOT) every tile of the decode tuner reads V as words
     (V_WORDS) and widens it before the dot's layout: V reaches the dot through transposing 16-bit loads, no byte
-    loads, and no tile holds stack. Read as bytes (before session 40) each tile gathered V with LDS.U8 and the
+    loads, and no tile holds stack. Read as bytes, each tile gathered V with LDS.U8 and the
     128-key ones spilled 56-64 B (Triton 3.9)."""
     from impls.triton_fa.paged import DECODE_TILES
 
@@ -108,6 +111,7 @@ def test_decode_under_programmatic_dependent_launch_waits_before_its_first_load(
     assert with_pdl["shared"] == without["shared"] and with_pdl["stack"] == without["stack"] == 0
 
 
+@pytest.mark.slow
 def test_decode_prefetches_its_lookups_before_the_wait_and_loads_nothing_there():
     """PREFETCH asks the L2 for the sequence length, its table line and the query rows while the kernel ahead still
     runs (prefetch.global.L2 before griddepcontrol.wait): hints only, no load before the wait, and the loop's tile is

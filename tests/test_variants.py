@@ -12,6 +12,7 @@ from impls.reference import attention_ref, visible
 from suite import metrics
 from suite.cases import PRESETS, Case
 from suite.checks import Oracle
+from tests.tiers import first_fast
 
 
 @pytest.mark.parametrize(("sq", "skv", "causal", "window"), list(itertools.product(
@@ -79,7 +80,7 @@ def test_the_oracle_fails_an_output_that_ignores_the_variant(variants):
     assert not Oracle.dense(q, k, v, causal=True, **variants).check(plain).passed
 
 
-def test_models_presets_name_the_model_and_carry_its_variants():
+def test_models_presets_name_the_model_and_hold_its_variants():
     ids = [c.id for c in PRESETS["models"]]
     assert "gemma2-9b-local-bf16-causal-h16:8-s4096x4096-d256-w4096:0-cap50-b4" in ids
     assert "phi3-mini-bf16-causal-h32:32-s32768x32768-d96" in ids
@@ -133,7 +134,7 @@ def serving_cases() -> list[Case]:
 
 
 @pytest.mark.parametrize("variants", SERVING_VARIANTS, ids=str)
-@pytest.mark.parametrize("case", serving_cases(), ids=lambda c: c.id)
+@pytest.mark.parametrize("case", first_fast(serving_cases()), ids=lambda c: c.id)
 @pytest.mark.parametrize("name", ["naive", "triton"])
 def test_serving_operations_apply_the_variants_and_the_oracle_sees_it(name, case, variants):
     """Our Triton decode (split into chunks of the window under the interpreter) and varlen kernels, and naive,
@@ -174,7 +175,7 @@ def test_serving_implementations_without_a_variant_refuse_with_the_reason():
         impls.get("naive", "paged").prepare(decode, window=(16,))
 
 
-def test_the_models_serving_presets_carry_each_models_variants():
+def test_the_models_serving_presets_hold_each_models_variants():
     cases = PRESETS["models-serving"]
     assert {c.op for c in cases} == {"paged", "varlen"}
     local = [c for c in cases if c.model == "gemma2-9b-local"]

@@ -1,7 +1,7 @@
 """Where a suite run spends its wall time: per implementation, each step of its tests, and the slowest tests.
 
 The steps are prepare (validation, tuning or the tuning cache, compile and first call), oracle and check, from the
-``seconds`` every outcome carries (``suite/plugin.py``, ``Recorder.timer``). A run stopped part-way still has them
+``seconds`` every outcome carries (``suite/recording.py``, ``Recorder.timer``). A run stopped part-way still has them
 for every test that finished; the workers' files of an xdist run (``NAME.gwK.json``) are read if given.
 ``--heartbeat`` reads heartbeat files instead (the suite's ``--heartbeat=FILE``, or a campaign's step files: each
 test's start and finish, and its xdist worker):
