@@ -751,7 +751,7 @@ class RecordingTuning:
     def key(self, device, shape_class):
         return repr(list(shape_class))
 
-    def lookup(self, key, tune, fixed, compile_all=None):
+    def lookup(self, key, tune, fixed, compile_all=None, near=(), valid=None):
         if key in self.entries:
             return self.entries[key], "tuning cache"
         self.tuned.append(key)
