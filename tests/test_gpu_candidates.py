@@ -192,9 +192,9 @@ def test_triton_serving_past_one_grid_axis(case: Case):
 
 def test_every_decode_form_over_fp8_keeps_bf16_queries_of_any_magnitude(monkeypatch):
     """cuTile's fp16 dots of bf16 queries over an fp8 cache (decode.py's F16_DOT) on queries far outside fp16's
-    range, and an all-zero head (tests/test_serving.py's EXTREME_MAGNITUDES)."""
+    range, and an all-zero head (tests/serving_helpers.py's EXTREME_MAGNITUDES)."""
     import impls._plans
-    from tests.test_serving import EXTREME_MAGNITUDES, extreme_fp8_inputs
+    from tests.serving_helpers import EXTREME_MAGNITUDES, extreme_fp8_inputs
 
     monkeypatch.setattr(impls._plans, "SPLIT_MIN_TILES", 1)  # the combine runs too
     for magnitude in EXTREME_MAGNITUDES:
