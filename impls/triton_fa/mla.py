@@ -31,7 +31,9 @@ from impls.triton_fa.decode import _load, _query_rows, paged_decode_combine, sof
 from impls.triton_fa.kernel import LOG2_E, scaled_scores
 from impls.triton_fa.paged import INTERPRETER_SM_COUNT
 
-MAX_ROWS = 64  # query heads x new tokens in one tile: a 64 x 512 fp32 accumulator is already half the registers
+# Query heads x new tokens in one tile. The fp32 accumulator is rows x latent: compiled for sm_90 at 512 + 64 (Triton
+# 3.9, 2026-11-28), 16 and 32 rows took 200 and 174 registers and no stack, 64 rows spilled (255 and 96 B of stack).
+MAX_ROWS = 64
 # The one config until a tuner: 32 latent rows a tile (32 KB of bf16), the plan of the paged decode's default.
 MLA_CONFIG = {"BLOCK_N": 32, "num_stages": 2, "PLAN_PROGRAMS": _plans.PROGRAMS_PER_SM}
 INTERPRETER_MLA_CONFIG = {"BLOCK_N": 16, "num_stages": 1, "PLAN_PROGRAMS": _plans.PROGRAMS_PER_SM}
