@@ -101,3 +101,10 @@ def test_the_mla_preset_is_deepseek_v3_per_gpu_of_eight():
     assert {(c.hq, c.dv, c.d - c.dv, c.page_size, c.dtype) for c in cases} == {(16, 512, 64, 64, "bf16")}
     assert {c.sq for c in cases} == {1, 2} and {c.batch for c in cases} == {1, 16, 64, 256}
     assert max(c.batch * c.skv for c in cases) <= MAX_SERVING_TOKENS
+
+
+def test_flashinfer_says_why_it_cannot_run_here():
+    impl = impls.get("flashinfer", "mla")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU: the suite checks FlashInfer's MLA entry itself")
+    assert "cuda" in impl.availability("cpu")
