@@ -108,3 +108,12 @@ def test_flashinfer_says_why_it_cannot_run_here():
     if torch.cuda.is_available():
         pytest.skip("a GPU: the suite checks FlashInfer's MLA entry itself")
     assert "cuda" in impl.availability("cpu")
+
+
+@pytest.mark.slow
+def test_triton_mla_compiles_for_hopper_without_spills_at_deepseeks_rows():
+    """DeepSeek-V3 per GPU of 8: 16 heads, one or two new tokens, 512 + 64, compiled for sm_90 as launched."""
+    from tests.test_triton_compile import compiled
+
+    for result in compiled("--arch 90 --mla 16", "--arch 90 --mla 32"):
+        assert result["hmma"] + result["hgmma"] > 0 and result["stack"] == 0, result

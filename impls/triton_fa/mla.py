@@ -111,6 +111,13 @@ def tile_width(width: int) -> int:
     return max(16, block_d(width))
 
 
+def row_tile(rows: int) -> tuple[int, int]:
+    """(BLOCK_M, warps) for a tile of ``rows`` query rows: 4 warps for 16 rows, 8 from 32 (a 32 x 512 fp32
+    accumulator over 4 warps is 128 registers a thread alone)."""
+    block_m = max(16, triton.next_power_of_2(rows))
+    return block_m, 4 if block_m <= 16 else 8
+
+
 def mla_launch(inputs, scale: float, config: dict):
     """The launches of one MLA decode step with ``config`` (split, then combine where a sequence has more than one
     chunk), and the split plan."""
@@ -120,7 +127,7 @@ def mla_launch(inputs, scale: float, config: dict):
     interp = interpreting()
     sm_count = INTERPRETER_SM_COUNT if interp else torch.cuda.get_device_properties(q_nope.device).multi_processor_count
     rows, block_n = heads * sq, config["BLOCK_N"]
-    block_m, block_l = max(16, triton.next_power_of_2(rows)), tile_width(latent)
+    (block_m, num_warps), block_l = row_tile(rows), tile_width(latent)
     num_splits, split_len = split_plan(inputs.seqlens, 1, block_n, sm_count, min_tiles=1 if interp else None,
                                        programs_per_sm=config["PLAN_PROGRAMS"])
     split = num_splits > 1
@@ -134,7 +141,7 @@ def mla_launch(inputs, scale: float, config: dict):
     split_meta = {"HEADS": heads, "SQ": sq, "PAGE_SIZE": inputs.page_size, "LATENT": latent,
                   "ROPE": inputs.rope_dim, "BLOCK_L": block_l, "BLOCK_R": tile_width(inputs.rope_dim),
                   "BLOCK_M": block_m, "BLOCK_N": block_n, "DOT_FP32": interp or q_nope.dtype == torch.float32,
-                  "SPLIT": split, "num_warps": 4 if block_m <= 16 else 8, "num_stages": config["num_stages"]}
+                  "SPLIT": split, "num_warps": num_warps, "num_stages": config["num_stages"]}
     launches = [(mla_decode_split, (num_splits, batch), split_args, split_meta)]
     if split:  # the paged decode's combine: the heads are one kv head's GROUP, nothing windowed
         tile_d, chunks = combine_plan(num_splits, block_l)
@@ -149,8 +156,7 @@ def mla_launch(inputs, scale: float, config: dict):
             kernel[grid](*args, **meta)
         return out
 
-    return run, {"num_splits": num_splits, "split_len": split_len, "BLOCK_M": block_m,
-                 "num_warps": split_meta["num_warps"]}
+    return run, {"num_splits": num_splits, "split_len": split_len, "BLOCK_M": block_m, "num_warps": num_warps}
 
 
 @register("triton", op="mla", family="triton", dtypes=FLOATS, requires=requires,
