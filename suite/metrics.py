@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from impls.contract import NO_WINDOW, decode_read_length, window_bounds
-from suite.cases import Case
+from suite.cases import PAGED_OPS, Case
 
 # Dense fp16/bf16 tensor-core peak (TFLOP/s, no sparsity) of each architecture's flagship datacenter part,
 # from NVIDIA's datasheets: A100 SXM (sm_80), H100/H200 SXM (sm_90), B200 (sm_100).
@@ -53,7 +53,7 @@ def flops(case: Case) -> int:
     serving cases sum over their sequences (decode: Sq_new new tokens against each cache, bottom-right)."""
     if case.op == "dense":
         total = case.batch * pairs(case.sq, case.skv, case.causal, case.window)
-    elif case.op in ("paged", "mla"):
+    elif case.op in PAGED_OPS:
         total = sum(pairs(case.sq, n, True, case.window) for n in case.seqlens())
     else:
         total = sum(pairs(n, n, case.causal, case.window) for n in case.seqlens())
