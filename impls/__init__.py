@@ -23,7 +23,7 @@ from impls._registry import (
     select,
     unregister,
 )
-from impls.contract import NO_WINDOW, PagedKV, Varlen, default_scale, validate_attention_inputs
+from impls.contract import NO_WINDOW, MLADecode, PagedKV, Varlen, default_scale, validate_attention_inputs
 
 __all__ = [
     "FLOATS",
@@ -31,6 +31,7 @@ __all__ = [
     "NO_WINDOW",
     "REGISTRY",
     "Impl",
+    "MLADecode",
     "PagedKV",
     "Prepared",
     "Unsupported",

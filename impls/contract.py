@@ -20,6 +20,14 @@ An fp8 KV cache (vLLM's ``kv_cache_dtype="fp8"``, FlashInfer's ``kv_data_type``)
 the key at a slot is ``k_scale * k_cache[slot]`` (dequantized), and so for values. The output stays q's dtype.
 Implementations declare it (``variants=("kv_fp8",)``); the others refuse such a batch with the reason.
 
+MLA decode (DeepSeek-V3/R1's and Kimi-K2's multi-head latent attention in the absorbed form, FlashInfer's layout):
+- ``q_nope (B, Sq_new, H, latent)`` and ``q_pe (B, Sq_new, H, rope)``: each query head's latent and rotary parts;
+- ``ckv (num_pages, page_size, latent)`` and ``kpe (num_pages, page_size, rope)``: one latent row and one rotary
+  row per token, shared by all H heads (DeepSeek-V3: 512 + 64);
+- ``block_table`` and ``cache_seqlens`` as paged decode's, causal bottom-right alike.
+The scores are ``q_nope . ckv + q_pe . kpe`` (default scale ``1 / sqrt(latent + rope)``), the values the latent
+rows: output ``(B, Sq_new, H, latent)``. Slots past a sequence's length may hold anything, NaN included.
+
 Varlen prefill (flash-attn's packed layout):
 - ``q (total_q, Hq, D)``, ``k, v (total_k, Hkv, D)``;
 - ``cu_seqlens_q, cu_seqlens_k (B+1,) int32``: sequence ``b`` is rows ``cu[b]:cu[b+1]``;
@@ -188,6 +196,39 @@ def _check_layouts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_name: st
         _check_index(name, t, rank(layout), layout, q.device)
 
 
+def _check_batch(q: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor) -> int:
+    """A paged batch's q ``(B, Sq_new, ...)`` against its index tensors: the new tokens per sequence."""
+    batch, sq = q.shape[:2]
+    if sq == 0 or batch == 0:
+        raise ValueError(f"empty q: {tuple(q.shape)}")
+    if block_table.shape[0] != batch or cache_seqlens.shape[0] != batch:
+        raise ValueError(f"batch size of q ({batch}), block_table ({block_table.shape[0]}) and "
+                         f"cache_seqlens ({cache_seqlens.shape[0]}) differ")
+    return sq
+
+
+def _checked_seqlens(cache_seqlens: torch.Tensor, block_table: torch.Tensor, sq: int, num_pages: int,
+                     page_size: int) -> tuple[int, ...]:
+    """Host copies of a paged batch's lengths, each checked to hold its ``sq`` new tokens and to find every page
+    it uses in ``block_table`` and in the cache's ``num_pages``."""
+    seqlens = tuple(int(n) for n in cache_seqlens.tolist())
+    max_pages, table = block_table.shape[1], block_table.cpu()
+    for b, length in enumerate(seqlens):
+        if length < sq:
+            raise ValueError(f"cache_seqlens[{b}] = {length} is shorter than the {sq} new tokens of q")
+        pages = math.ceil(length / page_size)
+        if pages > max_pages:
+            raise ValueError(f"cache_seqlens[{b}] = {length} needs {pages} pages of {page_size}, but "
+                             f"block_table has {max_pages} per sequence")
+        used = table[b, :pages]
+        bad = ((used < 0) | (used >= num_pages)).nonzero()
+        if len(bad):
+            i = int(bad[0, 0])
+            raise ValueError(f"block_table[{b}, {i}] = {int(used[i])} is out of range: the cache has "
+                             f"{num_pages} pages")
+    return seqlens
+
+
 class _ServingInputs:
     """What both operations' inputs share (each defines ``q``)."""
 
@@ -253,28 +294,8 @@ class PagedKV(_ServingInputs):
                 raise ValueError(f"{name} must be a finite positive number, got {value!r}")
             if value != 1.0 and not self.kv_fp8:
                 raise ValueError(f"{name} = {value} applies to an fp8 cache only; this one is {self.k_cache.dtype}")
-        batch, sq = self.q.shape[:2]
-        if sq == 0 or batch == 0:
-            raise ValueError(f"empty q: {tuple(self.q.shape)}")
-        if self.block_table.shape[0] != batch or self.cache_seqlens.shape[0] != batch:
-            raise ValueError(f"batch size of q ({batch}), block_table ({self.block_table.shape[0]}) and "
-                             f"cache_seqlens ({self.cache_seqlens.shape[0]}) differ")
-        self.seqlens = tuple(int(n) for n in self.cache_seqlens.tolist())
-        num_pages, page_size, max_pages = self.k_cache.shape[0], self.page_size, self.block_table.shape[1]
-        table = self.block_table.cpu()
-        for b, length in enumerate(self.seqlens):
-            if length < sq:
-                raise ValueError(f"cache_seqlens[{b}] = {length} is shorter than the {sq} new tokens of q")
-            pages = math.ceil(length / page_size)
-            if pages > max_pages:
-                raise ValueError(f"cache_seqlens[{b}] = {length} needs {pages} pages of {page_size}, but "
-                                 f"block_table has {max_pages} per sequence")
-            used = table[b, :pages]
-            bad = ((used < 0) | (used >= num_pages)).nonzero()
-            if len(bad):
-                i = int(bad[0, 0])
-                raise ValueError(f"block_table[{b}, {i}] = {int(used[i])} is out of range: the cache has "
-                                 f"{num_pages} pages")
+        sq = _check_batch(self.q, self.block_table, self.cache_seqlens)
+        self.seqlens = _checked_seqlens(self.cache_seqlens, self.block_table, sq, *self.k_cache.shape[:2])
 
     @property
     def page_size(self) -> int:
@@ -367,12 +388,95 @@ class Varlen(_ServingInputs):
         return binding_window(window, self.causal, self.max_seqlen_q, self.max_seqlen_k)
 
 
+MLA_LAYOUTS = {"q_nope": "(B, Sq_new, H, latent)", "q_pe": "(B, Sq_new, H, rope)",
+               "ckv": "(num_pages, page_size, latent)", "kpe": "(num_pages, page_size, rope)"}
+
+
+@dataclass
+class MLADecode(_ServingInputs):
+    """MLA decode over a paged latent cache (module doc). Construction validates and reads the lengths once."""
+
+    q_nope: torch.Tensor
+    q_pe: torch.Tensor
+    ckv: torch.Tensor
+    kpe: torch.Tensor
+    block_table: torch.Tensor
+    cache_seqlens: torch.Tensor
+    seqlens: tuple[int, ...] = field(init=False)  # host copy of cache_seqlens
+
+    op = "mla"
+    head_dim_tensors = ("q_nope", "q_pe", "ckv", "kpe")
+    index_tensors = ("block_table", "cache_seqlens")
+
+    def __post_init__(self) -> None:
+        for name, layout in MLA_LAYOUTS.items():
+            t = getattr(self, name)
+            _check_tensor(name, t, layout.count(",") + 1, layout)
+            if not t.is_floating_point():
+                raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+        tensors = [getattr(self, name) for name in MLA_LAYOUTS]
+        if len({t.dtype for t in tensors}) > 1:
+            raise TypeError(f"q_nope, q_pe, ckv and kpe must share one dtype, got "
+                            f"{', '.join(str(t.dtype) for t in tensors)}")
+        if len({t.device for t in tensors}) > 1:
+            raise ValueError(f"q_nope, q_pe, ckv and kpe must be on one device, got "
+                             f"{', '.join(str(t.device) for t in tensors)}")
+        _check_index("block_table", self.block_table, 2, "(B, max_pages)", self.q.device)
+        _check_index("cache_seqlens", self.cache_seqlens, 1, "(B,)", self.q.device)
+        if self.q_pe.shape[:3] != self.q_nope.shape[:3]:
+            raise ValueError(f"q_nope {tuple(self.q_nope.shape)} and q_pe {tuple(self.q_pe.shape)} must agree in "
+                             "(B, Sq_new, H)")
+        if self.kpe.shape[:2] != self.ckv.shape[:2]:
+            raise ValueError(f"ckv {tuple(self.ckv.shape)} and kpe {tuple(self.kpe.shape)} must agree in "
+                             "(num_pages, page_size)")
+        for part, q, cache, c_name in (("latent", self.q_nope, self.ckv, "ckv"), ("rope", self.q_pe, self.kpe, "kpe")):
+            if q.shape[-1] != cache.shape[-1]:
+                raise ValueError(f"{part} width of q_{'nope' if part == 'latent' else 'pe'} ({q.shape[-1]}) and "
+                                 f"{c_name} ({cache.shape[-1]}) differ")
+        if min(self.q.shape[2], self.latent_dim, self.rope_dim, *self.ckv.shape[:2]) == 0:
+            raise ValueError(f"empty tensor: q_nope {tuple(self.q_nope.shape)}, q_pe {tuple(self.q_pe.shape)}, "
+                             f"ckv {tuple(self.ckv.shape)}")
+        sq = _check_batch(self.q, self.block_table, self.cache_seqlens)
+        self.seqlens = _checked_seqlens(self.cache_seqlens, self.block_table, sq, *self.ckv.shape[:2])
+
+    @property
+    def q(self) -> torch.Tensor:
+        """The query tensor whose shape and dtype the output takes: ``q_nope``."""
+        return self.q_nope
+
+    @property
+    def latent_dim(self) -> int:
+        return self.ckv.shape[-1]
+
+    @property
+    def rope_dim(self) -> int:
+        return self.kpe.shape[-1]
+
+    @property
+    def head_dim(self) -> int:
+        """The width of the scores' dot, latent and rotary parts together (the default scale's)."""
+        return self.latent_dim + self.rope_dim
+
+    @property
+    def page_size(self) -> int:
+        return self.ckv.shape[1]
+
+    @property
+    def max_seqlen(self) -> int:
+        return max(self.seqlens)
+
+
 def gather_sequence(inputs: PagedKV, b: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Sequence ``b``'s keys and values, ``(Hkv, L, D)`` each, gathered from its pages."""
+    k, v = (gather_rows(inputs, c, b).transpose(0, 1) for c in (inputs.k_cache, inputs.v_cache))
+    return k, v
+
+
+def gather_rows(inputs: PagedKV | MLADecode, cache: torch.Tensor, b: int) -> torch.Tensor:
+    """Sequence ``b``'s rows of a paged ``cache (num_pages, page_size, ...)``, ``(L, ...)`` in position order."""
     length = inputs.seqlens[b]
     pages = inputs.block_table[b, : math.ceil(length / inputs.page_size)].long()
-    k, v = (c[pages].flatten(0, 1)[:length].transpose(0, 1) for c in (inputs.k_cache, inputs.v_cache))
-    return k, v
+    return cache[pages].flatten(0, 1)[:length]
 
 
 # A dense call shaped like decode: a few new tokens at the end of a longer cache, causal (bottom-right) or one token.
@@ -387,12 +491,16 @@ def decode_shaped(sq: int, skv: int, causal: bool) -> bool:
     return sq <= DENSE_DECODE_MAX_NEW and sq < skv and (causal or sq == 1)
 
 
-def sequences(inputs: PagedKV | Varlen, indices: list[int] | None = None, kv_dtype: torch.dtype | None = None):
+def sequences(inputs: PagedKV | Varlen | MLADecode, indices: list[int] | None = None,
+              kv_dtype: torch.dtype | None = None):
     """Per sequence: (index, q (1, Hq, Sq, D), k, v (1, Hkv, Skv, D), causal) in the dense contract's layout. An
-    fp8 cache's keys and values come dequantized, as ``kv_dtype`` (default q's)."""
-    batch = inputs.q.shape[0] if isinstance(inputs, PagedKV) else inputs.batch
+    fp8 cache's keys and values come dequantized, as ``kv_dtype`` (default q's). MLA: one kv head whose keys are
+    the latent and rotary rows side by side, the queries likewise, the values the latent rows (``mla_sequence``)."""
+    batch = inputs.batch if isinstance(inputs, Varlen) else inputs.q.shape[0]
     for b in range(batch) if indices is None else indices:
-        if isinstance(inputs, PagedKV):
+        if isinstance(inputs, MLADecode):
+            yield b, *mla_sequence(inputs, b), True
+        elif isinstance(inputs, PagedKV):
             k, v = gather_sequence(inputs, b)
             if inputs.kv_fp8:
                 k, v = inputs.dequantized(k, v, kv_dtype or inputs.q.dtype)
@@ -403,9 +511,18 @@ def sequences(inputs: PagedKV | Varlen, indices: list[int] | None = None, kv_dty
             yield b, q, k, v, inputs.causal
 
 
-def scatter_sequence(out: torch.Tensor, inputs: PagedKV | Varlen, b: int, o: torch.Tensor) -> None:
+def mla_sequence(inputs: MLADecode, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sequence ``b`` of an MLA batch as dense attention with one kv head: q ``(1, H, Sq, latent + rope)``, k
+    ``(1, 1, L, latent + rope)`` and v ``(1, 1, L, latent)``."""
+    q = torch.cat([inputs.q_nope[b], inputs.q_pe[b]], dim=-1).transpose(0, 1)[None]
+    ckv = gather_rows(inputs, inputs.ckv, b)
+    k = torch.cat([ckv, gather_rows(inputs, inputs.kpe, b)], dim=-1)
+    return q, k[None, None], ckv[None, None]
+
+
+def scatter_sequence(out: torch.Tensor, inputs: PagedKV | Varlen | MLADecode, b: int, o: torch.Tensor) -> None:
     """Write sequence ``b``'s output ``o (1, Hq, Sq, D)`` into the operation's output layout."""
-    if isinstance(inputs, PagedKV):
+    if isinstance(inputs, PagedKV | MLADecode):
         out[b] = o[0].transpose(0, 1)
     else:
         out[inputs.offsets_q[b]:inputs.offsets_q[b + 1]] = o[0].transpose(0, 1)

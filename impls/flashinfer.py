@@ -5,9 +5,11 @@
   ``BatchPrefillWithPagedKVCacheWrapper`` with ``causal=True``. The block table becomes FlashInfer's CSR page
   list (``indptr``, ``indices``, ``last_page_len``) in prepare, as a server keeps it.
 - ``varlen`` and dense: ``BatchPrefillWithRaggedKVCacheWrapper`` (dense is the equal-length batch).
+- ``mla``: ``flashinfer.mla.BatchMLAPagedAttentionWrapper`` over the same page list, the batch's new tokens packed
+  (``qo_indptr``), causal where a sequence has several.
 - Every operation takes the window (left side, ``window_left``; FlashInfer has no right bound) and softcap
   (``logits_soft_cap``) where the call asks for them; paged decode takes an fp8 cache (``kv_data_type`` at
-  planning, ``k_scale`` / ``v_scale`` at each run, as vLLM calls it).
+  planning, ``k_scale`` / ``v_scale`` at each run, as vLLM calls it). MLA takes no variant.
 
 Planning (which also JIT-compiles the kernels on first use) happens in prepare; the timed call is ``run``.
 FlashInfer aligns a causal mask bottom-right when a sequence has more keys than queries, as the contract does.
@@ -131,3 +133,31 @@ def prepare_paged(inputs, *, scale: float, window: tuple[int, int] = NO_WINDOW, 
         return wrapper.run(q, cache, **scales).view(batch, new, heads, head_dim)
 
     return Prepared(probe(call, *REFUSALS), config={"layout": LAYOUT, **config})
+
+
+# FlashInfer's MLA kernels are instantiated for DeepSeek's widths only (a latent of 512, a rotary part of 64).
+MLA_WIDTHS = (512, 64)
+
+
+@register("flashinfer", op="mla", family="flashinfer", dtypes=HALF, devices=("cuda",), requires=requires,
+          description="flashinfer.mla.BatchMLAPagedAttentionWrapper (causal where a step has several new tokens)")
+def prepare_mla(inputs, *, scale: float) -> Prepared:
+    import flashinfer
+
+    batch, new, heads, latent = inputs.q_nope.shape
+    if (latent, inputs.rope_dim) != MLA_WIDTHS:
+        raise Unsupported(f"a latent of {latent} and a rotary part of {inputs.rope_dim}: FlashInfer's MLA kernels "
+                          f"take {MLA_WIDTHS[0]} and {MLA_WIDTHS[1]} only")
+    indptr, indices, _ = page_table_csr(inputs.block_table, inputs.seqlens, inputs.page_size)
+    qo_indptr = torch.arange(batch + 1, dtype=torch.int32, device=inputs.q.device) * new
+    q_nope, q_pe = (t.reshape(batch * new, heads, t.shape[-1]) for t in (inputs.q_nope, inputs.q_pe))
+    out = torch.empty_like(q_nope)
+    with refusing(*REFUSALS):
+        wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(_workspace(inputs.q.device))
+        wrapper.plan(qo_indptr, indptr, indices, inputs.cache_seqlens, heads, latent, inputs.rope_dim,
+                     inputs.page_size, new > 1, scale, inputs.q.dtype, inputs.ckv.dtype)
+
+    def call() -> torch.Tensor:
+        return wrapper.run(q_nope, q_pe, inputs.ckv, inputs.kpe, out=out).view(batch, new, heads, latent)
+
+    return Prepared(probe(call, *REFUSALS), config={"wrapper": "BatchMLAPagedAttentionWrapper", "causal": new > 1})

@@ -95,11 +95,29 @@ for _name, (_backend, _devices) in BACKENDS.items():
           description="pages gathered into a padded contiguous cache inside the timed call (an fp8 cache "
                       "dequantized there too), then torch SDPA with a length and causal mask (and a window's)")
 def sdpa_paged(inputs, *, scale: float, window: tuple[int, int] = NO_WINDOW):
-    batch, sq, hq, _ = inputs.q.shape
-    page, longest = inputs.page_size, inputs.max_seqlen
-    device = inputs.q.device
-    # Metadata a server builds once per step: which cache slot holds position t of sequence b.
-    positions = torch.arange(longest, device=device)
+    hq = inputs.q.shape[2]
+    slots, valid, mask = padded_slots(inputs, window)
+    keep = valid[:, :, None, None]
+    flat_k, flat_v = inputs.k_cache.flatten(0, 1), inputs.v_cache.flatten(0, 1)
+    q = inputs.q.transpose(1, 2)
+
+    def call() -> torch.Tensor:
+        # Unused slots may hold anything, NaN included: zero them, or 0 * NaN reaches the output.
+        k, v = (torch.where(keep, gathered, 0).transpose(1, 2)
+                for gathered in inputs.dequantized(flat_k[slots], flat_v[slots], q.dtype))
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=hq != k.shape[1])
+        return o.transpose(1, 2)
+
+    return probe(call, RuntimeError)
+
+
+def padded_slots(inputs, window: tuple[int, int] = NO_WINDOW) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Metadata a server builds once per step for a paged batch padded to its longest sequence: the flat cache slot
+    of position t of sequence b ``(B, Lmax)`` (0 past its length), whether it is one of its positions, and the
+    attention mask ``(B, 1, Sq, Lmax)``: causal bottom-right, within the length and the window."""
+    batch, sq = inputs.q.shape[:2]
+    page, device = inputs.page_size, inputs.q.device
+    positions = torch.arange(inputs.max_seqlen, device=device)
     table = inputs.block_table.long()
     slots = table.gather(1, (positions // page).expand(batch, -1).clamp(max=table.shape[1] - 1)) * page
     slots = slots + positions % page
@@ -110,16 +128,24 @@ def sdpa_paged(inputs, *, scale: float, window: tuple[int, int] = NO_WINDOW):
     visible = (positions[None, None, :] <= new_pos[:, :, None]) & valid[:, None, :]  # (B, Sq, Lmax)
     if window[0] >= 0:
         visible &= positions[None, None, :] >= new_pos[:, :, None] - window[0]
-    mask = visible[:, None]  # (B, 1, Sq, Lmax)
-    keep = valid[:, :, None, None]
-    flat_k, flat_v = inputs.k_cache.flatten(0, 1), inputs.v_cache.flatten(0, 1)
-    q = inputs.q.transpose(1, 2)
+    return slots, valid, visible[:, None]
+
+
+@register("sdpa", op="mla", family="sdpa",
+          description="each sequence's latent and rotary rows gathered into a padded cache inside the timed call, "
+                      "then torch SDPA with one kv head shared by every query head (scores latent + rotary wide, "
+                      "values the latent rows) and a length and causal mask")
+def sdpa_mla(inputs, *, scale: float):
+    slots, valid, mask = padded_slots(inputs)
+    keep = valid[:, :, None]
+    flat_ckv, flat_kpe = inputs.ckv.flatten(0, 1), inputs.kpe.flatten(0, 1)
 
     def call() -> torch.Tensor:
         # Unused slots may hold anything, NaN included: zero them, or 0 * NaN reaches the output.
-        k, v = (torch.where(keep, gathered, 0).transpose(1, 2)
-                for gathered in inputs.dequantized(flat_k[slots], flat_v[slots], q.dtype))
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=hq != k.shape[1])
+        ckv, kpe = (torch.where(keep, flat[slots], 0) for flat in (flat_ckv, flat_kpe))  # (B, Lmax, width)
+        q = torch.cat([inputs.q_nope, inputs.q_pe], dim=-1).transpose(1, 2)  # (B, H, Sq, latent + rope)
+        k = torch.cat([ckv, kpe], dim=-1)[:, None]
+        o = F.scaled_dot_product_attention(q, k, ckv[:, None], attn_mask=mask, scale=scale, enable_gqa=True)
         return o.transpose(1, 2)
 
     return probe(call, RuntimeError)

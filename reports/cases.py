@@ -24,7 +24,7 @@ def case_parts(case: dict[str, Any], *, with_length: bool = True, with_batch: bo
     op, sq, skv, batch = case.get("op") or "dense", case.get("sq", 0), case.get("skv", 0), case.get("batch", 1)
     mask = "causal" if case.get("causal") else "non-causal"
     spread = f"{case.get('lengths')} lengths"
-    if op == "paged":
+    if op in ("paged", "mla"):
         sized = f"{batch} x {length(skv)}"
         shape = [spread, f"pages of {case.get('page_size')}", f"{sq} new token" + ("s" if sq > 1 else "")]
     elif op == "varlen":

@@ -239,7 +239,7 @@ def geomean(values: Iterable[float]) -> float | None:
 def case_merit(case: dict[str, Any]) -> str:
     """What a case ranks by, as its run recorded it (``suite.cases.Case.merit``): ``gbps`` for decode, which is
     memory-bound, ``tflops`` for the rest. Older files do not say: their paged cases are the decode ones."""
-    return case.get("merit") or ("gbps" if case.get("op") == "paged" else "tflops")
+    return case.get("merit") or ("gbps" if case.get("op") in ("paged", "mla") else "tflops")
 
 
 def figure_of_merit(cases: Iterable[dict[str, Any]]) -> str:

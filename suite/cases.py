@@ -18,6 +18,8 @@ FP8_MAX = 448.0  # the largest finite float8_e4m3fn: a per-tensor scale maps the
 
 
 OPS = ("dense", "paged", "varlen")
+OPS += ("mla",)
+PAGED_OPS = ("paged", "mla")  # the operations over a paged cache: decode steps, causal, with a page size
 LENGTHS = {  # how a serving case's sequence lengths are drawn (seeded by the case id)
     "fixed": "dense cases: every sequence Sq x Skv",
     "uniform": "paged: every sequence holds Skv tokens",
@@ -34,6 +36,8 @@ class Case:
     - ``paged``: decode over a paged KV cache. ``batch`` sequences, ``sq`` new tokens each (Sq_new), ``skv``
       the longest cache length, ``lengths`` how the lengths are drawn, ``page_size`` tokens per page.
     - ``varlen``: packed prefill of ``batch`` sequences of ``lengths`` lengths, ``sq == skv`` tokens in all.
+    - ``mla``: MLA decode as ``paged``, over one latent head (``hkv`` 1): ``d`` is the scores' width (latent and
+      rotary parts), ``dv`` the latent one (values and output): DeepSeek-V3's 576 and 512.
     """
 
     batch: int
@@ -60,14 +64,18 @@ class Case:
             raise ValueError(f"GQA ratio: hq={self.hq} is not a multiple of hkv={self.hkv}")
         if self.op not in OPS:
             raise ValueError(f"op {self.op!r} is not one of {', '.join(OPS)}")
-        allowed = {"dense": ("fixed",), "paged": ("uniform", "longtail"), "varlen": ("random", "equal")}[self.op]
+        allowed = {"dense": ("fixed",), "paged": ("uniform", "longtail"), "varlen": ("random", "equal"),
+                   "mla": ("uniform", "longtail")}[self.op]
         if self.lengths not in allowed:
             raise ValueError(f"lengths {self.lengths!r} do not apply to {self.op}: {', '.join(allowed)}")
-        if (self.op == "paged") != (self.page_size > 0):
+        if (self.op in PAGED_OPS) != (self.page_size > 0):
             raise ValueError(f"page_size {self.page_size} for op {self.op}: paged cases need one, others none")
-        if self.op == "paged" and not self.causal:
+        if self.op in PAGED_OPS and not self.causal:
             raise ValueError("paged decode is causal: the new tokens are the last positions of each sequence")
-        if self.op != "dense" and self.dv:
+        if self.op == "mla" and (self.hkv != 1 or not 0 < self.dv < self.d):
+            raise ValueError(f"mla: one latent head (hkv 1, got {self.hkv}) and a latent width dv below the score "
+                             f"width d (got dv {self.dv}, d {self.d})")
+        if self.op not in ("dense", "mla") and self.dv:
             raise ValueError("a value head dim of its own is a dense-attention variant here")
         if self.kv_dtype and (self.op != "paged" or self.kv_dtype not in KV_DTYPES or self.dtype == "fp32"):
             raise ValueError(f"kv_dtype {self.kv_dtype!r}: a paged case's cache may be {', '.join(KV_DTYPES)} "
@@ -86,7 +94,10 @@ class Case:
         variants = (f"-dv{self.dv}" if self.dv else "") + (
             f"-w{self.window[0]}:{self.window[1]}" if self.window != NO_WINDOW else "") + (
             f"-cap{self.softcap:g}" if self.softcap else "") + (f"-kv{self.kv_dtype}" if self.kv_dtype else "")
-        if self.op == "paged":
+        if self.op == "mla":
+            body = (f"mla-{self.dtype}-h{self.hq}-q{self.sq}-kv{self.skv}-{self.lengths}-p{self.page_size}"
+                    f"-d{self.dv}+{self.d - self.dv}{tail}")
+        elif self.op == "paged":
             body = (f"paged-{self.dtype}-{heads}-q{self.sq}-kv{self.skv}-{self.lengths}-p{self.page_size}"
                     f"-d{self.d}{variants}{tail}")
         elif self.op == "varlen":
@@ -130,7 +141,7 @@ class Case:
         """What this case ranks by: ``gbps`` where it is a decode step and so bound by the KV bytes it reads (paged,
         or dense and decode-shaped, ``impls.contract.decode_shaped``: our dense entries run it as decode), else
         ``tflops``. Results files record it per case, and the report reads it from there."""
-        decode = self.op == "paged" or (self.op == "dense" and decode_shaped(self.sq, self.skv, self.causal))
+        decode = self.op in PAGED_OPS or (self.op == "dense" and decode_shaped(self.sq, self.skv, self.causal))
         return "gbps" if decode else "tflops"
 
     def as_dict(self) -> dict:
@@ -167,6 +178,8 @@ class Case:
 
         if self.op == "paged":
             return self._paged_inputs(randn, device)
+        if self.op == "mla":
+            return self._mla_inputs(randn, device)
         if self.op == "varlen":
             from impls.contract import Varlen
 
@@ -181,15 +194,33 @@ class Case:
     def _paged_inputs(self, randn, device):
         from impls.contract import PagedKV
 
-        lengths, page = self.seqlens(), self.page_size
-        pages_per_seq = [math.ceil(n / page) for n in lengths]
-        used, spare = sum(pages_per_seq), max(2, self.batch // 4)
-        num_pages = used + spare
-        k_cache, v_cache = (randn(num_pages, page, self.hkv, self.d) for _ in range(2))
+        layout = self._page_layout()
+        k_cache, v_cache = (randn(layout.num_pages, self.page_size, self.hkv, self.d) for _ in range(2))
         scales = {}
         if self.kv_dtype:
             (k_cache, scales["k_scale"]), (v_cache, scales["v_scale"]) = (
                 quantized(c, self.kv_torch_dtype) for c in (k_cache, v_cache))
+        for cache in (k_cache, v_cache):
+            layout.fill_unused(cache)
+        q = randn(self.batch, self.sq, self.hq, self.d)
+        return PagedKV(q, k_cache, v_cache, *layout.index_tensors(device), **scales)
+
+    def _mla_inputs(self, randn, device):
+        from impls.contract import MLADecode
+
+        layout, rope = self._page_layout(), self.d - self.dv
+        ckv, kpe = (randn(layout.num_pages, self.page_size, width) for width in (self.dv, rope))
+        for cache in (ckv, kpe):
+            layout.fill_unused(cache)
+        q_nope, q_pe = (randn(self.batch, self.sq, self.hq, width) for width in (self.dv, rope))
+        return MLADecode(q_nope, q_pe, ckv, kpe, *layout.index_tensors(device))
+
+    def _page_layout(self) -> PageLayout:
+        """Where a paged case's sequences live: their pages scattered at random over a cache with spare pages."""
+        lengths, page = self.seqlens(), self.page_size
+        pages_per_seq = [math.ceil(n / page) for n in lengths]
+        used, spare = sum(pages_per_seq), max(2, self.batch // 4)
+        num_pages = used + spare
         order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(self.batch + page))
         nan_page = int(order[used])  # a spare page: table entries past a sequence's pages point at it
         table = torch.full((self.batch, max(pages_per_seq) + 1), nan_page, dtype=torch.int32)
@@ -197,14 +228,30 @@ class Case:
         for b, n in enumerate(pages_per_seq):
             table[b, :n] = order[start:start + n]
             start += n
-        for cache in (k_cache, v_cache):
-            cache[order[used:].to(device)] = float("nan")
-            for b, n in enumerate(lengths):
-                if n % page:  # the rest of the last page
-                    cache[int(table[b, pages_per_seq[b] - 1]), n % page:] = float("nan")
-        q = randn(self.batch, self.sq, self.hq, self.d)
-        return PagedKV(q, k_cache, v_cache, table.to(device),
-                       torch.tensor(lengths, dtype=torch.int32, device=device), **scales)
+        tails = [(int(table[b, pages_per_seq[b] - 1]), n % page) for b, n in enumerate(lengths) if n % page]
+        return PageLayout(lengths, num_pages, table, order[used:], tails)
+
+
+@dataclass(frozen=True)
+class PageLayout:
+    """A paged case's pages: the block table (on the host), the spare pages and the (page, first unused slot) of
+    each sequence's ragged last page."""
+
+    lengths: list[int]
+    num_pages: int
+    table: torch.Tensor
+    spare: torch.Tensor
+    tails: list[tuple[int, int]]
+
+    def fill_unused(self, cache: torch.Tensor) -> None:
+        """NaN in every slot of ``cache (num_pages, page_size, ...)`` that no sequence uses."""
+        cache[self.spare.to(cache.device)] = float("nan")
+        for page, first in self.tails:
+            cache[page, first:] = float("nan")
+
+    def index_tensors(self, device: str | torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``block_table`` and ``cache_seqlens`` on ``device``."""
+        return self.table.to(device), torch.tensor(self.lengths, dtype=torch.int32, device=device)
 
 
 def quantized(cache: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, float]:
@@ -323,6 +370,27 @@ def _serving_fp8() -> list[Case]:
     steps = [(1, 32768), (16, 32768), (64, 8192), (256, 2048)]
     return [paged(model, b, n, kv_dtype=kv) for model in (LLAMA3_8B, LLAMA3_70B_TP8) for b, n in steps
             for kv in ("", "fp8")]
+
+
+# MLA decode in the absorbed form: (name in the case id, query heads, latent width, rotary width). DeepSeek-V3 (and R1,
+# the same attention) has 128 heads: 16 per GPU of tensor parallelism 8.
+DEEPSEEK_V3_MLA_TP8 = ("deepseek-v3-tp8", 16, 512, 64)
+
+
+def mla(model: tuple[str, int, int, int], batch: int, skv: int, *, sq: int = 1, page_size: int = 64,
+        lengths: str = "uniform", dtype: str = "bf16") -> Case:
+    """An MLA decode step over a paged latent cache (``Case``'s ``mla``)."""
+    name, heads, latent, rope = model
+    return Case(batch, heads, 1, sq, skv, latent + rope, dtype, True, op="mla", page_size=page_size,
+                lengths=lengths, model=name, dv=latent)
+
+
+def _mla() -> list[Case]:
+    """DeepSeek-V3's decode steps per GPU of 8: batch x cache length up to MAX_SERVING_TOKENS, one and two new
+    tokens (speculative decoding's one draft token), pages of 64; and a long-tailed batch."""
+    steps = [(b, n) for b in (1, 16, 64, 256) for n in (1024, 4096, 32768) if b * n <= MAX_SERVING_TOKENS]
+    return ([mla(DEEPSEEK_V3_MLA_TP8, b, n, sq=sq) for sq in (1, 2) for b, n in steps]
+            + [mla(DEEPSEEK_V3_MLA_TP8, 64, 8192, lengths="longtail")])
 
 
 # The attention of real checkpoints: (name in the case id, Hq, Hkv, D, window, softcap). Gemma 2 alternates
@@ -447,6 +515,14 @@ PRESETS: dict[str, list[Case]] = {
     # Serving benchmarks without a GPU (decode ranks by GB/s, prefill by TFLOPS: one preset each).
     "serving-cpu-bench": [paged(("", 4, 2, 64), 4, 256), paged(("", 4, 2, 64), 4, 512)],
     "varlen-cpu-bench": [varlen(("", 4, 2, 64), 2, 256)],
+    "mla": _mla(),
+    # The MLA twin on CPU (and as cheap GPU edge cases): narrow latent and rotary parts (one not a power of two),
+    # ragged lengths over page boundaries, one and two new tokens, many chunks at batch 1.
+    "mla-cpu": [
+        mla(("", 4, 32, 8), 3, 100, page_size=16, lengths="longtail"),
+        mla(("", 8, 64, 16), 2, 77, sq=2, page_size=32, dtype="fp16"),
+        mla(("", 4, 48, 16), 1, 300, page_size=16),
+    ],
 }
 
 

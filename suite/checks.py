@@ -86,16 +86,17 @@ class Oracle:
 
     @classmethod
     def serving(cls, inputs, *, scale: float | None = None, **variants) -> Oracle:
-        """Sampled sequences of a paged-decode or varlen batch, every head and query row of each; ``variants``:
-        window, softcap."""
-        batch = inputs.q.shape[0] if inputs.op == "paged" else inputs.batch
-        rows = [1] * batch if inputs.op == "paged" else inputs.seqlens_q()
+        """Sampled sequences of a paged-decode, MLA-decode or varlen batch, every head and query row of each;
+        ``variants``: window, softcap."""
+        decode = inputs.op != "varlen"  # paged and MLA decode: (B, Sq_new, H, D) in and out
+        batch = inputs.q.shape[0] if decode else inputs.batch
+        rows = [1] * batch if decode else inputs.seqlens_q()
         seqs = [b for b in sampled_sequences(batch) if rows[b]]  # a varlen sequence may have no rows to check
         refs = serving_attention_ref(inputs, scale=scale, upcast=True, indices=seqs, **variants)
         naives = serving_attention_ref(inputs, scale=scale, upcast=False, indices=seqs, **variants)
 
         def extract(out: torch.Tensor) -> list[torch.Tensor]:
-            if inputs.op == "paged":
+            if decode:
                 return [out[b].transpose(0, 1)[None] for b in seqs]
             return [out[inputs.offsets_q[b]:inputs.offsets_q[b + 1]].transpose(0, 1)[None] for b in seqs]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from impls.contract import NO_WINDOW, decode_read_length, window_bounds
-from suite.cases import Case
+from suite.cases import PAGED_OPS, Case
 
 # Dense fp16/bf16 tensor-core peak (TFLOP/s, no sparsity) of each architecture's flagship datacenter part,
 # from NVIDIA's datasheets: A100 SXM (sm_80), H100/H200 SXM (sm_90), B200 (sm_100).
@@ -53,11 +53,11 @@ def flops(case: Case) -> int:
     serving cases sum over their sequences (decode: Sq_new new tokens against each cache, bottom-right)."""
     if case.op == "dense":
         total = case.batch * pairs(case.sq, case.skv, case.causal, case.window)
-    elif case.op == "paged":
+    elif case.op in PAGED_OPS:
         total = sum(pairs(case.sq, n, True, case.window) for n in case.seqlens())
     else:
         total = sum(pairs(n, n, case.causal, case.window) for n in case.seqlens())
-    return 2 * case.hq * (case.d + case.value_dim) * total  # Q K^T over d, P V over the value head dim
+    return 2 * case.hq * (case.d + case.value_dim) * total  # Q K^T over d, P V over the value head dim (MLA: latent)
 
 
 def itemsize(case: Case, kv: bool = False) -> int:
@@ -67,7 +67,10 @@ def itemsize(case: Case, kv: bool = False) -> int:
 
 def kv_bytes(case: Case) -> int:
     """K and V bytes a kernel must read: each sequence's cache once (decode: with a sliding window, only the
-    positions some new token sees), each kv head once (GQA), in the cache's dtype."""
+    positions some new token sees), each kv head once (GQA), in the cache's dtype. MLA: each token's latent and
+    rotary rows once, the latent row serving as key and value."""
+    if case.op == "mla":
+        return sum(case.seqlens()) * case.d * itemsize(case, kv=True)
     if case.op == "dense":
         tokens = case.batch * case.skv
     elif case.op == "paged":

@@ -12,7 +12,7 @@ import torch
 
 from impls import Impl
 from impls.reference import attention_ref
-from suite.cases import Case, paged, varlen
+from suite.cases import Case, mla, paged, varlen
 from suite.problem import Problem
 from suite.recording import Recorder
 
@@ -77,7 +77,7 @@ def interleaved(t: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.cases(Case(1, 4, 2, 64, 96, 64, "bf16", True), paged(SMALL, 3, 100, lengths="longtail"),
-                   varlen(SMALL, 3, 300))
+                   varlen(SMALL, 3, 300), mla(("", 4, 32, 8), 3, 100, page_size=16, lengths="longtail"))
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layouts(impl: Impl, case: Case, problem: Problem, record: Recorder, layout: str) -> None:
     """Inputs in another memory layout give what the contiguous ones give. A strided head dim (a transposed view,

@@ -216,7 +216,8 @@ def test_list_impls_prints_the_registry_and_runs_nothing():
     rows = [line.split() for line in done.stdout.splitlines()]
     assert rows[0][:4] == ["operation", "implementation", "family", "variants"]
     listed = {(row[0], row[1]): " ".join(row[4:]) for row in rows[1:]}
-    assert set(listed) == {(op, name) for op in ("dense", "paged", "varlen") for name in ("flex", "naive")}
+    assert set(listed) == {(op, name) for op in ("dense", "paged", "varlen") for name in ("flex", "naive")} | {
+        ("mla", "naive")}
     assert listed["dense", "naive"] == "runs"
     if not torch.cuda.is_available():
         assert listed["paged", "flex"].startswith("runs on cuda only")

@@ -59,6 +59,20 @@ def compile_decode(arch: int, *, block_n: int, num_warps: int, num_stages: int, 
     return compile_for(paged_decode_split, arch, constants, pointers, num_warps, num_stages)
 
 
+def compile_mla(arch: int, *, rows: int, latent: int = 512, rope: int = 64, page_size: int = 64):
+    """The MLA decode's split kernel (mla.py) as its fixed config launches a split step of ``rows`` query rows (heads
+    x new tokens) over a bf16 latent cache, DeepSeek's widths by default."""
+    from impls.triton_fa.mla import MLA_CONFIG, mla_decode_split, row_tile, tile_width
+
+    block_m, num_warps = row_tile(rows)
+    constants = {"HEADS": rows, "SQ": 1, "PAGE_SIZE": page_size, "LATENT": latent, "ROPE": rope,
+                 "BLOCK_L": tile_width(latent), "BLOCK_R": tile_width(rope), "BLOCK_M": block_m,
+                 "BLOCK_N": MLA_CONFIG["BLOCK_N"], "DOT_FP32": False, "SPLIT": True}
+    pointers = {**dict.fromkeys(("Q_nope", "Q_pe", "CKV", "KPE", "Out"), "bf16"), "block_table": "i32",
+                "cache_seqlens": "i32", "O_part": "fp32", "LSE_part": "fp32"}
+    return compile_for(mla_decode_split, arch, constants, pointers, num_warps, MLA_CONFIG["num_stages"])
+
+
 def compile_for(fn, arch: int, constants: dict, pointers: dict[str, str], num_warps: int, num_stages: int):
     """``fn`` compiled for sm_``arch`` with these constexprs; ``pointers``: its pointer parameters and their
     element types; ``qk_scale`` and ``v_scale`` are floats, every other parameter an int32."""
@@ -130,6 +144,8 @@ def parser() -> argparse.ArgumentParser:
                         help="--kv-fp8 with the values read as bytes (V_WORDS off), the older form")
     parser.add_argument("--pdl", action="store_true", help="--decode for programmatic dependent launch (USE_PDL)")
     parser.add_argument("--prefetch", action="store_true", help="--decode with its lookups prefetched (PREFETCH)")
+    parser.add_argument("--mla", type=int, metavar="ROWS",
+                        help="the MLA decode's split kernel instead, for ROWS query rows (bf16, 512 + 64, pages of 64)")
     parser.add_argument("--each", action="store_true",
                         help="read one line of these options per configuration from stdin; print a JSON line each "
                              "(one process for many compiles)")
@@ -137,6 +153,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def resources(args: argparse.Namespace) -> dict[str, int]:
+    if args.mla:
+        kernel = compile_mla(args.arch, rows=args.mla)
+        return {**describe(kernel.asm["cubin"]), "shared": kernel.metadata.shared}
     if args.decode:
         block_n, num_warps, num_stages = args.decode
         kernel = compile_decode(args.arch, block_n=block_n, num_warps=num_warps, num_stages=num_stages,

@@ -207,17 +207,24 @@ def online_softmax_step(qk, acc, l_i, m_i, v_ptrs, in_seq, in_dims, MASKED: tl.c
     (log2 units, hidden keys -inf) and its values (``_load``'s masks) added in. ``WIDEN_TO``: the dtype an fp8
     value tile is widened to before its dot; ``V_WORDS``: the values come as words of four e4m3, widened to
     fp16."""
+    v = _load(v_ptrs, in_seq[:, None], in_dims[None, :], MASKED, PADDED)
+    if V_WORDS:
+        v = _e4m3_words_as_f16(v)
+    elif WIDEN_TO is not None:
+        v = v.to(WIDEN_TO)
+    return softmax_update(qk, acc, l_i, m_i, v, MASKED, DOT_FP32)
+
+
+@triton.jit
+def softmax_update(qk, acc, l_i, m_i, v, MASKED: tl.constexpr, DOT_FP32: tl.constexpr):
+    """The online softmax's step over one key tile's scores ``qk`` (log2 units, hidden keys -inf) and its value
+    tile ``v``, loaded: the running max, sum and output rescaled, the tile's values added in."""
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     # MASKED: a row that has seen no key yet has m == -inf: subtract 0 instead of NaN-ing
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new) if MASKED else m_new
     p = tl.math.exp2(qk - m_ref[:, None])
     alpha = tl.math.exp2(m_i - m_ref)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = _load(v_ptrs, in_seq[:, None], in_dims[None, :], MASKED, PADDED)
-    if V_WORDS:
-        v = _e4m3_words_as_f16(v)
-    elif WIDEN_TO is not None:
-        v = v.to(WIDEN_TO)
     if DOT_FP32:
         acc = tl.dot(p, v.to(tl.float32), acc * alpha[:, None], input_precision="ieee")
     else:
@@ -307,19 +314,28 @@ def paged_decode_split(
         qk_scale, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
         PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_FP32, True, HAS_WINDOW, SOFTCAP, KV_FP8, V_WORDS)
 
-    # The chunk's normalised output and its log-sum-exp in log2 units (-inf where a row saw no key here).
     if KV_FP8:  # the values' scale, once per chunk (the combine is linear in the partial outputs)
         acc = acc * v_scale
+    part = bk * stride_ob + split * stride_os
+    store_chunk(acc, l_i, m_i, O_part + part + rows[:, None] * stride_or + offs_d[None, :],
+                LSE_part + (bk * tl.num_programs(0) + split) * BLOCK_M + rows,
+                Out + batch * stride_b + token[:, None] * stride_t + head[:, None] * stride_h + offs_d[None, :],
+                row_valid, in_dims, SPLIT)
+
+
+@triton.jit
+def store_chunk(acc, l_i, m_i, o_part_ptrs, lse_ptrs, out_ptrs, row_valid, in_dims, SPLIT: tl.constexpr):
+    """A chunk's end. SPLIT: its normalised output rows and their log-sum-exp (log2 units, -inf where a row saw no
+    key here) to the partials, for the combine; otherwise the output rows themselves (``in_dims``: the head dim's
+    columns of the tile)."""
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     if SPLIT:
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
-        part = bk * stride_ob + split * stride_os
-        tl.store(O_part + part + rows[:, None] * stride_or + offs_d[None, :], acc / l_safe[:, None],
-                 mask=row_valid[:, None])
-        tl.store(LSE_part + (bk * tl.num_programs(0) + split) * BLOCK_M + rows, lse, mask=row_valid)
+        tl.store(o_part_ptrs, acc / l_safe[:, None], mask=row_valid[:, None])
+        tl.store(lse_ptrs, lse, mask=row_valid)
     else:
-        out_ptrs = Out + batch * stride_b + token[:, None] * stride_t + head[:, None] * stride_h + offs_d[None, :]
-        tl.store(out_ptrs, (acc / l_safe[:, None]).to(Out.dtype.element_ty), mask=row_valid[:, None] & in_dims[None, :])
+        tl.store(out_ptrs, (acc / l_safe[:, None]).to(out_ptrs.dtype.element_ty),
+                 mask=row_valid[:, None] & in_dims[None, :])
 
 
 @triton.jit
