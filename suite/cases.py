@@ -442,7 +442,7 @@ PRESETS: dict[str, list[Case]] = {
         Case(1, 4, 2, 100, 100, 64, "fp32", True),
         Case(1, 4, 1, 70, 130, 64, "fp16", True),
         Case(1, 2, 2, 130, 70, 128, "fp32", True),
-        Case(2, 4, 2, 65, 65, 128, "fp16", False),
+        Case(2, 2, 1, 40, 40, 128, "fp16", False),
     ]),
     "gqa": grid(batch=[4], heads=[(32, h) for h in (32, 8, 4, 1)], seqlens=[4096], d=[128]),
     "decode": grid(
