@@ -1,0 +1,81 @@
+"""The backward operation: its contract's errors, its oracle, its FLOPs and our Triton kernel (interpreter on CPU)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from impls import get
+from impls.contract import Backward
+from suite import metrics
+from suite.cases import Case
+from suite.checks import BackwardOracle
+
+# Odd lengths, Sq > Skv (rows that see no key), GQA 3:1 and a head dim padded to 128.
+ODD = Case(1, 3, 1, 47, 33, 80, "fp32", True, op="backward")
+
+
+@pytest.fixture(scope="module")
+def odd() -> Backward:
+    return ODD.make_inputs("cpu")
+
+
+def test_inputs_are_the_forward_of_the_dense_twin(odd: Backward) -> None:
+    q, k, v = replace(ODD, op="dense").make_inputs("cpu")
+    assert torch.equal(odd.q, q) and torch.equal(odd.k, k) and torch.equal(odd.v, v)
+    assert odd.lse.dtype == torch.float32 and odd.lse.shape == q.shape[:3]
+    assert torch.isinf(odd.lse[:, :, :47 - 33]).all()  # rows that see no key: +inf, as flash-attn writes them
+
+
+@pytest.mark.parametrize(("change", "error", "match"), [
+    ({"do": "half"}, ValueError, "do must be shaped, typed and placed like q"),
+    ({"do": "short"}, ValueError, "do must be shaped"),
+    ({"o": "short"}, ValueError, "o must be shaped"),
+    ({"lse": "short"}, ValueError, r"lse must be float32 \(B, Hq, Sq\)"),
+    ({"lse": "half"}, ValueError, "lse must be float32"),
+    ({"lse": "4d"}, ValueError, "lse must be 3-D"),
+    ({"v": "wide"}, ValueError, "v must have k's shape"),
+])
+def test_contract_names_the_problem(odd: Backward, change: dict, error: type, match: str) -> None:
+    (name, how), = change.items()
+    t = getattr(odd, name)
+    bad = {"half": lambda: t.half(), "short": lambda: t[..., :-1, :] if t.dim() == 4 else t[..., :-1],
+           "4d": lambda: t[..., None], "wide": lambda: torch.cat([t, t], dim=-1)}[how]()
+    with pytest.raises(error, match=match):
+        replace(odd, **{name: bad})
+
+
+def test_an_implementation_that_needs_lse_refuses_inputs_without_one(odd: Backward) -> None:
+    triton = get("triton", "backward")
+    assert triton.needs == ("lse",)
+    with pytest.raises(ValueError, match="triton needs lse"):
+        triton.prepare(replace(odd, lse=None))
+    get("naive", "backward").prepare(replace(odd, lse=None))  # autograd needs none
+
+
+def test_triton_backward_passes_the_oracle(odd: Backward) -> None:
+    oracle = BackwardOracle(odd)
+    result = oracle.check(get("triton", "backward").prepare(odd)())
+    assert result.passed, result.message
+
+
+def test_the_oracle_fails_a_wrong_gradient_and_nan(odd: Backward) -> None:
+    oracle = BackwardOracle(odd)
+    dq, dk, dv = get("naive", "backward").prepare(odd)()
+    assert oracle.check((dq, dk, dv)).passed
+    assert not oracle.check((dq, dk * 1.01, dv)).passed
+    assert not oracle.check((dq, dk, dv * 0.99)).passed
+    nan = dq.clone()
+    nan[0, 0, -1, 0] = float("nan")
+    assert "NaN" in oracle.check((nan, dk, dv)).message
+    assert "not (dq, dk, dv)" in oracle.check(dq).message
+
+
+def test_backward_flops_are_two_and_a_half_forwards() -> None:
+    for causal in (False, True):  # causal halves them as it does the forward's
+        case = replace(ODD, causal=causal, sq=128, skv=128)
+        assert metrics.flops(case) == 5 * metrics.flops(replace(case, op="dense")) // 2
+    full = Case(2, 4, 4, 128, 128, 64, op="backward")
+    assert metrics.flops(full) == 5 * 4 * 2 * 4 * 128 * 128 * 64 // 2
