@@ -3,9 +3,9 @@
 Each entry's prepare step runs the peer's forward on the inputs as leaves (so its own saved output and
 log-sum-exp, not the ``o`` and ``lse`` of the inputs) and keeps the graph; the timed call is the backward alone,
 ``torch.autograd.grad`` over that graph with the inputs' ``do``. Naive: standard attention in the input dtype;
-SDPA: each backend (the forward chooses the kernel, the backward follows it); flex: eager on CPU, compiled on a
-GPU; flash-attn 2/3/4: their ``flash_attn_func``, GPU only, ``requires`` naming a missing package. Our own
-kernel is ``impls.triton_fa.backward``.
+SDPA: each backend (the forward chooses the kernel, the backward follows it); flex: compiled, GPU only (PyTorch
+has no flex backward on CPU); flash-attn 2/3/4: their ``flash_attn_func``, GPU only, ``requires`` naming a missing
+package. Our own kernel is ``impls.triton_fa.backward``.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from impls._registry import REGISTRY, Impl, Prepared, Unsupported, refusing, reg
 from impls.contract import Backward
 
 PEERS = ("naive", *impls.sdpa.BACKENDS, "flex", *impls.flash_attn_pkg.GENERATIONS)
+GPU_ONLY = ("flex",)  # PyTorch 2.13: "FlexAttention does not support backward on CPU"
 # What a forward's autograd node can refuse with at backward time (a backend without a backward for this input).
 REFUSALS = (RuntimeError, NotImplementedError, ValueError, AssertionError, TypeError)
 
@@ -45,7 +46,9 @@ def autograd_backward(forward: Impl, inputs: Backward, *, scale: float, **varian
 def _make(name: str) -> None:
     forward = REGISTRY["dense", name]
 
-    @register(name, op="backward", family=forward.family, dtypes=forward.dtypes, devices=forward.devices,
+    devices = tuple(d for d in forward.devices if d == "cuda" or name not in GPU_ONLY)
+
+    @register(name, op="backward", family=forward.family, dtypes=forward.dtypes, devices=devices,
               head_dims=forward.head_dims, requires=forward.requires,
               variants=tuple(v for v in forward.variants if v in ("window", "softcap")),
               description=f"autograd through the forward ({forward.description}); only the backward is timed")
