@@ -24,6 +24,9 @@ Varlen prefill (flash-attn's packed layout):
 - ``q (total_q, Hq, D)``, ``k, v (total_k, Hkv, D)``;
 - ``cu_seqlens_q, cu_seqlens_k (B+1,) int32``: sequence ``b`` is rows ``cu[b]:cu[b+1]``;
 - ``causal`` per sequence, bottom-right like dense. Output ``(total_q, Hq, D)``.
+
+The backward pass of dense attention (``Backward``): the forward's inputs, output, log-sum-exp and the upstream
+gradient in; ``(dq, dk, dv)`` out.
 """
 
 from __future__ import annotations

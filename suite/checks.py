@@ -164,8 +164,14 @@ class BackwardOracle:
 
         sample = [pick(t, i in (0, 3)) for i, t in enumerate((q, inputs.k, inputs.v, inputs.do))]
         options = {"causal": inputs.causal, "scale": scale, **variants}
-        refs = attention_grads_ref(*sample, upcast=True, **options)
-        naives = attention_grads_ref(*sample, upcast=False, **options)
+
+        def grads(upcast: bool) -> list[torch.Tensor]:
+            # One pair at a time: autograd keeps every chunk's scores, so memory grows with the pairs done at once.
+            per_pair = [attention_grads_ref(*(t[i:i + 1] for t in sample), upcast=upcast, **options)
+                        for i in range(len(pairs))]
+            return [torch.cat(grad) for grad in zip(*per_pair, strict=True)]
+
+        refs, naives = grads(True), grads(False)
         self.sampled = len(pairs)
         self.oracles = [Oracle([ref], [naive], lambda out, query=i == 0: [pick(out, query)], t, len(pairs))
                         for i, (ref, naive, t) in enumerate(zip(refs, naives, (q, inputs.k, inputs.v), strict=True))]
