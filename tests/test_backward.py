@@ -12,6 +12,7 @@ from impls.contract import Backward
 from suite import metrics
 from suite.cases import Case
 from suite.checks import BackwardOracle
+from tests.tiers import slow
 
 # Odd lengths, Sq > Skv (rows that see no key), GQA 3:1 and a head dim padded to 128.
 ODD = Case(1, 3, 1, 47, 33, 80, "fp32", True, op="backward")
@@ -79,3 +80,14 @@ def test_backward_flops_are_two_and_a_half_forwards() -> None:
         assert metrics.flops(case) == 5 * metrics.flops(replace(case, op="dense")) // 2
     full = Case(2, 4, 4, 128, 128, 64, op="backward")
     assert metrics.flops(full) == 5 * 4 * 2 * 4 * 128 * 128 * 64 // 2
+
+
+@pytest.mark.parametrize("case", [slow(c) for c in (
+    Case(2, 4, 4, 1, 77, 64, "bf16", True, op="backward"),  # one query row over many keys
+    Case(1, 2, 1, 90, 90, 256, "bf16", False, op="backward"),  # the largest head dim
+    Case(1, 4, 2, 129, 200, 96, "fp16", True, op="backward"),  # a padded head dim, ragged tiles on both sides
+)], ids=lambda c: c.id)
+def test_triton_backward_on_more_shapes(case: Case) -> None:
+    inputs = case.make_inputs("cpu")
+    result = BackwardOracle(inputs).check(get("triton", "backward").prepare(inputs)())
+    assert result.passed, result.message
