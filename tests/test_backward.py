@@ -91,3 +91,41 @@ def test_triton_backward_on_more_shapes(case: Case) -> None:
     inputs = case.make_inputs("cpu")
     result = BackwardOracle(inputs).check(get("triton", "backward").prepare(inputs)())
     assert result.passed, result.message
+
+
+COMPILE_BACKWARD = """
+import json, torch
+from impls.sass import sass_summary
+from impls.triton_fa.aot import compile_for
+from impls.triton_fa.backward import bwd_dkdv, bwd_dq, block_d, tiles
+for d in (64, 128, 256):
+    for fn, t in zip((bwd_dkdv, bwd_dq), tiles(d, torch.bfloat16), strict=True):
+        meta = {"HEAD_DIM": d, "BLOCK_D": block_d(d), "CAUSAL": True, "DOT_FP32": False,
+                "BLOCK_M": t["BLOCK_M"], "BLOCK_N": t["BLOCK_N"]}
+        pointers = {n: "fp32" if n in ("LSE", "Delta") else "bf16" for n in fn.arg_names
+                    if n[0].isupper() and n not in meta}
+        cubin = compile_for(fn, 90, meta, pointers, t["num_warps"], t["num_stages"]).asm["cubin"]
+        print(json.dumps({"d": d, "kernel": fn.__name__, **sass_summary(cubin)}))
+"""
+
+
+@pytest.mark.slow
+def test_the_fixed_gpu_tiles_compile_for_hopper_without_spilling_in_their_loops() -> None:
+    """The bf16 tiles ``tiles`` picks, compiled for sm_90 without a GPU: no local memory touched inside the loops
+    (head dim 256's dk/dv keeps 16 bytes of stack outside them), warpgroup MMA except in that dk/dv, whose tile of
+    16 query rows is below a warpgroup MMA's 64."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", COMPILE_BACKWARD], cwd=Path(__file__).resolve().parents[1], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(results) == 6
+    for r in results:
+        assert r["loop_spills"] == 0 and r["stack"] <= 16, r
+        assert r["hgmma"] > 0 or (r["d"], r["kernel"]) == (256, "bwd_dkdv"), r

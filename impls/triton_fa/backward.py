@@ -153,18 +153,21 @@ def bwd_dq(
     _store_tile(DQ + row_base * HEAD_DIM, dq * scale, offs_m, offs_d, q_len, HEAD_DIM, BLOCK_D)
 
 
-def tiles(head_dim: int) -> tuple[dict, dict]:
-    """The fixed, untuned launch options of the dk/dv and the dq kernels. On a GPU: Triton's fused-attention
-    tutorial's shapes (a tall key tile for dk/dv, a tall query tile for dq), halved past a head dim of 128 so that
-    the float32 accumulators fit in registers; under the interpreter, one 64 x 64 tile for both."""
+def tiles(head_dim: int, dtype: torch.dtype) -> tuple[dict, dict]:
+    """The fixed, untuned launch options of the dk/dv and the dq kernels; under the interpreter, one 64 x 64 tile.
+    On a GPU, picked by compiling for sm_90 (not timed yet): the largest tiles whose float32 accumulators and K/V
+    (dk/dv) or Q/dO (dq) tiles fit in registers without spilling at 16-bit inputs; float32 inputs (ieee dots,
+    twice the registers) take the smallest and still spill from head dim 128."""
     if interpreting():
         one = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1}
         return one, one
-    if block_d(head_dim) > 128:
-        return ({"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
-                {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2})
-    return ({"BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3},
-            {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3})
+    if dtype == torch.float32:
+        dkdv, dq = (16, 32, 4), (32, 32, 4)
+    elif block_d(head_dim) > 128:
+        dkdv, dq = (16, 32, 4), (128, 32, 8)
+    else:
+        dkdv, dq = (64, 64, 8), (128, 64, 8)
+    return tuple({"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": 2} for m, n, w in (dkdv, dq))
 
 
 @register("triton", op="backward", family="triton", dtypes=FLOATS, head_dims=HEAD_DIMS, requires=requires,
@@ -178,7 +181,7 @@ def triton_backward(inputs: Backward, *, scale: float) -> Prepared:
     kv_heads, kv_len = k.shape[1], k.shape[2]
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
     delta = torch.empty_like(lse)
-    dkdv_tiles, dq_tiles = tiles(head_dim)
+    dkdv_tiles, dq_tiles = tiles(head_dim, q.dtype)
     meta = {"HEAD_DIM": head_dim, "BLOCK_D": block_d(head_dim), "CAUSAL": inputs.causal,
             "DOT_FP32": interpreting() or q.dtype == torch.float32}  # the interpreter's half dots are wrong
     shape = (heads, q_len, kv_len, heads // kv_heads)
