@@ -114,17 +114,20 @@ def serving_attention_ref(inputs, *, scale: float | None = None, upcast: bool = 
 def attention_lse(q: torch.Tensor, k: torch.Tensor, *, causal: bool = False, scale: float | None = None,
                   window: tuple[int, int] = NO_WINDOW, softcap: float = 0.0) -> torch.Tensor:
     """The forward's log-sum-exp ``(B, Hq, Sq)`` float32: natural log over each row's scaled (softcapped) scores,
-    scores in q's dtype as ``attention_ref(upcast=False)`` makes them; ``+inf`` where a row sees no key."""
+    the scores in q's dtype as ``attention_ref(upcast=False)`` makes them (a kernel's lse matches its own scores:
+    an exact one leaves its probabilities' rows summing off 1); ``+inf`` where a row sees no key. The sum is in
+    float64, rounded once: float32 ``logsumexp`` on CPU came out 5e-5 apart between two processes on the same
+    inputs."""
     scale = validate_attention_inputs(q, k, k, scale)
     k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    scores = torch.matmul(q, k.transpose(-1, -2)).double() * scale
     if softcap > 0:
         scores = softcap * torch.tanh(scores / softcap)
     if causal or tuple(window) != NO_WINDOW:
         scores = scores.masked_fill(~visible(q.shape[2], k.shape[2], causal=causal, window=tuple(window),
                                              device=q.device), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
-    return lse.masked_fill(lse == float("-inf"), float("inf"))
+    return lse.masked_fill(lse == float("-inf"), float("inf")).float()
 
 
 def attention_grads_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, *,

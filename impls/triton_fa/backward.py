@@ -7,7 +7,7 @@
    ``dk += ds^T q`` with ``ds = p * (do v^T - delta)`` in float32.
 3. ``bwd_dq``: one program per BLOCK_M tile of query rows of one (batch, query head): it walks the key tiles
    the rows see and accumulates ``dq += ds k``.
-Scores are in log2 units (the scale times log2(e)), as in the forward. Causal is bottom-right (query i sees keys
+Probabilities are recomputed in natural units from the given lse. Causal is bottom-right (query i sees keys
 j <= i + Skv - Sq): a key tile starts its walk at the first query tile that sees it, a query tile stops at the
 last key tile it sees; a row that sees no key has lse = +inf, so its p is 0. Every tensor is contiguous
 (B, H, S, D); a head dim that is not a power of two is padded to BLOCK_D with zeros by masked loads.
@@ -22,7 +22,6 @@ import triton.language as tl
 from impls._registry import FLOATS, Prepared, heads_by_batch, register
 from impls.contract import Backward
 from impls.triton_fa.config import HEAD_DIMS, block_d, interpreting, requires
-from impls.triton_fa.kernel import _LOG2_E, LOG2_E
 
 DELTA_ROWS = 64  # rows of do * o each program of the pre-pass sums
 
@@ -55,11 +54,12 @@ def _dot(a, b, DOT_FP32: tl.constexpr):
 
 
 @triton.jit
-def _probs(q, k_t, lse_log2, offs_m, offs_n, q_len, kv_len, qk_scale, CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr):
+def _probs(q, k_t, lse, offs_m, offs_n, q_len, kv_len, scale, CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr):
     """``p = exp(scale * q k^T - lse)`` of one (BLOCK_M, BLOCK_N) tile, 0 where a key is not seen or out of
-    bounds; ``k_t`` is the key tile transposed, ``lse_log2`` the rows' lse in log2 units."""
-    s = _dot(q, k_t, DOT_FP32) * qk_scale
-    p = tl.math.exp2(s - lse_log2[:, None])
+    bounds; ``k_t`` is the key tile transposed. In natural units: lse in log2 units would be rounded once more,
+    which at float32 inputs doubled dv's error against the oracle."""
+    s = _dot(q, k_t, DOT_FP32) * scale
+    p = tl.exp(s - lse[:, None])
     visible = (offs_n[None, :] < kv_len) & (offs_m[:, None] < q_len)
     if CAUSAL:
         visible = visible & (offs_n[None, :] <= offs_m[:, None] + (kv_len - q_len))
@@ -78,7 +78,7 @@ def bwd_delta(Out, DO, Delta, rows, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexp
 
 @triton.jit
 def bwd_dkdv(
-    Q, K, V, DO, LSE, Delta, DK, DV, qk_scale, scale,
+    Q, K, V, DO, LSE, Delta, DK, DV, scale,
     num_heads, q_len, kv_len, group,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
@@ -108,9 +108,9 @@ def bwd_dkdv(
             offs_m = start_m + tl.arange(0, BLOCK_M)
             q = _tile(Q + row_base * HEAD_DIM, offs_m, offs_d, q_len, HEAD_DIM, BLOCK_D, DOT_FP32)
             do = _tile(DO + row_base * HEAD_DIM, offs_m, offs_d, q_len, HEAD_DIM, BLOCK_D, DOT_FP32)
-            lse = tl.load(LSE + row_base + offs_m, mask=offs_m < q_len, other=float("inf")) * _LOG2_E
+            lse = tl.load(LSE + row_base + offs_m, mask=offs_m < q_len, other=float("inf"))
             delta = tl.load(Delta + row_base + offs_m, mask=offs_m < q_len, other=0.0)
-            p = _probs(q, k_t, lse, offs_m, offs_n, q_len, kv_len, qk_scale, CAUSAL, DOT_FP32)
+            p = _probs(q, k_t, lse, offs_m, offs_n, q_len, kv_len, scale, CAUSAL, DOT_FP32)
             dv += _dot(tl.trans(p.to(do.dtype)), do, DOT_FP32)
             dp = _dot(do, v_t, DOT_FP32)
             ds = p * (dp - delta[:, None])
@@ -121,7 +121,7 @@ def bwd_dkdv(
 
 @triton.jit
 def bwd_dq(
-    Q, K, V, DO, LSE, Delta, DQ, qk_scale, scale,
+    Q, K, V, DO, LSE, Delta, DQ, scale,
     num_heads, q_len, kv_len, group,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
@@ -136,7 +136,7 @@ def bwd_dq(
     kv_base = (batch * (num_heads // group) + head // group) * kv_len * HEAD_DIM
     q = _tile(Q + row_base * HEAD_DIM, offs_m, offs_d, q_len, HEAD_DIM, BLOCK_D, DOT_FP32)
     do = _tile(DO + row_base * HEAD_DIM, offs_m, offs_d, q_len, HEAD_DIM, BLOCK_D, DOT_FP32)
-    lse = tl.load(LSE + row_base + offs_m, mask=offs_m < q_len, other=float("inf")) * _LOG2_E
+    lse = tl.load(LSE + row_base + offs_m, mask=offs_m < q_len, other=float("inf"))
     delta = tl.load(Delta + row_base + offs_m, mask=offs_m < q_len, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     hi = kv_len
@@ -146,7 +146,7 @@ def bwd_dq(
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = _tile(K + kv_base, offs_n, offs_d, kv_len, HEAD_DIM, BLOCK_D, DOT_FP32)
         v = _tile(V + kv_base, offs_n, offs_d, kv_len, HEAD_DIM, BLOCK_D, DOT_FP32)
-        p = _probs(q, tl.trans(k), lse, offs_m, offs_n, q_len, kv_len, qk_scale, CAUSAL, DOT_FP32)
+        p = _probs(q, tl.trans(k), lse, offs_m, offs_n, q_len, kv_len, scale, CAUSAL, DOT_FP32)
         dp = _dot(do, tl.trans(v), DOT_FP32)
         ds = p * (dp - delta[:, None])
         dq += _dot(ds.to(k.dtype), k, DOT_FP32)
@@ -192,8 +192,8 @@ def triton_backward(inputs: Backward, *, scale: float) -> Prepared:
     def run() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         bwd_delta[(triton.cdiv(rows, DELTA_ROWS),)](o, do, delta, rows, HEAD_DIM=head_dim, BLOCK_D=meta["BLOCK_D"],
                                                     BLOCK_M=DELTA_ROWS)
-        bwd_dkdv[dkdv_grid](q, k, v, do, lse, delta, dk, dv, scale * LOG2_E, scale, *shape, **meta, **dkdv_tiles)
-        bwd_dq[dq_grid](q, k, v, do, lse, delta, dq, scale * LOG2_E, scale, *shape, **meta, **dq_tiles)
+        bwd_dkdv[dkdv_grid](q, k, v, do, lse, delta, dk, dv, scale, *shape, **meta, **dkdv_tiles)
+        bwd_dq[dq_grid](q, k, v, do, lse, delta, dq, scale, *shape, **meta, **dq_tiles)
         return dq, dk, dv
 
     run()  # compiles, outside any timed region
