@@ -26,7 +26,10 @@ A window or softcap reaches a prepare function, as ``window=`` / ``softcap=``, o
 declares the variant (``variants=("window", "softcap")``); a paged batch with an fp8 cache reaches only those
 that declare ``"kv_fp8"``.
 
-One name may be registered once per operation (``naive`` is all three).
+The backward pass (``op="backward"``) takes a ``Backward`` the same way and returns ``(dq, dk, dv)``; an
+implementation that reads the forward's log-sum-exp declares ``needs=("lse",)``, and inputs without one are refused.
+
+One name may be registered once per operation (``naive`` is all of them).
 """
 
 from __future__ import annotations
@@ -51,8 +54,7 @@ VARIANTS = ("window", "softcap", "value_dim", "kv_fp8")
 
 Runner = Callable[[], torch.Tensor]
 
-OPS = ("dense", "paged", "varlen")
-OPS += ("mla",)  # MLA decode over a paged latent cache (impls.contract.MLADecode)
+OPS = ("dense", "paged", "varlen", "mla", "backward")  # mla: impls.contract.MLADecode
 HALF = (torch.float16, torch.bfloat16)
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -113,6 +115,7 @@ class Impl:
     description: str = ""
     op: str = "dense"
     variants: tuple[str, ...] = ()  # of VARIANTS: the prepare function then takes window= / softcap=
+    needs: tuple[str, ...] = ()  # optional input fields it cannot run without (backward: "lse")
 
     def __repr__(self) -> str:  # short: pytest-benchmark stores it with every benchmark
         return f"Impl({self.name!r}, op={self.op!r})"
@@ -171,6 +174,9 @@ class Impl:
             options = {"scale": scale}
             if batch.kv_fp8 and "kv_fp8" not in self.variants:
                 raise Unsupported(f"{self.name}: an fp8 (e4m3) KV cache not supported")
+            missing = [name for name in self.needs if getattr(batch, name, None) is None]
+            if missing:
+                raise ValueError(f"{self.name} needs {', '.join(missing)} in its {self.op} inputs, got None")
         for variant, used, value in (("window", window != NO_WINDOW, window), ("softcap", softcap > 0, softcap)):
             if used and variant not in self.variants:
                 raise Unsupported(f"{self.name}: {'sliding window' if variant == 'window' else 'softcap'} "
@@ -201,6 +207,7 @@ def register(
     description: str = "",
     op: str = "dense",
     variants: Iterable[str] = (),
+    needs: Iterable[str] = (),
 ) -> Callable[[PrepareFn], PrepareFn]:
     """Decorator: add a prepare function to the registry under ``name`` for operation ``op``."""
     if op not in OPS:
@@ -222,6 +229,7 @@ def register(
             description=description or (fn.__doc__ or "").strip().split("\n")[0],
             op=op,
             variants=tuple(variants),
+            needs=tuple(needs),
         )
         return fn
 

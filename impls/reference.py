@@ -110,3 +110,37 @@ def serving_attention_ref(inputs, *, scale: float | None = None, upcast: bool = 
     # An fp8 cache is dequantized exactly in float64 for the oracle, and into q's dtype for the naive yardstick
     kv_dtype = torch.float64 if upcast else None
     return {b: reference(q, k, v, causal) for b, q, k, v, causal in sequences(inputs, indices, kv_dtype)}
+
+
+def attention_lse(q: torch.Tensor, k: torch.Tensor, *, causal: bool = False, scale: float | None = None,
+                  window: tuple[int, int] = NO_WINDOW, softcap: float = 0.0) -> torch.Tensor:
+    """The forward's log-sum-exp ``(B, Hq, Sq)`` float32: natural log over each row's scaled (softcapped) scores,
+    the scores in q's dtype as ``attention_ref(upcast=False)`` makes them (a kernel's lse matches its own scores:
+    an exact one leaves its probabilities' rows summing off 1); ``+inf`` where a row sees no key. The sum is in
+    float64, rounded once: float32 ``logsumexp`` on CPU came out 5e-5 apart between two processes on the same
+    inputs."""
+    scale = validate_attention_inputs(q, k, k, scale)
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)).double() * scale
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    if causal or tuple(window) != NO_WINDOW:
+        scores = scores.masked_fill(~visible(q.shape[2], k.shape[2], causal=causal, window=tuple(window),
+                                             device=q.device), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    return lse.masked_fill(lse == float("-inf"), float("inf")).float()
+
+
+def attention_grads_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, *,
+                        causal: bool = False, scale: float | None = None, upcast: bool = True,
+                        window: tuple[int, int] = NO_WINDOW, softcap: float = 0.0
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of ``attention_ref`` under the upstream gradient ``do``, by autograd: every operation in
+    float64 (``upcast``, the oracle) or as standard attention in the input dtype (the naive yardstick). Each
+    gradient comes back in its input's dtype; with GQA, dk and dv sum over each group's query heads."""
+    dtype = torch.float64 if upcast else q.dtype
+    leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    with torch.enable_grad():
+        out = attention_ref(*leaves, causal=causal, scale=scale, upcast=False, window=window, softcap=softcap)
+        grads = torch.autograd.grad(out, leaves, do.to(dtype))
+    return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v), strict=True))

@@ -17,8 +17,7 @@ KV_DTYPES = {"fp8": torch.float8_e4m3fn}  # a paged case's KV cache in a dtype o
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn: a per-tensor scale maps the cache's largest magnitude to it
 
 
-OPS = ("dense", "paged", "varlen")
-OPS += ("mla",)
+OPS = ("dense", "paged", "varlen", "mla", "backward")
 PAGED_OPS = ("paged", "mla")  # the operations over a paged cache: decode steps, causal, with a page size
 LENGTHS = {  # how a serving case's sequence lengths are drawn (seeded by the case id)
     "fixed": "dense cases: every sequence Sq x Skv",
@@ -38,6 +37,7 @@ class Case:
     - ``varlen``: packed prefill of ``batch`` sequences of ``lengths`` lengths, ``sq == skv`` tokens in all.
     - ``mla``: MLA decode as ``paged``, over one latent head (``hkv`` 1): ``d`` is the scores' width (latent and
       rotary parts), ``dv`` the latent one (values and output): DeepSeek-V3's 576 and 512.
+    - ``backward``: the backward pass of the dense case of the same shape (``impls.contract.Backward``).
     """
 
     batch: int
@@ -65,7 +65,7 @@ class Case:
         if self.op not in OPS:
             raise ValueError(f"op {self.op!r} is not one of {', '.join(OPS)}")
         allowed = {"dense": ("fixed",), "paged": ("uniform", "longtail"), "varlen": ("random", "equal"),
-                   "mla": ("uniform", "longtail")}[self.op]
+                   "mla": ("uniform", "longtail"), "backward": ("fixed",)}[self.op]
         if self.lengths not in allowed:
             raise ValueError(f"lengths {self.lengths!r} do not apply to {self.op}: {', '.join(allowed)}")
         if (self.op in PAGED_OPS) != (self.page_size > 0):
@@ -75,7 +75,7 @@ class Case:
         if self.op == "mla" and (self.hkv != 1 or not 0 < self.dv < self.d):
             raise ValueError(f"mla: one latent head (hkv 1, got {self.hkv}) and a latent width dv below the score "
                              f"width d (got dv {self.dv}, d {self.d})")
-        if self.op not in ("dense", "mla") and self.dv:
+        if self.op not in ("dense", "mla") and self.dv:  # backward included
             raise ValueError("a value head dim of its own is a dense-attention variant here")
         if self.kv_dtype and (self.op != "paged" or self.kv_dtype not in KV_DTYPES or self.dtype == "fp32"):
             raise ValueError(f"kv_dtype {self.kv_dtype!r}: a paged case's cache may be {', '.join(KV_DTYPES)} "
@@ -104,6 +104,7 @@ class Case:
             body = f"varlen-{self.dtype}-{mask}-{heads}-t{self.sq}-{self.lengths}-d{self.d}{variants}{tail}"
         else:
             body = f"{self.dtype}-{mask}-{heads}-s{self.sq}x{self.skv}-d{self.d}{variants}{tail}"
+            body = f"bwd-{body}" if self.op == "backward" else body
         return f"{self.model}-{body}" if self.model else body
 
     @property
@@ -180,6 +181,8 @@ class Case:
             return self._paged_inputs(randn, device)
         if self.op == "mla":
             return self._mla_inputs(randn, device)
+        if self.op == "backward":
+            return self._backward_inputs(randn, device)
         if self.op == "varlen":
             from impls.contract import Varlen
 
@@ -190,6 +193,19 @@ class Case:
         shapes = [(self.batch, self.hq, self.sq, self.d), (self.batch, self.hkv, self.skv, self.d),
                   (self.batch, self.hkv, self.skv, self.value_dim)]
         return tuple(randn(*s) for s in shapes)
+
+    def _backward_inputs(self, randn, device):
+        """The dense draw, its forward's ``o`` and ``lse`` (standard attention in the case's dtype, made here, so
+        outside any timed region) and a random ``do``."""
+        from impls.contract import Backward
+        from impls.reference import attention_lse, attention_ref
+
+        q, k, v = replace(self, op="dense").make_inputs(device)
+        options = {"causal": self.causal, **self.variants}
+        o = attention_ref(q, k, v, upcast=False, **options)
+        lse = attention_lse(q, k, **options)
+        do = randn(*q.shape)
+        return Backward(q, k, v, o, do, lse, causal=self.causal)
 
     def _paged_inputs(self, randn, device):
         from impls.contract import PagedKV
@@ -299,6 +315,17 @@ def _fa3() -> list[Case]:
         Case(16384 // s, 2048 // d, 2048 // d, s, s, d, "fp16", c)
         for c, d, s in itertools.product((False, True), (64, 128), (512, 1024, 2048, 4096, 8192, 16384))
     ]
+
+
+def backward(cases: Iterable[Case]) -> list[Case]:
+    """The backward pass of each (dense) case."""
+    return [replace(c, op="backward") for c in cases]
+
+
+def _train() -> list[Case]:
+    """Training's attention backward: Llama-3-8B and the 70B's slice of 8 GPUs at 4K and 8K, 16K tokens a batch."""
+    return backward(Case(16384 // s, hq, hkv, s, s, d, "bf16", True, model=name)
+                    for name, hq, hkv, d in (LLAMA3_8B, LLAMA3_70B_TP8) for s in (4096, 8192))
 
 
 # Attention shapes of real checkpoints: (name in the case id, Hq, Hkv, D). The 70B is one GPU's slice of
@@ -473,6 +500,16 @@ PRESETS: dict[str, list[Case]] = {
     "blog-noncausal": _blog(causal=False),
     "ladder": _blog(),
     "fa3": _fa3(),
+    # The FlashAttention-3 paper's backward chart (same shapes as fa3), and training shapes of two models.
+    "fa3-bwd": backward(_fa3()),
+    "train": _train(),
+    # The backward's CPU twin: GQA, MQA, causal with Sq < Skv and Sq > Skv, D 64 and 128, fp32 and fp16.
+    "bwd-cpu": backward([
+        Case(1, 4, 2, 100, 100, 64, "fp32", True),
+        Case(1, 4, 1, 70, 130, 64, "fp16", True),
+        Case(1, 2, 2, 130, 70, 128, "fp32", True),
+        Case(2, 2, 1, 40, 40, 128, "fp16", False),
+    ]),
     "gqa": grid(batch=[4], heads=[(32, h) for h in (32, 8, 4, 1)], seqlens=[4096], d=[128]),
     "decode": grid(
         batch=[4], heads=[(32, 8)], seqlens=[(sq, skv) for sq in (1, 16) for skv in (1024, 4096, 16384, 32768)],

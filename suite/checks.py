@@ -7,7 +7,9 @@ float32 implementations are not failed by the last bit. NaN or Inf never passes.
 
 Large cases are checked on a sample of (batch, head) pairs, always including the first and the last, with
 every query row of each: the oracle's cost grows as Sq * Skv per head. Serving batches (paged decode, varlen)
-are checked on a sample of sequences, every head and row of each.
+are checked on a sample of sequences, every head and row of each. The backward pass (``BackwardOracle``) holds
+each of dq, dk and dv to the same rule against float64 autograd, on sampled (batch, kv head) pairs with all the
+query heads of each one's group.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from impls.reference import attention_ref, serving_attention_ref
+from impls.reference import attention_grads_ref, attention_ref, serving_attention_ref
 
 TOLERANCE_FACTOR = 2.0
 MAX_CHECKED_HEADS = 8
@@ -138,3 +140,52 @@ def sampled_sequences(batch: int) -> list[int]:
 
 def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b.double()).abs().max().item()
+
+
+GRADIENTS = ("dq", "dk", "dv")
+
+
+class BackwardOracle:
+    """The rule for each of ``(dq, dk, dv)``: one ``Oracle`` per gradient, on sampled (batch, kv head) pairs with
+    every query head of the pair's group (dk and dv sum over them) and every row."""
+
+    def __init__(self, inputs, *, scale: float | None = None, **variants) -> None:
+        q, k = inputs.q, inputs.k
+        batch, hkv = k.shape[:2]
+        group = q.shape[1] // hkv
+        pairs = sampled_heads(batch, hkv, group * q.shape[2] * k.shape[2])
+        bi = torch.tensor([b for b, _ in pairs], device=q.device)
+        hi = torch.tensor([h for _, h in pairs], device=q.device)
+        heads = (hi[:, None] * group + torch.arange(group, device=q.device)).flatten()  # each pair's query heads
+
+        def pick(t: torch.Tensor, query_heads: bool) -> torch.Tensor:
+            if query_heads:  # (pairs, group, S, D)
+                return t[bi.repeat_interleave(group), heads].unflatten(0, (len(pairs), group))
+            return t[bi, hi][:, None]
+
+        sample = [pick(t, i in (0, 3)) for i, t in enumerate((q, inputs.k, inputs.v, inputs.do))]
+        options = {"causal": inputs.causal, "scale": scale, **variants}
+
+        def grads(upcast: bool) -> list[torch.Tensor]:
+            # One pair at a time: autograd keeps every chunk's scores, so memory grows with the pairs done at once.
+            per_pair = [attention_grads_ref(*(t[i:i + 1] for t in sample), upcast=upcast, **options)
+                        for i in range(len(pairs))]
+            return [torch.cat(grad) for grad in zip(*per_pair, strict=True)]
+
+        refs, naives = grads(True), grads(False)
+        self.sampled = len(pairs)
+        self.oracles = [Oracle([ref], [naive], lambda out, query=i == 0: [pick(out, query)], t, len(pairs))
+                        for i, (ref, naive, t) in enumerate(zip(refs, naives, (q, inputs.k, inputs.v), strict=True))]
+
+    def check(self, out) -> CheckResult:
+        """Passes when every gradient does; the figures are those of the gradient nearest its tolerance (or the
+        first that fails)."""
+        if not isinstance(out, tuple | list) or len(out) != len(GRADIENTS):
+            what = f"{len(out)} values" if isinstance(out, tuple | list) else type(out).__name__
+            return CheckResult(False, math.inf, math.nan, math.nan, self.sampled,
+                               f"returned {what}, not (dq, dk, dv)")
+        results = [oracle.check(grad) for oracle, grad in zip(self.oracles, out, strict=True)]
+        failed = [r for r in results if not r.passed]
+        worst = failed[0] if failed else max(results, key=lambda r: r.max_error / max(r.tolerance, 1e-300))
+        message = "; ".join(f"{name}: {r.message}" for name, r in zip(GRADIENTS, results, strict=True))
+        return CheckResult(not failed, worst.max_error, worst.naive_error, worst.tolerance, self.sampled, message)

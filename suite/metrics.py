@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from impls.contract import NO_WINDOW, decode_read_length, window_bounds
@@ -50,7 +52,10 @@ def pairs(sq: int, skv: int, causal: bool, window: tuple[int, int] = NO_WINDOW) 
 
 def flops(case: Case) -> int:
     """Two matmuls (QK^T and PV), 2 FLOPs per multiply-add, over query heads (GQA shares K/V, not work);
-    serving cases sum over their sequences (decode: Sq_new new tokens against each cache, bottom-right)."""
+    serving cases sum over their sequences (decode: Sq_new new tokens against each cache, bottom-right). The
+    backward counts 2.5 times its forward (flash-attention's convention: five matmuls to the forward's two)."""
+    if case.op == "backward":
+        return 5 * flops(replace(case, op="dense")) // 2
     if case.op == "dense":
         total = case.batch * pairs(case.sq, case.skv, case.causal, case.window)
     elif case.op in PAGED_OPS:
@@ -82,7 +87,11 @@ def kv_bytes(case: Case) -> int:
 
 
 def min_bytes(case: Case) -> int:
-    """q, k, v read once and o written once."""
+    """q, k, v read once and o written once; the backward: q, k, v, o, do and lse read once, dq, dk, dv written
+    once."""
+    if case.op == "backward":
+        forward = replace(case, op="dense")
+        return 2 * min_bytes(forward) + case.batch * case.sq * case.hq * 4  # (k, v, q, o) twice, and lse
     q_rows = case.batch * case.sq if case.op != "varlen" else case.sq
     return kv_bytes(case) + q_rows * case.hq * (case.d + case.value_dim) * itemsize(case)
 

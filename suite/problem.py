@@ -13,7 +13,7 @@ import torch
 from impls import Impl, Prepared
 from impls.timing import clone_inputs
 from suite.cases import Case
-from suite.checks import CheckResult, Oracle
+from suite.checks import BackwardOracle, CheckResult, Oracle
 
 if TYPE_CHECKING:
     from suite.recording import Recorder
@@ -40,7 +40,9 @@ class Problem:
         return self.inputs[2]
 
     @cached_property
-    def oracle(self) -> Oracle:
+    def oracle(self) -> Oracle | BackwardOracle:
+        if self.case.op == "backward":
+            return BackwardOracle(self.inputs, **self.case.variants)
         if self.case.op == "dense":
             return Oracle.dense(*self.inputs, causal=self.case.causal, **self.case.variants)
         return Oracle.serving(self.inputs, **self.case.variants)

@@ -48,8 +48,10 @@ def peak_memory_bytes(fn, device: torch.device) -> int | None:
     out = fn()
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - before
-    output_allocated_by_call = torch.cuda.memory_allocated(device) - before >= out.untyped_storage().nbytes()
-    return peak if output_allocated_by_call else peak + out.untyped_storage().nbytes()
+    outputs = out if isinstance(out, tuple | list) else (out,)  # the backward returns (dq, dk, dv)
+    out_bytes = sum(t.untyped_storage().nbytes() for t in outputs)
+    output_allocated_by_call = torch.cuda.memory_allocated(device) - before >= out_bytes
+    return peak if output_allocated_by_call else peak + out_bytes
 
 
 def test_benchmark(benchmark, impl: Impl, case: Case, problem: Problem, record: Recorder, timing: str,

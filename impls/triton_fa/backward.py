@@ -1,0 +1,200 @@
+"""FlashAttention-2 backward in Triton: three kernels over the forward's inputs, output and log-sum-exp.
+
+1. ``bwd_delta``: ``delta = rowsum(do * o)`` per query row, float32 (the softmax Jacobian's row term).
+2. ``bwd_dkdv``: one program per BLOCK_N tile of keys of one (batch, kv head). It walks every query head of the
+   kv head's group (so dk and dv sum over GQA groups without atomics) and their query tiles, recomputing
+   ``p = exp(s - lse)`` from q, k and the forward's lse, and accumulates ``dv += p^T do`` and
+   ``dk += ds^T q`` with ``ds = p * (do v^T - delta)`` in float32.
+3. ``bwd_dq``: one program per BLOCK_M tile of query rows of one (batch, query head): it walks the key tiles
+   the rows see and accumulates ``dq += ds k``.
+Probabilities are recomputed in natural units from the given lse. Causal is bottom-right (query i sees keys
+j <= i + Skv - Sq): a key tile starts its walk at the first query tile that sees it, a query tile stops at the
+last key tile it sees; a row that sees no key has lse = +inf, so its p is 0. Every tensor is contiguous
+(B, H, S, D); a head dim that is not a power of two is padded to BLOCK_D with zeros by masked loads.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from impls._registry import FLOATS, Prepared, heads_by_batch, register
+from impls.contract import Backward
+from impls.triton_fa.config import HEAD_DIMS, block_d, interpreting, requires
+
+DELTA_ROWS = 64  # rows of do * o each program of the pre-pass sums
+
+
+@triton.jit
+def _tile(ptr, offs_r, offs_d, length, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, FP32: tl.constexpr):
+    """The (len(offs_r), BLOCK_D) tile of rows ``offs_r`` of a contiguous (S, HEAD_DIM) head at ``ptr``, as float32
+    where ``FP32``; rows past ``length`` and padded columns read zeros."""
+    mask = offs_r[:, None] < length
+    if BLOCK_D != HEAD_DIM:
+        mask = mask & (offs_d[None, :] < HEAD_DIM)
+    t = tl.load(ptr + offs_r[:, None] * HEAD_DIM + offs_d[None, :], mask=mask, other=0.0)
+    return t.to(tl.float32) if FP32 else t
+
+
+@triton.jit
+def _store_tile(ptr, value, offs_r, offs_d, length, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    mask = offs_r[:, None] < length
+    if BLOCK_D != HEAD_DIM:
+        mask = mask & (offs_d[None, :] < HEAD_DIM)
+    tl.store(ptr + offs_r[:, None] * HEAD_DIM + offs_d[None, :], value.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _dot(a, b, DOT_FP32: tl.constexpr):
+    """``a @ b`` accumulated in float32; half inputs stay half on a GPU (the interpreter's half dots are wrong)."""
+    if DOT_FP32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _probs(q, k_t, lse, offs_m, offs_n, q_len, kv_len, scale, CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr):
+    """``p = exp(scale * q k^T - lse)`` of one (BLOCK_M, BLOCK_N) tile, 0 where a key is not seen or out of
+    bounds; ``k_t`` is the key tile transposed. In natural units: lse in log2 units would be rounded once more,
+    which at float32 inputs doubled dv's error against the oracle."""
+    s = _dot(q, k_t, DOT_FP32) * scale
+    p = tl.exp(s - lse[:, None])
+    visible = (offs_n[None, :] < kv_len) & (offs_m[:, None] < q_len)
+    if CAUSAL:
+        visible = visible & (offs_n[None, :] <= offs_m[:, None] + (kv_len - q_len))
+    return tl.where(visible, p, 0.0)
+
+
+@triton.jit
+def bwd_delta(Out, DO, Delta, rows, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """``delta = rowsum(do * o)`` over the flattened (B * H * Sq, HEAD_DIM) rows."""
+    offs_m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    o = _tile(Out, offs_m, offs_d, rows, HEAD_DIM, BLOCK_D, True)
+    do = _tile(DO, offs_m, offs_d, rows, HEAD_DIM, BLOCK_D, True)
+    tl.store(Delta + offs_m, tl.sum(o * do, 1), mask=offs_m < rows)
+
+
+@triton.jit
+def bwd_dkdv(
+    Q, K, V, DO, LSE, Delta, DK, DV, scale,
+    num_heads, q_len, kv_len, group,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    # Grid: (key tiles, kv heads, batch).
+    kv_head = tl.program_id(1).to(tl.int64)
+    batch = tl.program_id(2).to(tl.int64)
+    num_kv_heads = num_heads // group
+    start_n = tl.program_id(0) * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    kv_base = (batch * num_kv_heads + kv_head) * kv_len * HEAD_DIM
+    k = _tile(K + kv_base, offs_n, offs_d, kv_len, HEAD_DIM, BLOCK_D, DOT_FP32)
+    v = _tile(V + kv_base, offs_n, offs_d, kv_len, HEAD_DIM, BLOCK_D, DOT_FP32)
+    k_t = tl.trans(k)
+    v_t = tl.trans(v)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    # Causal: query row i sees this tile's first key iff i >= start_n - (kv_len - q_len).
+    lo = 0
+    if CAUSAL:
+        lo = tl.maximum(start_n - (kv_len - q_len), 0) // BLOCK_M * BLOCK_M
+    for h in range(0, group):
+        head = kv_head * group + h
+        row_base = (batch * num_heads + head) * q_len
+        for start_m in range(lo, q_len, BLOCK_M):
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            q = _tile(Q + row_base * HEAD_DIM, offs_m, offs_d, q_len, HEAD_DIM, BLOCK_D, DOT_FP32)
+            do = _tile(DO + row_base * HEAD_DIM, offs_m, offs_d, q_len, HEAD_DIM, BLOCK_D, DOT_FP32)
+            lse = tl.load(LSE + row_base + offs_m, mask=offs_m < q_len, other=float("inf"))
+            delta = tl.load(Delta + row_base + offs_m, mask=offs_m < q_len, other=0.0)
+            p = _probs(q, k_t, lse, offs_m, offs_n, q_len, kv_len, scale, CAUSAL, DOT_FP32)
+            dv += _dot(tl.trans(p.to(do.dtype)), do, DOT_FP32)
+            dp = _dot(do, v_t, DOT_FP32)
+            ds = p * (dp - delta[:, None])
+            dk += _dot(tl.trans(ds.to(q.dtype)), q, DOT_FP32)
+    _store_tile(DK + kv_base, dk * scale, offs_n, offs_d, kv_len, HEAD_DIM, BLOCK_D)
+    _store_tile(DV + kv_base, dv, offs_n, offs_d, kv_len, HEAD_DIM, BLOCK_D)
+
+
+@triton.jit
+def bwd_dq(
+    Q, K, V, DO, LSE, Delta, DQ, scale,
+    num_heads, q_len, kv_len, group,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    # Grid: (query tiles, query heads, batch).
+    head = tl.program_id(1).to(tl.int64)
+    batch = tl.program_id(2).to(tl.int64)
+    start_m = tl.program_id(0) * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_base = (batch * num_heads + head) * q_len
+    kv_base = (batch * (num_heads // group) + head // group) * kv_len * HEAD_DIM
+    q = _tile(Q + row_base * HEAD_DIM, offs_m, offs_d, q_len, HEAD_DIM, BLOCK_D, DOT_FP32)
+    do = _tile(DO + row_base * HEAD_DIM, offs_m, offs_d, q_len, HEAD_DIM, BLOCK_D, DOT_FP32)
+    lse = tl.load(LSE + row_base + offs_m, mask=offs_m < q_len, other=float("inf"))
+    delta = tl.load(Delta + row_base + offs_m, mask=offs_m < q_len, other=0.0)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    hi = kv_len
+    if CAUSAL:  # the last key any row of this tile sees
+        hi = tl.minimum(kv_len, tl.maximum(start_m + BLOCK_M + (kv_len - q_len), 0))
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k = _tile(K + kv_base, offs_n, offs_d, kv_len, HEAD_DIM, BLOCK_D, DOT_FP32)
+        v = _tile(V + kv_base, offs_n, offs_d, kv_len, HEAD_DIM, BLOCK_D, DOT_FP32)
+        p = _probs(q, tl.trans(k), lse, offs_m, offs_n, q_len, kv_len, scale, CAUSAL, DOT_FP32)
+        dp = _dot(do, tl.trans(v), DOT_FP32)
+        ds = p * (dp - delta[:, None])
+        dq += _dot(ds.to(k.dtype), k, DOT_FP32)
+    _store_tile(DQ + row_base * HEAD_DIM, dq * scale, offs_m, offs_d, q_len, HEAD_DIM, BLOCK_D)
+
+
+def tiles(head_dim: int, dtype: torch.dtype) -> tuple[dict, dict]:
+    """The fixed, untuned launch options of the dk/dv and the dq kernels; under the interpreter, one 64 x 64 tile.
+    On a GPU, picked by compiling for sm_90 (not timed yet): the largest tiles whose float32 accumulators and K/V
+    (dk/dv) or Q/dO (dq) tiles fit in registers without spilling at 16-bit inputs; float32 inputs (ieee dots,
+    twice the registers) take the smallest and still spill from head dim 128."""
+    if interpreting():
+        one = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1}
+        return one, one
+    if dtype == torch.float32:
+        dkdv, dq = (16, 32, 4), (32, 32, 4)
+    elif block_d(head_dim) > 128:
+        dkdv, dq = (16, 32, 4), (128, 32, 8)
+    else:
+        dkdv, dq = (64, 64, 8), (128, 64, 8)
+    return tuple({"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": 2} for m, n, w in (dkdv, dq))
+
+
+@register("triton", op="backward", family="triton", dtypes=FLOATS, head_dims=HEAD_DIMS, requires=requires,
+          needs=("lse",), description="our FlashAttention-2 backward in Triton: delta pre-pass, dk/dv over key "
+                                      "tiles walking the query tiles, dq over query tiles; fixed tiles, untuned")
+def triton_backward(inputs: Backward, *, scale: float) -> Prepared:
+    # Contiguous (B, H, S, D) as the kernels address them: a copy only where an input is not (out of timed calls).
+    q, k, v, o, do = (t.contiguous() for t in (inputs.q, inputs.k, inputs.v, inputs.o, inputs.do))
+    lse = inputs.lse.contiguous()
+    batch, heads, q_len, head_dim = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+    delta = torch.empty_like(lse)
+    dkdv_tiles, dq_tiles = tiles(head_dim, q.dtype)
+    meta = {"HEAD_DIM": head_dim, "BLOCK_D": block_d(head_dim), "CAUSAL": inputs.causal,
+            "DOT_FP32": interpreting() or q.dtype == torch.float32}  # the interpreter's half dots are wrong
+    shape = (heads, q_len, kv_len, heads // kv_heads)
+    rows = batch * heads * q_len
+    dkdv_grid = (triton.cdiv(kv_len, dkdv_tiles["BLOCK_N"]), *heads_by_batch(kv_heads, batch, "kv heads"))
+    dq_grid = (triton.cdiv(q_len, dq_tiles["BLOCK_M"]), *heads_by_batch(heads, batch))
+
+    def run() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        bwd_delta[(triton.cdiv(rows, DELTA_ROWS),)](o, do, delta, rows, HEAD_DIM=head_dim, BLOCK_D=meta["BLOCK_D"],
+                                                    BLOCK_M=DELTA_ROWS)
+        bwd_dkdv[dkdv_grid](q, k, v, do, lse, delta, dk, dv, scale, *shape, **meta, **dkdv_tiles)
+        bwd_dq[dq_grid](q, k, v, do, lse, delta, dq, scale, *shape, **meta, **dq_tiles)
+        return dq, dk, dv
+
+    run()  # compiles, outside any timed region
+    return Prepared(run, config={"dkdv": dkdv_tiles, "dq": dq_tiles, "tuned": False})

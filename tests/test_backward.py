@@ -1,0 +1,131 @@
+"""The backward operation: its contract's errors, its oracle, its FLOPs and our Triton kernel (interpreter on CPU)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from impls import get
+from impls.contract import Backward
+from suite import metrics
+from suite.cases import Case
+from suite.checks import BackwardOracle
+from tests.tiers import slow
+
+# Odd lengths, Sq > Skv (rows that see no key), GQA 3:1 and a head dim padded to 128.
+ODD = Case(1, 3, 1, 47, 33, 80, "fp32", True, op="backward")
+
+
+@pytest.fixture(scope="module")
+def odd() -> Backward:
+    return ODD.make_inputs("cpu")
+
+
+def test_inputs_are_the_forward_of_the_dense_twin(odd: Backward) -> None:
+    q, k, v = replace(ODD, op="dense").make_inputs("cpu")
+    assert torch.equal(odd.q, q) and torch.equal(odd.k, k) and torch.equal(odd.v, v)
+    assert odd.lse.dtype == torch.float32 and odd.lse.shape == q.shape[:3]
+    assert torch.isinf(odd.lse[:, :, :47 - 33]).all()  # rows that see no key: +inf, as flash-attn writes them
+
+
+@pytest.mark.parametrize(("change", "error", "match"), [
+    ({"do": "half"}, ValueError, "do must be shaped, typed and placed like q"),
+    ({"do": "short"}, ValueError, "do must be shaped"),
+    ({"o": "short"}, ValueError, "o must be shaped"),
+    ({"lse": "short"}, ValueError, r"lse must be float32 \(B, Hq, Sq\)"),
+    ({"lse": "half"}, ValueError, "lse must be float32"),
+    ({"lse": "4d"}, ValueError, "lse must be 3-D"),
+    ({"v": "wide"}, ValueError, "v must have k's shape"),
+])
+def test_contract_names_the_problem(odd: Backward, change: dict, error: type, match: str) -> None:
+    (name, how), = change.items()
+    t = getattr(odd, name)
+    bad = {"half": lambda: t.half(), "short": lambda: t[..., :-1, :] if t.dim() == 4 else t[..., :-1],
+           "4d": lambda: t[..., None], "wide": lambda: torch.cat([t, t], dim=-1)}[how]()
+    with pytest.raises(error, match=match):
+        replace(odd, **{name: bad})
+
+
+def test_an_implementation_that_needs_lse_refuses_inputs_without_one(odd: Backward) -> None:
+    triton = get("triton", "backward")
+    assert triton.needs == ("lse",)
+    with pytest.raises(ValueError, match="triton needs lse"):
+        triton.prepare(replace(odd, lse=None))
+    get("naive", "backward").prepare(replace(odd, lse=None))  # autograd needs none
+
+
+def test_triton_backward_passes_the_oracle(odd: Backward) -> None:
+    oracle = BackwardOracle(odd)
+    result = oracle.check(get("triton", "backward").prepare(odd)())
+    assert result.passed, result.message
+
+
+def test_the_oracle_fails_a_wrong_gradient_and_nan(odd: Backward) -> None:
+    oracle = BackwardOracle(odd)
+    dq, dk, dv = get("naive", "backward").prepare(odd)()
+    assert oracle.check((dq, dk, dv)).passed
+    assert not oracle.check((dq, dk * 1.01, dv)).passed
+    assert not oracle.check((dq, dk, dv * 0.99)).passed
+    nan = dq.clone()
+    nan[0, 0, -1, 0] = float("nan")
+    assert "NaN" in oracle.check((nan, dk, dv)).message
+    assert "not (dq, dk, dv)" in oracle.check(dq).message
+
+
+def test_backward_flops_are_two_and_a_half_forwards() -> None:
+    for causal in (False, True):  # causal halves them as it does the forward's
+        case = replace(ODD, causal=causal, sq=128, skv=128)
+        assert metrics.flops(case) == 5 * metrics.flops(replace(case, op="dense")) // 2
+    full = Case(2, 4, 4, 128, 128, 64, op="backward")
+    assert metrics.flops(full) == 5 * 4 * 2 * 4 * 128 * 128 * 64 // 2
+
+
+@pytest.mark.parametrize("case", [slow(c) for c in (
+    Case(2, 4, 4, 1, 77, 64, "bf16", True, op="backward"),  # one query row over many keys
+    Case(1, 2, 1, 90, 90, 256, "bf16", False, op="backward"),  # the largest head dim
+    Case(1, 4, 2, 129, 200, 96, "fp16", True, op="backward"),  # a padded head dim, ragged tiles on both sides
+)], ids=lambda c: c.id)
+def test_triton_backward_on_more_shapes(case: Case) -> None:
+    inputs = case.make_inputs("cpu")
+    result = BackwardOracle(inputs).check(get("triton", "backward").prepare(inputs)())
+    assert result.passed, result.message
+
+
+COMPILE_BACKWARD = """
+import json, torch
+from impls.sass import sass_summary
+from impls.triton_fa.aot import compile_for
+from impls.triton_fa.backward import bwd_dkdv, bwd_dq, block_d, tiles
+for d in (64, 128, 256):
+    for fn, t in zip((bwd_dkdv, bwd_dq), tiles(d, torch.bfloat16), strict=True):
+        meta = {"HEAD_DIM": d, "BLOCK_D": block_d(d), "CAUSAL": True, "DOT_FP32": False,
+                "BLOCK_M": t["BLOCK_M"], "BLOCK_N": t["BLOCK_N"]}
+        pointers = {n: "fp32" if n in ("LSE", "Delta") else "bf16" for n in fn.arg_names
+                    if n[0].isupper() and n not in meta}
+        cubin = compile_for(fn, 90, meta, pointers, t["num_warps"], t["num_stages"]).asm["cubin"]
+        print(json.dumps({"d": d, "kernel": fn.__name__, **sass_summary(cubin)}))
+"""
+
+
+@pytest.mark.slow
+def test_the_fixed_gpu_tiles_compile_for_hopper_without_spilling_in_their_loops() -> None:
+    """The bf16 tiles ``tiles`` picks, compiled for sm_90 without a GPU: no local memory touched inside the loops
+    (head dim 256's dk/dv keeps 16 bytes of stack outside them), warpgroup MMA except in that dk/dv, whose tile of
+    16 query rows is below a warpgroup MMA's 64."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", COMPILE_BACKWARD], cwd=Path(__file__).resolve().parents[1], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(results) == 6
+    for r in results:
+        assert r["loop_spills"] == 0 and r["stack"] <= 16, r
+        assert r["hgmma"] > 0 or (r["d"], r["kernel"]) == (256, "bwd_dkdv"), r
