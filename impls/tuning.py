@@ -143,9 +143,10 @@ def _canonical(node: Any) -> str:
 def family_sources(package_init: str) -> list[Path]:
     """What a kernel family's tuning picks depend on: every module of its package (kernels, launches, search
     spaces), the split and work plans the families share (``impls/_plans.py``) and the inputs those plans read
-    (``impls/contract.py``)."""
+    (``impls/contract/``)."""
     package = Path(package_init).parent
-    return [*sorted(package.glob("*.py")), package.parent / "_plans.py", package.parent / "contract.py"]
+    return [*sorted(package.glob("*.py")), package.parent / "_plans.py",
+            *sorted((package.parent / "contract").glob("*.py"))]
 
 
 class TuningCache:

@@ -19,7 +19,7 @@ import torch
 import impls
 from impls import Impl, timing
 from impls.timing import STEADY_TOLERANCE, STEADY_WINDOW_S
-from suite import cases as grid
+from suite import cases, presets
 from suite.cases import Case
 from suite.environment import environment
 from suite.problem import Problem, problem_for
@@ -53,7 +53,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--impl", action="append", default=[], metavar="GLOB",
                     help="implementations to run (repeatable, globs like 'sdpa-*'); default all")
     group.addoption("--grid", action="append", default=[], metavar="PRESET",
-                    help=f"case presets (repeatable): {', '.join(grid.LISTED_PRESETS)}; "
+                    help=f"case presets (repeatable): {', '.join(presets.LISTED_PRESETS)}; "
                          "default cpu/gpu for correctness, cpu-bench/blog for benchmarks")
     group.addoption("--device", default=None, metavar="DEVICE",
                     help=f"where to run: {', '.join(DEVICES)}; default cuda when available")
@@ -131,7 +131,7 @@ def rest_option(value: str) -> float | str:
 def check_choices(config: pytest.Config) -> None:
     """The options that take a name, checked here rather than by argparse, whose message names ``__main__.py``
     under ``python -m pytest`` and would list the presets the README leaves out."""
-    choices = {"--device": ("device", DEVICES, DEVICES), "--grid": ("preset", grid.PRESETS, grid.LISTED_PRESETS),
+    choices = {"--device": ("device", DEVICES, DEVICES), "--grid": ("preset", presets.PRESETS, presets.LISTED_PRESETS),
                "--timing": ("timing mode", timing.MODES, timing.MODES)}
     for option, (what, accepted, listed) in choices.items():
         given = config.getoption(option)
@@ -162,7 +162,7 @@ def pytest_cmdline_main(config: pytest.Config) -> int | None:
     device, selected = device_and_selection(config)
     rows = [("operation", "implementation", "family", "variants", f"on {device.type}")]
     rows += [(i.op, i.name, i.family, ",".join(i.variants) or "-", i.availability(device.type) or "runs")
-             for i in sorted(selected, key=lambda i: (grid.OPS.index(i.op), i.name))]
+             for i in sorted(selected, key=lambda i: (cases.OPS.index(i.op), i.name))]
     widths = [max(len(row[col]) for row in rows) for col in range(4)]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row[:4], widths, strict=True)) + "  " + row[4])
@@ -224,7 +224,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     state = run_state(metafunc.config)
     phase = "benchmark" if "benchmark" in metafunc.fixturenames else "correctness"
     marker = metafunc.definition.get_closest_marker("cases")  # a test that names its own cases
-    selected = [("properties", c) for c in marker.args] if marker else grid.cases(grids_for(metafunc.config, phase))
+    selected = [("properties", c) for c in marker.args] if marker else presets.cases(grids_for(metafunc.config, phase))
     params = []
     for preset, case in selected:
         if case.id not in state.cases:

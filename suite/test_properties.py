@@ -12,7 +12,8 @@ import torch
 
 from impls import Impl
 from impls.reference import attention_ref
-from suite.cases import Case, mla, paged, varlen
+from suite.cases import Case
+from suite.presets import mla, paged, varlen
 from suite.problem import Problem
 from suite.recording import Recorder
 

@@ -24,6 +24,6 @@ def sass(cubin: bytes) -> dict[str, int]:
 
 
 def serving_inputs(preset_name: str, index: int):
-    from suite.cases import preset
+    from suite.presets import preset
 
     return preset(preset_name)[index].make_inputs("cpu")

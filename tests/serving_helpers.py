@@ -6,7 +6,7 @@ import dataclasses
 import torch
 
 from impls.contract import PagedKV
-from suite.cases import paged
+from suite.presets import paged
 
 TINY = ("", 4, 2, 64)
 

@@ -4,7 +4,8 @@ import pytest
 
 from impls.reference import causal_visible
 from suite import metrics
-from suite.cases import PRESETS, Case, cases
+from suite.cases import Case
+from suite.presets import PRESETS, cases
 
 
 def test_case_ids_read_like_the_issue():
@@ -56,7 +57,7 @@ def test_iterations_fill_a_round_and_are_bounded():
 
 
 def test_a_case_is_found_by_its_id_in_any_preset():
-    from suite.cases import PRESETS, case_by_id
+    from suite.presets import PRESETS, case_by_id
 
     case = PRESETS["serving-cpu"][1]
     assert case_by_id(case.id) is case

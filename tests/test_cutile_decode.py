@@ -83,7 +83,7 @@ def test_decode_with_a_window_softcap_and_a_padded_head_dim_compiles(read, short
     cut only what the window shows, from the tile that holds its first position, and both launches compile."""
     from impls.cutile.export import export_launch
     from impls.cutile.serving import DecodeCall, DecodeVariant
-    from suite.cases import paged
+    from suite.presets import paged
 
     inputs = paged(("", 4, 1, 96), 1, 300).make_inputs("cpu")
     call = DecodeCall(DecodeVariant(64, read), inputs, scale=0.125, sm_count=1, window_left=150, softcap=30.0)
@@ -103,7 +103,7 @@ def test_decode_over_an_fp8_cache_compiles(read, short_chunks):
     from impls.cutile.export import export_launch
     from impls.cutile.serving import DecodeCall, DecodeVariant
     from impls.sass import find_cuobjdump, sass_summary
-    from suite.cases import paged
+    from suite.presets import paged
 
     inputs = paged(("", 4, 1, 128), 1, 300, kv_dtype="fp8").make_inputs("cpu")
     form = DecodeVariant(64, read, occupancy=2 if read == "pages" else None)

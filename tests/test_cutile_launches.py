@@ -157,7 +157,7 @@ def test_every_candidate_of_every_gpu_preset_case_makes_its_launches(monkeypatch
     from impls.cutile.launch import Call
     from impls.cutile.serving import VarlenCall, varlen_candidates
     from impls.cutile.spaces import candidates
-    from suite.cases import PRESETS
+    from suite.presets import PRESETS
 
     # persistent grids size by SMs
     monkeypatch.setattr(impls.cutile.config, "device_sm_count", lambda *args, **kwargs: 132)

@@ -19,7 +19,7 @@ else:
 
 from impls.contract import NO_WINDOW
 from impls.cutile.spaces import HOPPER_WIDE, search_space
-from suite.cases import uneven_varlen
+from suite.presets import uneven_varlen
 from tests.cutile_helpers import named, sass, serving_inputs
 
 

@@ -31,7 +31,7 @@ def whole_page_inputs(new_tokens: int, *, keep_nan: bool = False):
     by exactly 0) and the table's entries past a sequence's pages far out of range."""
     import dataclasses
 
-    from suite.cases import paged
+    from suite.presets import paged
 
     inputs = paged(("", 4, 2, 64), 3, 100, lengths="longtail", sq=new_tokens).make_inputs("cpu")
     page = inputs.page_size

@@ -19,8 +19,9 @@ import pytest
 import torch
 
 from impls.contract import NO_WINDOW
-from suite.cases import UNEVEN_VARLEN, Case, uneven_varlen
+from suite.cases import Case
 from suite.checks import Oracle
+from suite.presets import UNEVEN_VARLEN, uneven_varlen
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -125,7 +126,7 @@ def serving_cases() -> list[Case]:
     """The cases every decode form and varlen candidate of our cuTile kernels run on: the serving twins (NaN in
     every unused cache slot, ragged lengths over page boundaries, several new tokens, splits merged by the
     combine) and the models' twins with a sliding window or softcap."""
-    from suite.cases import preset
+    from suite.presets import preset
 
     variants = [c for c in preset("models-serving-cpu") if c.window != NO_WINDOW or c.softcap]
     return preset("serving-cpu") + preset("varlen-cpu") + variants + WIDE_SERVING

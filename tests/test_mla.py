@@ -9,8 +9,9 @@ import torch
 import impls
 from impls import MLADecode, Unsupported
 from suite import metrics
-from suite.cases import DEEPSEEK_V3_MLA_TP8, MAX_SERVING_TOKENS, PRESETS, Case, mla, paged
+from suite.cases import Case
 from suite.checks import Oracle
+from suite.presets import DEEPSEEK_V3_MLA_TP8, MAX_SERVING_TOKENS, PRESETS, mla, paged
 
 TINY = ("", 4, 32, 8)
 

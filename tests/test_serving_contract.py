@@ -15,8 +15,9 @@ import impls
 from impls import Prepared, register, unregister
 from impls.contract import Varlen
 from suite import metrics
-from suite.cases import PRESETS, UNEVEN_VARLEN, Case, paged, uneven_varlen, varlen
+from suite.cases import Case
 from suite.checks import Oracle
+from suite.presets import PRESETS, UNEVEN_VARLEN, paged, uneven_varlen, varlen
 from tests.serving_helpers import TINY, fp8_inputs, paged_inputs
 from tests.tiers import first_fast
 

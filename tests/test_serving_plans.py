@@ -13,8 +13,8 @@ import torch
 import impls
 from impls import Prepared
 from impls.contract import UNBOUNDED
-from suite.cases import UNEVEN_VARLEN
 from suite.checks import Oracle
+from suite.presets import UNEVEN_VARLEN
 from tests.tiers import first_fast
 
 

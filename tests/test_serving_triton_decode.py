@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import impls
-from suite.cases import PRESETS, case_by_id, paged
 from suite.checks import Oracle
+from suite.presets import PRESETS, case_by_id, paged
 from tests.serving_helpers import EXTREME_MAGNITUDES, TINY, extreme_fp8_inputs, fp8_inputs, paged_inputs
 from tests.tiers import only_fast
 

@@ -12,7 +12,7 @@ import torch
 
 from impls import tuning
 from impls.contract import NO_WINDOW, PagedKV, binding_window, decode_shaped
-from suite.cases import preset
+from suite.presets import preset
 
 ROOT = Path(__file__).resolve().parents[1]
 TABLES = sorted((ROOT / "impls").glob("*/tuned/*.json"))

@@ -220,7 +220,7 @@ def sharded(tmp_path_factory) -> tuple[Path, dict]:
 
 
 def serving_twins() -> list:
-    from suite.cases import PRESETS
+    from suite.presets import PRESETS
 
     return PRESETS["serving-cpu"] + PRESETS["varlen-cpu"]
 
@@ -272,7 +272,7 @@ def test_each_xdist_worker_is_pinned_to_one_gpu(environ, expected, flag):
 def test_sharded_benchmarks_merge_into_one_file(sharded):
     """Two workers time their groups of cases; every case's implementations stay on one worker."""
     _, data = sharded
-    from suite.cases import PRESETS
+    from suite.presets import PRESETS
 
     benchmarks = [b["extra_info"] for b in data["benchmarks"]]
     # every case x 2 implementations, less nested SDPA on the causal varlen twins

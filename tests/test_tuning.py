@@ -221,7 +221,9 @@ def test_a_familys_tuning_key_covers_every_module_its_picks_depend_on(family):
     package = Path(importlib.import_module(f"impls.{family}").__file__).parent
     sources = importlib.import_module(TUNING_MODULES[family]).TUNING.sources
     assert set(package.glob("*.py")) <= set(sources)
-    assert {"decode.py", "kernel.py", "_plans.py", "contract.py"} <= {path.name for path in sources}
+    assert {"decode.py", "kernel.py", "_plans.py"} <= {path.name for path in sources}
+    contract = {path.name for path in sources if path.parent.name == "contract"}
+    assert {"dense.py", "serving.py", "backward.py"} <= contract
 
 
 def test_the_dense_tuner_is_named_or_refused(monkeypatch):

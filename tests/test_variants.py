@@ -10,8 +10,9 @@ import impls
 from impls.contract import NO_WINDOW, UNBOUNDED, binding_window
 from impls.reference import attention_ref, visible
 from suite import metrics
-from suite.cases import PRESETS, Case
+from suite.cases import Case
 from suite.checks import Oracle
+from suite.presets import PRESETS
 from tests.tiers import first_fast
 
 
@@ -127,7 +128,7 @@ SERVING_VARIANTS = [{"window": (20, 0)}, {"softcap": 2.0}, {"window": (50, 0), "
 def serving_cases() -> list[Case]:
     """Paged decode (long-tailed lengths, one and four new tokens, a head dim that is not a power of two) and
     a packed prefill: every window above ends inside some sequence."""
-    from suite.cases import paged, varlen
+    from suite.presets import paged, varlen
 
     return [paged(("", 4, 2, 64), 3, 100, lengths="longtail"), paged(("", 8, 1, 96), 2, 77, sq=4, dtype="fp16"),
             paged(("", 4, 1, 64), 1, 300), varlen(("", 4, 2, 64), 3, 300)]
@@ -147,7 +148,7 @@ def test_serving_operations_apply_the_variants_and_the_oracle_sees_it(name, case
 
 
 def test_a_windowed_decode_reads_only_the_window():
-    from suite.cases import paged
+    from suite.presets import paged
 
     case = paged(("", 4, 2, 64), 3, 100, lengths="longtail", window=(20, 0))
     inputs = case.make_inputs("cpu")
@@ -163,7 +164,7 @@ def test_a_windowed_decode_reads_only_the_window():
 
 
 def test_serving_implementations_without_a_variant_refuse_with_the_reason():
-    from suite.cases import paged, varlen
+    from suite.presets import paged, varlen
 
     decode = paged(("", 4, 2, 64), 2, 64).make_inputs("cpu")
     with pytest.raises(impls.Unsupported, match="sdpa: softcap not supported in paged attention"):

@@ -97,7 +97,7 @@ def probe(case_id: str, device: str = "cuda", quick: bool = False, chunks: tuple
     import impls
     from impls.timing import graph_ms
     from suite import metrics
-    from suite.cases import case_by_id
+    from suite.presets import case_by_id
 
     case = case_by_id(case_id)
     inputs = case.make_inputs(device)

@@ -25,7 +25,7 @@ def probe(case_id: str, names: list[str], rest: float, seconds: float, round_ms:
     import impls
     from impls.timing import GraphTarget, graph_repeats, iterations_for, time_once
     from suite import metrics
-    from suite.cases import case_by_id
+    from suite.presets import case_by_id
     from suite.telemetry import gpu_state
 
     case = case_by_id(case_id)

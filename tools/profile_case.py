@@ -22,8 +22,8 @@ def profile(case_id: str, names: list[str], calls: int) -> None:
     import torch
 
     import impls
-    from suite.cases import case_by_id
     from suite.checks import Oracle
+    from suite.presets import case_by_id
 
     case = case_by_id(case_id)
     inputs = case.make_inputs("cuda")

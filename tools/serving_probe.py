@@ -121,8 +121,8 @@ def probe_decode(case_id: str, args: argparse.Namespace) -> None:
     from impls.cutile.config import device_sm_count as _sm_count
     from impls.cutile.serving import DecodeCall, decode_space_for
     from impls.triton_fa.paged import DECODE_SPACE, paged_launch
-    from suite.cases import case_by_id
     from suite.checks import Oracle
+    from suite.presets import case_by_id
 
     case = case_by_id(case_id)
     t = time.perf_counter()
@@ -180,8 +180,8 @@ def compare_spaces(case_id: str, spaces: dict[str, list[dict[str, Any]]], peers:
     """The fastest config of each named space and each peer, timed in alternation: a JSON line each with its
     time, GB/s, config and plan, and whether its output passes."""
     from suite import metrics
-    from suite.cases import case_by_id
     from suite.checks import Oracle
+    from suite.presets import case_by_id
 
     case = case_by_id(case_id)
     inputs = case.make_inputs("cuda")
@@ -211,8 +211,8 @@ def probe_varlen(grid: str, match: str, rounds: int = 3) -> None:
     from impls.cutile.serving import VarlenCall, varlen_space
     from impls.cutile.tuner import precompile
     from suite import metrics
-    from suite.cases import preset
     from suite.checks import Oracle
+    from suite.presets import preset
 
     dense = [c.make_inputs("cuda") for c in preset(grid) if c.op == "dense"][:1]
     for case in [c for c in preset(grid) if c.op == "varlen" and fnmatchcase(c.id, match)]:

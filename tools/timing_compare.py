@@ -26,7 +26,7 @@ def compare(grids: list[str], names: list[str], out: str | None) -> list[dict[st
 
     import impls
     from impls.timing import GraphTarget, event_rounds_median, graph_repeats, profile_kernels, time_once
-    from suite.cases import cases
+    from suite.presets import cases
     from suite.problem import Problem
 
     device = torch.device("cuda")

@@ -81,9 +81,9 @@ def probe(case_id: str, repeats: int, methods: list[str], match: list[str], also
     from impls.cutile.launch import Call
     from impls.cutile.tuner import exhaustive_timings, precompile
     from impls.timing import graph_ms, settle_gpu, settled_times
-    from suite.cases import case_by_id
     from suite.checks import Oracle
     from suite.metrics import flops
+    from suite.presets import case_by_id
 
     case = case_by_id(case_id)
     q, k, v = case.make_inputs("cuda")

@@ -1,41 +1,5 @@
-"""The contract every implementation is held to: its inputs, their validation and the rules of their shapes.
-
-Dense forward takes ``q (B, Hq, Sq, D)``, ``k, v (B, Hkv, Skv, D)`` (``validate_attention_inputs``); a sliding
-window ``(left, right)`` (-1: unbounded) and softcap are its model variants (``validate_variants``). Beside dense
-forward there are the serving operations, each one dataclass that carries its tensors and validates them once,
-at prepare time, with an error that names the problem. Host copies of the lengths are taken then too, so that no
-adapter needs a device sync in its timed call.
-
-Paged decode (the layout of vLLM, FlashInfer and flash-attn):
-- ``q (B, Sq_new, Hq, D)``: the new tokens, which are the last ``Sq_new`` positions of each sequence;
-- ``k_cache, v_cache (num_pages, page_size, Hkv, D)``;
-- ``block_table (B, max_pages) int32``: page ``block_table[b, i]`` holds positions ``i*page_size ...`` of
-  sequence ``b``; entries past a sequence's last page are never read and may hold anything;
-- ``cache_seqlens (B,) int32``: each sequence's length, the new tokens included.
-Attention is causal within each sequence, bottom-right: new token ``i`` sees positions ``<= L - Sq_new + i``.
-Output ``(B, Sq_new, Hq, D)``. Page slots past a sequence's length may hold anything, NaN included.
-
-An fp8 KV cache (vLLM's ``kv_cache_dtype="fp8"``, FlashInfer's ``kv_data_type``): the caches may be
-``float8_e4m3fn`` under fp16/bf16 queries, each with a per-tensor scale (``k_scale``, ``v_scale``, host floats):
-the key at a slot is ``k_scale * k_cache[slot]`` (dequantized), and so for values. The output stays q's dtype.
-Implementations declare it (``variants=("kv_fp8",)``); the others refuse such a batch with the reason.
-
-MLA decode (DeepSeek-V3/R1's and Kimi-K2's multi-head latent attention in the absorbed form, FlashInfer's layout):
-- ``q_nope (B, Sq_new, H, latent)`` and ``q_pe (B, Sq_new, H, rope)``: each query head's latent and rotary parts;
-- ``ckv (num_pages, page_size, latent)`` and ``kpe (num_pages, page_size, rope)``: one latent row and one rotary
-  row per token, shared by all H heads (DeepSeek-V3: 512 + 64);
-- ``block_table`` and ``cache_seqlens`` as paged decode's, causal bottom-right alike.
-The scores are ``q_nope . ckv + q_pe . kpe`` (default scale ``1 / sqrt(latent + rope)``), the values the latent
-rows: output ``(B, Sq_new, H, latent)``. Slots past a sequence's length may hold anything, NaN included.
-
-Varlen prefill (flash-attn's packed layout):
-- ``q (total_q, Hq, D)``, ``k, v (total_k, Hkv, D)``;
-- ``cu_seqlens_q, cu_seqlens_k (B+1,) int32``: sequence ``b`` is rows ``cu[b]:cu[b+1]``;
-- ``causal`` per sequence, bottom-right like dense. Output ``(total_q, Hq, D)``.
-
-The backward pass of dense attention (``Backward``): the forward's inputs, output, log-sum-exp and the upstream
-gradient in; ``(dq, dk, dv)`` out.
-"""
+"""The serving operations' inputs (paged decode, varlen prefill, MLA decode), each validated once at prepare time,
+and their sequences in the dense layout. See ``impls.contract``."""
 
 from __future__ import annotations
 
@@ -45,95 +9,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-
-def default_scale(head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim)
-
-
-def validate_attention_inputs(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
-) -> float:
-    """Check the contract's shapes, dtypes and devices; return the softmax scale to use.
-
-    Raises ``TypeError`` for a wrong type or dtype and ``ValueError`` for a wrong shape, device or scale,
-    with the offending argument named in the message.
-    """
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            layout = "(B, Hq, Sq, D)" if name == "q" else "(B, Hkv, Skv, D)"
-            raise ValueError(f"{name} must be 4-D {layout}, got shape {tuple(t.shape)}")
-        if not t.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
-    if k.shape[:3] != v.shape[:3]:  # the head dim of v may differ (DeepSeek's MLA prefill: Dqk 192, Dv 128)
-        raise ValueError(f"k and v must have the same shape (B, Hkv, Skv; only the head dim may differ), got "
-                         f"k {tuple(k.shape)} and v {tuple(v.shape)}")
-    if q.dtype != k.dtype or q.dtype != v.dtype:
-        raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
-    if q.device != k.device or q.device != v.device:
-        raise ValueError(f"q, k and v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
-    (b, hq, sq, d), (bk, hkv, skv, dk) = q.shape, k.shape
-    if b != bk:
-        raise ValueError(f"batch size of q ({b}) and k/v ({bk}) differ")
-    if d != dk:
-        raise ValueError(f"head dim of q ({d}) and k/v ({dk}) differ")
-    if min(b, hq, hkv, d, v.shape[-1]) == 0:
-        raise ValueError(f"empty tensor: q {tuple(q.shape)}, k/v {tuple(k.shape)}")
-    if sq == 0 or skv == 0:
-        raise ValueError(f"empty sequence: Sq={sq}, Skv={skv} (both must be at least 1)")
-    if hq % hkv != 0:
-        raise ValueError(
-            f"GQA ratio: query heads Hq={hq} must be a multiple of key/value heads Hkv={hkv}"
-        )
-    return default_scale(d) if scale is None else validate_scale(scale)
-
-
-def unit_head_stride(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Each tensor with its head dim (the last) at unit stride, as kernels address it: a copy where it is
-    strided, else the tensor itself."""
-    return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in tensors)
-
-
-def validate_scale(scale: float) -> float:
-    if isinstance(scale, bool) or not isinstance(scale, int | float):
-        raise TypeError(f"scale must be a real number, got {type(scale).__name__}")
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
-    return float(scale)
-
-
-NO_WINDOW = (-1, -1)  # window=(left, right) with both sides unbounded: no sliding window
-UNBOUNDED = 1 << 30  # what a kernel is given for an unbounded (-1) window side: more keys than any sequence has
-
-
-def window_bounds(window: tuple[int, int], causal: bool) -> tuple[int, int]:
-    """``(left, right)`` as our kernels take them: an unbounded side as UNBOUNDED keys, right 0 when causal."""
-    left, right = (UNBOUNDED if w < 0 else w for w in window)
-    return left, 0 if causal else right
-
-
-def binding_window(window: tuple[int, int], causal: bool, q_len: int, kv_len: int) -> tuple[int, int]:
-    """``window`` with each side that hides no key unbounded (-1), so NO_WINDOW where it hides none: a kernel
-    then runs without the window's masks and loops (flash-attn drops such a side too). Mistral-7B's window of
-    4096 over a 4K prefill is the common case. Bottom-right aligned: the last query row sits at key position
-    kv_len - 1 and the first at kv_len - q_len, so the left side hides a key iff left < kv_len - 1, and the right
-    side (not causal; causal already hides everything right of a row) iff right < q_len - 1."""
-    left, right = window
-    left = left if 0 <= left < kv_len - 1 else -1
-    right = right if not causal and 0 <= right < q_len - 1 else -1
-    return left, right
-
-
-def validate_variants(window: tuple[int, int] | None, softcap: float) -> tuple[tuple[int, int], float]:
-    """The model variants: ``window=(left, right)`` of ints >= -1 (-1: unbounded), ``softcap >= 0``."""
-    window = NO_WINDOW if window is None else window
-    if (not isinstance(window, tuple | list) or len(window) != 2
-            or not all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window)):
-        raise ValueError(f"window must be (left, right) with ints >= -1 (-1: unbounded), got {window!r}")
-    if isinstance(softcap, bool) or not isinstance(softcap, int | float) or not math.isfinite(softcap) or softcap < 0:
-        raise ValueError(f"softcap must be a finite number >= 0 (0: off), got {softcap!r}")
-    return (int(window[0]), int(window[1])), float(softcap)
+from impls.contract.dense import UNBOUNDED, binding_window, default_scale, unit_head_stride, validate_scale
 
 
 def _check_tensor(name: str, t: torch.Tensor, dims: int, layout: str) -> None:
@@ -482,18 +358,6 @@ def gather_rows(inputs: PagedKV | MLADecode, cache: torch.Tensor, b: int) -> tor
     return cache[pages].flatten(0, 1)[:length]
 
 
-# A dense call shaped like decode: a few new tokens at the end of a longer cache, causal (bottom-right) or one token.
-# Such a step reads its whole cache for little compute, so it is bound by the bytes it reads, like paged decode.
-DENSE_DECODE_MAX_NEW = 16  # new tokens, as the paged operation takes them (speculative decoding verifies up to 16)
-
-
-def decode_shaped(sq: int, skv: int, causal: bool) -> bool:
-    """Whether a dense call of ``sq`` queries over ``skv`` keys is a decode step: at most DENSE_DECODE_MAX_NEW new
-    tokens, the last ``sq`` positions of the cache, each seeing the keys up to its own (causal, bottom-right, or a
-    single token, which sees them all either way)."""
-    return sq <= DENSE_DECODE_MAX_NEW and sq < skv and (causal or sq == 1)
-
-
 def sequences(inputs: PagedKV | Varlen | MLADecode, indices: list[int] | None = None,
               kv_dtype: torch.dtype | None = None):
     """Per sequence: (index, q (1, Hq, Sq, D), k, v (1, Hkv, Skv, D), causal) in the dense contract's layout. An
@@ -529,53 +393,3 @@ def scatter_sequence(out: torch.Tensor, inputs: PagedKV | Varlen | MLADecode, b:
         out[b] = o[0].transpose(0, 1)
     else:
         out[inputs.offsets_q[b]:inputs.offsets_q[b + 1]] = o[0].transpose(0, 1)
-
-
-@dataclass
-class Backward(_ServingInputs):
-    """The backward pass of dense attention (``op="backward"``): the forward's inputs ``q (B, Hq, Sq, D)``,
-    ``k, v (B, Hkv, Skv, D)``, its output ``o`` and upstream gradient ``do`` (both like q), and ``lse (B, Hq, Sq)``
-    float32: the natural log-sum-exp of each row's scaled scores, ``+inf`` for a row that sees no key (flash-attn's
-    convention), or None where no implementation that needs it runs (they declare ``needs=("lse",)``). The
-    call returns ``(dq, dk, dv)`` shaped and typed like q, k, v; with GQA, dk and dv sum over each group's query
-    heads. Causal is bottom-right, as in the forward."""
-
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    o: torch.Tensor
-    do: torch.Tensor
-    lse: torch.Tensor | None = None
-    causal: bool = False
-
-    op = "backward"
-    head_dim_tensors = ("q", "k", "v", "o", "do")
-
-    def __post_init__(self) -> None:
-        validate_attention_inputs(self.q, self.k, self.v)
-        if self.v.shape != self.k.shape:
-            raise ValueError(f"backward: v must have k's shape {tuple(self.k.shape)} (no value head dim of its "
-                             f"own), got {tuple(self.v.shape)}")
-        for name in ("o", "do"):
-            t = getattr(self, name)
-            _check_tensor(name, t, 4, "(B, Hq, Sq, D) like q")
-            if t.shape != self.q.shape or t.dtype != self.q.dtype or t.device != self.q.device:
-                raise ValueError(f"{name} must be shaped, typed and placed like q ({tuple(self.q.shape)} "
-                                 f"{self.q.dtype} on {self.q.device}), got {tuple(t.shape)} {t.dtype} on {t.device}")
-        if self.lse is not None:
-            _check_tensor("lse", self.lse, 3, "(B, Hq, Sq)")
-            if self.lse.shape != self.q.shape[:3] or self.lse.dtype != torch.float32:
-                raise ValueError(f"lse must be float32 (B, Hq, Sq) = {tuple(self.q.shape[:3])}, got "
-                                 f"{tuple(self.lse.shape)} {self.lse.dtype}")
-            if self.lse.device != self.q.device:
-                raise ValueError(f"lse must be on {self.q.device} with q, got {self.lse.device}")
-
-    def output_like(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return torch.empty_like(self.q), torch.empty_like(self.k), torch.empty_like(self.v)
-
-    def in_kernel_layout(self):
-        """As ``_ServingInputs.in_kernel_layout``, lse contiguous too."""
-        laid_out = super().in_kernel_layout()
-        if self.lse is not None and not self.lse.is_contiguous():
-            laid_out = replace(laid_out, lse=self.lse.contiguous())
-        return laid_out
