@@ -207,29 +207,43 @@ def online_softmax_step(qk, acc, l_i, m_i, v_ptrs, in_seq, in_dims, MASKED: tl.c
     (log2 units, hidden keys -inf) and its values (``_load``'s masks) added in. ``WIDEN_TO``: the dtype an fp8
     value tile is widened to before its dot; ``V_WORDS``: the values come as words of four e4m3, widened to
     fp16."""
+    p, alpha, l_i, m_new = softmax_rescale(qk, l_i, m_i, MASKED)
+    # the values are loaded after the exponentials, as before the MLA kernel shared this step: loaded first, they
+    # stay live across them and the 2-warp (64, 3) tile spills 8 B (tests/test_triton_compile.py)
     v = _load(v_ptrs, in_seq[:, None], in_dims[None, :], MASKED, PADDED)
     if V_WORDS:
         v = _e4m3_words_as_f16(v)
     elif WIDEN_TO is not None:
         v = v.to(WIDEN_TO)
-    return softmax_update(qk, acc, l_i, m_i, v, MASKED, DOT_FP32)
+    return accumulate(acc, p, alpha, v, DOT_FP32), l_i, m_new
 
 
 @triton.jit
 def softmax_update(qk, acc, l_i, m_i, v, MASKED: tl.constexpr, DOT_FP32: tl.constexpr):
     """The online softmax's step over one key tile's scores ``qk`` (log2 units, hidden keys -inf) and its value
-    tile ``v``, loaded: the running max, sum and output rescaled, the tile's values added in."""
+    tile ``v``, already loaded: the running max, sum and output rescaled, the tile's values added in."""
+    p, alpha, l_i, m_new = softmax_rescale(qk, l_i, m_i, MASKED)
+    return accumulate(acc, p, alpha, v, DOT_FP32), l_i, m_new
+
+
+@triton.jit
+def softmax_rescale(qk, l_i, m_i, MASKED: tl.constexpr):
+    """The tile's probabilities ``p`` against the new running max, the factor ``alpha`` that rescales what came
+    before, and the new running sum and max."""
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     # MASKED: a row that has seen no key yet has m == -inf: subtract 0 instead of NaN-ing
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new) if MASKED else m_new
     p = tl.math.exp2(qk - m_ref[:, None])
     alpha = tl.math.exp2(m_i - m_ref)
-    l_i = l_i * alpha + tl.sum(p, 1)
+    return p, alpha, l_i * alpha + tl.sum(p, 1), m_new
+
+
+@triton.jit
+def accumulate(acc, p, alpha, v, DOT_FP32: tl.constexpr):
+    """``acc`` rescaled by ``alpha`` plus ``p @ v``."""
     if DOT_FP32:
-        acc = tl.dot(p, v.to(tl.float32), acc * alpha[:, None], input_precision="ieee")
-    else:
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-    return acc, l_i, m_new
+        return tl.dot(p, v.to(tl.float32), acc * alpha[:, None], input_precision="ieee")
+    return tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
 
 
 @triton.jit
@@ -316,26 +330,32 @@ def paged_decode_split(
 
     if KV_FP8:  # the values' scale, once per chunk (the combine is linear in the partial outputs)
         acc = acc * v_scale
-    part = bk * stride_ob + split * stride_os
-    store_chunk(acc, l_i, m_i, O_part + part + rows[:, None] * stride_or + offs_d[None, :],
-                LSE_part + (bk * tl.num_programs(0) + split) * BLOCK_M + rows,
-                Out + batch * stride_b + token[:, None] * stride_t + head[:, None] * stride_h + offs_d[None, :],
-                row_valid, in_dims, SPLIT)
+    # The split's addresses are formed after its log-sum-exp, inside ``store_partials``: formed before it, they stay
+    # live across it and the 2-warp (64, 3) tile spills 8 B (tests/test_triton_compile.py).
+    if SPLIT:
+        store_partials(acc, l_i, m_i, O_part + bk * stride_ob + split * stride_os, stride_or, offs_d,
+                       LSE_part + (bk * tl.num_programs(0) + split) * BLOCK_M, rows, row_valid)
+    else:
+        store_output(acc, l_i, Out + batch * stride_b + token[:, None] * stride_t + head[:, None] * stride_h
+                     + offs_d[None, :], row_valid, in_dims)
 
 
 @triton.jit
-def store_chunk(acc, l_i, m_i, o_part_ptrs, lse_ptrs, out_ptrs, row_valid, in_dims, SPLIT: tl.constexpr):
-    """A chunk's end. SPLIT: its normalised output rows and their log-sum-exp (log2 units, -inf where a row saw no
-    key here) to the partials, for the combine; otherwise the output rows themselves (``in_dims``: the head dim's
-    columns of the tile)."""
+def store_partials(acc, l_i, m_i, o_part, stride_or, offs_d, lse_part, rows, row_valid):
+    """A split chunk's end: its normalised output rows and their log-sum-exp (log2 units, -inf where a row saw no
+    key here) to the partials at ``o_part`` and ``lse_part``, for the combine."""
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    if SPLIT:
-        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
-        tl.store(o_part_ptrs, acc / l_safe[:, None], mask=row_valid[:, None])
-        tl.store(lse_ptrs, lse, mask=row_valid)
-    else:
-        tl.store(out_ptrs, (acc / l_safe[:, None]).to(out_ptrs.dtype.element_ty),
-                 mask=row_valid[:, None] & in_dims[None, :])
+    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
+    tl.store(o_part + rows[:, None] * stride_or + offs_d[None, :], acc / l_safe[:, None], mask=row_valid[:, None])
+    tl.store(lse_part + rows, lse, mask=row_valid)
+
+
+@triton.jit
+def store_output(acc, l_i, out_ptrs, row_valid, in_dims):
+    """An unsplit sequence's end: its output rows themselves (``in_dims``: the head dim's columns of the tile)."""
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    tl.store(out_ptrs, (acc / l_safe[:, None]).to(out_ptrs.dtype.element_ty),
+             mask=row_valid[:, None] & in_dims[None, :])
 
 
 @triton.jit

@@ -27,7 +27,14 @@ from impls._plans import combine_plan, split_plan
 from impls._registry import FLOATS, Prepared, Unsupported, check_grid_axis, register
 from impls.contract import UNBOUNDED
 from impls.triton_fa.config import block_d, interpreting, requires
-from impls.triton_fa.decode import _load, _query_rows, paged_decode_combine, softmax_update, store_chunk
+from impls.triton_fa.decode import (
+    _load,
+    _query_rows,
+    paged_decode_combine,
+    softmax_update,
+    store_output,
+    store_partials,
+)
 from impls.triton_fa.kernel import LOG2_E, scaled_scores
 from impls.triton_fa.paged import INTERPRETER_SM_COUNT
 
@@ -99,11 +106,12 @@ def mla_decode_split(
         qk = tl.where(visible, qk, float("-inf"))
         acc, l_i, m_i = softmax_update(qk, acc, l_i, m_i, ckv, True, DOT_FP32)
 
-    part = batch * stride_ob + split * stride_os
-    store_chunk(acc, l_i, m_i, O_part + part + rows[:, None] * stride_or + offs_l[None, :],
-                LSE_part + (batch * tl.num_programs(0) + split) * BLOCK_M + rows,
-                Out + batch * stride_b + token[:, None] * stride_t + head[:, None] * stride_h + offs_l[None, :],
-                row_valid, in_l, SPLIT)
+    if SPLIT:
+        store_partials(acc, l_i, m_i, O_part + batch * stride_ob + split * stride_os, stride_or, offs_l,
+                       LSE_part + (batch * tl.num_programs(0) + split) * BLOCK_M, rows, row_valid)
+    else:
+        store_output(acc, l_i, Out + batch * stride_b + token[:, None] * stride_t + head[:, None] * stride_h
+                     + offs_l[None, :], row_valid, in_l)
 
 
 def tile_width(width: int) -> int:
