@@ -18,6 +18,7 @@ compile the very launches a GPU would run (``export.export_launch``).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 from dataclasses import asdict, dataclass, replace
@@ -266,8 +267,12 @@ def prepare_paged(inputs: PagedKV, *, scale: float, window: tuple[int, int] = NO
     def first() -> dict:  # on a shared GPU: the first form's first plan, untimed
         return candidates(decode_space_for(inputs)[:1])[0].variant.describe()
 
+    @functools.cache
+    def forms() -> list[dict]:  # built once, and only where a shipped pick is looked at
+        return [form(f.describe()) for f in decode_space_for(inputs)]
+
     def valid(config: dict) -> bool:  # a shipped pick's form is one of this step's (its plan is the step's own)
-        return form(config) in [form(f.describe()) for f in decode_space_for(inputs)]
+        return form(config) in forms()
 
     key = TUNING.key(inputs.q.device, decode_shape_class(inputs, window_left, softcap))
     picked = remembered(key, search, DecodeVariant, first, compiled, NEAR_DECODE, valid)
