@@ -72,11 +72,10 @@ def export(cache_file: Path, folder: Path, *, source: str | None, gpu: str | Non
 
 def write_table(path: Path, table: dict) -> None:
     """One pick a line, sorted by shape: a new tune shows in review as the lines it changed."""
-    head = {k: v for k, v in table.items() if k != "picks"}
-    lines = [json.dumps({"shape": pick["shape"], "config": dict(sorted(pick["config"].items())),
-                         "tuned_with": pick["tuned_with"]}) for pick in table["picks"]]
-    body = ",\n  ".join(lines)
-    path.write_text(json.dumps(head, indent=1)[:-2] + ',\n "picks": [\n  ' + body + "\n ]\n}\n")
+    fields = [f" {json.dumps(key)}: {json.dumps(value)}" for key, value in table.items() if key != "picks"]
+    picks = ",\n  ".join(json.dumps({"shape": pick["shape"], "config": dict(sorted(pick["config"].items())),
+                                      "tuned_with": pick["tuned_with"]}) for pick in table["picks"])
+    path.write_text("{\n" + ",\n".join([*fields, f' "picks": [\n  {picks}\n ]']) + "\n}\n")
 
 
 def tune(grids: list[str], impls: list[str], workers: int, retune: bool) -> int:
