@@ -116,9 +116,14 @@ class Impl:
     op: str = "dense"
     variants: tuple[str, ...] = ()  # of VARIANTS: the prepare function then takes window= / softcap=
     needs: tuple[str, ...] = ()  # optional input fields it cannot run without (backward: "lse")
+    presets: tuple[str, ...] = ()  # a study rather than a contender: runs in these presets only, unless named
 
     def __repr__(self) -> str:  # short: pytest-benchmark stores it with every benchmark
         return f"Impl({self.name!r}, op={self.op!r})"
+
+    def runs_in(self, preset: str) -> bool:
+        """Whether a run that does not name this implementation runs it on ``preset``'s cases."""
+        return not self.presets or preset in self.presets
 
     def availability(self, device: str) -> str | None:
         """``None`` when this implementation can run on ``device`` at all, else the reason it cannot."""
@@ -208,6 +213,7 @@ def register(
     op: str = "dense",
     variants: Iterable[str] = (),
     needs: Iterable[str] = (),
+    presets: Iterable[str] = (),
 ) -> Callable[[PrepareFn], PrepareFn]:
     """Decorator: add a prepare function to the registry under ``name`` for operation ``op``."""
     if op not in OPS:
@@ -230,6 +236,7 @@ def register(
             op=op,
             variants=tuple(variants),
             needs=tuple(needs),
+            presets=tuple(presets),
         )
         return fn
 

@@ -226,12 +226,15 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     marker = metafunc.definition.get_closest_marker("cases")  # a test that names its own cases
     selected = [("properties", c) for c in marker.args] if marker else presets.cases(grids_for(metafunc.config, phase))
     params = []
+    named = bool(metafunc.config.getoption("--impl"))  # else studies (the blog's ladder) run in their presets only
+    grids = [] if marker else grids_for(metafunc.config, phase)
     for preset, case in selected:
+        holding = [name for name in grids if case in presets.preset(name)] or [preset]
         if case.id not in state.cases:
             state.cases[case.id] = {**case.as_dict(), "preset": preset, "merit": case.merit}
             state.presets.setdefault(preset, []).append(case.id)
         params += [pytest.param(impl, case, id=f"{impl.name}-{case.id}") for impl in state.impls
-                   if impl.op == case.op]
+                   if impl.op == case.op and (named or any(map(impl.runs_in, holding)))]
     metafunc.parametrize(("impl", "case"), params)
     if "timing" in metafunc.fixturenames:
         metafunc.parametrize("timing", timing_modes(metafunc.config))

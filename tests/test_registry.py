@@ -1,10 +1,15 @@
 import functools
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 import impls
 from impls import Prepared, Unsupported, register, select, unregister
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -202,15 +207,10 @@ def test_an_operation_that_cannot_run_here_leaves_its_siblings_running():
 
 def test_list_impls_prints_the_registry_and_runs_nothing():
     """``pytest --list-impls``: one row an operation and implementation, with whether it runs here or why not."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
     from suite.isolation import child_env
 
-    root = Path(__file__).resolve().parents[1]
     done = subprocess.run([sys.executable, "-m", "pytest", "--list-impls", "--impl", "flex", "--impl", "naive",
-                           "-p", "no:cacheprovider"], cwd=root, capture_output=True, text=True, timeout=120,
+                           "-p", "no:cacheprovider"], cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env=child_env())
     assert done.returncode == 0, done.stderr
     rows = [line.split() for line in done.stdout.splitlines()]
@@ -222,3 +222,24 @@ def test_list_impls_prints_the_registry_and_runs_nothing():
     if not torch.cuda.is_available():
         assert listed["paged", "flex"].startswith("runs on cuda only")
     assert "passed" not in done.stdout and "collected" not in done.stdout
+
+
+def _collected(*args: str) -> list[str]:
+    from suite.isolation import child_env
+
+    done = subprocess.run([sys.executable, "-m", "pytest", "suite", "--collect-only", "-q", "-p", "no:cacheprovider",
+                           "-p", "tests.study_impl", *args], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=child_env())
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return [line for line in done.stdout.splitlines() if "::" in line]
+
+
+def test_a_study_runs_in_its_own_preset_unless_named() -> None:
+    from suite.presets import preset
+
+    study_cases = {c.id for c in preset("cpu-bench")}
+    ids = _collected("--benchmark-only", "--grid", "cpu", "--grid", "cpu-bench")
+    ran = {i.split("[study-naive-", 1)[1].rsplit("-", 1)[0] for i in ids if "[study-naive-" in i}
+    assert ran == study_cases  # none of cpu's cases, every one of cpu-bench's
+    named = _collected("--benchmark-only", "--grid", "cpu", "--impl", "study*")
+    assert named and all("[study-naive-" in i for i in named)

@@ -111,3 +111,23 @@ def test_a_campaign_runs_in_steps_resumes_and_merges(tmp_path: Path, monkeypatch
     other = tmp_path / "later.json"
     assert campaign.main([str(other), "--total-seconds", "0", *runs]) == campaign.EXIT_MORE
     assert not other.exists()
+
+
+def test_first_call_cases_round_trip_through_their_text_form() -> None:
+    from suite.presets import preset
+    from tools.first_call import DEFAULT_CASES, case_text, parse_case
+
+    for case in preset("models-cpu") + preset("serving-cpu") + preset("mla-cpu"):
+        assert parse_case(case_text(case)) == case
+    assert all(parse_case(text) for text in DEFAULT_CASES)
+    with pytest.raises(Exception, match="FIELD=VALUE"):
+        parse_case("batch=1,heads=2")
+
+
+def test_first_call_checks_the_answer_and_summarises_picks_against_tunes() -> None:
+    from tools.first_call import measure, parse_case, summary
+
+    row = measure("naive", parse_case("batch=1,hq=2,hkv=1,sq=33,skv=40,d=64,causal=1"), False, 1)
+    assert row["status"] == "ok" and row["correct"] and row["first_call_s"] >= 0
+    lines = summary([{"impl": "triton", "preset": "blog", "pick_over_tuned": r} for r in (1.0, 1.08)])
+    assert lines == ["triton blog: 2 cases, pick / tuned geomean 1.0392, worst 1.0800"]

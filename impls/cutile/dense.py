@@ -21,7 +21,7 @@ def _prepare_fixed(variant: Variant):
 
 for _name, (_variant, _what) in LADDER.items():
     register(_name, family="cutile", dtypes=HALF, devices=("cuda",), head_dims=LADDER_HEAD_DIMS,
-             requires=requires, description=_what)(_prepare_fixed(_variant))
+             requires=requires, description=_what, presets=("ladder",))(_prepare_fixed(_variant))
 
 @register("cutile", family="cutile", dtypes=HALF, devices=("cuda",), head_dims=HEAD_DIMS, requires=requires,
           variants=("window", "softcap", "value_dim"),
