@@ -67,7 +67,7 @@ def compile_mla(arch: int, *, rows: int, latent: int = 512, rope: int = 64, page
     block_m, num_warps = row_tile(rows)
     constants = {"HEADS": rows, "SQ": 1, "PAGE_SIZE": page_size, "LATENT": latent, "ROPE": rope,
                  "BLOCK_L": tile_width(latent), "BLOCK_R": tile_width(rope), "BLOCK_M": block_m,
-                 "BLOCK_N": MLA_CONFIG["BLOCK_N"], "DOT_FP32": False, "SPLIT": True}
+                 "BLOCK_N": MLA_CONFIG["BLOCK_N"], "DOT_FP32": False, "SPLIT": True, "KV_FP8": False}
     pointers = {**dict.fromkeys(("Q_nope", "Q_pe", "CKV", "KPE", "Out"), "bf16"), "block_table": "i32",
                 "cache_seqlens": "i32", "O_part": "fp32", "LSE_part": "fp32"}
     return compile_for(mla_decode_split, arch, constants, pointers, num_warps, MLA_CONFIG["num_stages"])
@@ -75,7 +75,7 @@ def compile_mla(arch: int, *, rows: int, latent: int = 512, rope: int = 64, page
 
 def compile_for(fn, arch: int, constants: dict, pointers: dict[str, str], num_warps: int, num_stages: int):
     """``fn`` compiled for sm_``arch`` with these constexprs; ``pointers``: its pointer parameters and their
-    element types; ``qk_scale``, ``v_scale`` and ``scale`` are floats, every other parameter an int32."""
+    element types; ``qk_scale``, ``v_scale``, ``kv_scale`` and ``scale`` are floats, every other parameter an int32."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -89,7 +89,7 @@ def compile_for(fn, arch: int, constants: dict, pointers: dict[str, str], num_wa
         elif name in pointers:
             signature[name] = f"*{pointers[name]}"
         else:
-            signature[name] = "fp32" if name in ("qk_scale", "v_scale", "scale") else "i32"
+            signature[name] = "fp32" if name in ("qk_scale", "v_scale", "kv_scale", "scale") else "i32"
     # What the JIT specialises at run time for the usual contiguous tensors: pointers and strides (not
     # lengths, not the unit stride) divisible by 16. Without it loads cannot be vectorised and the cubin
     # would not be the one that runs.
