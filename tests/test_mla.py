@@ -115,11 +115,15 @@ def test_flashinfer_says_why_it_cannot_run_here():
 
 @pytest.mark.slow
 def test_triton_mla_compiles_for_hopper_without_spills_at_deepseeks_rows():
-    """DeepSeek-V3 per GPU of 8: 16 heads, one or two new tokens, 512 + 64, compiled for sm_90 as launched."""
+    """DeepSeek-V3 per GPU of 8: 16 heads, one or two new tokens, 512 + 64, compiled for sm_90 as launched. Over an
+    fp8 latent cache it compiles on tensor cores too, but its value tile is gathered byte by byte from shared memory
+    (LDS.U8) and a few registers spill: the paged decode's V_WORDS fix is not in this kernel yet (docs/design.md)."""
     from tests.test_triton_compile import compiled
 
-    for result in compiled("--arch 90 --mla 16", "--arch 90 --mla 32"):
+    *bf16, fp8 = compiled("--arch 90 --mla 16", "--arch 90 --mla 32", "--arch 90 --mla 16 --kv-fp8")
+    for result in bf16:
         assert result["hmma"] + result["hgmma"] > 0 and result["stack"] == 0, result
+    assert fp8["hmma"] + fp8["hgmma"] > 0, fp8
 
 
 FP8_CASE = mla(TINY, 3, 100, page_size=16, lengths="longtail", kv_dtype="fp8")
