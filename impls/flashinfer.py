@@ -9,7 +9,10 @@
   (``qo_indptr``), causal where a sequence has several.
 - Every operation takes the window (left side, ``window_left``; FlashInfer has no right bound) and softcap
   (``logits_soft_cap``) where the call asks for them; paged decode takes an fp8 cache (``kv_data_type`` at
-  planning, ``k_scale`` / ``v_scale`` at each run, as vLLM calls it). MLA takes no variant.
+  planning, ``k_scale`` / ``v_scale`` at each run, as vLLM calls it). MLA takes no window or softcap; an fp8
+  latent cache (``kv_data_type`` at planning, its one scale as ``ckv_scale`` and ``kpe_scale`` at each run) where
+  FlashInfer has it: its FA3 backend on Hopper, bf16 queries, 512 + 64; elsewhere FlashInfer refuses, with its
+  reason.
 
 Planning (which also JIT-compiles the kernels on first use) happens in prepare; the timed call is ``run``.
 FlashInfer aligns a causal mask bottom-right when a sequence has more keys than queries, as the contract does.
@@ -140,7 +143,9 @@ MLA_WIDTHS = (512, 64)
 
 
 @register("flashinfer", op="mla", family="flashinfer", dtypes=HALF, devices=("cuda",), requires=requires,
-          description="flashinfer.mla.BatchMLAPagedAttentionWrapper (causal where a step has several new tokens)")
+          variants=("kv_fp8",),
+          description="flashinfer.mla.BatchMLAPagedAttentionWrapper (causal where a step has several new tokens; "
+                      "an fp8 latent cache with its scale)")
 def prepare_mla(inputs, *, scale: float) -> Prepared:
     import flashinfer
 
@@ -157,7 +162,11 @@ def prepare_mla(inputs, *, scale: float) -> Prepared:
         wrapper.plan(qo_indptr, indptr, indices, inputs.cache_seqlens, heads, latent, inputs.rope_dim,
                      inputs.page_size, new > 1, scale, inputs.q.dtype, inputs.ckv.dtype)
 
+    # One scale for both caches (the contract's); the keywords exist only from the FlashInfer that reads fp8 MLA
+    # caches, and an older one refuses them (TypeError), with its reason.
+    scales = {"ckv_scale": inputs.kv_scale, "kpe_scale": inputs.kv_scale} if inputs.kv_fp8 else {}
+
     def call() -> torch.Tensor:
-        return wrapper.run(q_nope, q_pe, inputs.ckv, inputs.kpe, out=out).view(batch, new, heads, latent)
+        return wrapper.run(q_nope, q_pe, inputs.ckv, inputs.kpe, out=out, **scales).view(batch, new, heads, latent)
 
     return Prepared(probe(call, *REFUSALS), config={"wrapper": "BatchMLAPagedAttentionWrapper", "causal": new > 1})

@@ -36,9 +36,10 @@ def naive(q, k, v, *, causal: bool, scale: float, **variants):
                       "attention per sequence, eager PyTorch")
 @register("naive", op="varlen", family="naive", variants=("window", "softcap"),
           description="standard attention per packed sequence, eager PyTorch")
-@register("naive", op="mla", family="naive",
-          description="each sequence's latent and rotary rows gathered, then standard attention per sequence over "
-                      "one kv head (scores latent + rotary wide, values the latent rows), eager PyTorch")
+@register("naive", op="mla", family="naive", variants=("kv_fp8",),
+          description="each sequence's latent and rotary rows gathered (an fp8 cache dequantized into q's dtype), "
+                      "then standard attention per sequence over one kv head (scores latent + rotary wide, values "
+                      "the latent rows), eager PyTorch")
 def naive_serving(inputs, *, scale: float, **variants):
     out = inputs.output_like()
 

@@ -131,10 +131,10 @@ def padded_slots(inputs, window: tuple[int, int] = NO_WINDOW) -> tuple[torch.Ten
     return slots, valid, visible[:, None]
 
 
-@register("sdpa", op="mla", family="sdpa",
-          description="each sequence's latent and rotary rows gathered into a padded cache inside the timed call, "
-                      "then torch SDPA with one kv head shared by every query head (scores latent + rotary wide, "
-                      "values the latent rows) and a length and causal mask")
+@register("sdpa", op="mla", family="sdpa", variants=("kv_fp8",),
+          description="each sequence's latent and rotary rows gathered into a padded cache inside the timed call "
+                      "(an fp8 cache dequantized there too), then torch SDPA with one kv head shared by every query "
+                      "head (scores latent + rotary wide, values the latent rows) and a length and causal mask")
 def sdpa_mla(inputs, *, scale: float):
     slots, valid, mask = padded_slots(inputs)
     keep = valid[:, :, None]
@@ -142,7 +142,8 @@ def sdpa_mla(inputs, *, scale: float):
 
     def call() -> torch.Tensor:
         # Unused slots may hold anything, NaN included: zero them, or 0 * NaN reaches the output.
-        ckv, kpe = (torch.where(keep, flat[slots], 0) for flat in (flat_ckv, flat_kpe))  # (B, Lmax, width)
+        ckv, kpe = (torch.where(keep, inputs.dequantized(flat[slots], inputs.q.dtype), 0)
+                    for flat in (flat_ckv, flat_kpe))  # (B, Lmax, width)
         q = torch.cat([inputs.q_nope, inputs.q_pe], dim=-1).transpose(1, 2)  # (B, H, Sq, latent + rope)
         k = torch.cat([ckv, kpe], dim=-1)[:, None]
         o = F.scaled_dot_product_attention(q, k, ckv[:, None], attn_mask=mask, scale=scale, enable_gqa=True)

@@ -55,7 +55,7 @@ class Case:
     window: tuple[int, int] = NO_WINDOW  # sliding window (left, right), bottom-right; -1: unbounded
     softcap: float = 0.0  # scores become softcap * tanh(scores / softcap)
     dv: int = 0  # the value (and output) head dim where it differs from d, as in MLA prefill; 0: d (dense only)
-    kv_dtype: str = ""  # paged: "fp8", a KV cache quantized per tensor (impls.contract.PagedKV); "": dtype's
+    kv_dtype: str = ""  # paged, mla: "fp8", a cache quantized per tensor (impls.contract); "": dtype's
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -77,7 +77,7 @@ class Case:
                              f"width d (got dv {self.dv}, d {self.d})")
         if self.op not in ("dense", "mla") and self.dv:  # backward included
             raise ValueError("a value head dim of its own is a dense-attention variant here")
-        if self.kv_dtype and (self.op != "paged" or self.kv_dtype not in KV_DTYPES or self.dtype == "fp32"):
+        if self.kv_dtype and (self.op not in PAGED_OPS or self.kv_dtype not in KV_DTYPES or self.dtype == "fp32"):
             raise ValueError(f"kv_dtype {self.kv_dtype!r}: a paged case's cache may be {', '.join(KV_DTYPES)} "
                              f"under fp16/bf16 queries, got op {self.op}, dtype {self.dtype}")
         if self.op == "varlen" and (self.sq != self.skv or self.sq < self.batch):
@@ -96,7 +96,7 @@ class Case:
             f"-cap{self.softcap:g}" if self.softcap else "") + (f"-kv{self.kv_dtype}" if self.kv_dtype else "")
         if self.op == "mla":
             body = (f"mla-{self.dtype}-h{self.hq}-q{self.sq}-kv{self.skv}-{self.lengths}-p{self.page_size}"
-                    f"-d{self.dv}+{self.d - self.dv}{tail}")
+                    f"-d{self.dv}+{self.d - self.dv}{f'-kv{self.kv_dtype}' if self.kv_dtype else ''}{tail}")
         elif self.op == "paged":
             body = (f"paged-{self.dtype}-{heads}-q{self.sq}-kv{self.skv}-{self.lengths}-p{self.page_size}"
                     f"-d{self.d}{variants}{tail}")
@@ -226,10 +226,14 @@ class Case:
 
         layout, rope = self._page_layout(), self.d - self.dv
         ckv, kpe = (randn(layout.num_pages, self.page_size, width) for width in (self.dv, rope))
+        scales = {}
+        if self.kv_dtype:  # one scale for both caches: the largest magnitude of either at fp8's largest
+            scales["kv_scale"] = max(float(c.abs().max()) for c in (ckv, kpe)) / FP8_MAX
+            ckv, kpe = (quantized(c, self.kv_torch_dtype, scales["kv_scale"])[0] for c in (ckv, kpe))
         for cache in (ckv, kpe):
             layout.fill_unused(cache)
         q_nope, q_pe = (randn(self.batch, self.sq, self.hq, width) for width in (self.dv, rope))
-        return MLADecode(q_nope, q_pe, ckv, kpe, *layout.index_tensors(device))
+        return MLADecode(q_nope, q_pe, ckv, kpe, *layout.index_tensors(device), **scales)
 
     def _page_layout(self) -> PageLayout:
         """Where a paged case's sequences live: their pages scattered at random over a cache with spare pages."""
@@ -270,7 +274,8 @@ class PageLayout:
         return self.table.to(device), torch.tensor(self.lengths, dtype=torch.int32, device=device)
 
 
-def quantized(cache: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, float]:
-    """``cache`` in fp8 with one scale for the tensor: (stored, scale), ``stored * scale`` close to ``cache``."""
-    scale = float(cache.abs().max()) / FP8_MAX
+def quantized(cache: torch.Tensor, dtype: torch.dtype, scale: float | None = None) -> tuple[torch.Tensor, float]:
+    """``cache`` in fp8 with one scale for the tensor (by default its largest magnitude over ``FP8_MAX``): (stored,
+    scale), ``stored * scale`` close to ``cache``."""
+    scale = float(cache.abs().max()) / FP8_MAX if scale is None else scale
     return (cache.float() / scale).to(dtype), scale

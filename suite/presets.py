@@ -142,19 +142,21 @@ DEEPSEEK_V3_MLA_TP8 = ("deepseek-v3-tp8", 16, 512, 64)
 
 
 def mla(model: tuple[str, int, int, int], batch: int, skv: int, *, sq: int = 1, page_size: int = 64,
-        lengths: str = "uniform", dtype: str = "bf16") -> Case:
-    """An MLA decode step over a paged latent cache (``Case``'s ``mla``)."""
+        lengths: str = "uniform", dtype: str = "bf16", kv_dtype: str = "") -> Case:
+    """An MLA decode step over a paged latent cache (``Case``'s ``mla``; ``kv_dtype`` "fp8": quantized)."""
     name, heads, latent, rope = model
     return Case(batch, heads, 1, sq, skv, latent + rope, dtype, True, op="mla", page_size=page_size,
-                lengths=lengths, model=name, dv=latent)
+                lengths=lengths, model=name, dv=latent, kv_dtype=kv_dtype)
 
 
 def _mla() -> list[Case]:
     """DeepSeek-V3's decode steps per GPU of 8: batch x cache length up to MAX_SERVING_TOKENS, one and two new
-    tokens (speculative decoding's one draft token), pages of 64; and a long-tailed batch."""
+    tokens (speculative decoding's one draft token), pages of 64; a long-tailed batch; and the one-token steps over an
+    fp8 latent cache (FlashMLA's and FlashInfer's e4m3), beside their bf16 twins."""
     steps = [(b, n) for b in (1, 16, 64, 256) for n in (1024, 4096, 32768) if b * n <= MAX_SERVING_TOKENS]
     return ([mla(DEEPSEEK_V3_MLA_TP8, b, n, sq=sq) for sq in (1, 2) for b, n in steps]
-            + [mla(DEEPSEEK_V3_MLA_TP8, 64, 8192, lengths="longtail")])
+            + [mla(DEEPSEEK_V3_MLA_TP8, 64, 8192, lengths="longtail")]
+            + [mla(DEEPSEEK_V3_MLA_TP8, b, n, kv_dtype="fp8") for b, n in steps])
 
 
 # The attention of real checkpoints: (name in the case id, Hq, Hkv, D, window, softcap). Gemma 2 alternates
@@ -296,6 +298,10 @@ PRESETS: dict[str, list[Case]] = {
         mla(("", 4, 32, 8), 3, 100, page_size=16, lengths="longtail"),
         mla(("", 8, 64, 16), 2, 77, sq=2, page_size=32, dtype="fp16"),
         mla(("", 4, 48, 16), 1, 300, page_size=16),
+        # An fp8 latent cache. No sequence of one token: its row's output is one dequantized latent row, which the
+        # naive yardstick rounds to bf16 exactly, while Triton's interpreter truncates every store to bf16 (a GPU
+        # rounds to nearest), one ulp off against a naive error of nearly 0.
+        mla(("", 8, 64, 16), 3, 150, sq=2, page_size=16, lengths="longtail", kv_dtype="fp8"),
     ],
 }
 

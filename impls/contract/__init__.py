@@ -27,6 +27,9 @@ MLA decode (DeepSeek-V3/R1's and Kimi-K2's multi-head latent attention in the ab
 - ``block_table`` and ``cache_seqlens`` as paged decode's, causal bottom-right alike.
 The scores are ``q_nope . ckv + q_pe . kpe`` (default scale ``1 / sqrt(latent + rope)``), the values the latent
 rows: output ``(B, Sq_new, H, latent)``. Slots past a sequence's length may hold anything, NaN included.
+An fp8 latent cache (FlashMLA's and FlashInfer's): ``ckv`` and ``kpe`` both ``float8_e4m3fn`` under fp16/bf16
+queries, with one per-tensor scale ``kv_scale`` for both (a row is ``kv_scale * ckv[slot]``, key and value alike,
+as vLLM keeps one scale for the latent cache); declared and refused as paged decode's (``"kv_fp8"``).
 
 Varlen prefill (flash-attn's packed layout):
 - ``q (total_q, Hq, D)``, ``k, v (total_k, Hkv, D)``;

@@ -108,6 +108,22 @@ def _checked_seqlens(cache_seqlens: torch.Tensor, block_table: torch.Tensor, sq:
     return seqlens
 
 
+def _check_fp8_scales(inputs, names: tuple[str, ...], cache_dtype: torch.dtype) -> None:
+    """An fp8 cache's dequantization scales (the fields ``names`` of ``inputs``): finite and positive, and 1 where
+    the cache (of ``cache_dtype``) is not fp8."""
+    for name in names:
+        value = getattr(inputs, name)
+        if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise ValueError(f"{name} must be a finite positive number, got {value!r}")
+        if value != 1.0 and cache_dtype != FP8_KV:
+            raise ValueError(f"{name} = {value} applies to an fp8 cache only; this one is {cache_dtype}")
+
+
+def _dequantized(rows: torch.Tensor, fp8: bool, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Rows read from a cache, as ``dtype``: multiplied by the cache's ``scale`` where it is ``fp8``."""
+    return rows.to(dtype) * scale if fp8 else rows.to(dtype)
+
+
 class _ServingInputs:
     """What both operations' inputs share (each defines ``q``)."""
 
@@ -167,12 +183,7 @@ class PagedKV(_ServingInputs):
                        ("(B, Sq_new, Hq, D)", "(num_pages, page_size, Hkv, D)"),
                        {"block_table": (self.block_table, "(B, max_pages)"),
                         "cache_seqlens": (self.cache_seqlens, "(B,)")}, fp8_kv=True)
-        for name in ("k_scale", "v_scale"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-                raise ValueError(f"{name} must be a finite positive number, got {value!r}")
-            if value != 1.0 and not self.kv_fp8:
-                raise ValueError(f"{name} = {value} applies to an fp8 cache only; this one is {self.k_cache.dtype}")
+        _check_fp8_scales(self, ("k_scale", "v_scale"), self.k_cache.dtype)
         sq = _check_batch(self.q, self.block_table, self.cache_seqlens)
         self.seqlens = _checked_seqlens(self.cache_seqlens, self.block_table, sq, *self.k_cache.shape[:2])
 
@@ -187,9 +198,7 @@ class PagedKV(_ServingInputs):
 
     def dequantized(self, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values read from these caches, as ``dtype``: scaled where the caches are fp8."""
-        if not self.kv_fp8:
-            return k.to(dtype), v.to(dtype)
-        return k.to(dtype) * self.k_scale, v.to(dtype) * self.v_scale
+        return _dequantized(k, self.kv_fp8, self.k_scale, dtype), _dequantized(v, self.kv_fp8, self.v_scale, dtype)
 
     @property
     def max_seqlen(self) -> int:
@@ -281,6 +290,7 @@ class MLADecode(_ServingInputs):
     kpe: torch.Tensor
     block_table: torch.Tensor
     cache_seqlens: torch.Tensor
+    kv_scale: float = 1.0  # an fp8 cache's one dequantization scale, latent and rotary rows alike (module doc)
     seqlens: tuple[int, ...] = field(init=False)  # host copy of cache_seqlens
 
     op = "mla"
@@ -294,9 +304,13 @@ class MLADecode(_ServingInputs):
             if not t.is_floating_point():
                 raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
         tensors = [getattr(self, name) for name in MLA_LAYOUTS]
-        if len({t.dtype for t in tensors}) > 1:
-            raise TypeError(f"q_nope, q_pe, ckv and kpe must share one dtype, got "
+        queries, caches = {t.dtype for t in tensors[:2]}, {t.dtype for t in tensors[2:]}
+        if caches == {FP8_KV} and len(queries) == 1 and not queries <= set(FP8_QUERIES):
+            raise TypeError(f"an fp8 ckv/kpe needs fp16 or bf16 q_nope and q_pe, got {self.q_nope.dtype}")
+        if len(queries | caches) > 1 and not (caches == {FP8_KV} and len(queries) == 1):
+            raise TypeError(f"q_nope, q_pe, ckv and kpe must share one dtype (or ckv and kpe both {FP8_KV}), got "
                             f"{', '.join(str(t.dtype) for t in tensors)}")
+        _check_fp8_scales(self, ("kv_scale",), self.ckv.dtype)
         if len({t.device for t in tensors}) > 1:
             raise ValueError(f"q_nope, q_pe, ckv and kpe must be on one device, got "
                              f"{', '.join(str(t.device) for t in tensors)}")
@@ -341,6 +355,15 @@ class MLADecode(_ServingInputs):
         return self.ckv.shape[1]
 
     @property
+    def kv_fp8(self) -> bool:
+        """Whether the latent and rotary caches are fp8 (dequantized by ``kv_scale``)."""
+        return self.ckv.dtype == FP8_KV
+
+    def dequantized(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Latent or rotary rows read from these caches, as ``dtype``: scaled where the caches are fp8."""
+        return _dequantized(rows, self.kv_fp8, self.kv_scale, dtype)
+
+    @property
     def max_seqlen(self) -> int:
         return max(self.seqlens)
 
@@ -366,7 +389,7 @@ def sequences(inputs: PagedKV | Varlen | MLADecode, indices: list[int] | None = 
     batch = inputs.batch if isinstance(inputs, Varlen) else inputs.q.shape[0]
     for b in range(batch) if indices is None else indices:
         if isinstance(inputs, MLADecode):
-            yield b, *mla_sequence(inputs, b), True
+            yield b, *mla_sequence(inputs, b, kv_dtype), True
         elif isinstance(inputs, PagedKV):
             k, v = gather_sequence(inputs, b)
             if inputs.kv_fp8:
@@ -378,12 +401,15 @@ def sequences(inputs: PagedKV | Varlen | MLADecode, indices: list[int] | None = 
             yield b, q, k, v, inputs.causal
 
 
-def mla_sequence(inputs: MLADecode, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def mla_sequence(inputs: MLADecode, b: int, kv_dtype: torch.dtype | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sequence ``b`` of an MLA batch as dense attention with one kv head: q ``(1, H, Sq, latent + rope)``, k
-    ``(1, 1, L, latent + rope)`` and v ``(1, 1, L, latent)``."""
+    ``(1, 1, L, latent + rope)`` and v ``(1, 1, L, latent)``; the cache's rows as ``kv_dtype`` (default q's),
+    dequantized where they are fp8."""
     q = torch.cat([inputs.q_nope[b], inputs.q_pe[b]], dim=-1).transpose(0, 1)[None]
-    ckv = gather_rows(inputs, inputs.ckv, b)
-    k = torch.cat([ckv, gather_rows(inputs, inputs.kpe, b)], dim=-1)
+    ckv, kpe = (inputs.dequantized(gather_rows(inputs, cache, b), kv_dtype or inputs.q.dtype)
+                for cache in (inputs.ckv, inputs.kpe))
+    k = torch.cat([ckv, kpe], dim=-1)
     return q, k[None, None], ckv[None, None]
 
 

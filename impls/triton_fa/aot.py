@@ -59,23 +59,25 @@ def compile_decode(arch: int, *, block_n: int, num_warps: int, num_stages: int, 
     return compile_for(paged_decode_split, arch, constants, pointers, num_warps, num_stages)
 
 
-def compile_mla(arch: int, *, rows: int, latent: int = 512, rope: int = 64, page_size: int = 64):
+def compile_mla(arch: int, *, rows: int, latent: int = 512, rope: int = 64, page_size: int = 64,
+                kv_fp8: bool = False):
     """The MLA decode's split kernel (mla.py) as its fixed config launches a split step of ``rows`` query rows (heads
-    x new tokens) over a bf16 latent cache, DeepSeek's widths by default."""
+    x new tokens) over a bf16 latent cache (``kv_fp8``: an fp8 one under bf16 queries), DeepSeek's widths by
+    default."""
     from impls.triton_fa.mla import MLA_CONFIG, mla_decode_split, row_tile, tile_width
 
     block_m, num_warps = row_tile(rows)
     constants = {"HEADS": rows, "SQ": 1, "PAGE_SIZE": page_size, "LATENT": latent, "ROPE": rope,
                  "BLOCK_L": tile_width(latent), "BLOCK_R": tile_width(rope), "BLOCK_M": block_m,
-                 "BLOCK_N": MLA_CONFIG["BLOCK_N"], "DOT_FP32": False, "SPLIT": True}
-    pointers = {**dict.fromkeys(("Q_nope", "Q_pe", "CKV", "KPE", "Out"), "bf16"), "block_table": "i32",
-                "cache_seqlens": "i32", "O_part": "fp32", "LSE_part": "fp32"}
+                 "BLOCK_N": MLA_CONFIG["BLOCK_N"], "DOT_FP32": False, "SPLIT": True, "KV_FP8": kv_fp8}
+    pointers = {**dict.fromkeys(("Q_nope", "Q_pe", "Out"), "bf16"), "block_table": "i32", "cache_seqlens": "i32",
+                **dict.fromkeys(("CKV", "KPE"), "fp8e4nv" if kv_fp8 else "bf16"), "O_part": "fp32", "LSE_part": "fp32"}
     return compile_for(mla_decode_split, arch, constants, pointers, num_warps, MLA_CONFIG["num_stages"])
 
 
 def compile_for(fn, arch: int, constants: dict, pointers: dict[str, str], num_warps: int, num_stages: int):
     """``fn`` compiled for sm_``arch`` with these constexprs; ``pointers``: its pointer parameters and their
-    element types; ``qk_scale``, ``v_scale`` and ``scale`` are floats, every other parameter an int32."""
+    element types; ``qk_scale``, ``v_scale``, ``kv_scale`` and ``scale`` are floats, every other parameter an int32."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -89,7 +91,7 @@ def compile_for(fn, arch: int, constants: dict, pointers: dict[str, str], num_wa
         elif name in pointers:
             signature[name] = f"*{pointers[name]}"
         else:
-            signature[name] = "fp32" if name in ("qk_scale", "v_scale", "scale") else "i32"
+            signature[name] = "fp32" if name in ("qk_scale", "v_scale", "kv_scale", "scale") else "i32"
     # What the JIT specialises at run time for the usual contiguous tensors: pointers and strides (not
     # lengths, not the unit stride) divisible by 16. Without it loads cannot be vectorised and the cubin
     # would not be the one that runs.
@@ -139,7 +141,7 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--decode", type=int, nargs=3, metavar=("BLOCK_N", "WARPS", "STAGES"),
                         help="the paged decode's split kernel with this tile instead (bf16, D=128, group 4, pages of "
                              "16): its resources, shared memory and K/V buffers")
-    parser.add_argument("--kv-fp8", action="store_true", help="--decode over an fp8 (e4m3) cache")
+    parser.add_argument("--kv-fp8", action="store_true", help="--decode or --mla over an fp8 (e4m3) cache")
     parser.add_argument("--value-bytes", action="store_true",
                         help="--kv-fp8 with the values read as bytes (V_WORDS off), the older form")
     parser.add_argument("--pdl", action="store_true", help="--decode for programmatic dependent launch (USE_PDL)")
@@ -154,7 +156,7 @@ def parser() -> argparse.ArgumentParser:
 
 def resources(args: argparse.Namespace) -> dict[str, int]:
     if args.mla:
-        kernel = compile_mla(args.arch, rows=args.mla)
+        kernel = compile_mla(args.arch, rows=args.mla, kv_fp8=args.kv_fp8)
         return {**describe(kernel.asm["cubin"]), "shared": kernel.metadata.shared}
     if args.decode:
         block_n, num_warps, num_stages = args.decode

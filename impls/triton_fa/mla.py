@@ -12,6 +12,8 @@ The paged decode's design (``decode.py``) with MLA's one latent head:
    combine kernel, which sees the heads as one kv head's GROUP. A sequence of one chunk writes its output at once.
 4. Pages by row gathers through the block table, positions past a sequence read zeros (masked loads): any page
    size, whatever the unused slots hold. Latent and rotary widths that are not powers of two are padded with zeros.
+5. An fp8 cache (KV_FP8) is read as stored and each tile widened to q's dtype before its dots, as the paged
+   decode's; its one scale is folded into the score scale on the host and multiplies the chunk's output once.
 
 One fixed config, not tuned yet.
 """
@@ -48,7 +50,7 @@ INTERPRETER_MLA_CONFIG = {"BLOCK_N": 16, "num_stages": 1, "PLAN_PROGRAMS": _plan
 
 @triton.jit
 def mla_decode_split(
-    Q_nope, Q_pe, CKV, KPE, block_table, cache_seqlens, O_part, LSE_part, Out, qk_scale,
+    Q_nope, Q_pe, CKV, KPE, block_table, cache_seqlens, O_part, LSE_part, Out, qk_scale, kv_scale,
     stride_nb, stride_nt, stride_nh,  # Q_nope (B, Sq_new, H, LATENT)
     stride_pb, stride_pt, stride_ph,  # Q_pe (B, Sq_new, H, ROPE)
     stride_cp, stride_cs,  # CKV (num_pages, page_size, LATENT)
@@ -59,11 +61,12 @@ def mla_decode_split(
     split_len,
     HEADS: tl.constexpr, SQ: tl.constexpr, PAGE_SIZE: tl.constexpr, LATENT: tl.constexpr, ROPE: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_FP32: tl.constexpr, SPLIT: tl.constexpr,
+    DOT_FP32: tl.constexpr, SPLIT: tl.constexpr, KV_FP8: tl.constexpr = False,
 ):
     """Program (split, sequence): attention of the HEADS x SQ query rows over one chunk of the sequence's latent
     cache. SPLIT: its normalised output and log-sum-exp go to O_part and LSE_part for the combine; otherwise (one
-    chunk per sequence) the output rows go to Out."""
+    chunk per sequence) the output rows go to Out. KV_FP8: the caches are fp8, ``qk_scale`` holds ``kv_scale`` and
+    the output is multiplied by it."""
     split = tl.program_id(0)
     batch = tl.program_id(1).to(tl.int64)
     seq_len = tl.load(cache_seqlens + batch)
@@ -97,8 +100,8 @@ def mla_decode_split(
                     in_seq[:, None], in_l[None, :], True, BLOCK_L != LATENT)
         kpe = _load(KPE + page[:, None] * stride_kp + slot[:, None] * stride_ks + offs_r[None, :],
                     in_seq[:, None], in_r[None, :], True, BLOCK_R != ROPE)
-        if DOT_FP32:
-            ckv, kpe = ckv.to(tl.float32), kpe.to(tl.float32)
+        if DOT_FP32 or KV_FP8:  # the interpreter computes half-precision dots wrongly; fp8 widens to q's dtype
+            ckv, kpe = ckv.to(q_nope.dtype), kpe.to(q_nope.dtype)
         qk = tl.dot(q_nope, tl.trans(ckv), input_precision="ieee" if DOT_FP32 else None)
         qk = tl.dot(q_pe, tl.trans(kpe), qk, input_precision="ieee" if DOT_FP32 else None)
         qk = scaled_scores(qk, qk_scale, 0.0)
@@ -106,6 +109,8 @@ def mla_decode_split(
         qk = tl.where(visible, qk, float("-inf"))
         acc, l_i, m_i = softmax_update(qk, acc, l_i, m_i, ckv, True, DOT_FP32)
 
+    if KV_FP8:  # the values' scale, once per chunk (the combine is linear in the partial outputs)
+        acc = acc * kv_scale
     if SPLIT:
         store_partials(acc, l_i, m_i, O_part + batch * stride_ob + split * stride_os, stride_or, offs_l,
                        LSE_part + (batch * tl.num_programs(0) + split) * BLOCK_M, rows, row_valid)
@@ -144,12 +149,13 @@ def mla_launch(inputs, scale: float, config: dict):
     lse_part = torch.empty(parts, dtype=torch.float32, device=q_nope.device)
     out = inputs.output_like()
     split_args = (q_nope, q_pe, ckv, kpe, inputs.block_table, inputs.cache_seqlens, o_part, lse_part, out,
-                  scale * LOG2_E, *q_nope.stride()[:3], *q_pe.stride()[:3], *ckv.stride()[:2], *kpe.stride()[:2],
+                  scale * inputs.kv_scale * LOG2_E, inputs.kv_scale, *q_nope.stride()[:3], *q_pe.stride()[:3],
+                  *ckv.stride()[:2], *kpe.stride()[:2],
                   inputs.block_table.stride(0), *o_part.stride()[:3], *out.stride()[:3], split_len)
     split_meta = {"HEADS": heads, "SQ": sq, "PAGE_SIZE": inputs.page_size, "LATENT": latent,
                   "ROPE": inputs.rope_dim, "BLOCK_L": block_l, "BLOCK_R": tile_width(inputs.rope_dim),
                   "BLOCK_M": block_m, "BLOCK_N": block_n, "DOT_FP32": interp or q_nope.dtype == torch.float32,
-                  "SPLIT": split, "num_warps": num_warps, "num_stages": config["num_stages"]}
+                  "SPLIT": split, "KV_FP8": inputs.kv_fp8, "num_warps": num_warps, "num_stages": config["num_stages"]}
     launches = [(mla_decode_split, (num_splits, batch), split_args, split_meta)]
     if split:  # the paged decode's combine: the heads are one kv head's GROUP, nothing windowed
         tile_d, chunks = combine_plan(num_splits, block_l)
@@ -167,10 +173,10 @@ def mla_launch(inputs, scale: float, config: dict):
     return run, {"num_splits": num_splits, "split_len": split_len, "BLOCK_M": block_m, "num_warps": num_warps}
 
 
-@register("triton", op="mla", family="triton", dtypes=FLOATS, requires=requires,
+@register("triton", op="mla", family="triton", dtypes=FLOATS, requires=requires, variants=("kv_fp8",),
           description="our split-KV MLA decode: all query heads of a sequence in one tile over its latent head, "
                       "each latent row loaded once for the scores and the values, pages gathered through the block "
-                      "table, chunks merged by log-sum-exp; one fixed config")
+                      "table, chunks merged by log-sum-exp (an fp8 cache widened after each load); one fixed config")
 def prepare_mla(inputs, *, scale: float) -> Prepared:
     _, sq, heads, _ = inputs.q_nope.shape
     if heads * sq > MAX_ROWS:
