@@ -32,10 +32,12 @@ from impls.triton_fa.kernel import LOG2_E
 
 # Fixed tiles, no tuner. 64 packed rows is the dense kernel's query tile at 4 warps (16 rows a warp): a prefill tile
 # keeps its arithmetic intensity, and a decode row wastes at most 64 - GROUP rows of a dot whose cost hides behind
-# reading its K/V. Keys 64 at a time up to D 128, 32 above (the accumulator and the K/V tiles share registers).
+# reading its K/V. Keys 64 at a time up to D 128; at D 256 32 keys over 8 warps (the fp32 accumulator alone is 128
+# registers a thread over 4: compiled for sm_90 that spilled, 8 warps did not; python -m impls.triton_fa.aot --mixed).
 BLOCK_M = 64
-KEY_TILE = {128: 64, 256: 32}  # BLOCK_D -> BLOCK_N
-NUM_WARPS, NUM_STAGES = 4, 2
+KEY_TILE = {128: (64, 4), 256: (32, 8)}  # BLOCK_D -> (BLOCK_N, warps)
+NUM_STAGES = 2
+ROWS_PER_WARP = 16
 # The interpreter's tiles: small enough that the CPU cases cross several query and key tiles and page boundaries.
 INTERPRETER_BLOCK_M, INTERPRETER_BLOCK_N = 16, 16
 
@@ -92,14 +94,16 @@ def mixed_attention(
                  row_valid, in_dims)
 
 
-def tiles(group: int, head_dim: int, interp: bool) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N): the rules above; a group wider than BLOCK_M takes a tile of its own power of two, so that a
-    decode row's query heads share one tile."""
+def tiles(group: int, head_dim: int, interp: bool) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, warps): the rules above; a group wider than BLOCK_M takes a tile of its own power of two, so
+    that a decode row's query heads share one tile, and a warp per ROWS_PER_WARP of its rows (a 128-row tile over 4
+    warps spilled 264 B on sm_90)."""
     if interp:
-        block_m, block_n = INTERPRETER_BLOCK_M, INTERPRETER_BLOCK_N
+        block_m, (block_n, warps) = INTERPRETER_BLOCK_M, (INTERPRETER_BLOCK_N, 4)
     else:
-        block_m, block_n = BLOCK_M, KEY_TILE[max(block_d(head_dim), 128)]
-    return max(block_m, triton.next_power_of_2(group)), block_n
+        block_m, (block_n, warps) = BLOCK_M, KEY_TILE[max(block_d(head_dim), 128)]
+    block_m = max(block_m, triton.next_power_of_2(group))
+    return block_m, block_n, max(warps, block_m // ROWS_PER_WARP)
 
 
 def work_list(seqlens_q: list[int], seqlens: tuple[int, ...], tokens: int) -> list[tuple[int, int]]:
@@ -121,7 +125,7 @@ def mixed_launch(inputs, scale: float):
     hkv = k_cache.shape[2]
     group = hq // hkv
     interp = interpreting()
-    block_m, block_n = tiles(group, head_dim, interp)
+    block_m, block_n, num_warps = tiles(group, head_dim, interp)
     tokens = block_m // group
     items = work_list(inputs.seqlens_q(), inputs.seqlens, tokens)
     check_grid_axis(hkv, "kv heads")
@@ -132,14 +136,15 @@ def mixed_launch(inputs, scale: float):
             inputs.block_table.stride(0), *out.stride()[:2])
     meta = {"GROUP": group, "TOKENS": tokens, "PAGE_SIZE": inputs.page_size, "HEAD_DIM": head_dim,
             "BLOCK_D": block_d(head_dim), "BLOCK_M": block_m, "BLOCK_N": block_n,
-            "DOT_FP32": interp or q.dtype == torch.float32, "num_warps": NUM_WARPS, "num_stages": NUM_STAGES}
+            "DOT_FP32": interp or q.dtype == torch.float32, "num_warps": num_warps, "num_stages": NUM_STAGES}
     grid = (len(items), hkv)
 
     def run() -> torch.Tensor:
         mixed_attention[grid](*args, **meta)
         return out
 
-    return run, {"BLOCK_M": block_m, "BLOCK_N": block_n, "tokens_per_tile": tokens, "work_items": len(items)}
+    return run, {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": num_warps, "tokens_per_tile": tokens,
+                 "work_items": len(items)}
 
 
 @register("triton", op="mixed", family="triton", dtypes=FLOATS, head_dims=HEAD_DIMS, requires=requires,
