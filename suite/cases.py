@@ -156,9 +156,10 @@ class Case:
     def merit(self) -> str:
         """What this case ranks by: ``gbps`` where it is a decode step and so bound by the KV bytes it reads (paged,
         or dense and decode-shaped, ``impls.contract.decode_shaped``: our dense entries run it as decode), else
-        ``tflops``. Results files record it per case, and the report reads it from there."""
-        if self.op == "mixed":  # decode steps beside prefill chunks: whichever of bytes and FLOPs bounds the step
-            from suite.metrics import memory_bound
+        ``tflops``; a mixed step by whichever of its bytes and FLOPs bounds it (``suite.metrics.memory_bound``).
+        Results files record it per case, and the report reads it from there."""
+        if self.op == "mixed":
+            from suite.metrics import memory_bound  # suite.metrics imports this module
 
             return "gbps" if memory_bound(self) else "tflops"
         decode = self.op in PAGED_OPS or (self.op == "dense" and decode_shaped(self.sq, self.skv, self.causal))
