@@ -19,6 +19,7 @@ from suite.presets import LLAMA3_8B, MAX_SERVING_TOKENS, PRESETS, mixed, paged
 from tests.tiers import first_fast
 
 TINY = ("", 4, 2, 64)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # our Triton kernel: compiled on a GPU, interpreted without
 
 
 def mixed_inputs(**changes) -> MixedBatch:
@@ -27,7 +28,7 @@ def mixed_inputs(**changes) -> MixedBatch:
 
 
 def batch(new_tokens: list[int], lengths: list[int], *, heads: tuple[int, int] = (8, 2), head_dim: int = 64,
-          page_size: int = 16, dtype: torch.dtype = torch.bfloat16) -> MixedBatch:
+          page_size: int = 16, dtype: torch.dtype = torch.bfloat16, device: str = "cpu") -> MixedBatch:
     """A mixed batch of these new tokens and cache lengths per sequence, its pages in a shuffled order and every slot
     no sequence uses NaN."""
     gen = torch.Generator().manual_seed(sum(lengths))
@@ -41,13 +42,13 @@ def batch(new_tokens: list[int], lengths: list[int], *, heads: tuple[int, int] =
     tails = [(int(table[b, p - 1]), n % page_size) for b, (p, n) in enumerate(zip(pages, lengths, strict=True))
              if n % page_size]
     layout = PageLayout(lengths, num_pages, table, order[-1:], tails)
-    k_cache, v_cache = (torch.randn(num_pages, page_size, heads[1], head_dim, generator=gen).to(dtype)
+    k_cache, v_cache = (torch.randn(num_pages, page_size, heads[1], head_dim, generator=gen).to(device, dtype)
                         for _ in range(2))
     for cache in (k_cache, v_cache):
         layout.fill_unused(cache)
-    q = torch.randn(sum(new_tokens), heads[0], head_dim, generator=gen).to(dtype)
-    cu_q = torch.tensor([0, *itertools.accumulate(new_tokens)], dtype=torch.int32)
-    return MixedBatch(q, k_cache, v_cache, *layout.index_tensors("cpu"), cu_q)
+    q = torch.randn(sum(new_tokens), heads[0], head_dim, generator=gen).to(device, dtype)
+    cu_q = torch.tensor([0, *itertools.accumulate(new_tokens)], dtype=torch.int32, device=device)
+    return MixedBatch(q, k_cache, v_cache, *layout.index_tensors(device), cu_q)
 
 
 @pytest.mark.parametrize(("change", "words"), [
@@ -127,7 +128,7 @@ KERNEL_BATCHES = [
 @pytest.mark.parametrize(("new_tokens", "lengths", "heads", "page_size"), first_fast(KERNEL_BATCHES, 1, unpack=True))
 def test_triton_mixed_matches_the_oracle(new_tokens, lengths, heads, page_size):
     pytest.importorskip("triton")
-    inputs = batch(new_tokens, lengths, heads=heads, page_size=page_size)
+    inputs = batch(new_tokens, lengths, heads=heads, page_size=page_size, device=DEVICE)
     prepared = impls.get("triton", "mixed").prepare(inputs)
     result = Oracle.serving(inputs).check(prepared())
     assert result.passed, result.message
@@ -206,7 +207,7 @@ def test_the_peers_say_why_they_cannot_run_here():
 
 
 def test_triton_refuses_a_head_dim_outside_its_list_with_the_reason():
-    inputs = batch([1, 3], [5, 9], head_dim=12)
+    inputs = batch([1, 3], [5, 9], head_dim=12, device=DEVICE)
     with pytest.raises(Unsupported, match="head dim 12 not supported"):
         impls.get("triton", "mixed").prepare(inputs)
 
