@@ -23,7 +23,7 @@ from impls._registry import (
     select,
     unregister,
 )
-from impls.contract import NO_WINDOW, MLADecode, PagedKV, Varlen, default_scale, validate_attention_inputs
+from impls.contract import NO_WINDOW, MixedBatch, MLADecode, PagedKV, Varlen, default_scale, validate_attention_inputs
 
 __all__ = [
     "FLOATS",
@@ -32,6 +32,7 @@ __all__ = [
     "REGISTRY",
     "Impl",
     "MLADecode",
+    "MixedBatch",
     "PagedKV",
     "Prepared",
     "Unsupported",

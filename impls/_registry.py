@@ -15,9 +15,9 @@ adapter only raises :class:`Unsupported` for what is particular to it. Every ten
 a contiguous copy, made then, out of any timed region (``unit_head_stride``, ``PagedKV.in_kernel_layout``).
 
 Beside dense forward (``op="dense"``) there are the serving operations of ``impls.contract``: ``"paged"``
-(decode over a paged KV cache), ``"varlen"`` (packed variable-length prefill) and ``"mla"`` (MLA decode over a
-paged latent cache). Their prepare functions
-take the validated inputs object and the scale::
+(decode over a paged KV cache), ``"varlen"`` (packed variable-length prefill), ``"mla"`` (MLA decode over a
+paged latent cache) and ``"mixed"`` (prefill chunks and decode steps in one batch over a paged KV cache). Their
+prepare functions take the validated inputs object and the scale::
 
     @register("my-kernel", op="paged", family="triton", dtypes=HALF, devices=("cuda",))
     def my_decode(inputs: PagedKV, *, scale: float) -> Prepared: ...
@@ -54,7 +54,7 @@ VARIANTS = ("window", "softcap", "value_dim", "kv_fp8")
 
 Runner = Callable[[], torch.Tensor]
 
-OPS = ("dense", "paged", "varlen", "mla", "backward")  # mla: impls.contract.MLADecode
+OPS = ("dense", "paged", "varlen", "mla", "mixed", "backward")  # mla: impls.contract.MLADecode; mixed: MixedBatch
 HALF = (torch.float16, torch.bfloat16)
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 

@@ -85,6 +85,36 @@ FA4_DECODE_SETTINGS = {"num_splits": 0, "pack_gqa": True}
 # head, another contract than an fp8 cache under bf16 queries), FA4 4.0 none on sm_90; the registry refuses it.
 
 
+# A mixed step (every sequence's new tokens packed, over the paged cache) through each generation's paged varlen call:
+# FA2's flash_attn_varlen_func takes a block_table (its keys' offsets the cache lengths', pages of a multiple of 256:
+# it refuses smaller ones with that reason), FA3's flash_attn_with_kvcache takes cu_seqlens_q with a page_table, and
+# FA4's flash_attn_varlen_func a page_table with seqused_k.
+MIXED_CALLS = {"flash-attn2": "flash_attn_varlen_func", "flash-attn3": "flash_attn_with_kvcache",
+               "flash-attn4": "flash_attn_varlen_func"}
+
+
+def _mixed_cache_kwargs(name: str, inputs) -> dict:
+    """How each generation's call of ``MIXED_CALLS`` finds a mixed batch's keys: lengths and the block table."""
+    if name == "flash-attn2":
+        lengths = torch.tensor(inputs.seqlens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        cu_k = torch.nn.functional.pad(lengths, (1, 0)).to(inputs.q.device)
+        return {"cu_seqlens_k": cu_k, "max_seqlen_k": inputs.max_seqlen, "block_table": inputs.block_table}
+    if name == "flash-attn3":
+        return {"cache_seqlens": inputs.cache_seqlens, "page_table": inputs.block_table}
+    return {"max_seqlen_k": inputs.max_seqlen, "seqused_k": inputs.cache_seqlens, "page_table": inputs.block_table,
+            **FA4_DECODE_SETTINGS}
+
+
+def _fa4_probed(call: Callable[[], torch.Tensor], kwargs: dict) -> Prepared:
+    """FA4's first call with its split heuristic, or without splits where it refuses them (FA4 4.0 on sm_90: "SplitKV
+    not supported on SM 9.0"; its best there); ``kwargs`` are the call's, changed in place."""
+    try:
+        return Prepared(probe(call, *REFUSALS), config=dict(FA4_DECODE_SETTINGS))
+    except Unsupported as exc:
+        kwargs["num_splits"] = 1
+        return Prepared(probe(call, *REFUSALS), config={**FA4_DECODE_SETTINGS, "num_splits": 1, "why": str(exc)[:120]})
+
+
 def _make_serving(name: str, module: str, hint: str) -> None:
     fa4 = name == "flash-attn4"
 
@@ -105,14 +135,20 @@ def _make_serving(name: str, module: str, hint: str) -> None:
         def call() -> torch.Tensor:
             return _first_output(func(inputs.q, inputs.k_cache, inputs.v_cache, **kwargs))
 
-        if not fa4:
-            return probe(call, *REFUSALS)
-        try:
-            return Prepared(probe(call, *REFUSALS), config=dict(FA4_DECODE_SETTINGS))
-        except Unsupported as exc:  # FA4 4.0 on sm_90: "SplitKV not supported on SM 9.0"; its best there
-            kwargs["num_splits"] = 1
-            return Prepared(probe(call, *REFUSALS), config={**FA4_DECODE_SETTINGS, "num_splits": 1,
-                                                             "why": str(exc)[:120]})
+        return _fa4_probed(call, kwargs) if fa4 else probe(call, *REFUSALS)
+
+    @register(name, op="mixed", family="flash-attn", dtypes=HALF, devices=("cuda",),
+              requires=_requires(module, MIXED_CALLS[name], hint),
+              description=f"{module}.{MIXED_CALLS[name]} with cu_seqlens_q and the block table, causal")
+    def prepare_mixed(inputs, *, scale: float):
+        func = load_function(module, MIXED_CALLS[name])
+        kwargs = {"cu_seqlens_q": inputs.cu_seqlens_q, "max_seqlen_q": inputs.max_seqlen_q, "softmax_scale": scale,
+                  "causal": True, **_mixed_cache_kwargs(name, inputs)}
+
+        def call() -> torch.Tensor:
+            return _first_output(func(inputs.q, inputs.k_cache, inputs.v_cache, **kwargs))
+
+        return _fa4_probed(call, kwargs) if fa4 else probe(call, *REFUSALS)
 
     @register(name, op="varlen", family="flash-attn", dtypes=HALF, devices=("cuda",), variants=("window", "softcap"),
               requires=_requires(module, "flash_attn_varlen_func", hint),

@@ -5,6 +5,8 @@
   ``BatchPrefillWithPagedKVCacheWrapper`` with ``causal=True``. The block table becomes FlashInfer's CSR page
   list (``indptr``, ``indices``, ``last_page_len``) in prepare, as a server keeps it.
 - ``varlen`` and dense: ``BatchPrefillWithRaggedKVCacheWrapper`` (dense is the equal-length batch).
+- ``mixed``: ``BatchPrefillWithPagedKVCacheWrapper`` with ``causal=True`` over the step's packed new tokens
+  (``qo_indptr`` is ``cu_seqlens_q``), decoding sequences and prefill chunks in one plan and one run.
 - ``mla``: ``flashinfer.mla.BatchMLAPagedAttentionWrapper`` over the same page list, the batch's new tokens packed
   (``qo_indptr``), causal where a sequence has several.
 - Every operation takes the window (left side, ``window_left``; FlashInfer has no right bound) and softcap
@@ -125,10 +127,8 @@ def prepare_paged(inputs, *, scale: float, window: tuple[int, int] = NO_WINDOW, 
             q = inputs.q.view(batch, heads, head_dim)
             config = {"wrapper": "BatchDecodeWithPagedKVCacheWrapper", "use_tensor_cores": True}
         else:
-            wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, LAYOUT)
             qo_indptr = torch.arange(batch + 1, dtype=torch.int32, device=inputs.q.device) * new
-            wrapper.plan(qo_indptr, indptr, indices, last, heads, kv_heads, head_dim, inputs.page_size,
-                         causal=True, **options)
+            wrapper = _paged_prefill(inputs, qo_indptr, (indptr, indices, last), options)
             q = inputs.q.reshape(batch * new, heads, head_dim)
             config = {"wrapper": "BatchPrefillWithPagedKVCacheWrapper", "causal": True}
 
@@ -136,6 +136,35 @@ def prepare_paged(inputs, *, scale: float, window: tuple[int, int] = NO_WINDOW, 
         return wrapper.run(q, cache, **scales).view(batch, new, heads, head_dim)
 
     return Prepared(probe(call, *REFUSALS), config={"layout": LAYOUT, **config})
+
+
+def _paged_prefill(inputs, qo_indptr: torch.Tensor, pages: tuple[torch.Tensor, ...], options: dict):
+    """A planned ``BatchPrefillWithPagedKVCacheWrapper``, causal (bottom-right), for the packed new tokens
+    ``qo_indptr`` over the page list ``pages`` (``page_table_csr``); ``options``: scale, variants and dtypes."""
+    import flashinfer
+
+    heads, head_dim = inputs.q.shape[-2:]
+    wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(_workspace(inputs.q.device), LAYOUT)
+    wrapper.plan(qo_indptr, *pages, heads, inputs.k_cache.shape[2], head_dim, inputs.page_size, causal=True,
+                 **options)
+    return wrapper
+
+
+@register("flashinfer", op="mixed", family="flashinfer", dtypes=HALF, devices=("cuda",), head_dims=HEAD_DIMS,
+          requires=requires, description="flashinfer.BatchPrefillWithPagedKVCacheWrapper (causal) over the packed "
+                                         "new tokens of every sequence, decoding or prefilling")
+def prepare_mixed(inputs, *, scale: float) -> Prepared:
+    pages = page_table_csr(inputs.block_table, inputs.seqlens, inputs.page_size)
+    options = {"sm_scale": scale, "q_data_type": inputs.q.dtype, "kv_data_type": inputs.k_cache.dtype}
+    with refusing(*REFUSALS):
+        wrapper = _paged_prefill(inputs, inputs.cu_seqlens_q, pages, options)
+    cache = (inputs.k_cache, inputs.v_cache)
+
+    def call() -> torch.Tensor:
+        return wrapper.run(inputs.q, cache)
+
+    return Prepared(probe(call, *REFUSALS), config={"layout": LAYOUT, "wrapper": "BatchPrefillWithPagedKVCacheWrapper",
+                                                    "causal": True})
 
 
 # FlashInfer's MLA kernels are instantiated for DeepSeek's widths only (a latent of 512, a rotary part of 64).

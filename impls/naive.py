@@ -36,6 +36,9 @@ def naive(q, k, v, *, causal: bool, scale: float, **variants):
                       "attention per sequence, eager PyTorch")
 @register("naive", op="varlen", family="naive", variants=("window", "softcap"),
           description="standard attention per packed sequence, eager PyTorch")
+@register("naive", op="mixed", family="naive",
+          description="each sequence's pages gathered, then standard attention per sequence (causal bottom-right "
+                      "over its cache), eager PyTorch")
 @register("naive", op="mla", family="naive", variants=("kv_fp8",),
           description="each sequence's latent and rotary rows gathered (an fp8 cache dequantized into q's dtype), "
                       "then standard attention per sequence over one kv head (scores latent + rotary wide, values "

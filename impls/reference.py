@@ -94,7 +94,7 @@ def attention_ref(
 def serving_attention_ref(inputs, *, scale: float | None = None, upcast: bool = True,
                           indices: list[int] | None = None, window: tuple[int, int] = NO_WINDOW,
                           softcap: float = 0.0) -> dict[int, torch.Tensor]:
-    """The dense reference per sequence of a paged-decode, MLA-decode or varlen batch (``impls.contract``;
+    """The dense reference per sequence of a paged-decode, MLA-decode, varlen or mixed batch (``impls.contract``;
     MLA as one kv head of latent and rotary keys, ``mla_sequence``): sequence ``b`` -> its output
     ``(1, Hq, Sq, D)``. ``indices`` picks sequences (all by default); a window and softcap apply within each
     sequence, bottom-right like its causal mask."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import warnings
 
@@ -10,7 +11,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from impls._registry import Unsupported, probe, register
-from impls.contract import NO_WINDOW
+from impls.contract import NO_WINDOW, gather_sequence
 
 BACKENDS: dict[str, tuple[SDPBackend | None, tuple[str, ...]]] = {
     "sdpa": (None, ("cpu", "cuda")),
@@ -22,14 +23,19 @@ BACKENDS: dict[str, tuple[SDPBackend | None, tuple[str, ...]]] = {
 
 
 def _sdpa_kwargs(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> dict:
-    kwargs: dict = {"scale": scale, "enable_gqa": q.shape[1] != k.shape[1]}
-    if causal and q.shape[2] == k.shape[2]:
+    return _shaped_kwargs(q.shape[1] != k.shape[1], q.shape[2], k.shape[2], causal, scale)
+
+
+def _shaped_kwargs(gqa: bool, sq: int, skv: int, causal: bool, scale: float) -> dict:
+    """SDPA's keywords for ``sq`` queries over ``skv`` keys."""
+    kwargs: dict = {"scale": scale, "enable_gqa": gqa}
+    if causal and sq == skv:
         kwargs["is_causal"] = True
     elif causal:  # the contract's bottom-right alignment; SDPA's is_causal is top-left
         # imported here: its module imports torch._dynamo, 1.2 s of every process's start where no case needs it
         from torch.nn.attention.bias import causal_lower_right
 
-        kwargs["attn_mask"] = causal_lower_right(q.shape[2], k.shape[2])
+        kwargs["attn_mask"] = causal_lower_right(sq, skv)
     return kwargs
 
 
@@ -150,6 +156,27 @@ def sdpa_mla(inputs, *, scale: float):
         return o.transpose(1, 2)
 
     return probe(call, RuntimeError)
+
+
+@register("sdpa", op="mixed", family="sdpa",
+          description="per sequence: its pages gathered inside the timed call, then torch SDPA (GQA, a bottom-right "
+                      "causal mask where the sequence has more than one new token)")
+def sdpa_mixed(inputs, *, scale: float):
+    out = inputs.output_like()
+    rows = list(itertools.pairwise(inputs.offsets_q))
+    queries = [inputs.q[start:stop].transpose(0, 1)[None] for start, stop in rows]  # (1, Hq, q_len, D) views
+    gqa = inputs.q.shape[1] != inputs.k_cache.shape[2]
+    kwargs = [_shaped_kwargs(gqa, new, length, new > 1, scale)  # one new token sees its whole cache: no mask
+              for new, length in zip(inputs.seqlens_q(), inputs.seqlens, strict=True)]
+
+    def call() -> torch.Tensor:
+        for b, (q, (start, stop)) in enumerate(zip(queries, rows, strict=True)):
+            k, v = gather_sequence(inputs, b)
+            o = F.scaled_dot_product_attention(q, k[None], v[None], **kwargs[b])
+            out[start:stop] = o[0].transpose(0, 1)
+        return out
+
+    return probe_with_reasons(call)
 
 
 @register("sdpa", op="varlen", family="sdpa",

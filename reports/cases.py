@@ -29,6 +29,12 @@ def case_parts(case: dict[str, Any], *, with_length: bool = True, with_batch: bo
         shape = [spread, f"pages of {case.get('page_size')}", f"{sq} new token" + ("s" if sq > 1 else "")]
     elif op == "varlen":
         sized, shape = f"{length(sq)} tokens in {batch}", [spread, mask]
+    elif op == "mixed":  # decoding sequences beside prefill chunks
+        chunks = case.get("chunks", 0)
+        steps = [f"{batch} x {length(skv)} decoding" if batch else "",
+                 f"{chunks} x {length(sq)} prefill" if chunks else ""]
+        sized = " + ".join(step for step in steps if step)
+        shape = [spread if batch else "", f"pages of {case.get('page_size')}"]
     else:  # a chart's x is the key length: a query length of its own stays in the chart's key
         sized = f"{batch} x {length(sq)}" + (f" x {length(skv)}" if sq != skv else "")
         shape = [mask] if with_length or sq == skv else [f"Sq {sq}", mask]

@@ -17,8 +17,9 @@ KV_DTYPES = {"fp8": torch.float8_e4m3fn}  # a paged case's KV cache in a dtype o
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn: a per-tensor scale maps the cache's largest magnitude to it
 
 
-OPS = ("dense", "paged", "varlen", "mla", "backward")
+OPS = ("dense", "paged", "varlen", "mla", "mixed", "backward")
 PAGED_OPS = ("paged", "mla")  # the operations over a paged cache: decode steps, causal, with a page size
+PAGE_SIZED_OPS = (*PAGED_OPS, "mixed")  # every operation over a paged cache (mixed: decode steps and prefill chunks)
 LENGTHS = {  # how a serving case's sequence lengths are drawn (seeded by the case id)
     "fixed": "dense cases: every sequence Sq x Skv",
     "uniform": "paged: every sequence holds Skv tokens",
@@ -37,6 +38,9 @@ class Case:
     - ``varlen``: packed prefill of ``batch`` sequences of ``lengths`` lengths, ``sq == skv`` tokens in all.
     - ``mla``: MLA decode as ``paged``, over one latent head (``hkv`` 1): ``d`` is the scores' width (latent and
       rotary parts), ``dv`` the latent one (values and output): DeepSeek-V3's 576 and 512.
+    - ``mixed``: one serving step of ``batch`` decoding sequences (one new token each; cache lengths as
+      ``paged``'s: ``skv`` the longest, ``lengths`` their draw) beside ``chunks`` prefill chunks of ``sq`` new tokens,
+      chunk ``c`` the ``c + 1``-th of its prompt (``c * sq`` tokens already cached), over pages of ``page_size``.
     - ``backward``: the backward pass of the dense case of the same shape (``impls.contract.Backward``).
     """
 
@@ -56,6 +60,7 @@ class Case:
     softcap: float = 0.0  # scores become softcap * tanh(scores / softcap)
     dv: int = 0  # the value (and output) head dim where it differs from d, as in MLA prefill; 0: d (dense only)
     kv_dtype: str = ""  # paged, mla: "fp8", a cache quantized per tensor (impls.contract); "": dtype's
+    chunks: int = 0  # mixed: prefill chunks beside the batch's decoding sequences
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -65,12 +70,12 @@ class Case:
         if self.op not in OPS:
             raise ValueError(f"op {self.op!r} is not one of {', '.join(OPS)}")
         allowed = {"dense": ("fixed",), "paged": ("uniform", "longtail"), "varlen": ("random", "equal"),
-                   "mla": ("uniform", "longtail"), "backward": ("fixed",)}[self.op]
+                   "mla": ("uniform", "longtail"), "mixed": ("uniform", "longtail"), "backward": ("fixed",)}[self.op]
         if self.lengths not in allowed:
             raise ValueError(f"lengths {self.lengths!r} do not apply to {self.op}: {', '.join(allowed)}")
-        if (self.op in PAGED_OPS) != (self.page_size > 0):
+        if (self.op in PAGE_SIZED_OPS) != (self.page_size > 0):
             raise ValueError(f"page_size {self.page_size} for op {self.op}: paged cases need one, others none")
-        if self.op in PAGED_OPS and not self.causal:
+        if self.op in PAGE_SIZED_OPS and not self.causal:
             raise ValueError("paged decode is causal: the new tokens are the last positions of each sequence")
         if self.op == "mla" and (self.hkv != 1 or not 0 < self.dv < self.d):
             raise ValueError(f"mla: one latent head (hkv 1, got {self.hkv}) and a latent width dv below the score "
@@ -80,6 +85,12 @@ class Case:
         if self.kv_dtype and (self.op not in PAGED_OPS or self.kv_dtype not in KV_DTYPES or self.dtype == "fp32"):
             raise ValueError(f"kv_dtype {self.kv_dtype!r}: a paged case's cache may be {', '.join(KV_DTYPES)} "
                              f"under fp16/bf16 queries, got op {self.op}, dtype {self.dtype}")
+        if self.chunks < 0 or (self.chunks and self.op != "mixed"):
+            raise ValueError(f"chunks {self.chunks}: prefill chunks belong to mixed cases")
+        if self.op == "mixed" and (self.batch + self.chunks == 0 or (self.batch and self.skv < 1)
+                                   or (self.chunks and self.sq < 1)):
+            raise ValueError(f"mixed: {self.batch} decoding sequences of up to {self.skv} cached tokens and "
+                             f"{self.chunks} prefill chunks of {self.sq} new tokens: at least one sequence, none empty")
         if self.op == "varlen" and (self.sq != self.skv or self.sq < self.batch):
             raise ValueError(f"varlen: {self.batch} sequences need sq == skv >= batch tokens in all")
 
@@ -94,7 +105,11 @@ class Case:
         variants = (f"-dv{self.dv}" if self.dv else "") + (
             f"-w{self.window[0]}:{self.window[1]}" if self.window != NO_WINDOW else "") + (
             f"-cap{self.softcap:g}" if self.softcap else "") + (f"-kv{self.kv_dtype}" if self.kv_dtype else "")
-        if self.op == "mla":
+        if self.op == "mixed":
+            decode = f"-dec{self.batch}xkv{self.skv}-{self.lengths}" if self.batch else ""
+            prefill = f"-pre{self.chunks}x{self.sq}" if self.chunks else ""
+            body = f"mixed-{self.dtype}-{heads}{decode}{prefill}-p{self.page_size}-d{self.d}"
+        elif self.op == "mla":
             body = (f"mla-{self.dtype}-h{self.hq}-q{self.sq}-kv{self.skv}-{self.lengths}-p{self.page_size}"
                     f"-d{self.dv}+{self.d - self.dv}{f'-kv{self.kv_dtype}' if self.kv_dtype else ''}{tail}")
         elif self.op == "paged":
@@ -141,7 +156,12 @@ class Case:
     def merit(self) -> str:
         """What this case ranks by: ``gbps`` where it is a decode step and so bound by the KV bytes it reads (paged,
         or dense and decode-shaped, ``impls.contract.decode_shaped``: our dense entries run it as decode), else
-        ``tflops``. Results files record it per case, and the report reads it from there."""
+        ``tflops``; a mixed step by whichever of its bytes and FLOPs bounds it (``suite.metrics.memory_bound``).
+        Results files record it per case, and the report reads it from there."""
+        if self.op == "mixed":
+            from suite.metrics import memory_bound  # suite.metrics imports this module
+
+            return "gbps" if memory_bound(self) else "tflops"
         decode = self.op in PAGED_OPS or (self.op == "dense" and decode_shaped(self.sq, self.skv, self.causal))
         return "gbps" if decode else "tflops"
 
@@ -149,8 +169,12 @@ class Case:
         return asdict(self)
 
     def seqlens(self) -> list[int]:
-        """Per-sequence lengths: the cache lengths (paged), the sequence lengths (varlen), Skv (dense)."""
+        """Per-sequence lengths: the cache lengths (paged; mixed: the decoding sequences', then the chunks'), the
+        sequence lengths (varlen), Skv (dense)."""
         gen = torch.Generator().manual_seed(self.seed)
+        if self.op == "mixed":
+            decode = replace(self, op="paged", sq=1, chunks=0).seqlens() if self.batch else []
+            return decode + [(c + 1) * self.sq for c in range(self.chunks)]
         if self.lengths == "longtail":
             u = torch.rand(self.batch, generator=gen, dtype=torch.float64)
             u[0] = 1.0
@@ -163,6 +187,11 @@ class Case:
             return [self.sq // self.batch + (i < self.sq % self.batch) for i in range(self.batch)]
         return [self.skv] * self.batch
 
+    def new_tokens(self) -> list[int]:
+        """A mixed case's new tokens per sequence, in ``seqlens``' order: one per decoding sequence, then the
+        chunks'."""
+        return [1] * self.batch + [self.sq] * self.chunks
+
     def make_inputs(self, device: str | torch.device):
         """Random normal inputs; the seed comes from the case, so every case draws fresh data.
 
@@ -170,7 +199,7 @@ class Case:
         pages, every slot no sequence uses (past a length, spare pages, table entries past a sequence's
         last page) holding NaN: a kernel that reads one fails the check; an fp8 cache is the same draw
         quantized per tensor (scale: its largest magnitude over ``FP8_MAX``), as a server's calibration makes it.
-        Varlen: a ``Varlen``.
+        Varlen: a ``Varlen``. Mixed: a ``MixedBatch`` over pages laid out as the paged case's.
         """
         gen = torch.Generator(device=device).manual_seed(self.seed)
 
@@ -181,6 +210,8 @@ class Case:
             return self._paged_inputs(randn, device)
         if self.op == "mla":
             return self._mla_inputs(randn, device)
+        if self.op == "mixed":
+            return self._mixed_inputs(randn, device)
         if self.op == "backward":
             return self._backward_inputs(randn, device)
         if self.op == "varlen":
@@ -221,6 +252,17 @@ class Case:
         q = randn(self.batch, self.sq, self.hq, self.d)
         return PagedKV(q, k_cache, v_cache, *layout.index_tensors(device), **scales)
 
+    def _mixed_inputs(self, randn, device):
+        from impls.contract import MixedBatch
+
+        layout = self._page_layout()
+        k_cache, v_cache = (randn(layout.num_pages, self.page_size, self.hkv, self.d) for _ in range(2))
+        for cache in (k_cache, v_cache):
+            layout.fill_unused(cache)
+        new = self.new_tokens()
+        cu_q = torch.tensor([0, *itertools.accumulate(new)], dtype=torch.int32, device=device)
+        return MixedBatch(randn(sum(new), self.hq, self.d), k_cache, v_cache, *layout.index_tensors(device), cu_q)
+
     def _mla_inputs(self, randn, device):
         from impls.contract import MLADecode
 
@@ -239,11 +281,11 @@ class Case:
         """Where a paged case's sequences live: their pages scattered at random over a cache with spare pages."""
         lengths, page = self.seqlens(), self.page_size
         pages_per_seq = [math.ceil(n / page) for n in lengths]
-        used, spare = sum(pages_per_seq), max(2, self.batch // 4)
+        used, spare = sum(pages_per_seq), max(2, len(lengths) // 4)
         num_pages = used + spare
         order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(self.batch + page))
         nan_page = int(order[used])  # a spare page: table entries past a sequence's pages point at it
-        table = torch.full((self.batch, max(pages_per_seq) + 1), nan_page, dtype=torch.int32)
+        table = torch.full((len(lengths), max(pages_per_seq) + 1), nan_page, dtype=torch.int32)
         start = 0
         for b, n in enumerate(pages_per_seq):
             table[b, :n] = order[start:start + n]

@@ -25,6 +25,7 @@ from impls.reference import attention_grads_ref, attention_ref, serving_attentio
 TOLERANCE_FACTOR = 2.0
 MAX_CHECKED_HEADS = 8
 MAX_CHECKED_SEQUENCES = 16  # serving batches: sequences checked, every head and row of each
+PACKED_OPS = ("varlen", "mixed")  # serving operations whose queries are packed rows (total_q, H, D)
 FULL_CHECK_SCORES = 1 << 26  # check every head while B * Hq * Sq * Skv stays under this
 
 
@@ -88,9 +89,9 @@ class Oracle:
 
     @classmethod
     def serving(cls, inputs, *, scale: float | None = None, **variants) -> Oracle:
-        """Sampled sequences of a paged-decode, MLA-decode or varlen batch, every head and query row of each;
+        """Sampled sequences of a paged-decode, MLA-decode, varlen or mixed batch, every head and query row of each;
         ``variants``: window, softcap."""
-        decode = inputs.op != "varlen"  # paged and MLA decode: (B, Sq_new, H, D) in and out
+        decode = inputs.op not in PACKED_OPS  # paged and MLA decode: (B, Sq_new, H, D) in and out
         batch = inputs.q.shape[0] if decode else inputs.batch
         rows = [1] * batch if decode else inputs.seqlens_q()
         seqs = [b for b in sampled_sequences(batch) if rows[b]]  # a varlen sequence may have no rows to check

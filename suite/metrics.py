@@ -60,6 +60,8 @@ def flops(case: Case) -> int:
         total = case.batch * pairs(case.sq, case.skv, case.causal, case.window)
     elif case.op in PAGED_OPS:
         total = sum(pairs(case.sq, n, True, case.window) for n in case.seqlens())
+    elif case.op == "mixed":
+        total = sum(pairs(new, n, True) for new, n in zip(case.new_tokens(), case.seqlens(), strict=True))
     else:
         total = sum(pairs(n, n, case.causal, case.window) for n in case.seqlens())
     return 2 * case.hq * (case.d + case.value_dim) * total  # Q K^T over d, P V over the value head dim (MLA: latent)
@@ -81,7 +83,7 @@ def kv_bytes(case: Case) -> int:
     elif case.op == "paged":
         window_left, _ = window_bounds(case.window, causal=True)
         tokens = sum(decode_read_length(n, case.sq, window_left) for n in case.seqlens())
-    else:
+    else:  # varlen, mixed: each sequence's keys once
         tokens = sum(case.seqlens())
     return tokens * case.hkv * (case.d + case.value_dim) * itemsize(case, kv=True)
 
@@ -92,8 +94,18 @@ def min_bytes(case: Case) -> int:
     if case.op == "backward":
         forward = replace(case, op="dense")
         return 2 * min_bytes(forward) + case.batch * case.sq * case.hq * 4  # (k, v, q, o) twice, and lse
-    q_rows = case.batch * case.sq if case.op != "varlen" else case.sq
+    q_rows = {"varlen": case.sq, "mixed": sum(case.new_tokens())}.get(case.op, case.batch * case.sq)
     return kv_bytes(case) + q_rows * case.hq * (case.d + case.value_dim) * itemsize(case)
+
+
+# FLOPs per byte where the H200's 16-bit tensor-core peak and its HBM bandwidth take the same time (989 / 4.8)
+RIDGE_FLOPS_PER_BYTE = 206
+
+
+def memory_bound(case: Case) -> bool:
+    """Whether reading the case's minimum bytes takes longer than its FLOPs at the H200's peaks (a mixed step
+    ranks by GB/s where its decoding sequences' caches dominate, by TFLOPS where its prefill chunks do)."""
+    return flops(case) < RIDGE_FLOPS_PER_BYTE * min_bytes(case)
 
 
 # HBM bandwidth of the SXM parts, TB/s, from NVIDIA's datasheets: H100 SXM5 80 GB (HBM3), H200 SXM (HBM3e),

@@ -39,8 +39,10 @@ from suite.rest import AUTO_REST_S, HEAVIER, RestPolicy
 
 DEVICES = ("cpu", "cuda")
 DEFAULT_GRIDS = {  # phase -> (without a GPU, with one)
-    "correctness": (("cpu", "serving-cpu", "varlen-cpu", "models-cpu", "models-serving-cpu", "mla-cpu", "bwd-cpu"),
-                    ("gpu", "serving-cpu", "varlen-cpu", "models-cpu", "models-serving-cpu", "mla-cpu", "bwd-cpu")),
+    "correctness": (("cpu", "serving-cpu", "varlen-cpu", "models-cpu", "models-serving-cpu", "mla-cpu",
+                     "serving-mixed-cpu", "bwd-cpu"),
+                    ("gpu", "serving-cpu", "varlen-cpu", "models-cpu", "models-serving-cpu", "mla-cpu",
+                     "serving-mixed-cpu", "bwd-cpu")),
     "benchmark": (("cpu-bench",), ("blog",)),
 }
 # Timing modes by default (impls/timing.py): on a GPU the CUDA-graph number leads (the kernels' own time,

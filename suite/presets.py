@@ -136,6 +136,26 @@ def _serving_fp8() -> list[Case]:
             for kv in ("", "fp8")]
 
 
+def mixed(model: tuple[str, int, int, int], decode: int, skv: int, chunks: int = 0, chunk_tokens: int = 1, *,
+          lengths: str = "uniform", page_size: int = 16, dtype: str = "bf16") -> Case:
+    """A mixed serving step (``Case``'s ``mixed``): ``decode`` sequences decoding over caches of up to ``skv`` tokens
+    beside ``chunks`` prefill chunks of ``chunk_tokens`` new tokens each."""
+    name, hq, hkv, d = model
+    return Case(decode, hq, hkv, chunk_tokens, skv, d, dtype, True, op="mixed", page_size=page_size, lengths=lengths,
+                model=name, chunks=chunks)
+
+
+def _serving_mixed() -> list[Case]:
+    """Steps of a server that runs prefill chunks beside decoding (vLLM's chunked prefill), for two models: 64
+    sequences decoding over 1-32K cached tokens (long-tailed) or 8K each beside 1-4 chunks of 512-4096 new tokens;
+    and both ends, prefill chunks alone and decoding alone."""
+    cases = []
+    for model in (LLAMA3_8B, LLAMA3_70B_TP8):
+        cases += [mixed(model, 64, 32768, 2, 2048, lengths="longtail"), mixed(model, 64, 8192, 1, 4096),
+                  mixed(model, 0, 0, 4, 4096), mixed(model, 64, 32768, lengths="longtail")]
+    return [*cases, mixed(LLAMA3_8B, 64, 32768, 4, 512, lengths="longtail"), mixed(LLAMA3_8B, 16, 32768, 1, 4096)]
+
+
 # MLA decode in the absorbed form: (name in the case id, query heads, latent width, rotary width). DeepSeek-V3 (and R1,
 # the same attention) has 128 heads: 16 per GPU of tensor parallelism 8.
 DEEPSEEK_V3_MLA_TP8 = ("deepseek-v3-tp8", 16, 512, 64)
@@ -291,6 +311,16 @@ PRESETS: dict[str, list[Case]] = {
     # Serving benchmarks without a GPU (decode ranks by GB/s, prefill by TFLOPS: one preset each).
     "serving-cpu-bench": [paged(("", 4, 2, 64), 4, 256), paged(("", 4, 2, 64), 4, 512)],
     "varlen-cpu-bench": [varlen(("", 4, 2, 64), 2, 256)],
+    "serving-mixed": _serving_mixed(),
+    # The mixed twin on CPU (and as cheap GPU edge cases): decoding sequences beside prefill chunks over several
+    # query and key tiles, GQA and MQA, a group of 3 and a head dim that is not a power of two, pages that the
+    # lengths do not fill, and both ends (prefill alone, decode alone).
+    "serving-mixed-cpu": [
+        mixed(("", 4, 2, 64), 3, 100, 2, 40, lengths="longtail"),
+        mixed(("", 8, 1, 64), 2, 77, 1, 33, page_size=32, dtype="fp16"),
+        mixed(("", 6, 2, 40), 4, 70),
+        mixed(("", 4, 4, 32), 0, 0, 2, 50, dtype="fp32"),
+    ],
     "mla": _mla(),
     # The MLA twin on CPU (and as cheap GPU edge cases): narrow latent and rotary parts (one not a power of two),
     # ragged lengths over page boundaries, one and two new tokens, many chunks at batch 1.

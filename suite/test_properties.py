@@ -13,7 +13,7 @@ import torch
 from impls import Impl
 from impls.reference import attention_ref
 from suite.cases import Case
-from suite.presets import mla, paged, varlen
+from suite.presets import mixed, mla, paged, varlen
 from suite.problem import Problem
 from suite.recording import Recorder
 
@@ -50,7 +50,8 @@ def test_nonfinite_inputs(impl: Impl, case: Case, problem: Problem, record: Reco
         assert same, message
 
 
-@pytest.mark.cases(Case(2, 4, 2, 200, 200, 64, "fp16", True), Case(1, 4, 4, 130, 257, 128, "bf16", False))
+@pytest.mark.cases(Case(2, 4, 2, 200, 200, 64, "fp16", True), Case(1, 4, 4, 130, 257, 128, "bf16", False),
+                   mixed(("", 4, 2, 64), 2, 100, 1, 40))
 def test_deterministic(impl: Impl, case: Case, problem: Problem, record: Recorder) -> None:
     if impl.family not in OURS:
         pytest.skip("determinism is required of our kernels only")
@@ -78,7 +79,8 @@ def interleaved(t: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.cases(Case(1, 4, 2, 64, 96, 64, "bf16", True), paged(SMALL, 3, 100, lengths="longtail"),
-                   varlen(SMALL, 3, 300), mla(("", 4, 32, 8), 3, 100, page_size=16, lengths="longtail"))
+                   varlen(SMALL, 3, 300), mla(("", 4, 32, 8), 3, 100, page_size=16, lengths="longtail"),
+                   mixed(SMALL, 2, 100, 1, 40, lengths="longtail"))
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layouts(impl: Impl, case: Case, problem: Problem, record: Recorder, layout: str) -> None:
     """Inputs in another memory layout give what the contiguous ones give. A strided head dim (a transposed view,

@@ -217,7 +217,7 @@ def test_list_impls_prints_the_registry_and_runs_nothing():
     assert rows[0][:4] == ["operation", "implementation", "family", "variants"]
     listed = {(row[0], row[1]): " ".join(row[4:]) for row in rows[1:]}
     pairs = {(op, name) for op in ("dense", "paged", "varlen", "backward") for name in ("flex", "naive")}
-    assert set(listed) == pairs | {("mla", "naive")}
+    assert set(listed) == pairs | {("mla", "naive"), ("mixed", "naive")}
     assert listed["dense", "naive"] == "runs"
     if not torch.cuda.is_available():
         assert listed["paged", "flex"].startswith("runs on cuda only")

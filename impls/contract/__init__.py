@@ -36,6 +36,15 @@ Varlen prefill (flash-attn's packed layout):
 - ``cu_seqlens_q, cu_seqlens_k (B+1,) int32``: sequence ``b`` is rows ``cu[b]:cu[b+1]``;
 - ``causal`` per sequence, bottom-right like dense. Output ``(total_q, Hq, D)``.
 
+Mixed prefill and decode (vLLM V1's unified attention, FlashInfer's paged prefill, flash-attn's varlen call with a
+page table): one step of a server that runs decoding sequences and prefill chunks together.
+- ``q (total_q, Hq, D)``: every sequence's new tokens, packed; ``cu_seqlens_q (B+1,) int32``: sequence ``b``'s are
+  rows ``cu[b]:cu[b+1]``, at least one (a decode step has one, a prefill chunk up to thousands);
+- ``k_cache, v_cache``, ``block_table`` and ``cache_seqlens`` as paged decode's: each sequence's cache holds its
+  new tokens as its last ``q_len`` positions.
+Causal within each sequence, bottom-right: new token ``i`` of ``q_len`` sees positions ``<= L - q_len + i``.
+Output ``(total_q, Hq, D)``. Page slots past a sequence's length may hold anything, NaN included.
+
 The backward pass of dense attention (``Backward``): the forward's inputs, output, log-sum-exp and the upstream
 gradient in; ``(dq, dk, dv)`` out.
 """
@@ -58,6 +67,7 @@ from impls.contract.serving import (
     FP8_KV,
     FP8_QUERIES,
     MLA_LAYOUTS,
+    MixedBatch,
     MLADecode,
     PagedKV,
     Varlen,
@@ -71,7 +81,7 @@ from impls.contract.serving import (
 
 __all__ = [
     "DENSE_DECODE_MAX_NEW", "FP8_KV", "FP8_QUERIES", "MLA_LAYOUTS", "NO_WINDOW", "UNBOUNDED", "Backward",
-    "MLADecode", "PagedKV", "Varlen", "binding_window", "decode_read_length", "decode_shaped", "default_scale",
-    "gather_rows", "gather_sequence", "mla_sequence", "scatter_sequence", "sequences", "unit_head_stride",
-    "validate_attention_inputs", "validate_scale", "validate_variants", "window_bounds",
+    "MLADecode", "MixedBatch", "PagedKV", "Varlen", "binding_window", "decode_read_length", "decode_shaped",
+    "default_scale", "gather_rows", "gather_sequence", "mla_sequence", "scatter_sequence", "sequences",
+    "unit_head_stride", "validate_attention_inputs", "validate_scale", "validate_variants", "window_bounds",
 ]

@@ -1,10 +1,11 @@
-"""The serving operations' inputs (paged decode, varlen prefill, MLA decode), each validated once at prepare time,
-and their sequences in the dense layout. See ``impls.contract``."""
+"""The serving operations' inputs (paged decode, varlen prefill, mixed prefill and decode, MLA decode), each
+validated once at prepare time, and their sequences in the dense layout. See ``impls.contract``."""
 
 from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -86,15 +87,16 @@ def _check_batch(q: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torc
     return sq
 
 
-def _checked_seqlens(cache_seqlens: torch.Tensor, block_table: torch.Tensor, sq: int, num_pages: int,
-                     page_size: int) -> tuple[int, ...]:
-    """Host copies of a paged batch's lengths, each checked to hold its ``sq`` new tokens and to find every page
-    it uses in ``block_table`` and in the cache's ``num_pages``."""
+def _checked_seqlens(cache_seqlens: torch.Tensor, block_table: torch.Tensor, sq: int | Sequence[int],
+                     num_pages: int, page_size: int) -> tuple[int, ...]:
+    """Host copies of a paged batch's lengths, each checked to hold its ``sq`` new tokens (one count for every
+    sequence, or one each) and to find every page it uses in ``block_table`` and in the cache's ``num_pages``."""
     seqlens = tuple(int(n) for n in cache_seqlens.tolist())
+    new_tokens = [sq] * len(seqlens) if isinstance(sq, int) else list(sq)
     max_pages, table = block_table.shape[1], block_table.cpu()
-    for b, length in enumerate(seqlens):
-        if length < sq:
-            raise ValueError(f"cache_seqlens[{b}] = {length} is shorter than the {sq} new tokens of q")
+    for b, (length, new) in enumerate(zip(seqlens, new_tokens, strict=True)):
+        if length < new:
+            raise ValueError(f"cache_seqlens[{b}] = {length} is shorter than the {new} new tokens of q")
         pages = math.ceil(length / page_size)
         if pages > max_pages:
             raise ValueError(f"cache_seqlens[{b}] = {length} needs {pages} pages of {page_size}, but "
@@ -122,6 +124,22 @@ def _check_fp8_scales(inputs, names: tuple[str, ...], cache_dtype: torch.dtype) 
 def _dequantized(rows: torch.Tensor, fp8: bool, scale: float, dtype: torch.dtype) -> torch.Tensor:
     """Rows read from a cache, as ``dtype``: multiplied by the cache's ``scale`` where it is ``fp8``."""
     return rows.to(dtype) * scale if fp8 else rows.to(dtype)
+
+
+def _checked_offsets(name: str, cu_seqlens: torch.Tensor, total: int) -> tuple[int, ...]:
+    """Host copy of a packed batch's offsets ``cu_seqlens (B+1,)``, checked to start at 0, never to decrease and
+    to end at the packed tensor's ``total`` rows."""
+    offsets = tuple(int(n) for n in cu_seqlens.tolist())
+    if offsets[0] != 0:
+        raise ValueError(f"{name}[0] must be 0, got {offsets[0]}")
+    drops = [i for i in range(1, len(offsets)) if offsets[i] < offsets[i - 1]]
+    if drops:
+        i = drops[0]
+        raise ValueError(f"{name} must be non-decreasing: {name}[{i}] = {offsets[i]} < "
+                         f"{name}[{i - 1}] = {offsets[i - 1]}")
+    if offsets[-1] != total:
+        raise ValueError(f"{name}[-1] = {offsets[-1]} but the packed tensor has {total} rows")
+    return offsets
 
 
 class _ServingInputs:
@@ -161,8 +179,23 @@ def decode_read_length(length: int, new_tokens: int, window_left: int = UNBOUNDE
     return length - max(length - new_tokens - window_left, 0) // align * align
 
 
+class _PagedCache:
+    """What the operations over a paged K/V cache share (each defines the caches and ``seqlens``)."""
+
+    k_cache: torch.Tensor
+    seqlens: tuple[int, ...]
+
+    @property
+    def page_size(self) -> int:
+        return self.k_cache.shape[1]
+
+    @property
+    def max_seqlen(self) -> int:
+        return max(self.seqlens)
+
+
 @dataclass
-class PagedKV(_ServingInputs):
+class PagedKV(_PagedCache, _ServingInputs):
     """Decode over a paged KV cache (module doc). Construction validates and reads the lengths once."""
 
     q: torch.Tensor
@@ -188,10 +221,6 @@ class PagedKV(_ServingInputs):
         self.seqlens = _checked_seqlens(self.cache_seqlens, self.block_table, sq, *self.k_cache.shape[:2])
 
     @property
-    def page_size(self) -> int:
-        return self.k_cache.shape[1]
-
-    @property
     def kv_fp8(self) -> bool:
         """Whether the caches are fp8 (dequantized by ``k_scale`` and ``v_scale``)."""
         return self.k_cache.dtype == FP8_KV
@@ -199,10 +228,6 @@ class PagedKV(_ServingInputs):
     def dequantized(self, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values read from these caches, as ``dtype``: scaled where the caches are fp8."""
         return _dequantized(k, self.kv_fp8, self.k_scale, dtype), _dequantized(v, self.kv_fp8, self.v_scale, dtype)
-
-    @property
-    def max_seqlen(self) -> int:
-        return max(self.seqlens)
 
     def read_lengths(self, window_left: int = UNBOUNDED, align: int = 1) -> list[int]:
         """``decode_read_length`` of each sequence."""
@@ -238,19 +263,8 @@ class Varlen(_ServingInputs):
         if self.cu_seqlens_q.shape != self.cu_seqlens_k.shape or self.cu_seqlens_q.shape[0] < 2:
             raise ValueError(f"cu_seqlens_q {tuple(self.cu_seqlens_q.shape)} and cu_seqlens_k "
                              f"{tuple(self.cu_seqlens_k.shape)} must both be (B+1,) with B >= 1")
-        self.offsets_q = tuple(int(n) for n in self.cu_seqlens_q.tolist())
-        self.offsets_k = tuple(int(n) for n in self.cu_seqlens_k.tolist())
-        for name, offsets, total in (("cu_seqlens_q", self.offsets_q, self.q.shape[0]),
-                                     ("cu_seqlens_k", self.offsets_k, self.k.shape[0])):
-            if offsets[0] != 0:
-                raise ValueError(f"{name}[0] must be 0, got {offsets[0]}")
-            drops = [i for i in range(1, len(offsets)) if offsets[i] < offsets[i - 1]]
-            if drops:
-                i = drops[0]
-                raise ValueError(f"{name} must be non-decreasing: {name}[{i}] = {offsets[i]} < "
-                                 f"{name}[{i - 1}] = {offsets[i - 1]}")
-            if offsets[-1] != total:
-                raise ValueError(f"{name}[-1] = {offsets[-1]} but the packed tensor has {total} rows")
+        self.offsets_q = _checked_offsets("cu_seqlens_q", self.cu_seqlens_q, self.q.shape[0])
+        self.offsets_k = _checked_offsets("cu_seqlens_k", self.cu_seqlens_k, self.k.shape[0])
 
     @property
     def batch(self) -> int:
@@ -274,6 +288,55 @@ class Varlen(_ServingInputs):
         """``window`` with each side that hides no key of any sequence unbounded (``binding_window``): bottom-right
         in each sequence, a side that hides no key of the longest sequences hides none of the others."""
         return binding_window(window, self.causal, self.max_seqlen_q, self.max_seqlen_k)
+
+
+@dataclass
+class MixedBatch(_PagedCache, _ServingInputs):
+    """Prefill chunks and decode steps in one batch over a paged KV cache (module doc). Construction validates and
+    reads the offsets and lengths once."""
+
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_table: torch.Tensor
+    cache_seqlens: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    offsets_q: tuple[int, ...] = field(init=False)  # host copies of cu_seqlens_q and cache_seqlens
+    seqlens: tuple[int, ...] = field(init=False)
+
+    op = "mixed"
+    head_dim_tensors = ("q", "k_cache", "v_cache")
+    index_tensors = ("block_table", "cache_seqlens", "cu_seqlens_q")
+
+    def __post_init__(self) -> None:
+        _check_layouts(self.q, self.k_cache, self.v_cache, "k_cache", "v_cache",
+                       ("(total_q, Hq, D)", "(num_pages, page_size, Hkv, D)"),
+                       {"block_table": (self.block_table, "(B, max_pages)"),
+                        "cache_seqlens": (self.cache_seqlens, "(B,)"), "cu_seqlens_q": (self.cu_seqlens_q, "(B+1,)")})
+        batch = self.cache_seqlens.shape[0]
+        if batch == 0 or self.block_table.shape[0] != batch or self.cu_seqlens_q.shape[0] != batch + 1:
+            raise ValueError(f"a batch of B >= 1 sequences needs cache_seqlens (B,), block_table (B, max_pages) and "
+                             f"cu_seqlens_q (B+1,): got {tuple(self.cache_seqlens.shape)}, "
+                             f"{tuple(self.block_table.shape)} and {tuple(self.cu_seqlens_q.shape)}")
+        self.offsets_q = _checked_offsets("cu_seqlens_q", self.cu_seqlens_q, self.q.shape[0])
+        empty = [b for b, n in enumerate(self.seqlens_q()) if n == 0]
+        if empty:
+            raise ValueError(f"sequence {empty[0]} has no new tokens (cu_seqlens_q[{empty[0]}] == "
+                             f"cu_seqlens_q[{empty[0] + 1}]): each sequence of a step has at least one")
+        self.seqlens = _checked_seqlens(self.cache_seqlens, self.block_table, self.seqlens_q(),
+                                        *self.k_cache.shape[:2])
+
+    @property
+    def batch(self) -> int:
+        return len(self.offsets_q) - 1
+
+    def seqlens_q(self) -> list[int]:
+        """New tokens of each sequence: the last ones of its cache."""
+        return [b - a for a, b in itertools.pairwise(self.offsets_q)]
+
+    @property
+    def max_seqlen_q(self) -> int:
+        return max(self.seqlens_q())
 
 
 MLA_LAYOUTS = {"q_nope": "(B, Sq_new, H, latent)", "q_pe": "(B, Sq_new, H, rope)",
@@ -368,28 +431,31 @@ class MLADecode(_ServingInputs):
         return max(self.seqlens)
 
 
-def gather_sequence(inputs: PagedKV, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_sequence(inputs: PagedKV | MixedBatch, b: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Sequence ``b``'s keys and values, ``(Hkv, L, D)`` each, gathered from its pages."""
     k, v = (gather_rows(inputs, c, b).transpose(0, 1) for c in (inputs.k_cache, inputs.v_cache))
     return k, v
 
 
-def gather_rows(inputs: PagedKV | MLADecode, cache: torch.Tensor, b: int) -> torch.Tensor:
+def gather_rows(inputs: PagedKV | MixedBatch | MLADecode, cache: torch.Tensor, b: int) -> torch.Tensor:
     """Sequence ``b``'s rows of a paged ``cache (num_pages, page_size, ...)``, ``(L, ...)`` in position order."""
     length = inputs.seqlens[b]
     pages = inputs.block_table[b, : math.ceil(length / inputs.page_size)].long()
     return cache[pages].flatten(0, 1)[:length]
 
 
-def sequences(inputs: PagedKV | Varlen | MLADecode, indices: list[int] | None = None,
+def sequences(inputs: PagedKV | Varlen | MixedBatch | MLADecode, indices: list[int] | None = None,
               kv_dtype: torch.dtype | None = None):
     """Per sequence: (index, q (1, Hq, Sq, D), k, v (1, Hkv, Skv, D), causal) in the dense contract's layout. An
     fp8 cache's keys and values come dequantized, as ``kv_dtype`` (default q's). MLA: one kv head whose keys are
     the latent and rotary rows side by side, the queries likewise, the values the latent rows (``mla_sequence``)."""
-    batch = inputs.batch if isinstance(inputs, Varlen) else inputs.q.shape[0]
+    batch = inputs.batch if isinstance(inputs, Varlen | MixedBatch) else inputs.q.shape[0]
     for b in range(batch) if indices is None else indices:
         if isinstance(inputs, MLADecode):
             yield b, *mla_sequence(inputs, b, kv_dtype), True
+        elif isinstance(inputs, MixedBatch):
+            k, v = gather_sequence(inputs, b)
+            yield b, inputs.q[inputs.offsets_q[b]:inputs.offsets_q[b + 1]].transpose(0, 1)[None], k[None], v[None], True
         elif isinstance(inputs, PagedKV):
             k, v = gather_sequence(inputs, b)
             if inputs.kv_fp8:
@@ -413,7 +479,8 @@ def mla_sequence(inputs: MLADecode, b: int, kv_dtype: torch.dtype | None = None
     return q, k[None, None], ckv[None, None]
 
 
-def scatter_sequence(out: torch.Tensor, inputs: PagedKV | Varlen | MLADecode, b: int, o: torch.Tensor) -> None:
+def scatter_sequence(out: torch.Tensor, inputs: PagedKV | Varlen | MixedBatch | MLADecode, b: int,
+                     o: torch.Tensor) -> None:
     """Write sequence ``b``'s output ``o (1, Hq, Sq, D)`` into the operation's output layout."""
     if isinstance(inputs, PagedKV | MLADecode):
         out[b] = o[0].transpose(0, 1)

@@ -75,6 +75,20 @@ def compile_mla(arch: int, *, rows: int, latent: int = 512, rope: int = 64, page
     return compile_for(mla_decode_split, arch, constants, pointers, num_warps, MLA_CONFIG["num_stages"])
 
 
+def compile_mixed(arch: int, *, group: int, head_dim: int = 128, page_size: int = 16, dtype: str = "bf16"):
+    """The mixed prefill+decode kernel (mixed.py) with the tiles its launch picks for ``group`` query heads per kv
+    head at this head dim."""
+    from impls.triton_fa.config import block_d
+    from impls.triton_fa.mixed import NUM_STAGES, mixed_attention, tiles
+
+    block_m, block_n, num_warps = tiles(group, head_dim, interp=False)
+    constants = {"GROUP": group, "TOKENS": block_m // group, "PAGE_SIZE": page_size, "HEAD_DIM": head_dim,
+                 "BLOCK_D": block_d(head_dim), "BLOCK_M": block_m, "BLOCK_N": block_n, "DOT_FP32": False}
+    pointers = {**dict.fromkeys(("Q", "K_cache", "V_cache", "Out"), dtype),
+                **dict.fromkeys(("block_table", "cache_seqlens", "cu_seqlens_q", "work"), "i32")}
+    return compile_for(mixed_attention, arch, constants, pointers, num_warps, NUM_STAGES)
+
+
 def compile_for(fn, arch: int, constants: dict, pointers: dict[str, str], num_warps: int, num_stages: int):
     """``fn`` compiled for sm_``arch`` with these constexprs; ``pointers``: its pointer parameters and their
     element types; ``qk_scale``, ``v_scale``, ``kv_scale`` and ``scale`` are floats, every other parameter an int32."""
@@ -148,6 +162,9 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--prefetch", action="store_true", help="--decode with its lookups prefetched (PREFETCH)")
     parser.add_argument("--mla", type=int, metavar="ROWS",
                         help="the MLA decode's split kernel instead, for ROWS query rows (bf16, 512 + 64, pages of 64)")
+    parser.add_argument("--mixed", type=int, metavar="GROUP",
+                        help="the mixed prefill+decode kernel instead, for GROUP query heads per kv head (bf16, "
+                             "--d, pages of 16)")
     parser.add_argument("--each", action="store_true",
                         help="read one line of these options per configuration from stdin; print a JSON line each "
                              "(one process for many compiles)")
@@ -155,6 +172,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def resources(args: argparse.Namespace) -> dict[str, int]:
+    if args.mixed:
+        kernel = compile_mixed(args.arch, group=args.mixed, head_dim=args.d)
+        return {**describe(kernel.asm["cubin"]), "shared": kernel.metadata.shared}
     if args.mla:
         kernel = compile_mla(args.arch, rows=args.mla, kv_fp8=args.kv_fp8)
         return {**describe(kernel.asm["cubin"]), "shared": kernel.metadata.shared}
