@@ -52,6 +52,15 @@ def test_sm90_kernels_compile_without_spilling(head_dim: int, causal: bool) -> N
         assert name == "bwd_delta" or usage["hgmma"] > 0, (name, usage)
 
 
+@pytest.mark.parametrize(("arch", "head_dim"), only_fast(
+    itertools.product(["sm_80", "sm_100", "sm_120"], [64, 128, 256]), [("sm_100", 128)], unpack=True))
+def test_kernels_compile_for_the_other_architectures(arch: str, head_dim: int) -> None:
+    # the registration is not limited to Hopper: each launch compiles wherever the forward does
+    call = BackwardCall(meta_inputs(head_dim, True), scale=head_dim ** -0.5)
+    for _, kernel, arguments in call.launches:
+        assert export_launch(kernel, arguments, arch=arch)[:4] == b"\x7fELF"
+
+
 def test_launch_grids_cover_keys_and_queries() -> None:
     # dk/dv: one block per key tile of each kv head; dq and delta: one per query tile of each query head
     inputs = meta_inputs(128, True, q_len=300, kv_len=1000)
