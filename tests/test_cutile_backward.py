@@ -15,7 +15,7 @@ else:
 
 from impls import get
 from impls.contract import Backward
-from impls.cutile.backward import HEAD_DIMS, BackwardCall, tiles
+from impls.cutile.backward import HEAD_DIMS, BackwardCall, space, tiles
 from impls.cutile.export import export_launch
 from suite.cases import Case
 from suite.checks import BackwardOracle
@@ -50,6 +50,21 @@ def test_sm90_kernels_compile_without_spilling(head_dim: int, causal: bool) -> N
         usage = sass(export_launch(kernel, arguments, arch="sm_90"))
         assert usage["stack"] == 0 and usage["utmaldg"] > 0, (name, usage)
         assert name == "bwd_delta" or usage["hgmma"] > 0, (name, usage)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_sm90_candidates_compile_without_spilling(head_dim: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # every candidate of the space (the fixed tiles are the first, test_sm90_kernels_compile_without_spilling)
+    import impls.cutile.backward as backward
+
+    for candidate in space(head_dim)[1:]:
+        monkeypatch.setattr(backward, "tiles", lambda _, chosen=candidate: chosen)
+        for causal in (True, False):
+            call = BackwardCall(meta_inputs(head_dim, causal), scale=head_dim ** -0.5)
+            for _, kernel, arguments in call.launches[1:]:
+                usage = sass(export_launch(kernel, arguments, arch="sm_90"))
+                assert usage["stack"] == 0 and usage["hgmma"] > 0, (candidate, causal, usage)
 
 
 @pytest.mark.parametrize(("arch", "head_dim"), only_fast(
@@ -92,19 +107,38 @@ def test_gradients_pass_the_oracle(case: Case) -> None:
     assert result.passed, result.message
 
 
-@pytest.mark.parametrize("case", first_fast(CASES, fast=2), ids=lambda c: c.id)
-def test_kernels_pass_the_oracle_when_emulated_on_cpu(case: Case) -> None:
-    """The three kernels' bodies, run block by block with torch standing in for cuTile (tests/cutile_emulator.py):
-    their tile bounds, causal skips and masks, GQA walk and scaling give gradients within the oracle's tolerance."""
+def emulated(inputs: Backward) -> tuple[torch.Tensor, ...]:
+    """(dq, dk, dv) of the three kernels' bodies run block by block with torch standing in for cuTile
+    (tests/cutile_emulator.py)."""
     from impls.cutile import backward_kernels, kernel
     from tests.cutile_emulator import Emulator
 
     emulator = Emulator([(kernel, ("load_rows", "store_rows", "key_tiles", "mask_scores")),
                          (backward_kernels, ("bwd_delta", "bwd_dkdv", "bwd_dq", "query_tiles", "add_query_tile",
                                              "add_key_tile", "load_row_values"))])
-    inputs = case.make_inputs("cpu")
-    call = BackwardCall(inputs, scale=case.d ** -0.5)
+    call = BackwardCall(inputs, scale=inputs.q.shape[-1] ** -0.5)
     for launch in call.launches:
         emulator.launch(*launch)
-    result = BackwardOracle(inputs).check(call.out)
+    return call.out
+
+
+@pytest.mark.parametrize("case", first_fast(CASES, fast=2), ids=lambda c: c.id)
+def test_kernels_pass_the_oracle_when_emulated_on_cpu(case: Case) -> None:
+    """The kernels' tile bounds, causal skips and masks, GQA walk and scaling, emulated: gradients within the
+    oracle's tolerance."""
+    inputs = case.make_inputs("cpu")
+    result = BackwardOracle(inputs).check(emulated(inputs))
     assert result.passed, result.message
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_candidates_pass_the_oracle_when_emulated_on_cpu(head_dim: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    import impls.cutile.backward as backward
+
+    inputs = Case(1, 4, 2, 150, 170, head_dim, "bf16", True, op="backward").make_inputs("cpu")
+    oracle = BackwardOracle(inputs)
+    for candidate in space(head_dim)[1:]:
+        monkeypatch.setattr(backward, "tiles", lambda _, chosen=candidate: chosen)
+        result = oracle.check(emulated(inputs))
+        assert result.passed, (candidate, result.message)

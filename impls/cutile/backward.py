@@ -35,17 +35,31 @@ class Tiles:
         return {**asdict(self), "tuned": False}
 
 
+# Per head-dim tile set (64, 128, 256): the fixed tiles first, then other forms that compile for sm_90 without stack,
+# causal and not, for a later tune. Spilled and left out: dk/dv 64 x 128 at D=64 (400-576 B), 64 x 16 with four
+# warps and 32 x 32 at D=256 (376-1024 B), dq 128 x 64 at D=256 (2.3 KB).
+SPACE = {
+    64: (Tiles(128, 64, 8, 128, 64, 8, dkdv_loop_split=False), Tiles(128, 128, 8, 128, 128, 8, dkdv_loop_split=False),
+         Tiles(64, 64, 4, 64, 64, 4, dkdv_loop_split=False)),
+    128: (Tiles(128, 64, 8, 128, 64, 8), Tiles(128, 64, 8, 128, 128, 8, dkdv_loop_split=False),
+          Tiles(64, 64, 4, 64, 64, 4)),
+    256: (Tiles(64, 32, 8, 64, 64, 8, dkdv_loop_split=False), Tiles(64, 16, 8, 128, 32, 8),
+          Tiles(64, 32, 8, 64, 32, 4, dkdv_loop_split=False)),
+}
+
+
+def space(head_dim: int) -> tuple[Tiles, ...]:
+    """The candidates of a head dim's tile set (``SPACE``), the fixed ones first."""
+    return SPACE[max(tile_d(head_dim), 64)]
+
+
 def tiles(head_dim: int) -> Tiles:
     """The untuned tiles of a head dim, chosen by compiling for sm_90 (``tests/test_cutile_backward.py``): the
     largest that hold their float32 accumulators (dk and dv: TILE_N x D each; dq: TILE_M x D) in registers without
     spilling, with two warpgroups each (a warpgroup MMA is 64 rows). At D=64 and D=256 the causal dk/dv kernel's
     two loops (masked and mask-free) spilled (72 and 208-792 B of stack); one loop that masks every tile does not,
     and the mask is cheap beside four products."""
-    if tile_d(head_dim) <= 64:
-        return Tiles(128, 64, 8, 128, 64, 8, dkdv_loop_split=False)
-    if tile_d(head_dim) <= 128:
-        return Tiles(128, 64, 8, 128, 64, 8)
-    return Tiles(64, 32, 8, 64, 64, 8, dkdv_loop_split=False)
+    return space(head_dim)[0]
 
 
 def kernel(name: str, warps: int, int64: bool):
