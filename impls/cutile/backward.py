@@ -15,13 +15,14 @@ from impls.cutile.launch import Launches, requires
 
 HEAD_DIMS = tuple(range(64, 257, 8))  # padded to 128 or 256 where not a power of two
 DELTA_ROWS = 64  # query rows of do * o each block of the pre-pass sums
+DELTA_WARPS = 4  # one warpgroup: the pre-pass has no matrix product to share out
 MODULE = "backward_kernels"
 
 
 @dataclass(frozen=True)
 class Tiles:
-    """The fixed tiles of one head dim: (TILE_N, TILE_M) of the dk/dv kernel, (TILE_M, TILE_N) of the dq kernel, and
-    each kernel's worker warps."""
+    """One form of the launches: (TILE_N, TILE_M) of the dk/dv kernel, (TILE_M, TILE_N) of the dq kernel, each
+    kernel's worker warps, and whether the causal dk/dv kernel splits its loop (``bwd_dkdv``'s LOOP_SPLIT)."""
 
     dkdv_n: int
     dkdv_m: int
@@ -63,6 +64,7 @@ def tiles(head_dim: int) -> Tiles:
 
 
 def kernel(name: str, warps: int, int64: bool):
+    """Kernel ``name`` of ``backward_kernels.py`` with ``warps`` worker warps, with 64-bit indexing where asked."""
     return kernel_with_hints(name + ("_int64" if int64 else ""), (("num_worker_warps", warps),), MODULE)
 
 
@@ -81,7 +83,7 @@ class BackwardCall(Launches):
         common = {"qk_scale": scale, "causal_offset": kv_len - q_len, "group": heads // kv_heads,
                   "TILE_D": tile_d(head_dim), "CAUSAL": inputs.causal}
         self.launches = [
-            ((math.ceil(q_len / DELTA_ROWS), *heads_by_batch(heads, batch)), kernel("bwd_delta", 4, int64),
+            ((math.ceil(q_len / DELTA_ROWS), *heads_by_batch(heads, batch)), kernel("bwd_delta", DELTA_WARPS, int64),
              bind("bwd_delta", MODULE, Out=o, DO=do, Delta=delta, TILE_M=DELTA_ROWS, **common)),
             ((math.ceil(kv_len / t.dkdv_n), *heads_by_batch(kv_heads, batch, "kv heads")),
              kernel("bwd_dkdv", t.dkdv_warps, int64),
