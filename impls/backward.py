@@ -5,7 +5,7 @@ log-sum-exp, not the ``o`` and ``lse`` of the inputs) and keeps the graph; the t
 ``torch.autograd.grad`` over that graph with the inputs' ``do``. Naive: standard attention in the input dtype;
 SDPA: each backend (the forward chooses the kernel, the backward follows it); flex: compiled, GPU only (PyTorch
 has no flex backward on CPU); flash-attn 2/3/4: their ``flash_attn_func``, GPU only, ``requires`` naming a missing
-package. Our own kernel is ``impls.triton_fa.backward``.
+package. Our own kernels are ``impls.triton_fa.backward`` and ``impls.cutile.backward``.
 """
 
 from __future__ import annotations

@@ -280,13 +280,12 @@ def device_sm_count(device_index: int | None) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def bind(base: str, **values: Any) -> tuple:
-    """The arguments of kernel ``base`` (of kernel.py) in its parameter order, taken by name from ``values``,
-    which may name more (the compile-time constants of both kernels); a parameter without a value is an error.
-    The order lives in the kernel's signature only."""
-    from impls.cutile import kernel
-
-    names = list(inspect.signature(getattr(kernel, base)._pyfunc).parameters)
+def bind(base: str, module: str = "kernel", /, **values: Any) -> tuple:
+    """The arguments of kernel ``base`` (of ``impls.cutile.<module>``) in its parameter order, taken by name from
+    ``values``, which may name more (the compile-time constants of both kernels); a parameter without a value is an
+    error. The order lives in the kernel's signature only."""
+    kernels = importlib.import_module(f"impls.cutile.{module}")
+    names = list(inspect.signature(getattr(kernels, base)._pyfunc).parameters)
     missing = [name for name in names if name not in values]
     if missing:
         raise TypeError(f"{base}: no value for {', '.join(missing)}")

@@ -1,0 +1,83 @@
+"""Runs our cuTile kernels' Python bodies on CPU, block by block, with torch standing in for the part of ``cuda.tile``
+they call. cuTile has no interpreter; this checks a kernel's index arithmetic, loop bounds, masks and dtypes
+against the oracle where no GPU is at hand. It says nothing about what the compiler makes of the kernel.
+
+Stand-ins: ``ct.load`` reads whole tiles at tile indices with zeros past the array's ends, ``ct.store`` drops what
+lies past them, ``ct.mma`` multiplies in float64 and accumulates in float32 (and, as cuTile, refuses operands of
+two dtypes). Helpers a kernel calls are rebound so that they see the stand-in too.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Iterable
+from types import ModuleType
+
+import torch
+
+
+class Tile(torch.Tensor):
+    """A torch tensor with cuTile's ``astype``."""
+
+    def astype(self, dtype: torch.dtype) -> Tile:
+        return self.to(dtype)
+
+
+def _tile(t: torch.Tensor) -> Tile:
+    return t.as_subclass(Tile)
+
+
+def _mma(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor) -> Tile:
+    if a.dtype != b.dtype:
+        raise TypeError(f"mma of {a.dtype} and {b.dtype}")
+    return _tile(acc + (a.double() @ b.double()).to(acc.dtype))
+
+
+def _load(A, index, shape, order=None, latency=None, padding_mode=None, allow_tma=None) -> Tile:
+    if order is not None:
+        raise NotImplementedError("loads with a dimension order")
+    out = torch.zeros(shape, dtype=A.dtype)
+    part = A[tuple(slice(i * s, i * s + s) for i, s in zip(index, shape, strict=True))]
+    out[tuple(slice(0, n) for n in part.shape)] = part
+    return _tile(out)
+
+
+def _store(A, index, tile, allow_tma=None) -> None:
+    view = A[tuple(slice(i * s, i * s + s) for i, s in zip(index, tile.shape, strict=True))]
+    view.copy_(tile[tuple(slice(0, n) for n in view.shape)].to(A.dtype))
+
+
+class Emulator:
+    """The stand-in ``ct`` and the kernels of ``modules`` rebound to it (each module: the names of its functions
+    that kernels call, kernels included)."""
+
+    def __init__(self, modules: Iterable[tuple[ModuleType, Iterable[str]]]) -> None:
+        self.block = [0, 0, 0]
+        ct = types.SimpleNamespace(
+            float32=torch.float32, int32=torch.int32, bool_=torch.bool, bid=lambda axis: self.block[axis],
+            cdiv=lambda a, b: -(-a // b), full=lambda shape, value, dtype: _tile(torch.full(shape, value, dtype=dtype)),
+            arange=lambda n, dtype: _tile(torch.arange(n, dtype=dtype)),
+            where=lambda cond, a, b: _tile(torch.where(cond, a, b)),
+            exp2=lambda x, flush_to_zero=False: _tile(torch.exp2(x)),
+            transpose=lambda x: _tile(x.transpose(-1, -2)),
+            sum=lambda x, axis=None, keepdims=False: _tile(torch.sum(x, dim=axis, keepdim=keepdims)),
+            mma=_mma, load=_load, store=_store)
+        scopes = [({**vars(module), "ct": ct}, module, names) for module, names in modules]
+        self.functions: dict[str, Callable] = {}
+        for scope, module, names in scopes:
+            for name in names:
+                f = getattr(module, name)
+                f = getattr(f, "_pyfunc", f)  # a kernel's Python body
+                self.functions[name] = types.FunctionType(f.__code__, scope, f.__name__, f.__defaults__,
+                                                          f.__closure__)
+        for scope, _, _ in scopes:  # every module's functions call the rebound ones, wherever defined
+            scope.update(self.functions)
+
+    def launch(self, grid: tuple[int, int, int], kernel, arguments: tuple) -> None:
+        """Every block of ``grid``, in turn, as ``ct.launch`` would run them."""
+        body = self.functions[kernel._pyfunc.__name__.removesuffix("_int64")]
+        for b2 in range(grid[2]):
+            for b1 in range(grid[1]):
+                for b0 in range(grid[0]):
+                    self.block[:] = [b0, b1, b2]
+                    body(*arguments)
