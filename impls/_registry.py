@@ -27,7 +27,11 @@ declares the variant (``variants=("window", "softcap")``); a paged batch with an
 that declare ``"kv_fp8"``.
 
 The backward pass (``op="backward"``) takes a ``Backward`` the same way and returns ``(dq, dk, dv)``; an
-implementation that reads the forward's log-sum-exp declares ``needs=("lse",)``, and inputs without one are refused.
+implementation that reads the forward's log-sum-exp declares ``needs=("lse",)``, and inputs without one are refused;
+it names the forward a training step runs before it with ``forward=``, a prepare function over ``(q, k, v)``
+whose call writes ``(o, lse)`` into the same buffers each time. A training step (``op="fwdbwd"``, a
+``ForwardBackward``: the forward, then the backward, timed as one call) is made for every backward entry once
+every module is imported (``impls.backward``), so a backward needs no second registration.
 
 One name may be registered once per operation (``naive`` is all of them).
 """
@@ -54,7 +58,7 @@ VARIANTS = ("window", "softcap", "value_dim", "kv_fp8")
 
 Runner = Callable[[], torch.Tensor]
 
-OPS = ("dense", "paged", "varlen", "mla", "backward")  # mla: impls.contract.MLADecode
+OPS = ("dense", "paged", "varlen", "mla", "backward", "fwdbwd")  # mla: impls.contract.MLADecode
 HALF = (torch.float16, torch.bfloat16)
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -116,6 +120,7 @@ class Impl:
     op: str = "dense"
     variants: tuple[str, ...] = ()  # of VARIANTS: the prepare function then takes window= / softcap=
     needs: tuple[str, ...] = ()  # optional input fields it cannot run without (backward: "lse")
+    forward: PrepareFn | None = None  # backward: the forward of a training step, its call returning (o, lse)
 
     def __repr__(self) -> str:  # short: pytest-benchmark stores it with every benchmark
         return f"Impl({self.name!r}, op={self.op!r})"
@@ -208,6 +213,7 @@ def register(
     op: str = "dense",
     variants: Iterable[str] = (),
     needs: Iterable[str] = (),
+    forward: PrepareFn | None = None,
 ) -> Callable[[PrepareFn], PrepareFn]:
     """Decorator: add a prepare function to the registry under ``name`` for operation ``op``."""
     if op not in OPS:
@@ -230,6 +236,7 @@ def register(
             op=op,
             variants=tuple(variants),
             needs=tuple(needs),
+            forward=forward,
         )
         return fn
 
@@ -299,9 +306,20 @@ def module_available(module: str, hint: str) -> Callable[[str], str | None]:
     return check
 
 
+DERIVED: list[Callable[[], None]] = []  # run by load_all once every module is imported
+
+
+def derived(make: Callable[[], None]) -> Callable[[], None]:
+    """Decorator: ``make`` registers entries built from other entries (a training step from each backward), once
+    every module has registered its own, so that one in a module imported later is not missed."""
+    DERIVED.append(make)
+    return make
+
+
 @functools.cache
 def load_all() -> dict[str, Impl]:
-    """Import every module of the ``impls`` package once, so that their ``@register`` lines run."""
+    """Import every module of the ``impls`` package once, so that their ``@register`` lines run, then the
+    ``derived`` ones."""
     import pkgutil
 
     import impls
@@ -309,6 +327,8 @@ def load_all() -> dict[str, Impl]:
     for info in sorted(pkgutil.iter_modules(impls.__path__), key=lambda m: m.name):
         if not info.name.startswith("_"):
             importlib.import_module(f"impls.{info.name}")
+    for make in DERIVED:
+        make()
     return REGISTRY
 
 
