@@ -143,7 +143,8 @@ def fwd_lse(
     seen = l_i > 0
     _store_tile(Out + row_base * HEAD_DIM, acc / tl.where(seen, l_i, 1.0)[:, None], offs_m, offs_d, q_len, HEAD_DIM,
                 BLOCK_D)
-    tl.store(LSE + row_base + offs_m, tl.where(seen, m_i + tl.log(l_i), float("inf")), mask=offs_m < q_len)
+    lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("inf"))
+    tl.store(LSE + row_base + offs_m, lse, mask=offs_m < q_len)
 
 
 @triton.jit
