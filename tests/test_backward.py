@@ -99,9 +99,10 @@ COMPILE_BACKWARD = """
 import json, torch
 from impls.sass import sass_summary
 from impls.triton_fa.aot import compile_for
-from impls.triton_fa.backward import bwd_dkdv, bwd_dq, block_d, tiles
+from impls.triton_fa.backward import bwd_dkdv, bwd_dq, block_d, fwd_lse, tiles
 for d in (64, 128, 256):
-    for fn, t in zip((bwd_dkdv, bwd_dq), tiles(d, torch.bfloat16), strict=True):
+    dkdv, dq = tiles(d, torch.bfloat16)
+    for fn, t in ((bwd_dkdv, dkdv), (bwd_dq, dq), (fwd_lse, dq)):
         meta = {"HEAD_DIM": d, "BLOCK_D": block_d(d), "SOFTCAP": 0.0, "DOT_FP32": False,
                 "BLOCK_M": t["BLOCK_M"], "BLOCK_N": t["BLOCK_N"]}
         pointers = {n: "fp32" if n in ("LSE", "Delta") else "bf16" for n in fn.arg_names
@@ -113,9 +114,9 @@ for d in (64, 128, 256):
 
 @pytest.mark.slow
 def test_the_fixed_gpu_tiles_compile_for_hopper_without_spilling_in_their_loops() -> None:
-    """The bf16 tiles ``tiles`` picks, compiled for sm_90 without a GPU: no local memory touched inside the loops
-    (head dim 256's dk/dv keeps 16 bytes of stack outside them), warpgroup MMA except in that dk/dv, whose tile of
-    16 query rows is below a warpgroup MMA's 64."""
+    """The bf16 tiles ``tiles`` picks, compiled for sm_90 without a GPU (the training step's forward on the dq
+    kernel's): no local memory touched inside the loops (head dim 256's dk/dv keeps 16 bytes of stack outside
+    them), warpgroup MMA except in that dk/dv, whose tile of 16 query rows is below a warpgroup MMA's 64."""
     import json
     import os
     import subprocess
@@ -127,7 +128,7 @@ def test_the_fixed_gpu_tiles_compile_for_hopper_without_spilling_in_their_loops(
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert len(results) == 6
+    assert len(results) == 9
     for r in results:
         assert r["loop_spills"] == 0 and r["stack"] <= 16, r
         assert r["hgmma"] > 0 or (r["d"], r["kernel"]) == (256, "bwd_dkdv"), r
