@@ -27,7 +27,11 @@ declares the variant (``variants=("window", "softcap")``); a paged batch with an
 that declare ``"kv_fp8"``.
 
 The backward pass (``op="backward"``) takes a ``Backward`` the same way and returns ``(dq, dk, dv)``; an
-implementation that reads the forward's log-sum-exp declares ``needs=("lse",)``, and inputs without one are refused.
+implementation that reads the forward's log-sum-exp declares ``needs=("lse",)``, and inputs without one are refused;
+it names the forward a training step runs before it with ``forward=``, a prepare function over ``(q, k, v)``
+whose call writes ``(o, lse)`` into the same buffers each time. A training step (``op="fwdbwd"``, a
+``ForwardBackward``: the forward, then the backward, timed as one call) is made for every backward entry once
+every module is imported (``impls.backward``), so a backward needs no second registration.
 
 One name may be registered once per operation (``naive`` is all of them).
 """
@@ -54,7 +58,8 @@ VARIANTS = ("window", "softcap", "value_dim", "kv_fp8")
 
 Runner = Callable[[], torch.Tensor]
 
-OPS = ("dense", "paged", "varlen", "mla", "mixed", "backward")  # mla: impls.contract.MLADecode; mixed: MixedBatch
+# mla: impls.contract.MLADecode; mixed: MixedBatch; fwdbwd: ForwardBackward (a training step)
+OPS = ("dense", "paged", "varlen", "mla", "mixed", "backward", "fwdbwd")
 HALF = (torch.float16, torch.bfloat16)
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -117,6 +122,7 @@ class Impl:
     variants: tuple[str, ...] = ()  # of VARIANTS: the prepare function then takes window= / softcap=
     needs: tuple[str, ...] = ()  # optional input fields it cannot run without (backward: "lse")
     presets: tuple[str, ...] = ()  # a study rather than a contender: runs in these presets only, unless named
+    forward: PrepareFn | None = None  # backward: the forward of a training step, its call returning (o, lse)
 
     def __repr__(self) -> str:  # short: pytest-benchmark stores it with every benchmark
         return f"Impl({self.name!r}, op={self.op!r})"
@@ -214,6 +220,7 @@ def register(
     variants: Iterable[str] = (),
     needs: Iterable[str] = (),
     presets: Iterable[str] = (),
+    forward: PrepareFn | None = None,
 ) -> Callable[[PrepareFn], PrepareFn]:
     """Decorator: add a prepare function to the registry under ``name`` for operation ``op``."""
     if op not in OPS:
@@ -237,6 +244,7 @@ def register(
             variants=tuple(variants),
             needs=tuple(needs),
             presets=tuple(presets),
+            forward=forward,
         )
         return fn
 
@@ -306,9 +314,20 @@ def module_available(module: str, hint: str) -> Callable[[str], str | None]:
     return check
 
 
+DERIVED: list[Callable[[], None]] = []  # run by load_all once every module is imported
+
+
+def derived(make: Callable[[], None]) -> Callable[[], None]:
+    """Decorator: ``make`` registers entries built from other entries (a training step from each backward), once
+    every module has registered its own, so that one in a module imported later is not missed."""
+    DERIVED.append(make)
+    return make
+
+
 @functools.cache
 def load_all() -> dict[str, Impl]:
-    """Import every module of the ``impls`` package once, so that their ``@register`` lines run."""
+    """Import every module of the ``impls`` package once, so that their ``@register`` lines run, then the
+    ``derived`` ones."""
     import pkgutil
 
     import impls
@@ -316,6 +335,8 @@ def load_all() -> dict[str, Impl]:
     for info in sorted(pkgutil.iter_modules(impls.__path__), key=lambda m: m.name):
         if not info.name.startswith("_"):
             importlib.import_module(f"impls.{info.name}")
+    for make in DERIVED:
+        make()
     return REGISTRY
 
 

@@ -1,14 +1,20 @@
-"""The backward pass of the peers (``op="backward"``): autograd through each one's dense forward entry.
+"""The backward pass of the peers (``op="backward"``): autograd through each one's dense forward entry; and a
+training step (``op="fwdbwd"``: forward, then backward, as one timed call) for every backward entry.
 
-Each entry's prepare step runs the peer's forward on the inputs as leaves (so its own saved output and
-log-sum-exp, not the ``o`` and ``lse`` of the inputs) and keeps the graph; the timed call is the backward alone,
-``torch.autograd.grad`` over that graph with the inputs' ``do``. Naive: standard attention in the input dtype;
-SDPA: each backend (the forward chooses the kernel, the backward follows it); flex: compiled, GPU only (PyTorch
-has no flex backward on CPU); flash-attn 2/3/4: their ``flash_attn_func``, GPU only, ``requires`` naming a missing
-package. Our own kernels are ``impls.triton_fa.backward`` and ``impls.cutile.backward``.
+Each peer's backward entry runs the peer's forward on the inputs as leaves at prepare time (so its own saved
+output and log-sum-exp, not the ``o`` and ``lse`` of the inputs) and keeps the graph; the timed call is the
+backward alone, ``torch.autograd.grad`` over that graph with the inputs' ``do``. Its training step times the
+forward and ``torch.autograd.grad`` together. Naive: standard attention in the input dtype; SDPA: each backend
+(the forward chooses the kernel, the backward follows it); flex: compiled, GPU only (PyTorch has no flex backward
+on CPU); flash-attn 2/3/4: their ``flash_attn_func``, GPU only, ``requires`` naming a missing package.
+
+Any other backward entry (ours: ``impls.triton_fa.backward``, ``impls.cutile``) gets its training step from
+``forward_backward``: the ``forward=`` it registered, writing ``(o, lse)``, then the backward over them.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -16,8 +22,8 @@ import impls.flash_attn_pkg  # the forward entries, registered on import
 import impls.flex
 import impls.naive
 import impls.sdpa
-from impls._registry import REGISTRY, Impl, Prepared, Unsupported, refusing, register
-from impls.contract import Backward
+from impls._registry import REGISTRY, Impl, Prepared, Unsupported, derived, refusing, register
+from impls.contract import Backward, ForwardBackward
 
 PEERS = ("naive", *impls.sdpa.BACKENDS, "flex", *impls.flash_attn_pkg.GENERATIONS)
 GPU_ONLY = ("flex",)  # PyTorch 2.13: "FlexAttention does not support backward on CPU"
@@ -25,19 +31,25 @@ GPU_ONLY = ("flex",)  # PyTorch 2.13: "FlexAttention does not support backward o
 REFUSALS = (RuntimeError, NotImplementedError, ValueError, AssertionError, TypeError)
 
 
-def autograd_backward(forward: Impl, inputs: Backward, *, scale: float, **variants) -> Prepared:
-    """``forward`` run once on ``inputs.q, k, v`` as leaves, its graph kept; the call: their gradients under
-    ``inputs.do``."""
+def _autograd(forward: Impl, inputs: Backward | ForwardBackward, *, scale: float, step: bool,
+              **variants) -> Prepared:
+    """``forward`` prepared on ``inputs.q, k, v`` as leaves; the call: their gradients under ``inputs.do``, through
+    a graph kept from one forward run here, or (``step``) through the call's own forward."""
     leaves = tuple(t.detach().requires_grad_() for t in (inputs.q, inputs.k, inputs.v))
     with torch.enable_grad():
         prepared = forward.prepare(*leaves, causal=inputs.causal, scale=scale, **variants)
-        out = prepared()
-    if not out.requires_grad:
+        kept = prepared()
+    if not kept.requires_grad:
         raise Unsupported(f"{forward.name}: its forward keeps no autograd graph")
 
-    def run() -> tuple[torch.Tensor, ...]:
-        return torch.autograd.grad(out, leaves, inputs.do, retain_graph=True)
+    def backward(out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return torch.autograd.grad(out, leaves, inputs.do, retain_graph=not step)
 
+    def run_step() -> tuple[torch.Tensor, ...]:
+        with torch.enable_grad():
+            return backward(prepared())
+
+    run: Callable[[], tuple[torch.Tensor, ...]] = run_step if step else lambda: backward(kept)
     with refusing(*REFUSALS):
         run()
     return Prepared(run, config={**prepared.config, "backward": "autograd"})
@@ -45,16 +57,54 @@ def autograd_backward(forward: Impl, inputs: Backward, *, scale: float, **varian
 
 def _make(name: str) -> None:
     forward = REGISTRY["dense", name]
-
     devices = tuple(d for d in forward.devices if d == "cuda" or name not in GPU_ONLY)
+    for op, step, timed in (("backward", False, "only the backward is timed"),
+                            ("fwdbwd", True, "forward and backward timed together")):
 
-    @register(name, op="backward", family=forward.family, dtypes=forward.dtypes, devices=devices,
-              head_dims=forward.head_dims, requires=forward.requires,
-              variants=tuple(v for v in forward.variants if v in ("window", "softcap")),
-              description=f"autograd through the forward ({forward.description}); only the backward is timed")
-    def prepare(inputs: Backward, *, scale: float, **variants) -> Prepared:
-        return autograd_backward(forward, inputs, scale=scale, **variants)
+        @register(name, op=op, family=forward.family, dtypes=forward.dtypes, devices=devices,
+                  head_dims=forward.head_dims, requires=forward.requires,
+                  variants=tuple(v for v in forward.variants if v in ("window", "softcap")),
+                  description=f"autograd through the forward ({forward.description}); {timed}")
+        def prepare(inputs: Backward | ForwardBackward, *, scale: float, step: bool = step, **variants) -> Prepared:
+            return _autograd(forward, inputs, scale=scale, step=step, **variants)
 
 
 for _name in PEERS:
     _make(_name)
+
+
+def forward_backward(backward: Impl) -> Callable[..., Prepared]:
+    """The training step of ``backward``: its registered ``forward`` writes ``(o, lse)``, then the backward reads
+    them, both in the timed call."""
+
+    def prepare(inputs: ForwardBackward, *, scale: float, **variants) -> Prepared:
+        if backward.forward is None:
+            raise Unsupported(f"{backward.name}: its backward entry names no forward (forward=) that writes the "
+                              f"output and log-sum-exp a training step's backward reads")
+        q, k, v = inputs.q, inputs.k, inputs.v
+        forward = backward.forward(q, k, v, causal=inputs.causal, scale=scale, **variants)
+        forward = forward if isinstance(forward, Prepared) else Prepared(forward)
+        o, lse = forward()
+        again = forward()
+        if again[0] is not o or again[1] is not lse:
+            raise ValueError(f"{backward.name}: forward= must write (o, lse) into the same buffers each call, for "
+                             f"the backward prepared on them to read")
+        prepared = backward.prepare(inputs.backward(o, lse), scale=scale, **variants)
+
+        def run() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            forward()
+            return prepared()
+
+        return Prepared(run, config={**forward.config, **prepared.config})
+
+    return prepare
+
+
+@derived
+def training_steps() -> None:
+    """A ``fwdbwd`` entry for every backward entry that has none of its own, declaring what the backward does."""
+    for (op, name), impl in list(REGISTRY.items()):
+        if op == "backward" and ("fwdbwd", name) not in REGISTRY:
+            register(name, op="fwdbwd", family=impl.family, dtypes=impl.dtypes, devices=impl.devices,
+                     head_dims=impl.head_dims, requires=impl.requires, variants=impl.variants,
+                     description=f"{impl.description}; its forward first, timed together")(forward_backward(impl))

@@ -35,6 +35,7 @@ from reports.runs import (
     load_run,
     num,
 )
+from reports.training import training_modes
 
 __all__ = ["ReportError", "Run", "figure_of_merit", "fleet", "load_run", "render", "write_report"]
 
@@ -296,6 +297,7 @@ def section(runs: list[Run], preset: str, baseline: str | None, style) -> dict[s
         "metric": "GB/s" if metric == "gbps" else "TFLOPS",
         "roofline": "; ".join(label for _, label in ceilings) or None,
         "leaderboards": [(r.label, r, board) for r in runs if (board := leaderboard(r, preset))],
+        "training": [(r.label, r.lead, table) for r in runs if (table := training_modes(r, preset))],
         "twins": [(r.label, r.lead, rows, twin_columns(r, preset, rows)) for r in runs
                   if (rows := cache_twins(r, preset))],
         **section_charts(runs, preset, metric, style, ceilings),

@@ -211,7 +211,8 @@ def load_run(path: Path) -> Run:
     host = data.get("machine_info") if isinstance(data.get("machine_info"), dict) else {}
     run = Run(label="", path=str(path), env=host.get("fmha") or {}, measurements=measurements,
               outcomes=fmha["outcomes"], unavailable=fmha["unavailable"],
-              presets=by_figure_of_merit(fmha["presets"], fmha["cases"]), cases=fmha["cases"], host=host)
+              presets=by_training_mode(by_figure_of_merit(fmha["presets"], fmha["cases"]), fmha["cases"]),
+              cases=fmha["cases"], host=host)
     run.label = run.machine  # a report of several runs adds each file's name (reports.build.label_runs)
     return run
 
@@ -259,4 +260,24 @@ def by_figure_of_merit(presets: dict[str, list[str]], cases: dict[str, dict]) ->
             continue
         for metric, part in (("gbps", "decode"), ("tflops", "prefill")):
             split[f"{preset}: {part}"] = [cid for cid in ids if kinds[cid] == metric]
+    return split
+
+
+TRAINING_MODES = {"dense": "forward", "backward": "backward", "fwdbwd": "fwd+bwd"}  # op -> its section's suffix
+
+
+def by_training_mode(presets: dict[str, list[str]], cases: dict[str, dict]) -> dict[str, list[str]]:
+    """A preset that holds a backward or a training step (``fwdbwd``) beside another of the three training modes
+    becomes one section per mode, "PRESET: forward", "PRESET: backward", "PRESET: fwd+bwd", so that each leaderboard
+    and heat map ranks one mode (``reports.training`` sets the three side by side)."""
+    split: dict[str, list[str]] = {}
+    for preset, ids in presets.items():
+        ops = {cid: cases.get(cid, {}).get("op") or "dense" for cid in ids}
+        kinds = set(ops.values())
+        if len(kinds) < 2 or not kinds <= set(TRAINING_MODES) or kinds == {"dense"}:
+            split[preset] = ids
+            continue
+        for op, mode in TRAINING_MODES.items():
+            if part := [cid for cid in ids if ops[cid] == op]:
+                split[f"{preset}: {mode}"] = part
     return split

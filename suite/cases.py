@@ -17,7 +17,8 @@ KV_DTYPES = {"fp8": torch.float8_e4m3fn}  # a paged case's KV cache in a dtype o
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn: a per-tensor scale maps the cache's largest magnitude to it
 
 
-OPS = ("dense", "paged", "varlen", "mla", "mixed", "backward")
+OPS = ("dense", "paged", "varlen", "mla", "mixed", "backward", "fwdbwd")
+TRAINING_OPS = ("backward", "fwdbwd")  # the dense forward's gradients: the backward alone, or a whole training step
 PAGED_OPS = ("paged", "mla")  # the operations over a paged cache: decode steps, causal, with a page size
 PAGE_SIZED_OPS = (*PAGED_OPS, "mixed")  # every operation over a paged cache (mixed: decode steps and prefill chunks)
 LENGTHS = {  # how a serving case's sequence lengths are drawn (seeded by the case id)
@@ -42,6 +43,7 @@ class Case:
       ``paged``'s: ``skv`` the longest, ``lengths`` their draw) beside ``chunks`` prefill chunks of ``sq`` new tokens,
       chunk ``c`` the ``c + 1``-th of its prompt (``c * sq`` tokens already cached), over pages of ``page_size``.
     - ``backward``: the backward pass of the dense case of the same shape (``impls.contract.Backward``).
+    - ``fwdbwd``: its forward and backward as a training step runs them (``impls.contract.ForwardBackward``).
     """
 
     batch: int
@@ -70,7 +72,8 @@ class Case:
         if self.op not in OPS:
             raise ValueError(f"op {self.op!r} is not one of {', '.join(OPS)}")
         allowed = {"dense": ("fixed",), "paged": ("uniform", "longtail"), "varlen": ("random", "equal"),
-                   "mla": ("uniform", "longtail"), "mixed": ("uniform", "longtail"), "backward": ("fixed",)}[self.op]
+                   "mla": ("uniform", "longtail"), "mixed": ("uniform", "longtail"), "backward": ("fixed",),
+                   "fwdbwd": ("fixed",)}[self.op]
         if self.lengths not in allowed:
             raise ValueError(f"lengths {self.lengths!r} do not apply to {self.op}: {', '.join(allowed)}")
         if (self.op in PAGE_SIZED_OPS) != (self.page_size > 0):
@@ -119,7 +122,7 @@ class Case:
             body = f"varlen-{self.dtype}-{mask}-{heads}-t{self.sq}-{self.lengths}-d{self.d}{variants}{tail}"
         else:
             body = f"{self.dtype}-{mask}-{heads}-s{self.sq}x{self.skv}-d{self.d}{variants}{tail}"
-            body = f"bwd-{body}" if self.op == "backward" else body
+            body = {"backward": f"bwd-{body}", "fwdbwd": f"fwdbwd-{body}"}.get(self.op, body)
         return f"{self.model}-{body}" if self.model else body
 
     @property
@@ -212,8 +215,8 @@ class Case:
             return self._mla_inputs(randn, device)
         if self.op == "mixed":
             return self._mixed_inputs(randn, device)
-        if self.op == "backward":
-            return self._backward_inputs(randn, device)
+        if self.op in TRAINING_OPS:
+            return self._training_inputs(randn, device)
         if self.op == "varlen":
             from impls.contract import Varlen
 
@@ -225,18 +228,18 @@ class Case:
                   (self.batch, self.hkv, self.skv, self.value_dim)]
         return tuple(randn(*s) for s in shapes)
 
-    def _backward_inputs(self, randn, device):
-        """The dense draw, its forward's ``o`` and ``lse`` (standard attention in the case's dtype, made here, so
-        outside any timed region) and a random ``do``."""
-        from impls.contract import Backward
+    def _training_inputs(self, randn, device):
+        """The dense draw and a random ``do``; the backward alone gets its forward's ``o`` and ``lse`` too (standard
+        attention in the case's dtype, made here, so outside any timed region)."""
+        from impls.contract import ForwardBackward
         from impls.reference import attention_lse, attention_ref
 
         q, k, v = replace(self, op="dense").make_inputs(device)
+        step = ForwardBackward(q, k, v, randn(*q.shape), causal=self.causal)
+        if self.op == "fwdbwd":
+            return step
         options = {"causal": self.causal, **self.variants}
-        o = attention_ref(q, k, v, upcast=False, **options)
-        lse = attention_lse(q, k, **options)
-        do = randn(*q.shape)
-        return Backward(q, k, v, o, do, lse, causal=self.causal)
+        return step.backward(attention_ref(q, k, v, upcast=False, **options), attention_lse(q, k, **options))
 
     def _paged_inputs(self, randn, device):
         from impls.contract import PagedKV

@@ -7,7 +7,7 @@ from dataclasses import replace
 import torch
 
 from impls.contract import NO_WINDOW, decode_read_length, window_bounds
-from suite.cases import PAGED_OPS, Case
+from suite.cases import PAGED_OPS, TRAINING_OPS, Case
 
 # Dense fp16/bf16 tensor-core peak (TFLOP/s, no sparsity) of each architecture's flagship datacenter part,
 # from NVIDIA's datasheets: A100 SXM (sm_80), H100/H200 SXM (sm_90), B200 (sm_100).
@@ -50,12 +50,16 @@ def pairs(sq: int, skv: int, causal: bool, window: tuple[int, int] = NO_WINDOW) 
     return windowed_pairs(sq, skv, causal, window) if window != NO_WINDOW else visible_pairs(sq, skv, causal)
 
 
+TRAINING_FLOPS = {"backward": 5, "fwdbwd": 7}  # halves of the forward's FLOPs
+
+
 def flops(case: Case) -> int:
     """Two matmuls (QK^T and PV), 2 FLOPs per multiply-add, over query heads (GQA shares K/V, not work);
     serving cases sum over their sequences (decode: Sq_new new tokens against each cache, bottom-right). The
-    backward counts 2.5 times its forward (flash-attention's convention: five matmuls to the forward's two)."""
-    if case.op == "backward":
-        return 5 * flops(replace(case, op="dense")) // 2
+    backward counts 2.5 times its forward (flash-attention's convention: five matmuls to the forward's two), a
+    training step 3.5 times (the forward and its backward)."""
+    if case.op in TRAINING_OPS:
+        return TRAINING_FLOPS[case.op] * flops(replace(case, op="dense")) // 2
     if case.op == "dense":
         total = case.batch * pairs(case.sq, case.skv, case.causal, case.window)
     elif case.op in PAGED_OPS:
@@ -90,10 +94,11 @@ def kv_bytes(case: Case) -> int:
 
 def min_bytes(case: Case) -> int:
     """q, k, v read once and o written once; the backward: q, k, v, o, do and lse read once, dq, dk, dv written
-    once."""
-    if case.op == "backward":
-        forward = replace(case, op="dense")
-        return 2 * min_bytes(forward) + case.batch * case.sq * case.hq * 4  # (k, v, q, o) twice, and lse
+    once; a training step: both."""
+    if case.op in TRAINING_OPS:
+        forward = min_bytes(replace(case, op="dense"))
+        backward = 2 * forward + case.batch * case.sq * case.hq * 4  # (k, v, q, o) twice, and lse
+        return backward + (forward if case.op == "fwdbwd" else 0)
     q_rows = {"varlen": case.sq, "mixed": sum(case.new_tokens())}.get(case.op, case.batch * case.sq)
     return kv_bytes(case) + q_rows * case.hq * (case.d + case.value_dim) * itemsize(case)
 

@@ -55,12 +55,13 @@ def _fa3() -> list[Case]:
 
 
 def backward(cases: Iterable[Case]) -> list[Case]:
-    """The backward pass of each (dense) case."""
-    return [replace(c, op="backward") for c in cases]
+    """Each (dense) case in the three modes of training: the forward, the backward alone and the whole step
+    (``fwdbwd``), one after the other, so that a report sets them side by side."""
+    return [replace(c, op=op) for c in cases for op in ("dense", "backward", "fwdbwd")]
 
 
 def _train() -> list[Case]:
-    """Training's attention backward: Llama-3-8B and the 70B's slice of 8 GPUs at 4K and 8K, 16K tokens a batch."""
+    """Training's attention: Llama-3-8B and the 70B's slice of 8 GPUs at 4K and 8K, 16K tokens a batch."""
     return backward(Case(16384 // s, hq, hkv, s, s, d, "bf16", True, model=name)
                     for name, hq, hkv, d in (LLAMA3_8B, LLAMA3_70B_TP8) for s in (4096, 8192))
 
@@ -262,12 +263,14 @@ PRESETS: dict[str, list[Case]] = {
     # The FlashAttention-3 paper's backward chart (same shapes as fa3), and training shapes of two models.
     "fa3-bwd": backward(_fa3()),
     "train": _train(),
-    # The backward's CPU twin: GQA, MQA, causal with Sq < Skv and Sq > Skv, D 64 and 128, fp32 and fp16.
+    # The backward's CPU twin: GQA, MQA, causal with Sq < Skv and Sq > Skv, D 64 and 128, fp32 and fp16, and a
+    # sliding window with softcap (Gemma-2's variants).
     "bwd-cpu": backward([
         Case(1, 4, 2, 100, 100, 64, "fp32", True),
         Case(1, 4, 1, 70, 130, 64, "fp16", True),
         Case(1, 2, 2, 130, 70, 128, "fp32", True),
         Case(2, 2, 1, 40, 40, 128, "fp16", False),
+        Case(1, 2, 1, 90, 90, 64, "bf16", True, window=(32, -1), softcap=20.0),
     ]),
     "gqa": grid(batch=[4], heads=[(32, h) for h in (32, 8, 4, 1)], seqlens=[4096], d=[128]),
     "decode": grid(

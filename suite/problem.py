@@ -12,7 +12,7 @@ import torch
 
 from impls import Impl, Prepared
 from impls.timing import clone_inputs
-from suite.cases import Case
+from suite.cases import TRAINING_OPS, Case
 from suite.checks import BackwardOracle, CheckResult, Oracle
 
 if TYPE_CHECKING:
@@ -41,7 +41,7 @@ class Problem:
 
     @cached_property
     def oracle(self) -> Oracle | BackwardOracle:
-        if self.case.op == "backward":
+        if self.case.op in TRAINING_OPS:
             return BackwardOracle(self.inputs, **self.case.variants)
         if self.case.op == "dense":
             return Oracle.dense(*self.inputs, causal=self.case.causal, **self.case.variants)

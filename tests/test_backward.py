@@ -1,4 +1,5 @@
-"""The backward operation: its contract's errors, its oracle, its FLOPs and our Triton kernel (interpreter on CPU)."""
+"""The backward operation and the training step (fwdbwd): their contracts' errors, the oracle, their FLOPs, the
+derived fwdbwd entries and our Triton kernels (interpreter on CPU)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from impls import get
-from impls.contract import Backward
+from impls import Prepared, Unsupported, get, register, unregister
+from impls.backward import training_steps
+from impls.contract import Backward, ForwardBackward
 from suite import metrics
 from suite.cases import Case
 from suite.checks import BackwardOracle
@@ -97,10 +99,11 @@ COMPILE_BACKWARD = """
 import json, torch
 from impls.sass import sass_summary
 from impls.triton_fa.aot import compile_for
-from impls.triton_fa.backward import bwd_dkdv, bwd_dq, block_d, tiles
+from impls.triton_fa.backward import bwd_dkdv, bwd_dq, block_d, fwd_lse, tiles
 for d in (64, 128, 256):
-    for fn, t in zip((bwd_dkdv, bwd_dq), tiles(d, torch.bfloat16), strict=True):
-        meta = {"HEAD_DIM": d, "BLOCK_D": block_d(d), "CAUSAL": True, "DOT_FP32": False,
+    dkdv, dq = tiles(d, torch.bfloat16)
+    for fn, t in ((bwd_dkdv, dkdv), (bwd_dq, dq), (fwd_lse, dq)):
+        meta = {"HEAD_DIM": d, "BLOCK_D": block_d(d), "SOFTCAP": 0.0, "DOT_FP32": False,
                 "BLOCK_M": t["BLOCK_M"], "BLOCK_N": t["BLOCK_N"]}
         pointers = {n: "fp32" if n in ("LSE", "Delta") else "bf16" for n in fn.arg_names
                     if n[0].isupper() and n not in meta}
@@ -111,9 +114,9 @@ for d in (64, 128, 256):
 
 @pytest.mark.slow
 def test_the_fixed_gpu_tiles_compile_for_hopper_without_spilling_in_their_loops() -> None:
-    """The bf16 tiles ``tiles`` picks, compiled for sm_90 without a GPU: no local memory touched inside the loops
-    (head dim 256's dk/dv keeps 16 bytes of stack outside them), warpgroup MMA except in that dk/dv, whose tile of
-    16 query rows is below a warpgroup MMA's 64."""
+    """The bf16 tiles ``tiles`` picks, compiled for sm_90 without a GPU (the training step's forward on the dq
+    kernel's): no local memory touched inside the loops (head dim 256's dk/dv keeps 16 bytes of stack outside
+    them), warpgroup MMA except in that dk/dv, whose tile of 16 query rows is below a warpgroup MMA's 64."""
     import json
     import os
     import subprocess
@@ -125,7 +128,100 @@ def test_the_fixed_gpu_tiles_compile_for_hopper_without_spilling_in_their_loops(
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert len(results) == 6
+    assert len(results) == 9
     for r in results:
         assert r["loop_spills"] == 0 and r["stack"] <= 16, r
         assert r["hgmma"] > 0 or (r["d"], r["kernel"]) == (256, "bwd_dkdv"), r
+
+
+# Bottom-right windows with softcap: a window on both sides over Sq < Skv (fp32), and Gemma-2's causal window with
+# a cap of 20 (fp16); the slow tier adds Sq > Skv, GQA 4:1 and a padded head dim.
+VARIANT_CASES = [
+    Case(1, 2, 2, 50, 70, 64, "fp32", False, op="backward", window=(10, 7), softcap=5.0),
+    Case(1, 2, 1, 90, 90, 64, "fp16", True, op="backward", window=(32, -1), softcap=20.0),
+    slow(Case(1, 4, 1, 80, 45, 96, "bf16", True, op="backward", window=(16, -1), softcap=30.0)),
+    slow(Case(2, 2, 2, 64, 64, 64, "fp32", False, op="backward", window=(-1, 8))),
+]
+
+
+@pytest.mark.parametrize("case", VARIANT_CASES, ids=lambda c: c.id)
+def test_triton_backward_with_a_window_and_softcap_passes_the_oracle(case: Case) -> None:
+    inputs = case.make_inputs("cpu")
+    result = BackwardOracle(inputs, **case.variants).check(get("triton", "backward").prepare(inputs, **case.variants)())
+    assert result.passed, result.message
+
+
+def test_the_window_and_softcap_change_the_gradients_the_oracle_holds_the_kernel_to() -> None:
+    """Without them the kernel's gradients of a windowed, capped case fail: the variants reach it."""
+    case = VARIANT_CASES[0]
+    inputs = case.make_inputs("cpu")
+    plain = get("triton", "backward").prepare(inputs)()
+    assert not BackwardOracle(inputs, **case.variants).check(plain).passed
+
+
+def test_a_training_step_passes_the_oracle_and_runs_its_forward_in_the_call() -> None:
+    """Ours (its forward= writing o and lse) and a peer's (autograd through its forward): the gradients pass, and a
+    change to q between calls moves them: the call runs the forward on the inputs it finds."""
+    case = replace(VARIANT_CASES[1], op="fwdbwd", sq=40, skv=40)
+    inputs = case.make_inputs("cpu")
+    assert isinstance(inputs, ForwardBackward)
+    oracle = BackwardOracle(inputs, **case.variants)
+    for name in ("triton", "naive"):
+        step = get(name, "fwdbwd").prepare(inputs, **case.variants)
+        result = oracle.check(step())
+        assert result.passed, f"{name}: {result.message}"
+        dq = step()[0].clone()
+        inputs.q.mul_(2)
+        try:
+            assert not torch.equal(step()[0], dq), name
+        finally:
+            inputs.q.div_(2)
+
+
+def test_every_backward_entry_gets_a_training_step() -> None:
+    """A backward registered by any module (a new kernel family's, say) gets its fwdbwd entry; one that names no
+    forward= is refused with the reason, and a forward= that writes fresh buffers each call is an error."""
+    from impls._registry import REGISTRY
+
+    assert {name for op, name in REGISTRY if op == "backward"} == {name for op, name in REGISTRY if op == "fwdbwd"}
+    inputs = replace(ODD, op="fwdbwd").make_inputs("cpu")
+    naive = get("naive", "backward")
+
+    def fresh(q, k, v, *, causal: bool, scale: float) -> Prepared:
+        return Prepared(lambda: (q.clone(), torch.zeros(q.shape[:3])))
+
+    try:
+        for name, forward in (("no-forward", None), ("fresh-buffers", fresh)):
+            register(name, op="backward", family="naive", needs=("lse",), forward=forward)(naive.prepare_fn)
+        training_steps()
+        with pytest.raises(Unsupported, match="no-forward: its backward entry names no forward"):
+            get("no-forward", "fwdbwd").prepare(inputs)
+        with pytest.raises(ValueError, match=r"must write \(o, lse\) into the same buffers each call"):
+            get("fresh-buffers", "fwdbwd").prepare(inputs)
+    finally:
+        for name in ("no-forward", "fresh-buffers"):
+            unregister(name, "backward")
+            unregister(name, "fwdbwd")
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    ({"do": "half"}, "do must be shaped, typed and placed like q"),
+    ({"do": "short"}, "do must be shaped"),
+    ({"v": "wide"}, "fwdbwd: v must have k's shape"),
+])
+def test_the_training_step_contract_names_the_problem(change: dict, match: str) -> None:
+    inputs = replace(ODD, op="fwdbwd").make_inputs("cpu")
+    (name, how), = change.items()
+    t = getattr(inputs, name)
+    bad = {"half": t.half(), "short": t[..., :-1, :], "wide": torch.cat([t, t], dim=-1)}[how]
+    with pytest.raises(ValueError, match=match):
+        replace(inputs, **{name: bad})
+
+
+def test_a_training_step_counts_its_forward_and_backward() -> None:
+    for causal in (False, True):
+        case = replace(ODD, op="fwdbwd", causal=causal, sq=128, skv=128)
+        forward, backward = (metrics.flops(replace(case, op=op)) for op in ("dense", "backward"))
+        assert metrics.flops(case) == 7 * forward // 2 == forward + backward
+        assert metrics.min_bytes(case) == sum(metrics.min_bytes(replace(case, op=op)) for op in ("dense", "backward"))
+    assert replace(ODD, op="fwdbwd").id == "fwdbwd-" + replace(ODD, op="dense").id

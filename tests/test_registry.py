@@ -201,7 +201,7 @@ def test_an_operation_that_cannot_run_here_leaves_its_siblings_running():
     selected = select(["flex", "cutile"])
     reasons = {(i.op, i.name): r for i in selected if (r := i.availability("cpu"))}
     unavailable = unavailable_by_name(selected, reasons)
-    assert set(unavailable) == {"flex (paged)", "flex (backward)", "cutile"}
+    assert set(unavailable) == {"flex (paged)", "flex (backward)", "flex (fwdbwd)", "cutile"}
     assert {i.op for i in selected if i.name == "flex" and (i.op, i.name) not in reasons} == {"dense", "varlen"}
 
 
@@ -216,7 +216,7 @@ def test_list_impls_prints_the_registry_and_runs_nothing():
     rows = [line.split() for line in done.stdout.splitlines()]
     assert rows[0][:4] == ["operation", "implementation", "family", "variants"]
     listed = {(row[0], row[1]): " ".join(row[4:]) for row in rows[1:]}
-    pairs = {(op, name) for op in ("dense", "paged", "varlen", "backward") for name in ("flex", "naive")}
+    pairs = {(op, name) for op in ("dense", "paged", "varlen", "backward", "fwdbwd") for name in ("flex", "naive")}
     assert set(listed) == pairs | {("mla", "naive"), ("mixed", "naive")}
     assert listed["dense", "naive"] == "runs"
     if not torch.cuda.is_available():

@@ -46,10 +46,11 @@ Causal within each sequence, bottom-right: new token ``i`` of ``q_len`` sees pos
 Output ``(total_q, Hq, D)``. Page slots past a sequence's length may hold anything, NaN included.
 
 The backward pass of dense attention (``Backward``): the forward's inputs, output, log-sum-exp and the upstream
-gradient in; ``(dq, dk, dv)`` out.
+gradient in; ``(dq, dk, dv)`` out. A training step's forward and backward (``ForwardBackward``): the forward's
+inputs and the upstream gradient in, the same gradients out.
 """
 
-from impls.contract.backward import Backward
+from impls.contract.backward import Backward, ForwardBackward
 from impls.contract.dense import (
     DENSE_DECODE_MAX_NEW,
     NO_WINDOW,
@@ -81,7 +82,8 @@ from impls.contract.serving import (
 
 __all__ = [
     "DENSE_DECODE_MAX_NEW", "FP8_KV", "FP8_QUERIES", "MLA_LAYOUTS", "NO_WINDOW", "UNBOUNDED", "Backward",
-    "MLADecode", "MixedBatch", "PagedKV", "Varlen", "binding_window", "decode_read_length", "decode_shaped",
-    "default_scale", "gather_rows", "gather_sequence", "mla_sequence", "scatter_sequence", "sequences",
-    "unit_head_stride", "validate_attention_inputs", "validate_scale", "validate_variants", "window_bounds",
+    "ForwardBackward", "MLADecode", "MixedBatch", "PagedKV", "Varlen", "binding_window", "decode_read_length",
+    "decode_shaped", "default_scale", "gather_rows", "gather_sequence", "mla_sequence", "scatter_sequence",
+    "sequences", "unit_head_stride", "validate_attention_inputs", "validate_scale", "validate_variants",
+    "window_bounds",
 ]

@@ -8,9 +8,12 @@
 3. ``bwd_dq``: one program per BLOCK_M tile of query rows of one (batch, query head): it walks the key tiles
    the rows see and accumulates ``dq += ds k``.
 Probabilities are recomputed in natural units from the given lse. Causal is bottom-right (query i sees keys
-j <= i + Skv - Sq): a key tile starts its walk at the first query tile that sees it, a query tile stops at the
-last key tile it sees; a row that sees no key has lse = +inf, so its p is 0. Every tensor is contiguous
-(B, H, S, D); a head dim that is not a power of two is padded to BLOCK_D with zeros by masked loads.
+j <= i + Skv - Sq) and is a sliding window's right side of 0: row i sees keys from its position - left to its
+position + right, so a key tile walks only the query tiles that reach it and a query tile only the key tiles it
+reaches; a row that sees no key has lse = +inf, so its p is 0. Softcap ``s = c tanh(x / c)`` scales ``ds`` by its
+slope ``1 - tanh^2``. ``fwd_lse`` is the forward a training step runs first: o and the lse this backward reads.
+Every tensor is contiguous (B, H, S, D); a head dim that is not a power of two is padded to BLOCK_D with zeros by
+masked loads.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import triton
 import triton.language as tl
 
 from impls._registry import FLOATS, Prepared, heads_by_batch, register
-from impls.contract import Backward
+from impls.contract import NO_WINDOW, Backward, window_bounds
 from impls.triton_fa.config import HEAD_DIMS, block_d, interpreting, requires
 
 DELTA_ROWS = 64  # rows of do * o each program of the pre-pass sums
@@ -54,16 +57,94 @@ def _dot(a, b, DOT_FP32: tl.constexpr):
 
 
 @triton.jit
-def _probs(q, k_t, lse, offs_m, offs_n, q_len, kv_len, scale, CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr):
-    """``p = exp(scale * q k^T - lse)`` of one (BLOCK_M, BLOCK_N) tile, 0 where a key is not seen or out of
-    bounds; ``k_t`` is the key tile transposed. In natural units: lse in log2 units would be rounded once more,
-    which at float32 inputs doubled dv's error against the oracle."""
+def _tanh(x, EXACT: tl.constexpr):
+    """tanh in float32; ``EXACT``: through float64. ``2 sigmoid(2x) - 1`` (the forward kernel's form) is off by
+    float32's rounding of a value near 1, 1e-4 relative at small x, below 16-bit inputs' noise; at float32 inputs
+    under a softcap of 20 it put a training step's dq over the oracle's tolerance (1.05x; 0.65x through float64)."""
+    if EXACT:
+        e = tl.exp(-2 * tl.abs(x.to(tl.float64)))
+        return tl.where(x < 0, -1.0, 1.0) * ((1 - e) / (1 + e)).to(tl.float32)
+    return 2 * tl.sigmoid(2 * x) - 1
+
+
+@triton.jit
+def _key_range(start_m, q_len, kv_len, window_left, window_right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The key tiles ``[lo, hi)`` that some row of the query tile at ``start_m`` sees: row i sits at key position
+    i + kv_len - q_len (bottom-right) and sees the keys from its position - left to its position + right."""
+    first = start_m + (kv_len - q_len)
+    lo = tl.maximum(first - window_left, 0) // BLOCK_N * BLOCK_N
+    hi = tl.minimum(kv_len, tl.maximum(first + BLOCK_M + window_right, 0))
+    return lo, hi
+
+
+@triton.jit
+def _scores(q, k_t, offs_m, offs_n, q_len, kv_len, window_left, window_right, scale, SOFTCAP: tl.constexpr,
+            DOT_FP32: tl.constexpr):
+    """The scaled scores of one (BLOCK_M, BLOCK_N) tile, ``cap * tanh(s / cap)`` under SOFTCAP, -inf where a key is
+    not seen or out of bounds, and the softcap's slope ``1 - tanh^2`` (1 without one); ``k_t``: the key tile
+    transposed."""
     s = _dot(q, k_t, DOT_FP32) * scale
-    p = tl.exp(s - lse[:, None])
-    visible = (offs_n[None, :] < kv_len) & (offs_m[:, None] < q_len)
-    if CAUSAL:
-        visible = visible & (offs_n[None, :] <= offs_m[:, None] + (kv_len - q_len))
-    return tl.where(visible, p, 0.0)
+    slope = 1.0
+    if SOFTCAP > 0:
+        t = _tanh(s / SOFTCAP, DOT_FP32)
+        s = t * SOFTCAP
+        slope = 1 - t * t
+    position = offs_m[:, None] + (kv_len - q_len)
+    keys = offs_n[None, :]
+    visible = (keys < kv_len) & (offs_m[:, None] < q_len) & (keys >= position - window_left)
+    visible = visible & (keys <= position + window_right)
+    return tl.where(visible, s, float("-inf")), slope
+
+
+@triton.jit
+def _probs(q, k_t, lse, offs_m, offs_n, q_len, kv_len, window_left, window_right, scale, SOFTCAP: tl.constexpr,
+           DOT_FP32: tl.constexpr):
+    """``p = exp(s - lse)`` of one tile (0 where a key is not seen) and the softcap's slope. In natural units:
+    lse in log2 units would be rounded once more, which at float32 inputs doubled dv's error against the oracle."""
+    s, slope = _scores(q, k_t, offs_m, offs_n, q_len, kv_len, window_left, window_right, scale, SOFTCAP, DOT_FP32)
+    return tl.exp(s - lse[:, None]), slope
+
+
+@triton.jit
+def fwd_lse(
+    Q, K, V, Out, LSE, scale,
+    num_heads, q_len, kv_len, group, window_left, window_right,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    """The forward a training step runs before this backward: ``o`` and the natural-log ``lse`` of each row
+    (``+inf`` where a row sees no key), by an online softmax over the key tiles the rows see, every tile masked."""
+    # Grid: (query tiles, query heads, batch).
+    head = tl.program_id(1).to(tl.int64)
+    batch = tl.program_id(2).to(tl.int64)
+    start_m = tl.program_id(0) * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_base = (batch * num_heads + head) * q_len
+    kv_base = (batch * (num_heads // group) + head // group) * kv_len * HEAD_DIM
+    q = _tile(Q + row_base * HEAD_DIM, offs_m, offs_d, q_len, HEAD_DIM, BLOCK_D, DOT_FP32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    lo, hi = _key_range(start_m, q_len, kv_len, window_left, window_right, BLOCK_M, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k = _tile(K + kv_base, offs_n, offs_d, kv_len, HEAD_DIM, BLOCK_D, DOT_FP32)
+        v = _tile(V + kv_base, offs_n, offs_d, kv_len, HEAD_DIM, BLOCK_D, DOT_FP32)
+        s, _ = _scores(q, tl.trans(k), offs_m, offs_n, q_len, kv_len, window_left, window_right, scale, SOFTCAP,
+                       DOT_FP32)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet: no NaN
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_FP32)
+        m_i = m_new
+    seen = l_i > 0
+    _store_tile(Out + row_base * HEAD_DIM, acc / tl.where(seen, l_i, 1.0)[:, None], offs_m, offs_d, q_len, HEAD_DIM,
+                BLOCK_D)
+    lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("inf"))
+    tl.store(LSE + row_base + offs_m, lse, mask=offs_m < q_len)
 
 
 @triton.jit
@@ -79,8 +160,8 @@ def bwd_delta(Out, DO, Delta, rows, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexp
 @triton.jit
 def bwd_dkdv(
     Q, K, V, DO, LSE, Delta, DK, DV, scale,
-    num_heads, q_len, kv_len, group,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+    num_heads, q_len, kv_len, group, window_left, window_right,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     # Grid: (key tiles, kv heads, batch).
@@ -97,23 +178,25 @@ def bwd_dkdv(
     v_t = tl.trans(v)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    # Causal: query row i sees this tile's first key iff i >= start_n - (kv_len - q_len).
-    lo = 0
-    if CAUSAL:
-        lo = tl.maximum(start_n - (kv_len - q_len), 0) // BLOCK_M * BLOCK_M
+    # The query rows whose keys reach this tile: position (row + kv_len - q_len) from start_n - right to the tile's
+    # last key + left.
+    offset = kv_len - q_len
+    lo = tl.maximum(start_n - window_right - offset, 0) // BLOCK_M * BLOCK_M
+    hi = tl.minimum(q_len, tl.maximum(start_n + BLOCK_N + window_left - offset, 0))
     for h in range(0, group):
         head = kv_head * group + h
         row_base = (batch * num_heads + head) * q_len
-        for start_m in range(lo, q_len, BLOCK_M):
+        for start_m in range(lo, hi, BLOCK_M):
             offs_m = start_m + tl.arange(0, BLOCK_M)
             q = _tile(Q + row_base * HEAD_DIM, offs_m, offs_d, q_len, HEAD_DIM, BLOCK_D, DOT_FP32)
             do = _tile(DO + row_base * HEAD_DIM, offs_m, offs_d, q_len, HEAD_DIM, BLOCK_D, DOT_FP32)
             lse = tl.load(LSE + row_base + offs_m, mask=offs_m < q_len, other=float("inf"))
             delta = tl.load(Delta + row_base + offs_m, mask=offs_m < q_len, other=0.0)
-            p = _probs(q, k_t, lse, offs_m, offs_n, q_len, kv_len, scale, CAUSAL, DOT_FP32)
+            p, slope = _probs(q, k_t, lse, offs_m, offs_n, q_len, kv_len, window_left, window_right, scale, SOFTCAP,
+                              DOT_FP32)
             dv += _dot(tl.trans(p.to(do.dtype)), do, DOT_FP32)
             dp = _dot(do, v_t, DOT_FP32)
-            ds = p * (dp - delta[:, None])
+            ds = p * (dp - delta[:, None]) * slope
             dk += _dot(tl.trans(ds.to(q.dtype)), q, DOT_FP32)
     _store_tile(DK + kv_base, dk * scale, offs_n, offs_d, kv_len, HEAD_DIM, BLOCK_D)
     _store_tile(DV + kv_base, dv, offs_n, offs_d, kv_len, HEAD_DIM, BLOCK_D)
@@ -122,8 +205,8 @@ def bwd_dkdv(
 @triton.jit
 def bwd_dq(
     Q, K, V, DO, LSE, Delta, DQ, scale,
-    num_heads, q_len, kv_len, group,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+    num_heads, q_len, kv_len, group, window_left, window_right,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     # Grid: (query tiles, query heads, batch).
@@ -139,16 +222,15 @@ def bwd_dq(
     lse = tl.load(LSE + row_base + offs_m, mask=offs_m < q_len, other=float("inf"))
     delta = tl.load(Delta + row_base + offs_m, mask=offs_m < q_len, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    hi = kv_len
-    if CAUSAL:  # the last key any row of this tile sees
-        hi = tl.minimum(kv_len, tl.maximum(start_m + BLOCK_M + (kv_len - q_len), 0))
-    for start_n in range(0, hi, BLOCK_N):
+    lo, hi = _key_range(start_m, q_len, kv_len, window_left, window_right, BLOCK_M, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = _tile(K + kv_base, offs_n, offs_d, kv_len, HEAD_DIM, BLOCK_D, DOT_FP32)
         v = _tile(V + kv_base, offs_n, offs_d, kv_len, HEAD_DIM, BLOCK_D, DOT_FP32)
-        p = _probs(q, tl.trans(k), lse, offs_m, offs_n, q_len, kv_len, scale, CAUSAL, DOT_FP32)
+        p, slope = _probs(q, tl.trans(k), lse, offs_m, offs_n, q_len, kv_len, window_left, window_right, scale,
+                          SOFTCAP, DOT_FP32)
         dp = _dot(do, tl.trans(v), DOT_FP32)
-        ds = p * (dp - delta[:, None])
+        ds = p * (dp - delta[:, None]) * slope
         dq += _dot(ds.to(k.dtype), k, DOT_FP32)
     _store_tile(DQ + row_base * HEAD_DIM, dq * scale, offs_m, offs_d, q_len, HEAD_DIM, BLOCK_D)
 
@@ -170,10 +252,45 @@ def tiles(head_dim: int, dtype: torch.dtype) -> tuple[dict, dict]:
     return tuple({"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": 2} for m, n, w in (dkdv, dq))
 
 
+def _launch_shape(q: torch.Tensor, k: torch.Tensor, window: tuple[int, int], causal: bool) -> tuple:
+    """The kernels' (num_heads, q_len, kv_len, group, window_left, window_right), causal as a right side of 0."""
+    heads, q_len = q.shape[1], q.shape[2]
+    return (heads, q_len, k.shape[2], heads // k.shape[1], *window_bounds(window, causal))
+
+
+def _meta(head_dim: int, dtype: torch.dtype, softcap: float) -> dict:
+    return {"HEAD_DIM": head_dim, "BLOCK_D": block_d(head_dim), "SOFTCAP": softcap,
+            "DOT_FP32": interpreting() or dtype == torch.float32}  # the interpreter's half dots are wrong
+
+
+def training_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
+                     window: tuple[int, int] = NO_WINDOW, softcap: float = 0.0) -> Prepared:
+    """The forward of a training step (``forward=`` of the backward's entry): ``(o, lse)`` written into the same
+    two buffers each call, for the backward to read. The dense kernel returns no lse, so this is a plain masked
+    FlashAttention-2 loop of its own, on the dq kernel's tiles."""
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    batch, heads, q_len, head_dim = q.shape
+    o = torch.empty_like(q)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    _, tile = tiles(head_dim, q.dtype)
+    grid = (triton.cdiv(q_len, tile["BLOCK_M"]), *heads_by_batch(heads, batch))
+    meta = {**_meta(head_dim, q.dtype, softcap), **tile}
+    shape = _launch_shape(q, k, window, causal)
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        fwd_lse[grid](q, k, v, o, lse, scale, *shape, **meta)
+        return o, lse
+
+    run()  # compiles, outside any timed region
+    return Prepared(run, config={"forward": tile, "tuned": False})
+
+
 @register("triton", op="backward", family="triton", dtypes=FLOATS, head_dims=HEAD_DIMS, requires=requires,
-          needs=("lse",), description="our FlashAttention-2 backward in Triton: delta pre-pass, dk/dv over key "
-                                      "tiles walking the query tiles, dq over query tiles; fixed tiles, untuned")
-def triton_backward(inputs: Backward, *, scale: float) -> Prepared:
+          needs=("lse",), variants=("window", "softcap"), forward=training_forward,
+          description="our FlashAttention-2 backward in Triton: delta pre-pass, dk/dv over key tiles walking the "
+                      "query tiles, dq over query tiles; fixed tiles, untuned")
+def triton_backward(inputs: Backward, *, scale: float, window: tuple[int, int] = NO_WINDOW,
+                    softcap: float = 0.0) -> Prepared:
     # Contiguous (B, H, S, D) as the kernels address them: a copy only where an input is not (out of timed calls).
     q, k, v, o, do = (t.contiguous() for t in (inputs.q, inputs.k, inputs.v, inputs.o, inputs.do))
     lse = inputs.lse.contiguous()
@@ -182,9 +299,8 @@ def triton_backward(inputs: Backward, *, scale: float) -> Prepared:
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
     delta = torch.empty_like(lse)
     dkdv_tiles, dq_tiles = tiles(head_dim, q.dtype)
-    meta = {"HEAD_DIM": head_dim, "BLOCK_D": block_d(head_dim), "CAUSAL": inputs.causal,
-            "DOT_FP32": interpreting() or q.dtype == torch.float32}  # the interpreter's half dots are wrong
-    shape = (heads, q_len, kv_len, heads // kv_heads)
+    meta = _meta(head_dim, q.dtype, softcap)
+    shape = _launch_shape(q, k, window, inputs.causal)
     rows = batch * heads * q_len
     dkdv_grid = (triton.cdiv(kv_len, dkdv_tiles["BLOCK_N"]), *heads_by_batch(kv_heads, batch, "kv heads"))
     dq_grid = (triton.cdiv(q_len, dq_tiles["BLOCK_M"]), *heads_by_batch(heads, batch))
