@@ -106,6 +106,19 @@ def _probs(q, k_t, lse, offs_m, offs_n, q_len, kv_len, window_left, window_right
 
 
 @triton.jit
+def _query_tile(num_heads, q_len, kv_len, group, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_D: tl.constexpr):
+    """This program's query tile, on a grid of (query tiles, query heads, batch): its first row, its rows and
+    columns, and where its head's rows and its kv head's rows start (64-bit: batch x heads x S x D can pass 2**31)."""
+    head = tl.program_id(1).to(tl.int64)
+    batch = tl.program_id(2).to(tl.int64)
+    start_m = tl.program_id(0) * BLOCK_M
+    row_base = (batch * num_heads + head) * q_len
+    kv_base = (batch * (num_heads // group) + head // group) * kv_len * HEAD_DIM
+    return start_m, start_m + tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D), row_base, kv_base
+
+
+@triton.jit
 def fwd_lse(
     Q, K, V, Out, LSE, scale,
     num_heads, q_len, kv_len, group, window_left, window_right,
@@ -114,14 +127,8 @@ def fwd_lse(
 ):
     """The forward a training step runs before this backward: ``o`` and the natural-log ``lse`` of each row
     (``+inf`` where a row sees no key), by an online softmax over the key tiles the rows see, every tile masked."""
-    # Grid: (query tiles, query heads, batch).
-    head = tl.program_id(1).to(tl.int64)
-    batch = tl.program_id(2).to(tl.int64)
-    start_m = tl.program_id(0) * BLOCK_M
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    row_base = (batch * num_heads + head) * q_len
-    kv_base = (batch * (num_heads // group) + head // group) * kv_len * HEAD_DIM
+    start_m, offs_m, offs_d, row_base, kv_base = _query_tile(num_heads, q_len, kv_len, group, HEAD_DIM, BLOCK_M,
+                                                             BLOCK_D)
     q = _tile(Q + row_base * HEAD_DIM, offs_m, offs_d, q_len, HEAD_DIM, BLOCK_D, DOT_FP32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -209,14 +216,8 @@ def bwd_dq(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
-    # Grid: (query tiles, query heads, batch).
-    head = tl.program_id(1).to(tl.int64)
-    batch = tl.program_id(2).to(tl.int64)
-    start_m = tl.program_id(0) * BLOCK_M
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    row_base = (batch * num_heads + head) * q_len
-    kv_base = (batch * (num_heads // group) + head // group) * kv_len * HEAD_DIM
+    start_m, offs_m, offs_d, row_base, kv_base = _query_tile(num_heads, q_len, kv_len, group, HEAD_DIM, BLOCK_M,
+                                                             BLOCK_D)
     q = _tile(Q + row_base * HEAD_DIM, offs_m, offs_d, q_len, HEAD_DIM, BLOCK_D, DOT_FP32)
     do = _tile(DO + row_base * HEAD_DIM, offs_m, offs_d, q_len, HEAD_DIM, BLOCK_D, DOT_FP32)
     lse = tl.load(LSE + row_base + offs_m, mask=offs_m < q_len, other=float("inf"))
