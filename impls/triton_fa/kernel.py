@@ -68,14 +68,16 @@ def _values(v_ptrs, v_desc, kv_row, kv_len, start_n, offs_n, offs_d, MASK_N: tl.
             BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     """One V tile (BLOCK_N x BLOCK_D, V's own head dim); rows past kv_len and padded columns read zeros."""
     if USE_TMA:
-        return v_desc.load([kv_row, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
-    if MASK_N and BLOCK_D != HEAD_DIM:
-        return tl.load(v_ptrs, mask=((start_n + offs_n)[:, None] < kv_len) & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    if MASK_N:
-        return tl.load(v_ptrs, mask=(start_n + offs_n)[:, None] < kv_len, other=0.0)
-    if BLOCK_D != HEAD_DIM:
-        return tl.load(v_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-    return tl.load(v_ptrs)
+        v = v_desc.load([kv_row, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+    elif MASK_N and BLOCK_D != HEAD_DIM:
+        v = tl.load(v_ptrs, mask=((start_n + offs_n)[:, None] < kv_len) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    elif MASK_N:
+        v = tl.load(v_ptrs, mask=(start_n + offs_n)[:, None] < kv_len, other=0.0)
+    elif BLOCK_D != HEAD_DIM:
+        v = tl.load(v_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    else:
+        v = tl.load(v_ptrs)
+    return v
 
 
 @triton.jit
