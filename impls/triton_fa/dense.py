@@ -95,26 +95,37 @@ INTERPRETER_SMS = 3  # under the interpreter: few programs, so a persistent one 
 
 
 def launch(config: dict, q, k, v, out, *, causal: bool, scale: float, window: tuple[int, int] = NO_WINDOW,
-           softcap: float = 0.0) -> None:
+           softcap: float = 0.0, warmup: bool = False) -> None:
     """One launch with a fixed config (no autotuning), on contiguous CUDA tensors: for sweeps and tests.
-    ``config`` may set the kernel's switches (``SWITCHES``) and ``LAUNCH_KEYS``."""
-    unknown = set(config) - {"BLOCK_M", "BLOCK_N", "USE_TMA", "num_warps", "num_stages", "maxnreg", *SWITCHES,
-                             *LAUNCH_KEYS}
-    if unknown:
-        raise ValueError(f"unknown Triton config keys {sorted(unknown)}")
+    ``config`` may set the kernel's switches (``SWITCHES``) and ``LAUNCH_KEYS``; ``warmup``: compile only."""
+    check_config(config)
     config = {**config}
     per_sm = config.pop("PROGRAMS_PER_SM", LAUNCH_KEYS["PROGRAMS_PER_SM"])
     host_desc = config.get("HOST_DESC", False)
-    if host_desc and not (config["USE_TMA"] and descriptors_fit(q.shape[-1], v.shape[-1])):
-        raise ValueError("HOST_DESC needs USE_TMA and power-of-two head dims")
+    if host_desc and not descriptors_fit(q.shape[-1], v.shape[-1]):
+        raise ValueError(f"HOST_DESC needs power-of-two head dims, not {q.shape[-1]} and {v.shape[-1]}")
     if config["USE_TMA"] and not host_desc:
         install_descriptor_allocator()
     batch, heads, q_len = q.shape[:3]
     args = kernel_arguments(q, k, v, out, scale, window, causal)
     if host_desc:
         args = (*host_descriptors(q, k, v, out, config["BLOCK_M"], config["BLOCK_N"]), *args[4:])
-    plain_kernel()[launch_grid(config, q_len, heads, batch, q.device, per_sm)](
-        *args, **dense_meta(q, v, causal=causal, window=window, softcap=softcap), **config)
+    grid = launch_grid(config, q_len, heads, batch, q.device, per_sm)
+    meta = dense_meta(q, v, causal=causal, window=window, softcap=softcap)
+    if warmup:
+        plain_kernel().warmup(*args, grid=grid, **meta, **config)
+    else:
+        plain_kernel()[grid](*args, **meta, **config)
+
+
+def check_config(config: dict) -> None:
+    """Refuse a config ``launch`` cannot run, naming the problem."""
+    known = {"BLOCK_M", "BLOCK_N", "USE_TMA", "num_warps", "num_stages", "maxnreg", *SWITCHES, *LAUNCH_KEYS}
+    unknown = set(config) - known
+    if unknown:
+        raise ValueError(f"unknown Triton config keys {sorted(unknown)}; known: {sorted(known)}")
+    if config.get("HOST_DESC") and not config["USE_TMA"]:
+        raise ValueError("HOST_DESC is the descriptor path: it needs USE_TMA")
 
 
 def launch_grid(config: dict, q_len: int, heads: int, batch: int, device: torch.device,

@@ -1,0 +1,106 @@
+"""The Triton forward's switches (impls/triton_fa/dense.py SWITCHES) against the float64 oracle, under the
+interpreter: each alone and as the sweep combines them, on GQA, causal and not, ragged lengths and rows that see no
+key."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from suite.checks import Oracle
+from tests.tiers import first_fast, slow
+
+pytest.importorskip("triton")
+
+TILE = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1}
+POINTER = {**TILE, "USE_TMA": False}
+HOST = {**TILE, "USE_TMA": True, "HOST_DESC": True}
+SWITCHED = {
+    "fold": {**POINTER, "FOLD_SCALE": True},
+    "lazy": {**POINTER, "LAZY_RESCALE": 8.0},
+    "loop-stages": {**POINTER, "LOOP_STAGES": 2, "WARP_SPECIALIZE": True},
+    "persistent": {**POINTER, "PERSISTENT": True},
+    "in-kernel-descriptors": {**TILE, "USE_TMA": True},
+    "host-descriptors": HOST,
+    "all": {**HOST, "PERSISTENT": True, "PROGRAMS_PER_SM": 2, "FOLD_SCALE": True, "LAZY_RESCALE": 8.0},
+}
+# (batch, Hq, Hkv, Sq, Skv, causal). Fast: Sq > Skv, whose first causal rows see no key, and GQA over five whole
+# key tiles and a ragged one (the unmasked loop, where lazy rescaling applies). Slow: larger, both ways.
+SHAPES = [(1, 2, 1, 130, 97, True), (1, 4, 2, 64, 330, False), (2, 4, 2, 200, 330, True), (2, 4, 2, 200, 330, False),
+          (1, 2, 2, 97, 130, False)]
+
+
+def ramped_inputs(batch: int, hq: int, hkv: int, sq: int, skv: int, head_dim: int = 64, value_dim: int = 64):
+    """fp16 inputs whose keys grow along the sequence, so each row's running max rises tile after tile, by less
+    and by more than the lazy rescaling's threshold."""
+    gen = torch.Generator().manual_seed(sq * 1000 + skv)
+    q = torch.randn(batch, hq, sq, head_dim, generator=gen)
+    ramp = torch.linspace(0.2, 6.0, skv)[:, None]
+    k = torch.randn(batch, hkv, skv, head_dim, generator=gen) * ramp
+    v = torch.randn(batch, hkv, skv, value_dim, generator=gen)
+    return q.half(), k.half(), v.half()
+
+
+def run(config: dict, q, k, v, causal: bool, **variants) -> torch.Tensor:
+    from impls.triton_fa.dense import launch
+
+    out = q.new_empty((*q.shape[:3], v.shape[-1]))
+    launch(config, q, k, v, out, causal=causal, scale=q.shape[-1] ** -0.5, **variants)
+    return out
+
+
+def assert_passes(config: dict, q, k, v, causal: bool, **variants) -> None:
+    oracle = Oracle.dense(q, k, v, causal=causal, scale=q.shape[-1] ** -0.5, **variants)
+    result = oracle.check(run(config, q, k, v, causal, **variants))
+    assert result.passed, result.message
+
+
+@pytest.mark.parametrize("switch", list(SWITCHED))
+@pytest.mark.parametrize("shape", first_fast(SHAPES, fast=2))
+def test_each_switch_passes_the_oracle(switch: str, shape: tuple) -> None:
+    *dims, causal = shape
+    assert_passes(SWITCHED[switch], *ramped_inputs(*dims), causal)
+
+
+@pytest.mark.parametrize("switch", [slow(name) for name in SWITCHED])
+@pytest.mark.parametrize("variants", [{"window": (40, 0)}, {"softcap": 20.0}, {"window": (50, 30), "softcap": 5.0}])
+def test_switches_keep_window_and_softcap(switch: str, variants: dict) -> None:
+    assert_passes(SWITCHED[switch], *ramped_inputs(1, 4, 2, 200, 330), True, **variants)
+
+
+@pytest.mark.parametrize("switch", [slow(name) for name in ("fold", "lazy", "persistent", "loop-stages")])
+@pytest.mark.parametrize("dims", [(96, 96), (192, 128), (64, 32)])
+def test_pointer_switches_keep_padded_and_value_head_dims(switch: str, dims: tuple[int, int]) -> None:
+    assert_passes(SWITCHED[switch], *ramped_inputs(1, 4, 2, 130, 200, *dims), True)
+
+
+def test_the_sweeps_variants_are_configs_launch_takes() -> None:
+    from impls.triton_fa.dense import check_config
+    from tools.sweep import TRITON_VARIANTS
+
+    assert "base" in TRITON_VARIANTS and len(TRITON_VARIANTS) > 10
+    for config in TRITON_VARIANTS.values():
+        check_config(config)
+
+
+@pytest.mark.parametrize("name", [slow(n) for n in ("base", "fold-lazy8", "host-persist-x2-r128", "128x128-s2")])
+def test_sweep_variants_pass_the_oracle(name: str) -> None:
+    from tools.sweep import TRITON_VARIANTS
+
+    assert_passes(TRITON_VARIANTS[name], *ramped_inputs(1, 4, 2, 300, 300, 128, 128), True)
+
+
+@pytest.mark.parametrize(("config", "match"), [
+    ({**POINTER, "NO_SUCH_SWITCH": True}, "unknown Triton config keys"),
+    ({**POINTER, "HOST_DESC": True}, "needs USE_TMA"),
+])
+def test_a_config_launch_cannot_run_is_refused(config: dict, match: str) -> None:
+    from impls.triton_fa.dense import check_config
+
+    with pytest.raises(ValueError, match=match):
+        check_config(config)
+
+
+def test_host_descriptors_refuse_padded_head_dims() -> None:
+    with pytest.raises(ValueError, match="power-of-two head dims"):
+        run(HOST, *ramped_inputs(1, 2, 2, 64, 64, 96, 96), False)
