@@ -104,3 +104,20 @@ def test_a_config_launch_cannot_run_is_refused(config: dict, match: str) -> None
 def test_host_descriptors_refuse_padded_head_dims() -> None:
     with pytest.raises(ValueError, match="power-of-two head dims"):
         run(HOST, *ramped_inputs(1, 2, 2, 64, 64, 96, 96), False)
+
+
+def test_the_sweep_checks_each_variant_and_reports_a_broken_one_without_stopping(monkeypatch, tmp_path) -> None:
+    """``tools.sweep --which variants`` on CPU (check only): a variant that cannot launch is a failed row, and the
+    variants after it still run."""
+    import json
+
+    from tools import sweep
+
+    broken = {**POINTER, "NO_SUCH_SWITCH": True}
+    monkeypatch.setattr(sweep, "TRITON_VARIANTS", {"broken": broken, "fold": SWITCHED["fold"]})
+    out = tmp_path / "rows.json"
+    sweep.main(["--device", "cpu", "--check-only", "--which", "variants", "--layout", "1x2", "--hkv", "1",
+                "--d", "64", "--seqlens", "97", "--causal", "causal", "--out", str(out)])
+    rows = {row["name"]: row for row in json.loads(out.read_text())}
+    assert rows["triton-v:broken"]["passed"] is False
+    assert rows["triton-v:fold"]["passed"] is True and rows["triton-v:fold"]["d"] == 64

@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import itertools
 import json
+import re
 import sys
 from collections.abc import Callable, Iterator
 from fnmatch import fnmatchcase
@@ -149,20 +150,23 @@ def precompile_variants(names: list[str], q, k, v, causal: bool, scale: float) -
 
 
 def batch_heads(layout: str, seqlen: int, head_dim: int) -> tuple[int, int]:
-    """(batch, query heads) of a case: the blog's 4 x 32, or the FlashAttention-3 chart's B * S = 16384 tokens and
-    Hq * D = 2048 (suite/presets.py)."""
+    """(batch, query heads) of a case: the blog's 4 x 32, the FlashAttention-3 chart's B * S = 16384 tokens and
+    Hq * D = 2048 (suite/presets.py), or ``BxH`` as given."""
+    if "x" in layout:
+        batch, heads = layout.split("x")
+        return int(batch), int(heads)
     if layout == "fa3":
         return max(1, 16384 // seqlen), 2048 // head_dim
     return 4, 32
 
 
-def peer_candidates() -> Iterator[tuple[str, Maker]]:
+def peer_candidates(device: str = "cuda") -> Iterator[tuple[str, Maker]]:
     """cuDNN's and flash SDPA, and flash-attn 4, where they run here."""
     import impls
 
     for name in ("sdpa-cudnn", "sdpa-flash", "flash-attn4"):
         impl = impls.get(name)
-        if impl.availability("cuda") is None:
+        if impl.availability(device) is None:
             def make(q, k, v, out, causal: bool, scale: float, impl: Any = impl) -> Callable[[], Any]:
                 return impl.prepare(q, k, v, causal=causal, scale=scale)
             yield name, make
@@ -190,18 +194,21 @@ def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
     from suite.checks import Oracle
     from suite.metrics import flops
 
+    on_gpu = args.device == "cuda"
+    if not (on_gpu or args.check_only):
+        raise SystemExit("timing needs a GPU: on CPU (Triton's interpreter) pass --check-only")
     causal_opts = {"both": [True, False], "causal": [True], "full": [False]}[args.causal]
     rows: list[dict[str, Any]] = []
     unmatched: set[str] = set()
     for d, causal, s, dtype, hkv in itertools.product(args.d, causal_opts, args.seqlens, args.dtype, args.hkv):
         batch, heads = batch_heads(args.layout, s, d)
         case = Case(batch, heads, min(hkv, heads), s, s, d, dtype, causal, dv=args.dv)
-        q, k, v = case.make_inputs("cuda")
+        q, k, v = case.make_inputs(args.device)
         oracle = Oracle.dense(q, k, v, causal=causal)
         scale = d ** -0.5
         cands: list[tuple[str, Maker]] = []
         if "sdpa" in args.which:
-            cands += list(peer_candidates())
+            cands += list(peer_candidates(args.device))
         if "cutile" in args.which:
             cands += list(cutile_candidates(d, extras=not args.tuner_space, value_dim=args.dv or None))
         if "triton" in args.which:
@@ -220,7 +227,8 @@ def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
                 fn = make(q, k, v, out, causal, scale)
                 res = fn()
                 res = res if isinstance(res, torch.Tensor) else out  # launchers return handles
-                torch.cuda.synchronize()
+                if on_gpu:
+                    torch.cuda.synchronize()
                 chk = oracle.check(res)
                 ms = None
                 if chk.passed and not args.check_only:
@@ -239,8 +247,15 @@ def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
             shown = f"{tf:.1f}" if tf else done if done and chk and chk.passed else "FAIL"
             print(f"{case.id:40s} {name:55s} {shown:>8} {'' if chk is None else chk.message[:50]}", flush=True)
         del q, k, v, oracle
-        torch.cuda.empty_cache()
+        if on_gpu:
+            torch.cuda.empty_cache()
     return rows
+
+
+def layout_arg(text: str) -> str:
+    if text in ("blog", "fa3") or re.fullmatch(r"[1-9]\d*x[1-9]\d*", text):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r}: expected blog, fa3 or BxH (e.g. 2x8)")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -250,9 +265,11 @@ def main(argv: list[str] | None = None) -> None:
                         help="query and key lengths (equal), one case each")
     parser.add_argument("--causal", choices=["both", "causal", "full"], default="both")
     parser.add_argument("--d", type=int, nargs="+", default=[128], help="Q/K head dims (and V's, without --dv)")
-    parser.add_argument("--layout", choices=["blog", "fa3"], default="blog",
-                        help="batch x query heads: the blog's 4 x 32, or the FlashAttention-3 chart's 16384 tokens "
-                             "and Hq * D = 2048 (--hkv is capped at Hq)")
+    parser.add_argument("--layout", type=layout_arg, default="blog",
+                        help="batch x query heads: 'blog' (4 x 32), 'fa3' (the FlashAttention-3 chart's 16384 tokens "
+                             "and Hq * D = 2048) or BxH, e.g. 2x8 (--hkv is capped at Hq)")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                        help="cpu: check the Triton candidates under TRITON_INTERPRET=1 (with --check-only)")
     parser.add_argument("--rep", type=int, default=400, help="milliseconds of timed calls per candidate")
     parser.add_argument("--dv", type=int, default=0,
                         help="V's head dim where it differs from --d (MLA: --d 192 --dv 128)")
