@@ -20,9 +20,12 @@ SWITCHED = {
     "lazy": {**POINTER, "LAZY_RESCALE": 8.0},
     "loop-stages": {**POINTER, "LOOP_STAGES": 2, "WARP_SPECIALIZE": True},
     "persistent": {**POINTER, "PERSISTENT": True},
+    "overlap": {**POINTER, "OVERLAP_PV": True},
+    "overlap-lazy": {**POINTER, "OVERLAP_PV": True, "LAZY_RESCALE": 8.0},
     "in-kernel-descriptors": {**TILE, "USE_TMA": True},
     "host-descriptors": HOST,
-    "all": {**HOST, "PERSISTENT": True, "PROGRAMS_PER_SM": 2, "FOLD_SCALE": True, "LAZY_RESCALE": 8.0},
+    "all": {**HOST, "PERSISTENT": True, "PROGRAMS_PER_SM": 2, "FOLD_SCALE": True, "LAZY_RESCALE": 8.0,
+            "OVERLAP_PV": True},
 }
 # (batch, Hq, Hkv, Sq, Skv, causal). Fast: Sq > Skv, whose first causal rows see no key, and GQA over five whole
 # key tiles and a ragged one (the unmasked loop, where lazy rescaling applies). Slow: larger, both ways.
@@ -68,7 +71,7 @@ def test_switches_keep_window_and_softcap(switch: str, variants: dict) -> None:
     assert_passes(SWITCHED[switch], *ramped_inputs(1, 4, 2, 200, 330), True, **variants)
 
 
-@pytest.mark.parametrize("switch", [slow(name) for name in ("fold", "lazy", "persistent", "loop-stages")])
+@pytest.mark.parametrize("switch", [slow(name) for name in ("fold", "lazy", "persistent", "overlap-lazy")])
 @pytest.mark.parametrize("dims", [(96, 96), (192, 128), (64, 32)])
 def test_pointer_switches_keep_padded_and_value_head_dims(switch: str, dims: tuple[int, int]) -> None:
     assert_passes(SWITCHED[switch], *ramped_inputs(1, 4, 2, 130, 200, *dims), True)

@@ -93,6 +93,7 @@ _BASE = {"BLOCK_M": 128, "BLOCK_N": 64, "USE_TMA": False, "num_warps": 8, "num_s
 _TMA = {**_BASE, "USE_TMA": True, "num_stages": 2}
 _HOST = {**_TMA, "HOST_DESC": True}
 _FOLD_LAZY = {"FOLD_SCALE": True, "LAZY_RESCALE": 8.0}
+_OVERLAP = {"OVERLAP_PV": True}
 _PERSIST = {"PERSISTENT": True}
 TRITON_VARIANTS: dict[str, dict[str, Any]] = {
     "base": _BASE,
@@ -100,6 +101,9 @@ TRITON_VARIANTS: dict[str, dict[str, Any]] = {
     "fold": {**_BASE, "FOLD_SCALE": True},
     "lazy8": {**_BASE, "LAZY_RESCALE": 8.0},
     "fold-lazy8": {**_BASE, **_FOLD_LAZY},
+    "overlap": {**_BASE, **_OVERLAP},
+    "overlap-fold-lazy8": {**_BASE, **_OVERLAP, **_FOLD_LAZY},
+    "overlap-s4": {**_BASE, **_OVERLAP, "num_stages": 4},
     "loop2": {**_BASE, "LOOP_STAGES": 2},
     "loop4": {**_BASE, "LOOP_STAGES": 4},
     "persist": {**_BASE, **_PERSIST},
@@ -111,6 +115,9 @@ TRITON_VARIANTS: dict[str, dict[str, Any]] = {
     "host": _HOST,
     "host-s3": {**_HOST, "num_stages": 3},
     "host-fold-lazy8": {**_HOST, **_FOLD_LAZY},
+    "host-overlap": {**_HOST, **_OVERLAP},
+    "host-overlap-fold-lazy8": {**_HOST, **_OVERLAP, **_FOLD_LAZY},
+    "host-overlap-r128": {**_HOST, **_OVERLAP, "maxnreg": 128},
     "host-ws": {**_HOST, "WARP_SPECIALIZE": True},
     "host-r128": {**_HOST, "maxnreg": 128},  # two 256-thread programs an SM where ~140 registers allow one
     "host-128x128-s2": {**_HOST, "BLOCK_N": 128},
@@ -119,6 +126,7 @@ TRITON_VARIANTS: dict[str, dict[str, Any]] = {
     "host-persist-x2": {**_HOST, **_PERSIST, "PROGRAMS_PER_SM": 2},
     "host-persist-x2-r128": {**_HOST, **_PERSIST, "PROGRAMS_PER_SM": 2, "maxnreg": 128},
     "host-persist-fold-lazy8": {**_HOST, **_PERSIST, **_FOLD_LAZY},
+    "host-persist-overlap-fold-lazy8": {**_HOST, **_PERSIST, **_OVERLAP, **_FOLD_LAZY},
 }
 
 

@@ -88,7 +88,7 @@ def autotuned(pointer: bool, tma: bool):
 # Config keys beside the tile shape that pick among the kernel's switches (kernel.py; all off by default). They
 # reach the kernel through launch() for sweeps (tools/sweep.py --variants); the autotuner's spaces leave them off.
 SWITCHES = {"FOLD_SCALE": False, "LAZY_RESCALE": 0.0, "LOOP_STAGES": 0, "WARP_SPECIALIZE": False,
-            "HOST_DESC": False, "PERSISTENT": False}
+            "HOST_DESC": False, "PERSISTENT": False, "OVERLAP_PV": False}
 # Launch-side keys, not kernel arguments: persistent programs per SM (the grid is that times the SM count).
 LAUNCH_KEYS = {"PROGRAMS_PER_SM": 1}
 INTERPRETER_SMS = 3  # under the interpreter: few programs, so a persistent one loops over several tiles

@@ -22,6 +22,7 @@ Schedule and softmax switches (all off by default; docs/design.md#triton-forward
 - FOLD_SCALE: raw scores kept, the scale and the max subtraction fused into one multiply-add a score;
 - LAZY_RESCALE > 0: in the unmasked loop, acc and l are rescaled only when some row's max grew by more than
   this many log2 units (FlashAttention-4); until then the stale max bounds p by 2**LAZY_RESCALE;
+- OVERLAP_PV: in the unmasked loop, a tile's P @ V runs while the next tile's softmax is computed;
 - LOOP_STAGES > 0: the key loops' own pipeline depth; WARP_SPECIALIZE: ask Triton to warp-specialise them.
 """
 
@@ -81,6 +82,65 @@ def _values(v_ptrs, v_desc, kv_row, kv_len, start_n, offs_n, offs_d, MASK_N: tl.
 
 
 @triton.jit
+def _softmax(
+    qk, l_i, m_i, kv_len, causal_offset, start_n, offs_m, offs_n, window_left, window_right, qk_scale,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    FOLD_SCALE: tl.constexpr, LAZY_RESCALE: tl.constexpr,
+):
+    """One key tile's online-softmax step on ``qk``, its raw scores (masked where MASKED): its probabilities
+    ``p``, the factor ``alpha`` that moves the accumulator to the new max, whether it must be applied (LAZY
+    only: otherwise always), and the new running sum and max."""
+    # Scale folded into the exponent's multiply-add: the scores stay raw (a softcap needs them scaled first).
+    FOLD: tl.constexpr = FOLD_SCALE and SOFTCAP == 0
+    # Lazy rescaling in the unmasked loop only: a masked row may still have seen no key (m == -inf).
+    LAZY: tl.constexpr = LAZY_RESCALE > 0 and not MASKED
+    if not FOLD:
+        qk = scaled_scores(qk, qk_scale, SOFTCAP)
+    if MASKED:
+        keys = (start_n + offs_n)[None, :]
+        visible = keys < kv_len
+        if CAUSAL:
+            visible = visible & (keys <= offs_m[:, None] + causal_offset)
+        if HAS_WINDOW:
+            position = offs_m[:, None] + causal_offset
+            visible = visible & (keys >= position - window_left) & (keys <= position + window_right)
+        qk = tl.where(visible, qk, float("-inf"))
+    row_max = tl.max(qk, 1)
+    if FOLD:  # qk_scale > 0, so the max of the raw scores scales to the max of the scaled ones
+        row_max = row_max * qk_scale
+    m_new = tl.maximum(m_i, row_max)
+    rescale = True
+    if LAZY:  # keep the old max unless some row's grew past the threshold (the first tile's: from -inf)
+        rescale = tl.max(m_new - m_i, 0) > LAZY_RESCALE
+        m_new = tl.where(rescale, m_new, m_i)  # p below stays under 2**LAZY_RESCALE
+        m_new_safe = m_new
+    elif MASKED:  # a row that has seen no key yet has m == -inf: subtract 0 instead of NaN-ing
+        m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new_safe = m_new
+    if FOLD:
+        p = tl.math.exp2(qk * qk_scale - m_new_safe[:, None])
+    else:
+        p = tl.math.exp2(qk - m_new_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_new_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return p, alpha, rescale, l_i, m_new
+
+
+@triton.jit
+def _accumulate(acc, p, alpha, rescale, v, DOT_FP32: tl.constexpr, LAZY: tl.constexpr):
+    """``acc * alpha + p @ v``; LAZY: the multiply only where ``rescale`` (one branch for the whole tile)."""
+    if LAZY:
+        if rescale:
+            acc = acc * alpha[:, None]
+    else:
+        acc = acc * alpha[:, None]
+    if DOT_FP32:
+        return tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(p.to(v.dtype), v, acc)
+
+
+@triton.jit
 def _attend_tiles(
     acc, l_i, m_i, q, K_head, V_head, k_desc, v_desc, kv_row, stride_kn, stride_vn, kv_len, causal_offset,
     offs_m, offs_d, offs_dv, lo, hi, window_left, window_right,
@@ -88,12 +148,13 @@ def _attend_tiles(
     DOT_FP32: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_DV: tl.constexpr, HAS_WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr, FOLD_SCALE: tl.constexpr, LAZY_RESCALE: tl.constexpr, LOOP_STAGES: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, OVERLAP_PV: tl.constexpr,
 ):
-    """Online softmax over key tiles [lo, hi); masks (causal, window and bounds) only when MASKED."""
-    # Scale folded into the exponent's multiply-add: the scores stay raw (a softcap needs them scaled first).
-    FOLD: tl.constexpr = FOLD_SCALE and SOFTCAP == 0
-    # Lazy rescaling in the unmasked loop only: a masked row may still have seen no key (m == -inf).
+    """Online softmax over key tiles [lo, hi); masks (causal, window and bounds) only when MASKED.
+
+    OVERLAP_PV (unmasked loop): tile j's ``P @ V`` is issued before tile j+1's softmax, with p and alpha carried
+    over, so the tensor cores run it while the softmax does (Triton waits on a ``q @ k^T`` at once but on the
+    accumulator's dot only where the accumulator is next read: FlashAttention-3's intra-warpgroup overlap)."""
     LAZY: tl.constexpr = LAZY_RESCALE > 0 and not MASKED
     offs_n = tl.arange(0, BLOCK_N)
     if USE_TMA:  # the tiles come through the descriptors
@@ -101,58 +162,45 @@ def _attend_tiles(
     else:
         k_ptrs = K_head + offs_n[None, :] * stride_kn + offs_d[:, None] + lo * stride_kn
         v_ptrs = V_head + offs_n[:, None] * stride_vn + offs_dv[None, :] + lo * stride_vn
-    for start_n in tl.range(lo, hi, BLOCK_N, num_stages=LOOP_STAGES if LOOP_STAGES > 0 else None,
-                            warp_specialize=WARP_SPECIALIZE):
-        qk = _scores(q, k_ptrs, k_desc, kv_row, kv_len, start_n, offs_n, offs_d, MASKED, DOT_FP32, USE_TMA,
-                     BLOCK_N, HEAD_DIM, BLOCK_D)
-        if not FOLD:
-            qk = scaled_scores(qk, qk_scale, SOFTCAP)
-        if MASKED:
-            keys = (start_n + offs_n)[None, :]
-            visible = keys < kv_len
-            if CAUSAL:
-                visible = visible & (keys <= offs_m[:, None] + causal_offset)
-            if HAS_WINDOW:
-                position = offs_m[:, None] + causal_offset
-                visible = visible & (keys >= position - window_left) & (keys <= position + window_right)
-            qk = tl.where(visible, qk, float("-inf"))
-        row_max = tl.max(qk, 1)
-        if FOLD:  # qk_scale > 0, so the max of the raw scores scales to the max of the scaled ones
-            row_max = row_max * qk_scale
-        m_new = tl.maximum(m_i, row_max)
-        if LAZY:  # rescale only when some row's max grew past the threshold (the first tile's: from -inf)
-            if tl.max(m_new - m_i, 0) > LAZY_RESCALE:
-                alpha = tl.math.exp2(m_i - m_new)
-                l_i = l_i * alpha
-                acc = acc * alpha[:, None]
-                m_i = m_new
-            m_new = m_i  # p below is relative to the kept max, at most 2**LAZY_RESCALE
-            m_new_safe = m_i
-        elif MASKED:  # a row that has seen no key yet has m == -inf: subtract 0 instead of NaN-ing
-            m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_new_safe = m_new
-        if FOLD:
-            p = tl.math.exp2(qk * qk_scale - m_new_safe[:, None])
-        else:
-            p = tl.math.exp2(qk - m_new_safe[:, None])
-        if LAZY:
-            l_i = l_i + tl.sum(p, 1)
-        else:
-            alpha = tl.math.exp2(m_i - m_new_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-        v = _values(v_ptrs, v_desc, kv_row, kv_len, start_n, offs_n, offs_dv, MASKED, USE_TMA, BLOCK_N, HEAD_DIM_V,
-                    BLOCK_DV)
-        if not LAZY:
-            acc = acc * alpha[:, None]
-        if DOT_FP32:
-            acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(p.to(v.dtype), v, acc)
-        m_i = m_new
-        if not USE_TMA:
-            k_ptrs += BLOCK_N * stride_kn
-            v_ptrs += BLOCK_N * stride_vn
+    stages: tl.constexpr = LOOP_STAGES if LOOP_STAGES > 0 else None
+    if OVERLAP_PV and not MASKED:
+        if lo < hi:
+            qk = _scores(q, k_ptrs, k_desc, kv_row, kv_len, lo, offs_n, offs_d, False, DOT_FP32, USE_TMA, BLOCK_N,
+                         HEAD_DIM, BLOCK_D)
+            p, alpha, rescale, l_i, m_i = _softmax(
+                qk, l_i, m_i, kv_len, causal_offset, lo, offs_m, offs_n, window_left, window_right, qk_scale, False,
+                CAUSAL, HAS_WINDOW, SOFTCAP, FOLD_SCALE, LAZY_RESCALE)
+            p = p.to(q.dtype)
+            for start_n in tl.range(lo + BLOCK_N, hi, BLOCK_N, num_stages=stages, warp_specialize=WARP_SPECIALIZE):
+                if not USE_TMA:
+                    k_ptrs += BLOCK_N * stride_kn
+                qk = _scores(q, k_ptrs, k_desc, kv_row, kv_len, start_n, offs_n, offs_d, False, DOT_FP32, USE_TMA,
+                             BLOCK_N, HEAD_DIM, BLOCK_D)
+                v = _values(v_ptrs, v_desc, kv_row, kv_len, start_n - BLOCK_N, offs_n, offs_dv, False, USE_TMA,
+                            BLOCK_N, HEAD_DIM_V, BLOCK_DV)
+                acc = _accumulate(acc, p, alpha, rescale, v, DOT_FP32, LAZY)
+                p, alpha, rescale, l_i, m_i = _softmax(
+                    qk, l_i, m_i, kv_len, causal_offset, start_n, offs_m, offs_n, window_left, window_right,
+                    qk_scale, False, CAUSAL, HAS_WINDOW, SOFTCAP, FOLD_SCALE, LAZY_RESCALE)
+                p = p.to(q.dtype)  # carried to the next iteration: half the registers
+                if not USE_TMA:
+                    v_ptrs += BLOCK_N * stride_vn
+            v = _values(v_ptrs, v_desc, kv_row, kv_len, hi - BLOCK_N, offs_n, offs_dv, False, USE_TMA, BLOCK_N,
+                        HEAD_DIM_V, BLOCK_DV)
+            acc = _accumulate(acc, p, alpha, rescale, v, DOT_FP32, LAZY)
+    else:
+        for start_n in tl.range(lo, hi, BLOCK_N, num_stages=stages, warp_specialize=WARP_SPECIALIZE):
+            qk = _scores(q, k_ptrs, k_desc, kv_row, kv_len, start_n, offs_n, offs_d, MASKED, DOT_FP32, USE_TMA,
+                         BLOCK_N, HEAD_DIM, BLOCK_D)
+            p, alpha, rescale, l_i, m_i = _softmax(
+                qk, l_i, m_i, kv_len, causal_offset, start_n, offs_m, offs_n, window_left, window_right, qk_scale,
+                MASKED, CAUSAL, HAS_WINDOW, SOFTCAP, FOLD_SCALE, LAZY_RESCALE)
+            v = _values(v_ptrs, v_desc, kv_row, kv_len, start_n, offs_n, offs_dv, MASKED, USE_TMA, BLOCK_N,
+                        HEAD_DIM_V, BLOCK_DV)
+            acc = _accumulate(acc, p, alpha, rescale, v, DOT_FP32, LAZY)
+            if not USE_TMA:
+                k_ptrs += BLOCK_N * stride_kn
+                v_ptrs += BLOCK_N * stride_vn
     return acc, l_i, m_i
 
 
@@ -165,7 +213,7 @@ def _attention_tile(
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, FOLD_SCALE: tl.constexpr,
-    LAZY_RESCALE: tl.constexpr, LOOP_STAGES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    LAZY_RESCALE: tl.constexpr, LOOP_STAGES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, OVERLAP_PV: tl.constexpr,
 ):
     """Query tile ``tile_m`` of (``batch``, ``head``): its output rows. ``Q``..``Out`` point at this sequence
     (varlen: already offset to it); ``*_desc``: the descriptors where USE_TMA."""
@@ -224,18 +272,18 @@ def _attention_tile(
             acc, l_i, m_i, q, K_head, V_head, k_desc, v_desc, kv_row, stride_kn, stride_vn, kv_len, causal_offset,
             offs_m, offs_d, offs_dv, window_start, unmasked_start, window_left, window_right, qk_scale, BLOCK_N,
             HEAD_DIM, True, CAUSAL, DOT_FP32, USE_TMA, BLOCK_D, HEAD_DIM_V, BLOCK_DV, HAS_WINDOW, SOFTCAP,
-            FOLD_SCALE, LAZY_RESCALE, LOOP_STAGES, WARP_SPECIALIZE)
+            FOLD_SCALE, LAZY_RESCALE, LOOP_STAGES, WARP_SPECIALIZE, OVERLAP_PV)
 
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, K_head, V_head, k_desc, v_desc, kv_row, stride_kn, stride_vn, kv_len, causal_offset,
         offs_m, offs_d, offs_dv, unmasked_start, unmasked_end, window_left, window_right, qk_scale, BLOCK_N,
         HEAD_DIM, False, CAUSAL, DOT_FP32, USE_TMA, BLOCK_D, HEAD_DIM_V, BLOCK_DV, HAS_WINDOW, SOFTCAP,
-        FOLD_SCALE, LAZY_RESCALE, LOOP_STAGES, WARP_SPECIALIZE)
+        FOLD_SCALE, LAZY_RESCALE, LOOP_STAGES, WARP_SPECIALIZE, OVERLAP_PV)
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, K_head, V_head, k_desc, v_desc, kv_row, stride_kn, stride_vn, kv_len, causal_offset,
         offs_m, offs_d, offs_dv, unmasked_end, masked_end, window_left, window_right, qk_scale, BLOCK_N,
         HEAD_DIM, True, CAUSAL, DOT_FP32, USE_TMA, BLOCK_D, HEAD_DIM_V, BLOCK_DV, HAS_WINDOW, SOFTCAP,
-        FOLD_SCALE, LAZY_RESCALE, LOOP_STAGES, WARP_SPECIALIZE)
+        FOLD_SCALE, LAZY_RESCALE, LOOP_STAGES, WARP_SPECIALIZE, OVERLAP_PV)
 
     # Rows that saw no key have l == 0: write zeros rather than 0/0.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -270,6 +318,7 @@ def attention_fwd(
     SOFTCAP: tl.constexpr = 0.0,
     HOST_DESC: tl.constexpr = False, PERSISTENT: tl.constexpr = False, FOLD_SCALE: tl.constexpr = False,
     LAZY_RESCALE: tl.constexpr = 0.0, LOOP_STAGES: tl.constexpr = 0, WARP_SPECIALIZE: tl.constexpr = False,
+    OVERLAP_PV: tl.constexpr = False,
 ):
     tl.static_assert(not (PERSISTENT and VARLEN), "the persistent schedule is for dense batches")
     tl.static_assert(not (USE_TMA and VARLEN), "descriptors cover dense batches only")
@@ -304,7 +353,7 @@ def attention_fwd(
                 stride_ob, stride_oh, stride_om, num_heads, q_len, kv_len, group, window_left, window_right,
                 (bh % num_heads).to(tl.int64), (bh // num_heads).to(tl.int64), tile_m,
                 HEAD_DIM, CAUSAL, BLOCK_M, BLOCK_N, DOT_FP32, HEAD_DIM_V, BLOCK_DV, USE_TMA, BLOCK_D, HAS_WINDOW,
-                SOFTCAP, FOLD_SCALE, LAZY_RESCALE, LOOP_STAGES, WARP_SPECIALIZE)
+                SOFTCAP, FOLD_SCALE, LAZY_RESCALE, LOOP_STAGES, WARP_SPECIALIZE, OVERLAP_PV)
     else:
         # Grid: (query tiles, heads, batch), so that neither axis passes CUDA's cap of 65535 where batch x heads
         # would.
@@ -330,4 +379,4 @@ def attention_fwd(
             stride_ob, stride_oh, stride_om, num_heads, q_len, kv_len, group, window_left, window_right,
             head, batch, tile_m,
             HEAD_DIM, CAUSAL, BLOCK_M, BLOCK_N, DOT_FP32, HEAD_DIM_V, BLOCK_DV, USE_TMA, BLOCK_D, HAS_WINDOW,
-            SOFTCAP, FOLD_SCALE, LAZY_RESCALE, LOOP_STAGES, WARP_SPECIALIZE)
+            SOFTCAP, FOLD_SCALE, LAZY_RESCALE, LOOP_STAGES, WARP_SPECIALIZE, OVERLAP_PV)
