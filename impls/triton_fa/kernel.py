@@ -141,6 +141,16 @@ def _accumulate(acc, p, alpha, rescale, v, DOT_FP32: tl.constexpr, LAZY: tl.cons
 
 
 @triton.jit
+def _tile_ptrs(ptrs, rows, stride, USE_TMA: tl.constexpr):
+    """``ptrs`` moved ``rows`` key rows on (None on the descriptor path)."""
+    if USE_TMA:
+        moved = None
+    else:
+        moved = ptrs + rows * stride
+    return moved
+
+
+@triton.jit
 def _attend_tiles(
     acc, l_i, m_i, q, K_head, V_head, k_desc, v_desc, kv_row, stride_kn, stride_vn, kv_len, causal_offset,
     offs_m, offs_d, offs_dv, lo, hi, window_left, window_right,
@@ -164,30 +174,32 @@ def _attend_tiles(
         v_ptrs = V_head + offs_n[:, None] * stride_vn + offs_dv[None, :] + lo * stride_vn
     stages: tl.constexpr = LOOP_STAGES if LOOP_STAGES > 0 else None
     if OVERLAP_PV and not MASKED:
-        if lo < hi:
-            qk = _scores(q, k_ptrs, k_desc, kv_row, kv_len, lo, offs_n, offs_d, False, DOT_FP32, USE_TMA, BLOCK_N,
-                         HEAD_DIM, BLOCK_D)
-            p, alpha, rescale, l_i, m_i = _softmax(
-                qk, l_i, m_i, kv_len, causal_offset, lo, offs_m, offs_n, window_left, window_right, qk_scale, False,
-                CAUSAL, HAS_WINDOW, SOFTCAP, FOLD_SCALE, LAZY_RESCALE)
-            p = p.to(q.dtype)
-            for start_n in tl.range(lo + BLOCK_N, hi, BLOCK_N, num_stages=stages, warp_specialize=WARP_SPECIALIZE):
-                if not USE_TMA:
-                    k_ptrs += BLOCK_N * stride_kn
-                qk = _scores(q, k_ptrs, k_desc, kv_row, kv_len, start_n, offs_n, offs_d, False, DOT_FP32, USE_TMA,
-                             BLOCK_N, HEAD_DIM, BLOCK_D)
-                v = _values(v_ptrs, v_desc, kv_row, kv_len, start_n - BLOCK_N, offs_n, offs_dv, False, USE_TMA,
-                            BLOCK_N, HEAD_DIM_V, BLOCK_DV)
-                acc = _accumulate(acc, p, alpha, rescale, v, DOT_FP32, LAZY)
-                p, alpha, rescale, l_i, m_i = _softmax(
-                    qk, l_i, m_i, kv_len, causal_offset, start_n, offs_m, offs_n, window_left, window_right,
-                    qk_scale, False, CAUSAL, HAS_WINDOW, SOFTCAP, FOLD_SCALE, LAZY_RESCALE)
-                p = p.to(q.dtype)  # carried to the next iteration: half the registers
-                if not USE_TMA:
-                    v_ptrs += BLOCK_N * stride_vn
-            v = _values(v_ptrs, v_desc, kv_row, kv_len, hi - BLOCK_N, offs_n, offs_dv, False, USE_TMA, BLOCK_N,
-                        HEAD_DIM_V, BLOCK_DV)
+        # Each iteration issues its scores, then the previous tile's P @ V, then its own softmax. The first
+        # iteration's "previous tile" has p == 0 (it adds nothing); a prologue outside the loop instead lets LLVM
+        # copy the accumulator on the loop's zero-trip path, between a dot and its wait, and ptxas then
+        # serialises every wgmma of the kernel.
+        # p stays float32 until its dot: converted early, it goes through shared memory and Triton waits on the
+        # dot at once.
+        p = tl.zeros([q.shape[0], BLOCK_N], tl.float32)
+        alpha = tl.full(m_i.shape, 1.0, tl.float32)
+        rescale = lo > hi  # False, as a runtime flag like the loop's
+        for start_n in tl.range(lo, hi, BLOCK_N, num_stages=stages, warp_specialize=WARP_SPECIALIZE):
+            qk = _scores(q, k_ptrs, k_desc, kv_row, kv_len, start_n, offs_n, offs_d, False, DOT_FP32, USE_TMA,
+                         BLOCK_N, HEAD_DIM, BLOCK_D)
+            previous = tl.maximum(start_n - BLOCK_N, lo)
+            v = _values(_tile_ptrs(v_ptrs, previous - lo, stride_vn, USE_TMA), v_desc, kv_row, kv_len, previous,
+                        offs_n, offs_dv, False, USE_TMA, BLOCK_N, HEAD_DIM_V, BLOCK_DV)
             acc = _accumulate(acc, p, alpha, rescale, v, DOT_FP32, LAZY)
+            p, alpha, rescale, l_i, m_i = _softmax(
+                qk, l_i, m_i, kv_len, causal_offset, start_n, offs_m, offs_n, window_left, window_right,
+                qk_scale, False, CAUSAL, HAS_WINDOW, SOFTCAP, FOLD_SCALE, LAZY_RESCALE)
+            if not USE_TMA:
+                k_ptrs += BLOCK_N * stride_kn
+        # The last tile's values (an empty range: the first tile's, masked in memory, and p == 0).
+        last = tl.maximum(hi - BLOCK_N, lo)
+        v = _values(_tile_ptrs(v_ptrs, last - lo, stride_vn, USE_TMA), v_desc, kv_row, kv_len, last, offs_n,
+                    offs_dv, True, USE_TMA, BLOCK_N, HEAD_DIM_V, BLOCK_DV)
+        acc = _accumulate(acc, p, alpha, rescale, v, DOT_FP32, LAZY)
     else:
         for start_n in tl.range(lo, hi, BLOCK_N, num_stages=stages, warp_specialize=WARP_SPECIALIZE):
             qk = _scores(q, k_ptrs, k_desc, kv_row, kv_len, start_n, offs_n, offs_d, MASKED, DOT_FP32, USE_TMA,
