@@ -21,11 +21,11 @@ SWITCHED = {
     "loop-stages": {**POINTER, "LOOP_STAGES": 2, "WARP_SPECIALIZE": True},
     "persistent": {**POINTER, "PERSISTENT": True},
     "overlap": {**POINTER, "OVERLAP_PV": True},
-    "overlap-lazy": {**POINTER, "OVERLAP_PV": True, "LAZY_RESCALE": 8.0},
+    "overlap-fold": {**POINTER, "OVERLAP_PV": True, "FOLD_SCALE": True},
     "in-kernel-descriptors": {**TILE, "USE_TMA": True},
     "host-descriptors": HOST,
-    "all": {**HOST, "PERSISTENT": True, "PROGRAMS_PER_SM": 2, "FOLD_SCALE": True, "LAZY_RESCALE": 8.0,
-            "OVERLAP_PV": True},
+    "all-but-lazy": {**HOST, "PERSISTENT": True, "PROGRAMS_PER_SM": 2, "FOLD_SCALE": True, "OVERLAP_PV": True},
+    "all-but-overlap": {**HOST, "PERSISTENT": True, "PROGRAMS_PER_SM": 2, "FOLD_SCALE": True, "LAZY_RESCALE": 8.0},
 }
 # (batch, Hq, Hkv, Sq, Skv, causal). Fast: Sq > Skv, whose first causal rows see no key, and GQA over five whole
 # key tiles and a ragged one (the unmasked loop, where lazy rescaling applies). Slow: larger, both ways.
@@ -71,7 +71,7 @@ def test_switches_keep_window_and_softcap(switch: str, variants: dict) -> None:
     assert_passes(SWITCHED[switch], *ramped_inputs(1, 4, 2, 200, 330), True, **variants)
 
 
-@pytest.mark.parametrize("switch", [slow(name) for name in ("fold", "lazy", "persistent", "overlap-lazy")])
+@pytest.mark.parametrize("switch", [slow(name) for name in ("fold", "lazy", "persistent", "overlap-fold")])
 @pytest.mark.parametrize("dims", [(96, 96), (192, 128), (64, 32)])
 def test_pointer_switches_keep_padded_and_value_head_dims(switch: str, dims: tuple[int, int]) -> None:
     assert_passes(SWITCHED[switch], *ramped_inputs(1, 4, 2, 130, 200, *dims), True)
@@ -86,7 +86,7 @@ def test_the_sweeps_variants_are_configs_launch_takes() -> None:
         check_config(config)
 
 
-@pytest.mark.parametrize("name", [slow(n) for n in ("base", "fold-lazy8", "host-persist-x2-r128", "128x128-s2")])
+@pytest.mark.parametrize("name", [slow(n) for n in ("base", "fold-lazy8", "host-persist-overlap-fold", "128x128-s2")])
 def test_sweep_variants_pass_the_oracle(name: str) -> None:
     from tools.sweep import TRITON_VARIANTS
 
@@ -96,6 +96,7 @@ def test_sweep_variants_pass_the_oracle(name: str) -> None:
 @pytest.mark.parametrize(("config", "match"), [
     ({**POINTER, "NO_SUCH_SWITCH": True}, "unknown Triton config keys"),
     ({**POINTER, "HOST_DESC": True}, "needs USE_TMA"),
+    ({**POINTER, "OVERLAP_PV": True, "LAZY_RESCALE": 8.0}, "undoes the overlap"),
 ])
 def test_a_config_launch_cannot_run_is_refused(config: dict, match: str) -> None:
     from impls.triton_fa.dense import check_config

@@ -102,7 +102,7 @@ TRITON_VARIANTS: dict[str, dict[str, Any]] = {
     "lazy8": {**_BASE, "LAZY_RESCALE": 8.0},
     "fold-lazy8": {**_BASE, **_FOLD_LAZY},
     "overlap": {**_BASE, **_OVERLAP},
-    "overlap-fold-lazy8": {**_BASE, **_OVERLAP, **_FOLD_LAZY},
+    "overlap-fold": {**_BASE, **_OVERLAP, "FOLD_SCALE": True},
     "overlap-s4": {**_BASE, **_OVERLAP, "num_stages": 4},
     "loop2": {**_BASE, "LOOP_STAGES": 2},
     "loop4": {**_BASE, "LOOP_STAGES": 4},
@@ -116,17 +116,14 @@ TRITON_VARIANTS: dict[str, dict[str, Any]] = {
     "host-s3": {**_HOST, "num_stages": 3},
     "host-fold-lazy8": {**_HOST, **_FOLD_LAZY},
     "host-overlap": {**_HOST, **_OVERLAP},
-    "host-overlap-fold-lazy8": {**_HOST, **_OVERLAP, **_FOLD_LAZY},
-    "host-overlap-r128": {**_HOST, **_OVERLAP, "maxnreg": 128},
+    "host-overlap-fold": {**_HOST, **_OVERLAP, "FOLD_SCALE": True},
     "host-ws": {**_HOST, "WARP_SPECIALIZE": True},
-    "host-r128": {**_HOST, "maxnreg": 128},  # two 256-thread programs an SM where ~140 registers allow one
     "host-128x128-s2": {**_HOST, "BLOCK_N": 128},
     "host-128x128-s3": {**_HOST, "BLOCK_N": 128, "num_stages": 3},
     "host-persist": {**_HOST, **_PERSIST},
     "host-persist-x2": {**_HOST, **_PERSIST, "PROGRAMS_PER_SM": 2},
-    "host-persist-x2-r128": {**_HOST, **_PERSIST, "PROGRAMS_PER_SM": 2, "maxnreg": 128},
     "host-persist-fold-lazy8": {**_HOST, **_PERSIST, **_FOLD_LAZY},
-    "host-persist-overlap-fold-lazy8": {**_HOST, **_PERSIST, **_OVERLAP, **_FOLD_LAZY},
+    "host-persist-overlap-fold": {**_HOST, **_PERSIST, **_OVERLAP, "FOLD_SCALE": True},
 }
 
 

@@ -17,7 +17,7 @@ import re
 import shlex
 import sys
 
-from impls.sass import sass_summary
+from impls.sass import hgmma_runs, products_beside_softmax, sass_summary
 from impls.triton_fa.config import head_dims
 
 
@@ -175,7 +175,10 @@ def resources(args: argparse.Namespace) -> dict[str, int]:
     cubin = compile_cubin(args.arch, head_dim=args.d, causal=not args.full, block_m=args.block[0],
                           block_n=args.block[1], num_warps=args.warps, num_stages=args.stages, use_tma=args.tma,
                           window=args.window, softcap=args.softcap, switches=parse_switches(args.switch))
-    return describe(cubin)
+    # hgmma_max_run 1: ptxas serialised the warpgroup MMAs (each waited for alone); products_beside_softmax: MMAs
+    # in flight while the softmax's exponentials run (OVERLAP_PV)
+    return {**describe(cubin), "hgmma_max_run": max(hgmma_runs(cubin), default=0),
+            "products_beside_softmax": products_beside_softmax(cubin)}
 
 
 def parse_switches(pairs: list[str]) -> dict:

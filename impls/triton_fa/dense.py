@@ -126,6 +126,9 @@ def check_config(config: dict) -> None:
         raise ValueError(f"unknown Triton config keys {sorted(unknown)}; known: {sorted(known)}")
     if config.get("HOST_DESC") and not config["USE_TMA"]:
         raise ValueError("HOST_DESC is the descriptor path: it needs USE_TMA")
+    if config.get("OVERLAP_PV") and config.get("LAZY_RESCALE"):
+        raise ValueError("OVERLAP_PV with LAZY_RESCALE: the conditional rescale before P @ V makes Triton wait for "
+                         "that product before the softmax, which undoes the overlap")
 
 
 def launch_grid(config: dict, q_len: int, heads: int, batch: int, device: torch.device,

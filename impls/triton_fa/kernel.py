@@ -335,6 +335,7 @@ def attention_fwd(
     tl.static_assert(not (PERSISTENT and VARLEN), "the persistent schedule is for dense batches")
     tl.static_assert(not (USE_TMA and VARLEN), "descriptors cover dense batches only")
     tl.static_assert(USE_TMA or not HOST_DESC, "host descriptors are the descriptor (USE_TMA) path")
+    tl.static_assert(not (OVERLAP_PV and LAZY_RESCALE > 0), "a conditional rescale undoes the P @ V overlap")
     if HOST_DESC:
         q_desc, k_desc, v_desc, o_desc = Q, K, V, Out
     elif USE_TMA:  # descriptors over the contiguous (B*H, S, D) views; their bounds are per head
