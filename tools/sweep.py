@@ -104,6 +104,7 @@ TRITON_VARIANTS: dict[str, dict[str, Any]] = {
     "overlap": {**_BASE, **_OVERLAP},
     "overlap-fold": {**_BASE, **_OVERLAP, "FOLD_SCALE": True},
     "overlap-s4": {**_BASE, **_OVERLAP, "num_stages": 4},
+    "128x128-overlap": {**_BASE, **_OVERLAP, "BLOCK_N": 128},
     "loop2": {**_BASE, "LOOP_STAGES": 2},
     "loop4": {**_BASE, "LOOP_STAGES": 4},
     "persist": {**_BASE, **_PERSIST},
@@ -117,6 +118,9 @@ TRITON_VARIANTS: dict[str, dict[str, Any]] = {
     "host-fold-lazy8": {**_HOST, **_FOLD_LAZY},
     "host-overlap": {**_HOST, **_OVERLAP},
     "host-overlap-fold": {**_HOST, **_OVERLAP, "FOLD_SCALE": True},
+    "host-overlap-s3": {**_HOST, **_OVERLAP, "num_stages": 3},
+    "host-128x128-overlap": {**_HOST, **_OVERLAP, "BLOCK_N": 128},
+    "host-128x128-overlap-s3": {**_HOST, **_OVERLAP, "BLOCK_N": 128, "num_stages": 3},
     "host-ws": {**_HOST, "WARP_SPECIALIZE": True},
     "host-128x128-s2": {**_HOST, "BLOCK_N": 128},
     "host-128x128-s3": {**_HOST, "BLOCK_N": 128, "num_stages": 3},
@@ -129,11 +133,11 @@ TRITON_VARIANTS: dict[str, dict[str, Any]] = {
 
 def variant_candidates() -> Iterator[tuple[str, Maker]]:
     """``TRITON_VARIANTS`` through ``launch``, named ``triton-v:NAME``."""
-    from impls.triton_fa.dense import launch
+    from impls.triton_fa.dense import fixed_launch
 
     for name, cfg in TRITON_VARIANTS.items():
         def make(q, k, v, out, causal: bool, scale: float, cfg: dict[str, Any] = cfg) -> Callable[[], Any]:
-            return lambda: launch(cfg, q, k, v, out, causal=causal, scale=scale)
+            return fixed_launch(cfg, q, k, v, out, causal=causal, scale=scale)
         yield f"triton-v:{name}", make
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -98,6 +99,13 @@ def launch(config: dict, q, k, v, out, *, causal: bool, scale: float, window: tu
            softcap: float = 0.0, warmup: bool = False) -> None:
     """One launch with a fixed config (no autotuning), on contiguous CUDA tensors: for sweeps and tests.
     ``config`` may set the kernel's switches (``SWITCHES``) and ``LAUNCH_KEYS``; ``warmup``: compile only."""
+    fixed_launch(config, q, k, v, out, causal=causal, scale=scale, window=window, softcap=softcap, warmup=warmup)()
+
+
+def fixed_launch(config: dict, q, k, v, out, *, causal: bool, scale: float, window: tuple[int, int] = NO_WINDOW,
+                 softcap: float = 0.0, warmup: bool = False) -> Callable[[], None]:
+    """``launch``'s call with its arguments, grid and descriptors built once (a timed loop then pays only the
+    launch)."""
     check_config(config)
     config = {**config}
     per_sm = config.pop("PROGRAMS_PER_SM", LAUNCH_KEYS["PROGRAMS_PER_SM"])
@@ -112,10 +120,10 @@ def launch(config: dict, q, k, v, out, *, causal: bool, scale: float, window: tu
         args = (*host_descriptors(q, k, v, out, config["BLOCK_M"], config["BLOCK_N"]), *args[4:])
     grid = launch_grid(config, q_len, heads, batch, q.device, per_sm)
     meta = dense_meta(q, v, causal=causal, window=window, softcap=softcap)
+    kernel = plain_kernel()
     if warmup:
-        plain_kernel().warmup(*args, grid=grid, **meta, **config)
-    else:
-        plain_kernel()[grid](*args, **meta, **config)
+        return lambda: kernel.warmup(*args, grid=grid, **meta, **config)
+    return lambda: kernel[grid](*args, **meta, **config)
 
 
 def check_config(config: dict) -> None:
