@@ -3,7 +3,9 @@
 For each dense case (batch 4, 32 query heads, the sequence lengths, head dims, dtypes and kv heads given), every
 candidate is first checked against the float64 oracle, then timed with ``triton.testing.do_bench`` (median, L2
 flushed). cuTile's candidates are its blog ladder, the autotuner's spaces and the forms the tuner leaves out
-(``other_forms`` and a few wider pipelines); Triton's are its autotuner configs and a few more. Prints a row per
+(``other_forms`` and a few wider pipelines); Triton's are its autotuner configs and a few more, and with
+``--which variants`` the named configs of the kernel's switches (``TRITON_VARIANTS``). A candidate that does not
+compile or fails the check is a row with ``passed: false``, and the sweep goes on. Prints a row per
 candidate and writes them as JSON. Used to choose the autotuners' search spaces: see docs/design.md#tuning.
 """
 
