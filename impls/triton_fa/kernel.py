@@ -174,15 +174,11 @@ def _attend_tiles(
         v_ptrs = V_head + offs_n[:, None] * stride_vn + offs_dv[None, :] + lo * stride_vn
     stages: tl.constexpr = LOOP_STAGES if LOOP_STAGES > 0 else None
     if OVERLAP_PV and not MASKED:
-        # Each iteration issues its scores, then the previous tile's P @ V, then its own softmax. The first
-        # iteration's "previous tile" has p == 0 (it adds nothing); a prologue outside the loop instead lets LLVM
-        # copy the accumulator on the loop's zero-trip path, between a dot and its wait, and ptxas then
-        # serialises every wgmma of the kernel.
-        # p stays float32 until its dot: converted early, it goes through shared memory and Triton waits on the
-        # dot at once.
+        # Each iteration issues its scores, then the previous tile's P @ V, then its own softmax; the first one's
+        # "previous tile" has p == 0. p stays float32 until its dot. Why both: docs/design.md#triton-forward.
         p = tl.zeros([q.shape[0], BLOCK_N], tl.float32)
         alpha = tl.full(m_i.shape, 1.0, tl.float32)
-        rescale = lo > hi  # False, as a runtime flag like the loop's
+        rescale = True  # (LAZY_RESCALE is refused beside OVERLAP_PV)
         for start_n in tl.range(lo, hi, BLOCK_N, num_stages=stages, warp_specialize=WARP_SPECIALIZE):
             qk = _scores(q, k_ptrs, k_desc, kv_row, kv_len, start_n, offs_n, offs_d, False, DOT_FP32, USE_TMA,
                          BLOCK_N, HEAD_DIM, BLOCK_D)
