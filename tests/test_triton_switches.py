@@ -19,13 +19,14 @@ SWITCHED = {
     "fold": {**POINTER, "FOLD_SCALE": True},
     "lazy": {**POINTER, "LAZY_RESCALE": 8.0},
     "loop-stages": {**POINTER, "LOOP_STAGES": 2, "WARP_SPECIALIZE": True},
-    "persistent": {**POINTER, "PERSISTENT": True},
+    "persistent": {**POINTER, "PERSISTENT": 1},
+    "persistent-heavy-first": {**POINTER, "PERSISTENT": 2},
     "overlap": {**POINTER, "OVERLAP_PV": True},
     "overlap-fold": {**POINTER, "OVERLAP_PV": True, "FOLD_SCALE": True},
     "in-kernel-descriptors": {**TILE, "USE_TMA": True},
     "host-descriptors": HOST,
-    "all-but-lazy": {**HOST, "PERSISTENT": True, "PROGRAMS_PER_SM": 2, "FOLD_SCALE": True, "OVERLAP_PV": True},
-    "all-but-overlap": {**HOST, "PERSISTENT": True, "PROGRAMS_PER_SM": 2, "FOLD_SCALE": True, "LAZY_RESCALE": 8.0},
+    "all-but-lazy": {**HOST, "PERSISTENT": 1, "PROGRAMS_PER_SM": 2, "FOLD_SCALE": True, "OVERLAP_PV": True},
+    "all-but-overlap": {**HOST, "PERSISTENT": 1, "PROGRAMS_PER_SM": 2, "FOLD_SCALE": True, "LAZY_RESCALE": 8.0},
 }
 # (batch, Hq, Hkv, Sq, Skv, causal). Fast: Sq > Skv, whose first causal rows see no key, and GQA over five whole
 # key tiles and a ragged one (the unmasked loop, where lazy rescaling applies). Slow: larger, both ways.
@@ -96,6 +97,7 @@ def test_sweep_variants_pass_the_oracle(name: str) -> None:
 @pytest.mark.parametrize(("config", "match"), [
     ({**POINTER, "NO_SUCH_SWITCH": True}, "unknown Triton config keys"),
     ({**POINTER, "HOST_DESC": True}, "needs USE_TMA"),
+    ({**POINTER, "PERSISTENT": 3}, "PERSISTENT is 0"),
     ({**POINTER, "OVERLAP_PV": True, "LAZY_RESCALE": 8.0}, "undoes the overlap"),
 ])
 def test_a_config_launch_cannot_run_is_refused(config: dict, match: str) -> None:

@@ -96,7 +96,7 @@ _TMA = {**_BASE, "USE_TMA": True, "num_stages": 2}
 _HOST = {**_TMA, "HOST_DESC": True}
 _FOLD_LAZY = {"FOLD_SCALE": True, "LAZY_RESCALE": 8.0}
 _OVERLAP = {"OVERLAP_PV": True}
-_PERSIST = {"PERSISTENT": True}
+_PERSIST = {"PERSISTENT": 1}  # head by head (2: the heaviest tiles of all heads first)
 TRITON_VARIANTS: dict[str, dict[str, Any]] = {
     "base": _BASE,
     "base-s4": {**_BASE, "num_stages": 4},
@@ -126,6 +126,7 @@ TRITON_VARIANTS: dict[str, dict[str, Any]] = {
     "host-128x128-s3": {**_HOST, "BLOCK_N": 128, "num_stages": 3},
     "host-persist": {**_HOST, **_PERSIST},
     "host-persist-x2": {**_HOST, **_PERSIST, "PROGRAMS_PER_SM": 2},
+    "host-persist-heavy": {**_HOST, "PERSISTENT": 2},
     "host-persist-fold-lazy8": {**_HOST, **_PERSIST, **_FOLD_LAZY},
     "host-persist-overlap-fold": {**_HOST, **_PERSIST, **_OVERLAP, "FOLD_SCALE": True},
 }

@@ -22,6 +22,8 @@ from impls.contract import NO_WINDOW, binding_window, window_bounds
 from impls.timing import settle_gpu
 from impls.triton_fa.config import (
     HEAD_DIMS,
+    PERSISTENT_BY_HEAD,
+    PERSISTENT_HEAVY_FIRST,
     POW2_HEAD_DIMS,
     TUNING,
     block_d,
@@ -89,7 +91,7 @@ def autotuned(pointer: bool, tma: bool):
 # Config keys beside the tile shape that pick among the kernel's switches (kernel.py; all off by default). They
 # reach the kernel through launch() for sweeps (tools/sweep.py --variants); the autotuner's spaces leave them off.
 SWITCHES = {"FOLD_SCALE": False, "LAZY_RESCALE": 0.0, "LOOP_STAGES": 0, "WARP_SPECIALIZE": False,
-            "HOST_DESC": False, "PERSISTENT": False, "OVERLAP_PV": False}
+            "HOST_DESC": False, "PERSISTENT": 0, "OVERLAP_PV": False}
 # Launch-side keys, not kernel arguments: persistent programs per SM (the grid is that times the SM count).
 LAUNCH_KEYS = {"PROGRAMS_PER_SM": 1}
 INTERPRETER_SMS = 3  # under the interpreter: few programs, so a persistent one loops over several tiles
@@ -134,6 +136,9 @@ def check_config(config: dict) -> None:
         raise ValueError(f"unknown Triton config keys {sorted(unknown)}; known: {sorted(known)}")
     if config.get("HOST_DESC") and not config["USE_TMA"]:
         raise ValueError("HOST_DESC is the descriptor path: it needs USE_TMA")
+    if config.get("PERSISTENT", 0) not in (0, PERSISTENT_BY_HEAD, PERSISTENT_HEAVY_FIRST):
+        raise ValueError(f"PERSISTENT is 0 (off), {PERSISTENT_BY_HEAD} (head by head) or {PERSISTENT_HEAVY_FIRST} "
+                         f"(heaviest tiles first), not {config['PERSISTENT']!r}")
     if config.get("OVERLAP_PV") and config.get("LAZY_RESCALE"):
         raise ValueError("OVERLAP_PV with LAZY_RESCALE: the conditional rescale before P @ V makes Triton wait for "
                          "that product before the softmax, which undoes the overlap")

@@ -17,8 +17,8 @@ clipped per head by the descriptor itself. HOST_DESC: those descriptors come fro
 Out arguments instead of being written by each program.
 
 Schedule and softmax switches (all off by default; docs/design.md#triton-forward):
-- PERSISTENT: as many programs as the launcher sizes the grid to, each looping over (query tile, head, batch)
-  work items, heaviest causal tiles first (dense only);
+- PERSISTENT (1: head by head, 2: heaviest tiles of all heads first): as many programs as the launcher sizes
+  the grid to, each looping over (query tile, head, batch) work items (dense only);
 - FOLD_SCALE: raw scores kept, the scale and the max subtraction fused into one multiply-add a score;
 - LAZY_RESCALE > 0: in the unmasked loop, acc and l are rescaled only when some row's max grew by more than
   this many log2 units (FlashAttention-4); until then the stale max bounds p by 2**LAZY_RESCALE;
@@ -31,8 +31,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from impls.triton_fa.config import PERSISTENT_HEAVY_FIRST
+
 LOG2_E = 1.4426950408889634
 _LOG2_E: tl.constexpr = tl.constexpr(LOG2_E)
+_HEAVY_FIRST: tl.constexpr = tl.constexpr(PERSISTENT_HEAVY_FIRST)
 
 
 @triton.jit
@@ -324,7 +327,7 @@ def attention_fwd(
     USE_TMA: tl.constexpr = False,
     VARLEN: tl.constexpr = False, BLOCK_D: tl.constexpr = 64, HAS_WINDOW: tl.constexpr = False,
     SOFTCAP: tl.constexpr = 0.0,
-    HOST_DESC: tl.constexpr = False, PERSISTENT: tl.constexpr = False, FOLD_SCALE: tl.constexpr = False,
+    HOST_DESC: tl.constexpr = False, PERSISTENT: tl.constexpr = 0, FOLD_SCALE: tl.constexpr = False,
     LAZY_RESCALE: tl.constexpr = 0.0, LOOP_STAGES: tl.constexpr = 0, WARP_SPECIALIZE: tl.constexpr = False,
     OVERLAP_PV: tl.constexpr = False,
 ):
@@ -349,12 +352,18 @@ def attention_fwd(
     num_m_tiles = tl.cdiv(q_len, BLOCK_M)
 
     if PERSISTENT:
-        # Work item w: query tile rank w // (B*H) of head-batch w % (B*H). Each program takes every
-        # num_programs-th item, so all programs start on the heaviest causal tiles and end on the lightest.
+        # Each program takes every num_programs-th work item. BY_HEAD: item w is tile w % tiles of head-batch
+        # w // tiles, so the programs running together share one head's K/V in L2 (each head heaviest causal
+        # tile first, as the one-tile grid); HEAVY_FIRST: tile rank w // (B*H) of head-batch w % (B*H), so every
+        # program starts on the heaviest causal tiles of all heads and ends on the lightest.
         num_bh_items = num_batch * num_heads
         for work in tl.range(tl.program_id(0), num_m_tiles * num_bh_items, tl.num_programs(0)):
-            rank = work // num_bh_items
-            bh = work % num_bh_items
+            if PERSISTENT == _HEAVY_FIRST:
+                rank = work // num_bh_items
+                bh = work % num_bh_items
+            else:
+                rank = work % num_m_tiles
+                bh = work // num_m_tiles
             tile_m = num_m_tiles - 1 - rank if CAUSAL else rank
             _attention_tile(
                 Q, K, V, Out, q_desc, k_desc, v_desc, o_desc, qk_scale,
