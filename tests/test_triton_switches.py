@@ -127,3 +127,13 @@ def test_the_sweep_checks_each_variant_and_reports_a_broken_one_without_stopping
     rows = {row["name"]: row for row in json.loads(out.read_text())}
     assert rows["triton-v:broken"]["passed"] is False
     assert rows["triton-v:fold"]["passed"] is True and rows["triton-v:fold"]["d"] == 64
+
+
+def test_the_sweep_summary_names_each_cases_best_variant_against_the_base_and_the_peer() -> None:
+    from tools.sweep import variant_summary
+
+    timed = [("c1", "triton-v:base", 400.0), ("c1", "triton-v:x", 440.0), ("c1", "flash-attn4", 500.0),
+             ("c1", "triton-v:broken", None), ("c2", "sdpa-cudnn", 300.0)]
+    rows = [{"case": case, "name": name, "tflops": tflops} for case, name, tflops in timed]
+    (line,) = variant_summary(rows)
+    assert "best triton-v:x 440.0" in line and "1.100 of triton-v:base" in line and "0.880 of flash-attn4" in line

@@ -159,6 +159,22 @@ def precompile_variants(names: list[str], q, k, v, causal: bool, scale: float) -
         list(pool.map(compile_one, [n for n in names if n.startswith("triton-v:")]))
 
 
+def variant_summary(rows: list[dict[str, Any]], base: str = "triton-v:base",
+                    peer: str = "flash-attn4") -> list[str]:
+    """Per timed case with Triton variants: the best variant, its TFLOPS, and its ratio to ``base`` and to ``peer``
+    (where they were timed)."""
+    lines = []
+    for case in dict.fromkeys(row["case"] for row in rows):
+        timed = {row["name"]: row["tflops"] for row in rows if row["case"] == case and row["tflops"]}
+        variants = {name: tf for name, tf in timed.items() if name.startswith("triton-v:")}
+        if not variants:
+            continue
+        best = max(variants, key=variants.get)
+        ratios = [f"{variants[best] / timed[ref]:.3f} of {ref}" for ref in (base, peer) if ref in timed]
+        lines.append(f"{case:40s} best {best} {variants[best]:.1f} TFLOPS ({', '.join(ratios)})")
+    return lines
+
+
 def batch_heads(layout: str, seqlen: int, head_dim: int) -> tuple[int, int]:
     """(batch, query heads) of a case: the blog's 4 x 32, the FlashAttention-3 chart's B * S = 16384 tokens and
     Hq * D = 2048 (suite/presets.py), or ``BxH`` as given."""
@@ -305,6 +321,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
+    for line in variant_summary(rows):
+        print(line)
 
 
 if __name__ == "__main__":
