@@ -104,6 +104,7 @@ TRITON_VARIANTS: dict[str, dict[str, Any]] = {
     "lazy8": {**_BASE, "LAZY_RESCALE": 8.0},
     "fold-lazy8": {**_BASE, **_FOLD_LAZY},
     "overlap": {**_BASE, **_OVERLAP},
+    "overlap-fold": {**_BASE, **_OVERLAP, "FOLD_SCALE": True},
     "overlap-s4": {**_BASE, **_OVERLAP, "num_stages": 4},
     "loop2": {**_BASE, "LOOP_STAGES": 2},
     "loop4": {**_BASE, "LOOP_STAGES": 4},

@@ -177,24 +177,32 @@ def _attend_tiles(
         v_ptrs = V_head + offs_n[:, None] * stride_vn + offs_dv[None, :] + lo * stride_vn
     stages: tl.constexpr = LOOP_STAGES if LOOP_STAGES > 0 else None
     if OVERLAP_PV and not MASKED:
-        # Each iteration issues its scores, then the previous tile's P @ V, then its own softmax; the first one's
-        # "previous tile" has p == 0. p stays float32 until its dot. Why both: docs/design.md#triton-forward.
+        # The first tile as a plain step (keys masked to [lo, hi): p == 0 on an empty range), so the accumulator
+        # enters the loop as a product's result; then each iteration issues its scores, the previous tile's
+        # P @ V (p == 0 on the first: that tile's is done) and its own softmax. p stays float32 until its dot.
+        # Why each: docs/design.md#triton-forward.
+        qk = _scores(q, k_ptrs, k_desc, kv_row, kv_len, lo, offs_n, offs_d, True, DOT_FP32, USE_TMA, BLOCK_N,
+                     HEAD_DIM, BLOCK_D)
+        p, alpha, rescale, l_i, m_i = _softmax(
+            qk, l_i, m_i, hi, causal_offset, lo, offs_m, offs_n, window_left, window_right, qk_scale, True, False,
+            False, SOFTCAP, FOLD_SCALE, LAZY_RESCALE)
+        v = _values(v_ptrs, v_desc, kv_row, kv_len, lo, offs_n, offs_dv, True, USE_TMA, BLOCK_N, HEAD_DIM_V, BLOCK_DV)
+        acc = _accumulate(acc, p, alpha, rescale, v, DOT_FP32, LAZY)
         p = tl.zeros([q.shape[0], BLOCK_N], tl.float32)
         alpha = tl.full(m_i.shape, 1.0, tl.float32)
-        rescale = True  # (LAZY_RESCALE is refused beside OVERLAP_PV)
-        for start_n in tl.range(lo, hi, BLOCK_N, num_stages=stages, warp_specialize=WARP_SPECIALIZE):
+        for start_n in tl.range(lo + BLOCK_N, hi, BLOCK_N, num_stages=stages, warp_specialize=WARP_SPECIALIZE):
+            if not USE_TMA:
+                k_ptrs += BLOCK_N * stride_kn
             qk = _scores(q, k_ptrs, k_desc, kv_row, kv_len, start_n, offs_n, offs_d, False, DOT_FP32, USE_TMA,
                          BLOCK_N, HEAD_DIM, BLOCK_D)
-            previous = tl.maximum(start_n - BLOCK_N, lo)
+            previous = start_n - BLOCK_N
             v = _values(_tile_ptrs(v_ptrs, previous - lo, stride_vn, USE_TMA), v_desc, kv_row, kv_len, previous,
                         offs_n, offs_dv, False, USE_TMA, BLOCK_N, HEAD_DIM_V, BLOCK_DV)
             acc = _accumulate(acc, p, alpha, rescale, v, DOT_FP32, LAZY)
             p, alpha, rescale, l_i, m_i = _softmax(
                 qk, l_i, m_i, kv_len, causal_offset, start_n, offs_m, offs_n, window_left, window_right,
                 qk_scale, False, CAUSAL, HAS_WINDOW, SOFTCAP, FOLD_SCALE, LAZY_RESCALE)
-            if not USE_TMA:
-                k_ptrs += BLOCK_N * stride_kn
-        # The last tile's values (an empty range: the first tile's, masked in memory, and p == 0).
+        # The last tile's values (after no loop: the first tile's again, and p == 0).
         last = tl.maximum(hi - BLOCK_N, lo)
         v = _values(_tile_ptrs(v_ptrs, last - lo, stride_vn, USE_TMA), v_desc, kv_row, kv_len, last, offs_n,
                     offs_dv, True, USE_TMA, BLOCK_N, HEAD_DIM_V, BLOCK_DV)
