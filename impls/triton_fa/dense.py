@@ -89,7 +89,8 @@ def autotuned(pointer: bool, tma: bool):
 
 
 # Config keys beside the tile shape that pick among the kernel's switches (kernel.py; all off by default). They
-# reach the kernel through launch() for sweeps (tools/sweep.py --variants); the autotuner's spaces leave them off.
+# reach the kernel through launch() for sweeps (tools/sweep.py --which variants); the autotuner's spaces leave
+# them off.
 SWITCHES = {"FOLD_SCALE": False, "LAZY_RESCALE": 0.0, "LOOP_STAGES": 0, "WARP_SPECIALIZE": False,
             "HOST_DESC": False, "PERSISTENT": 0, "OVERLAP_PV": False}
 # Launch-side keys, not kernel arguments: persistent programs per SM (the grid is that times the SM count).
