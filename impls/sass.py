@@ -74,6 +74,22 @@ def softmax_overlap(cubin: bytes, cuobjdump: str | None = None) -> int:
     return overlapped
 
 
+def products_beside_softmax(cubin: bytes, cuobjdump: str | None = None) -> int:
+    """How many warpgroup MMAs (HGMMA) are followed by a softmax exponential (``MUFU.EX2``) before the next wait for
+    the tensor cores (``WARPGROUP.DEPBAR``), in program order: products that run while the softmax after them does
+    (a P @ V issued before the next tile's softmax, the Triton kernel's OVERLAP_PV). 0 where every product is
+    waited for before any exponential follows it."""
+    overlapped, pending = 0, 0
+    for line in sass_text(cubin, cuobjdump).splitlines():
+        if "WARPGROUP.DEPBAR" in line:
+            pending = 0
+        elif "HGMMA" in line:
+            pending += 1
+        elif "MUFU.EX2" in line:
+            overlapped, pending = overlapped + pending, 0
+    return overlapped
+
+
 _INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*)")
 _BRANCH = re.compile(r"\bBRA\b.*?0x([0-9a-f]+)")
 

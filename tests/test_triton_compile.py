@@ -37,6 +37,18 @@ def test_hopper_uses_warpgroup_mma_and_tma_and_the_autotuners_pick_does_not_spil
     assert pointer["stack"] == 0 and tma["stack"] == 0
 
 
+def test_overlap_pv_runs_the_product_beside_the_softmax_without_serialising_the_mmas():
+    """OVERLAP_PV's point, in the sm_90 SASS: P @ V products are in flight while the next softmax's exponentials run
+    (none in the default loop), and ptxas keeps the warpgroup MMAs in runs (a run of 1: it serialised them). On
+    pointers (where the first forms serialised) and descriptors."""
+    pointer = "--arch 90 --full"
+    descriptors = "--arch 90 --full --tma --stages 2"
+    default, *overlaps = compiled(pointer, f"{pointer} --switch OVERLAP_PV=1", f"{descriptors} --switch OVERLAP_PV=1")
+    assert default["products_beside_softmax"] == 0 and default["hgmma_max_run"] > 1
+    for overlap in overlaps:
+        assert overlap["products_beside_softmax"] > 0 and overlap["hgmma_max_run"] > 1 and overlap["stack"] == 0
+
+
 @pytest.mark.slow
 def test_ampere_padded_head_dims_window_and_softcap_compile_without_spills():
     """Ampere (no warpgroup MMA); Phi-3 (96), D=80 and DeepSeek-style 192 padded to 128 / 256 in registers,

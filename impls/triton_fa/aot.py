@@ -17,16 +17,23 @@ import re
 import shlex
 import sys
 
-from impls.sass import sass_summary
+from impls.sass import hgmma_runs, products_beside_softmax, sass_summary
 from impls.triton_fa.config import head_dims
 
 
 def compile_cubin(arch: int, *, dtype: str = "fp16", head_dim: int = 128, causal: bool = True,
                   block_m: int = 128, block_n: int = 64, num_warps: int = 8, num_stages: int = 3,
-                  use_tma: bool = False, window: bool = False, softcap: float = 0.0) -> bytes:
+                  use_tma: bool = False, window: bool = False, softcap: float = 0.0,
+                  switches: dict | None = None) -> bytes:
+    """``switches``: the kernel's switches (``dense.SWITCHES``) to set; HOST_DESC takes descriptor arguments, which
+    this compiles no signature for."""
+    from impls.triton_fa.dense import SWITCHES
     from impls.triton_fa.kernel import attention_fwd
 
-    constants = {**head_dims(head_dim), "CAUSAL": causal, "BLOCK_M": block_m, "BLOCK_N": block_n,
+    switches = {**SWITCHES, **(switches or {})}
+    if switches["HOST_DESC"]:
+        raise ValueError("HOST_DESC: compile the in-kernel descriptor path (--tma) instead")
+    constants = {**switches, **head_dims(head_dim), "CAUSAL": causal, "BLOCK_M": block_m, "BLOCK_N": block_n,
                  "DOT_FP32": dtype == "fp32", "USE_TMA": use_tma, "VARLEN": False,  # head dims padded to powers of 2
                  "HAS_WINDOW": window, "SOFTCAP": softcap,
                  "cu_seqlens_q": None, "cu_seqlens_k": None}  # dense: no sequence offsets
@@ -152,6 +159,8 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--full", action="store_true", help="non-causal (default causal)")
     parser.add_argument("--window", action="store_true", help="with the sliding-window masks")
     parser.add_argument("--softcap", type=float, default=0.0, help="with this softcap (0: none)")
+    parser.add_argument("--switch", action="append", default=[], metavar="KEY=VALUE",
+                        help="set one of the kernel's switches (FOLD_SCALE=1, LAZY_RESCALE=8, PERSISTENT=1, ...)")
     parser.add_argument("--decode", type=int, nargs=3, metavar=("BLOCK_N", "WARPS", "STAGES"),
                         help="the paged decode's split kernel with this tile instead (bf16, D=128, group 4, pages of "
                              "16): its resources, shared memory and K/V buffers")
@@ -187,8 +196,25 @@ def resources(args: argparse.Namespace) -> dict[str, int]:
                 "kv_buffers": kv_buffers(kernel.asm["ttgir"]), **dependent_launch(kernel.asm["ptx"])}
     cubin = compile_cubin(args.arch, head_dim=args.d, causal=not args.full, block_m=args.block[0],
                           block_n=args.block[1], num_warps=args.warps, num_stages=args.stages, use_tma=args.tma,
-                          window=args.window, softcap=args.softcap)
-    return describe(cubin)
+                          window=args.window, softcap=args.softcap, switches=parse_switches(args.switch))
+    # hgmma_max_run 1: ptxas serialised the warpgroup MMAs (each waited for alone); products_beside_softmax: MMAs
+    # in flight while the softmax's exponentials run (OVERLAP_PV)
+    return {**describe(cubin), "hgmma_max_run": max(hgmma_runs(cubin), default=0),
+            "products_beside_softmax": products_beside_softmax(cubin)}
+
+
+def parse_switches(pairs: list[str]) -> dict:
+    """``KEY=VALUE`` pairs as the switches' values, typed like their defaults."""
+    from impls.triton_fa.dense import SWITCHES
+
+    switches = {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        if key not in SWITCHES or not value:
+            raise SystemExit(f"--switch {pair!r}: expected KEY=VALUE with KEY one of {sorted(SWITCHES)}")
+        default = SWITCHES[key]
+        switches[key] = value not in ("0", "false", "False") if isinstance(default, bool) else type(default)(value)
+    return switches
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -16,6 +16,10 @@ from impls.tuning import TuningCache, family_sources
 # next one in registers (masked loads read zeros there). The descriptor (TMA) path needs the exact power of two.
 HEAD_DIMS = tuple(range(16, 257, 8))
 POW2_HEAD_DIMS = (16, 32, 64, 128, 256)
+# The forward's PERSISTENT work orders (0: the one-tile grid): one head's tiles after another, or the heaviest
+# causal tiles of all heads first.
+PERSISTENT_BY_HEAD = 1
+PERSISTENT_HEAVY_FIRST = 2
 
 
 def block_d(head_dim: int) -> int:

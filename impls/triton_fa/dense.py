@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -21,6 +22,8 @@ from impls.contract import NO_WINDOW, binding_window, window_bounds
 from impls.timing import settle_gpu
 from impls.triton_fa.config import (
     HEAD_DIMS,
+    PERSISTENT_BY_HEAD,
+    PERSISTENT_HEAVY_FIRST,
     POW2_HEAD_DIMS,
     TUNING,
     block_d,
@@ -85,17 +88,89 @@ def autotuned(pointer: bool, tma: bool):
     return triton.autotune(configs=[as_config(c) for c in configs(pointer, tma)], key=key)(plain_kernel())
 
 
-def launch(config: dict, q, k, v, out, *, causal: bool, scale: float, window: tuple[int, int] = NO_WINDOW,
-           softcap: float = 0.0) -> None:
-    """One launch with a fixed config (no autotuning), on contiguous CUDA tensors: for sweeps and tests."""
-    import triton
+# Config keys beside the tile shape that pick among the kernel's switches (kernel.py; all off by default). They
+# reach the kernel through launch() for sweeps (tools/sweep.py --which variants); the autotuner's spaces leave
+# them off.
+SWITCHES = {"FOLD_SCALE": False, "LAZY_RESCALE": 0.0, "LOOP_STAGES": 0, "WARP_SPECIALIZE": False,
+            "HOST_DESC": False, "PERSISTENT": 0, "OVERLAP_PV": False}
+# Launch-side keys, not kernel arguments: persistent programs per SM (the grid is that times the SM count).
+LAUNCH_KEYS = {"PROGRAMS_PER_SM": 1}
+INTERPRETER_SMS = 3  # under the interpreter: few programs, so a persistent one loops over several tiles
 
-    if config["USE_TMA"]:
+
+def launch(config: dict, q, k, v, out, *, causal: bool, scale: float, window: tuple[int, int] = NO_WINDOW,
+           softcap: float = 0.0, warmup: bool = False) -> None:
+    """One launch with a fixed config (no autotuning), on contiguous CUDA tensors: for sweeps and tests.
+    ``config`` may set the kernel's switches (``SWITCHES``) and ``LAUNCH_KEYS``; ``warmup``: compile only."""
+    fixed_launch(config, q, k, v, out, causal=causal, scale=scale, window=window, softcap=softcap, warmup=warmup)()
+
+
+def fixed_launch(config: dict, q, k, v, out, *, causal: bool, scale: float, window: tuple[int, int] = NO_WINDOW,
+                 softcap: float = 0.0, warmup: bool = False) -> Callable[[], None]:
+    """``launch``'s call with its arguments, grid and descriptors built once (a timed loop then pays only the
+    launch)."""
+    check_config(config)
+    config = {**config}
+    per_sm = config.pop("PROGRAMS_PER_SM", LAUNCH_KEYS["PROGRAMS_PER_SM"])
+    host_desc = config.get("HOST_DESC", False)
+    if host_desc and not descriptors_fit(q.shape[-1], v.shape[-1]):
+        raise ValueError(f"HOST_DESC needs power-of-two head dims, not {q.shape[-1]} and {v.shape[-1]}")
+    if config["USE_TMA"] and not host_desc:
         install_descriptor_allocator()
     batch, heads, q_len = q.shape[:3]
-    grid = (triton.cdiv(q_len, config["BLOCK_M"]), *heads_by_batch(heads, batch))
-    plain_kernel()[grid](*kernel_arguments(q, k, v, out, scale, window, causal),
-                         **dense_meta(q, v, causal=causal, window=window, softcap=softcap), **config)
+    args = kernel_arguments(q, k, v, out, scale, window, causal)
+    if host_desc:
+        args = (*host_descriptors(q, k, v, out, config["BLOCK_M"], config["BLOCK_N"]), *args[4:])
+    grid = launch_grid(config, q_len, heads, batch, q.device, per_sm)
+    meta = dense_meta(q, v, causal=causal, window=window, softcap=softcap)
+    kernel = plain_kernel()
+    if warmup:
+        return lambda: kernel.warmup(*args, grid=grid, **meta, **config)
+    return lambda: kernel[grid](*args, **meta, **config)
+
+
+def check_config(config: dict) -> None:
+    """Refuse a config ``launch`` cannot run, naming the problem."""
+    known = {"BLOCK_M", "BLOCK_N", "USE_TMA", "num_warps", "num_stages", "maxnreg", *SWITCHES, *LAUNCH_KEYS}
+    unknown = set(config) - known
+    if unknown:
+        raise ValueError(f"unknown Triton config keys {sorted(unknown)}; known: {sorted(known)}")
+    if config.get("HOST_DESC") and not config["USE_TMA"]:
+        raise ValueError("HOST_DESC is the descriptor path: it needs USE_TMA")
+    if config.get("PERSISTENT", 0) not in (0, PERSISTENT_BY_HEAD, PERSISTENT_HEAVY_FIRST):
+        raise ValueError(f"PERSISTENT is 0 (off), {PERSISTENT_BY_HEAD} (head by head) or {PERSISTENT_HEAVY_FIRST} "
+                         f"(heaviest tiles first), not {config['PERSISTENT']!r}")
+    if config.get("OVERLAP_PV") and config.get("LAZY_RESCALE"):
+        raise ValueError("OVERLAP_PV with LAZY_RESCALE: the conditional rescale before P @ V makes Triton wait for "
+                         "that product before the softmax, which undoes the overlap")
+
+
+def launch_grid(config: dict, q_len: int, heads: int, batch: int, device: torch.device,
+                programs_per_sm: int = 1) -> tuple[int, ...]:
+    """(query tiles, heads, batch), or for PERSISTENT one axis of ``programs_per_sm`` programs an SM (never more
+    programs than work items)."""
+    import triton
+
+    tiles = triton.cdiv(q_len, config["BLOCK_M"])
+    if not config.get("PERSISTENT", False):
+        return (tiles, *heads_by_batch(heads, batch))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" \
+        else INTERPRETER_SMS
+    return (min(sms * programs_per_sm, tiles * heads * batch),)
+
+
+def host_descriptors(q, k, v, out, block_m: int, block_n: int) -> tuple:
+    """Tensor descriptors over the contiguous (B*H, S, D) views of q, k, v and out, built on the host (HOST_DESC):
+    the kernel then writes none to global scratch; blocks of one head's BLOCK_M query or BLOCK_N key rows."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    def describe(t, rows: int) -> TensorDescriptor:
+        if not t.is_contiguous():
+            raise ValueError("HOST_DESC needs contiguous q, k, v and out")
+        b, h, s, d = t.shape
+        return TensorDescriptor(t, [b * h, s, d], [s * d, d, 1], [1, rows, d])
+
+    return describe(q, block_m), describe(k, block_n), describe(v, block_n), describe(out, block_m)
 
 
 def dense_meta(q, v, *, causal: bool, window: tuple[int, int], softcap: float) -> dict:
@@ -113,8 +188,8 @@ def kernel_arguments(q, k, v, out, scale: float, window: tuple[int, int] = NO_WI
     return (
         q, k, v, out, scale * LOG2_E,  # scale in log2 units: exp(x * s) == exp2(x * s * log2 e)
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-        heads, q_len, kv_len, length_class(q_len), length_class(kv_len), heads // k.shape[1], None, None,
-        *window_bounds(window, causal),
+        q.shape[0], heads, q_len, kv_len, length_class(q_len), length_class(kv_len), heads // k.shape[1], None,
+        None, *window_bounds(window, causal),
     )
 
 
@@ -129,7 +204,7 @@ def varlen_arguments(inputs, out, scale: float, window: tuple[int, int] = NO_WIN
     heads, q_len, kv_len = q.shape[1], inputs.max_seqlen_q, inputs.max_seqlen_k
     return (
         inputs.q, inputs.k, inputs.v, out, scale * LOG2_E, *(x for st in strides for x in st),
-        heads, q_len, kv_len, length_class(q_len), length_class(kv_len), heads // k.shape[1],
+        inputs.batch, heads, q_len, kv_len, length_class(q_len), length_class(kv_len), heads // k.shape[1],
         inputs.cu_seqlens_q, inputs.cu_seqlens_k, *window_bounds(window, inputs.causal),
     )
 

@@ -1,0 +1,139 @@
+"""The Triton forward's switches (impls/triton_fa/dense.py SWITCHES) against the float64 oracle, under the
+interpreter: each alone and as the sweep combines them, on GQA, causal and not, ragged lengths and rows that see no
+key."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from suite.checks import Oracle
+from tests.tiers import first_fast, slow
+
+pytest.importorskip("triton")
+
+TILE = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1}
+POINTER = {**TILE, "USE_TMA": False}
+HOST = {**TILE, "USE_TMA": True, "HOST_DESC": True}
+SWITCHED = {
+    "fold": {**POINTER, "FOLD_SCALE": True},
+    "lazy": {**POINTER, "LAZY_RESCALE": 8.0},
+    "loop-stages": {**POINTER, "LOOP_STAGES": 2, "WARP_SPECIALIZE": True},
+    "persistent": {**POINTER, "PERSISTENT": 1},
+    "persistent-heavy-first": {**POINTER, "PERSISTENT": 2},
+    "overlap": {**POINTER, "OVERLAP_PV": True},
+    "overlap-fold": {**POINTER, "OVERLAP_PV": True, "FOLD_SCALE": True},
+    "in-kernel-descriptors": {**TILE, "USE_TMA": True},
+    "host-descriptors": HOST,
+    "all-but-lazy": {**HOST, "PERSISTENT": 1, "PROGRAMS_PER_SM": 2, "FOLD_SCALE": True, "OVERLAP_PV": True},
+    "all-but-overlap": {**HOST, "PERSISTENT": 1, "PROGRAMS_PER_SM": 2, "FOLD_SCALE": True, "LAZY_RESCALE": 8.0},
+}
+# (batch, Hq, Hkv, Sq, Skv, causal). Fast: Sq > Skv, whose first causal rows see no key, and GQA over five whole
+# key tiles and a ragged one (the unmasked loop, where lazy rescaling applies). Slow: larger, both ways.
+SHAPES = [(1, 2, 1, 130, 97, True), (1, 4, 2, 64, 330, False), (2, 4, 2, 200, 330, True), (2, 4, 2, 200, 330, False),
+          (1, 2, 2, 97, 130, False)]
+
+
+def ramped_inputs(batch: int, hq: int, hkv: int, sq: int, skv: int, head_dim: int = 64, value_dim: int = 64):
+    """fp16 inputs whose keys grow along the sequence, so each row's running max rises tile after tile, by less
+    and by more than the lazy rescaling's threshold."""
+    gen = torch.Generator().manual_seed(sq * 1000 + skv)
+    q = torch.randn(batch, hq, sq, head_dim, generator=gen)
+    ramp = torch.linspace(0.2, 6.0, skv)[:, None]
+    k = torch.randn(batch, hkv, skv, head_dim, generator=gen) * ramp
+    v = torch.randn(batch, hkv, skv, value_dim, generator=gen)
+    return q.half(), k.half(), v.half()
+
+
+def run(config: dict, q, k, v, causal: bool, **variants) -> torch.Tensor:
+    from impls.triton_fa.dense import launch
+
+    out = q.new_empty((*q.shape[:3], v.shape[-1]))
+    launch(config, q, k, v, out, causal=causal, scale=q.shape[-1] ** -0.5, **variants)
+    return out
+
+
+def assert_passes(config: dict, q, k, v, causal: bool, **variants) -> None:
+    oracle = Oracle.dense(q, k, v, causal=causal, scale=q.shape[-1] ** -0.5, **variants)
+    result = oracle.check(run(config, q, k, v, causal, **variants))
+    assert result.passed, result.message
+
+
+@pytest.mark.parametrize("switch", list(SWITCHED))
+@pytest.mark.parametrize("shape", first_fast(SHAPES, fast=2))
+def test_each_switch_passes_the_oracle(switch: str, shape: tuple) -> None:
+    *dims, causal = shape
+    assert_passes(SWITCHED[switch], *ramped_inputs(*dims), causal)
+
+
+@pytest.mark.parametrize("switch", [slow(name) for name in SWITCHED])
+@pytest.mark.parametrize("variants", [{"window": (40, 0)}, {"softcap": 20.0}, {"window": (50, 30), "softcap": 5.0}])
+def test_switches_keep_window_and_softcap(switch: str, variants: dict) -> None:
+    assert_passes(SWITCHED[switch], *ramped_inputs(1, 4, 2, 200, 330), True, **variants)
+
+
+@pytest.mark.parametrize("switch", [slow(name) for name in ("fold", "lazy", "persistent", "overlap-fold")])
+@pytest.mark.parametrize("dims", [(96, 96), (192, 128), (64, 32)])
+def test_pointer_switches_keep_padded_and_value_head_dims(switch: str, dims: tuple[int, int]) -> None:
+    assert_passes(SWITCHED[switch], *ramped_inputs(1, 4, 2, 130, 200, *dims), True)
+
+
+def test_the_sweeps_variants_are_configs_launch_takes() -> None:
+    from impls.triton_fa.dense import check_config
+    from tools.sweep import TRITON_VARIANTS
+
+    assert "base" in TRITON_VARIANTS and len(TRITON_VARIANTS) > 10
+    for config in TRITON_VARIANTS.values():
+        check_config(config)
+
+
+@pytest.mark.parametrize("name", [slow(n) for n in ("base", "fold-lazy8", "host-persist-overlap-fold", "128x128-s2")])
+def test_sweep_variants_pass_the_oracle(name: str) -> None:
+    from tools.sweep import TRITON_VARIANTS
+
+    assert_passes(TRITON_VARIANTS[name], *ramped_inputs(1, 4, 2, 300, 300, 128, 128), True)
+
+
+@pytest.mark.parametrize(("config", "match"), [
+    ({**POINTER, "NO_SUCH_SWITCH": True}, "unknown Triton config keys"),
+    ({**POINTER, "HOST_DESC": True}, "needs USE_TMA"),
+    ({**POINTER, "PERSISTENT": 3}, "PERSISTENT is 0"),
+    ({**POINTER, "OVERLAP_PV": True, "LAZY_RESCALE": 8.0}, "undoes the overlap"),
+])
+def test_a_config_launch_cannot_run_is_refused(config: dict, match: str) -> None:
+    from impls.triton_fa.dense import check_config
+
+    with pytest.raises(ValueError, match=match):
+        check_config(config)
+
+
+def test_host_descriptors_refuse_padded_head_dims() -> None:
+    with pytest.raises(ValueError, match="power-of-two head dims"):
+        run(HOST, *ramped_inputs(1, 2, 2, 64, 64, 96, 96), False)
+
+
+def test_the_sweep_checks_each_variant_and_reports_a_broken_one_without_stopping(monkeypatch, tmp_path) -> None:
+    """``tools.sweep --which variants`` on CPU (check only): a variant that cannot launch is a failed row, and the
+    variants after it still run."""
+    import json
+
+    from tools import sweep
+
+    broken = {**POINTER, "NO_SUCH_SWITCH": True}
+    monkeypatch.setattr(sweep, "TRITON_VARIANTS", {"broken": broken, "fold": SWITCHED["fold"]})
+    out = tmp_path / "rows.json"
+    sweep.main(["--device", "cpu", "--check-only", "--which", "variants", "--layout", "1x2", "--hkv", "1",
+                "--d", "64", "--seqlens", "97", "--causal", "causal", "--out", str(out)])
+    rows = {row["name"]: row for row in json.loads(out.read_text())}
+    assert rows["triton-v:broken"]["passed"] is False
+    assert rows["triton-v:fold"]["passed"] is True and rows["triton-v:fold"]["d"] == 64
+
+
+def test_the_sweep_summary_names_each_cases_best_variant_against_the_base_and_the_peer() -> None:
+    from tools.sweep import variant_summary
+
+    timed = [("c1", "triton-v:base", 400.0), ("c1", "triton-v:x", 440.0), ("c1", "flash-attn4", 500.0),
+             ("c1", "triton-v:broken", None), ("c2", "sdpa-cudnn", 300.0)]
+    rows = [{"case": case, "name": name, "tflops": tflops} for case, name, tflops in timed]
+    (line,) = variant_summary(rows)
+    assert "best triton-v:x 440.0" in line and "1.100 of triton-v:base" in line and "0.880 of flash-attn4" in line
