@@ -70,15 +70,24 @@ def probe_with_reasons(call):
             logger.removeHandler(handler)
 
 
+def _leaves_unseen_rows_undefined(backend: SDPBackend | None, q: torch.Tensor) -> bool:
+    """Where a bottom-right causal mask hides every key from some rows, these backends return garbage for them:
+    cuDNN at 16 bits, and at float32 on CUDA the memory-efficient kernel, which PyTorch's own choice then takes."""
+    if backend is SDPBackend.CUDNN_ATTENTION:
+        return True
+    return q.is_cuda and q.dtype == torch.float32 and backend in (None, SDPBackend.EFFICIENT_ATTENTION)
+
+
 def _make(name: str, backend: SDPBackend | None, devices: tuple[str, ...]) -> None:
     what = "PyTorch's own backend choice" if backend is None else f"backend {backend.name}"
 
     @register(name, family="sdpa", devices=devices, variants=("value_dim",), description=f"torch SDPA, {what}")
     def prepare(q, k, v, *, causal: bool, scale: float):
-        if backend is SDPBackend.CUDNN_ATTENTION and causal and q.shape[2] > k.shape[2]:
-            # It runs, but the rows that see no key come out as garbage, not zeros (max error ~1 on an H200,
+        if causal and q.shape[2] > k.shape[2] and _leaves_unseen_rows_undefined(backend, q):
+            # It runs, but the rows that see no key come out as garbage, not zeros (max error ~1-3 on an H200,
             # torch 2.11): a limitation of the backend, so a refusal with the reason rather than a failure.
-            raise Unsupported("causal with more queries than keys: cuDNN leaves the rows that see no key undefined")
+            raise Unsupported(f"causal with more queries than keys: {what} leaves the rows that see no key "
+                              "undefined")
         kwargs = _sdpa_kwargs(q, k, causal, scale)
         if backend is None:
             def call():

@@ -137,3 +137,13 @@ def test_the_sweep_summary_names_each_cases_best_variant_against_the_base_and_th
     rows = [{"case": case, "name": name, "tflops": tflops} for case, name, tflops in timed]
     (line,) = variant_summary(rows)
     assert "best triton-v:x 440.0" in line and "1.100 of triton-v:base" in line and "0.880 of flash-attn4" in line
+
+
+def test_the_scale_folds_by_default_where_it_measured_faster() -> None:
+    from impls.triton_fa.dense import dense_meta
+
+    def folds(d: int) -> bool:
+        q = torch.empty(1, 1, 4, d)
+        return dense_meta(q, q, causal=True, window=(-1, -1), softcap=0.0)["FOLD_SCALE"]
+
+    assert folds(32) and folds(64) and not folds(96) and not folds(128)

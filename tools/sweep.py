@@ -91,7 +91,8 @@ def triton_candidates() -> Iterator[tuple[str, Maker]]:
 
 # Named configs of the Triton kernel's switches (impls/triton_fa/dense.py SWITCHES), each beside the plain kernel
 # at the tile the tuner favours (128x64, 8 warps): `--which variants`. "host": descriptors built on the host.
-_BASE = {"BLOCK_M": 128, "BLOCK_N": 64, "USE_TMA": False, "num_warps": 8, "num_stages": 3}
+# Every switch off, as measured against: FOLD_SCALE is now on by default at D <= 64, so base names it.
+_BASE = {"BLOCK_M": 128, "BLOCK_N": 64, "USE_TMA": False, "num_warps": 8, "num_stages": 3, "FOLD_SCALE": False}
 _TMA = {**_BASE, "USE_TMA": True, "num_stages": 2}
 _HOST = {**_TMA, "HOST_DESC": True}
 _FOLD_LAZY = {"FOLD_SCALE": True, "LAZY_RESCALE": 8.0}

@@ -123,6 +123,7 @@ def fixed_launch(config: dict, q, k, v, out, *, causal: bool, scale: float, wind
         args = (*host_descriptors(q, k, v, out, config["BLOCK_M"], config["BLOCK_N"]), *args[4:])
     grid = launch_grid(config, q_len, heads, batch, q.device, per_sm)
     meta = dense_meta(q, v, causal=causal, window=window, softcap=softcap)
+    meta.update({key: config.pop(key) for key in SWITCHES if key in config})  # the config's switches win
     kernel = plain_kernel()
     if warmup:
         return lambda: kernel.warmup(*args, grid=grid, **meta, **config)
@@ -173,11 +174,17 @@ def host_descriptors(q, k, v, out, block_m: int, block_n: int) -> tuple:
     return describe(q, block_m), describe(k, block_n), describe(v, block_n), describe(out, block_m)
 
 
+# FOLD_SCALE by default up to this padded head dim: at D=64 the softmax's arithmetic, not the dots, bounds the
+# kernel, and one multiply-add a score instead of a multiply and a subtract ran 1.19-1.31x faster (H200, fa3's
+# shapes); at D=128 it moved -3% to +4%, so stays off (docs/design.md#what-each-switch-measured).
+FOLD_SCALE_MAX_D = 64
+
+
 def dense_meta(q, v, *, causal: bool, window: tuple[int, int], softcap: float) -> dict:
     """``attention_fwd``'s compile-time arguments for a dense call, but for the tile config."""
-    return {**head_dims(q.shape[-1], v.shape[-1]), "CAUSAL": causal,
-            "DOT_FP32": interpreting() or q.dtype == torch.float32, "HAS_WINDOW": window != NO_WINDOW,
-            "SOFTCAP": softcap}
+    dims = head_dims(q.shape[-1], v.shape[-1])
+    return {**dims, "CAUSAL": causal, "DOT_FP32": interpreting() or q.dtype == torch.float32,
+            "HAS_WINDOW": window != NO_WINDOW, "SOFTCAP": softcap, "FOLD_SCALE": dims["BLOCK_D"] <= FOLD_SCALE_MAX_D}
 
 
 def kernel_arguments(q, k, v, out, scale: float, window: tuple[int, int] = NO_WINDOW, causal: bool = False) -> tuple:
@@ -321,7 +328,7 @@ def prepare_varlen(inputs, *, scale: float, window: tuple[int, int] = NO_WINDOW,
     window = inputs.binding_window(window)
     meta = {**head_dims(head_dim), "CAUSAL": inputs.causal, "VARLEN": True,
             "DOT_FP32": interpreting() or inputs.q.dtype == torch.float32, "HAS_WINDOW": window != NO_WINDOW,
-            "SOFTCAP": softcap}
+            "SOFTCAP": softcap, "FOLD_SCALE": block_d(head_dim) <= FOLD_SCALE_MAX_D}
 
     def grid(cfg):
         return (triton.cdiv(inputs.max_seqlen_q, cfg["BLOCK_M"]), *axes)
