@@ -58,7 +58,9 @@ class Emulator:
             cdiv=lambda a, b: -(-a // b), full=lambda shape, value, dtype: _tile(torch.full(shape, value, dtype=dtype)),
             arange=lambda n, dtype: _tile(torch.arange(n, dtype=dtype)),
             where=lambda cond, a, b: _tile(torch.where(cond, a, b)),
-            exp2=lambda x, flush_to_zero=False: _tile(torch.exp2(x)),
+            exp2=lambda x, flush_to_zero=False: _tile(torch.exp2(x)), log2=lambda x: _tile(torch.log2(x)),
+            max=lambda x, axis=None, keepdims=False: _tile(torch.amax(x, dim=axis, keepdim=keepdims)),
+            maximum=lambda x, y: _tile(torch.maximum(x, y)),
             transpose=lambda x: _tile(x.transpose(-1, -2)),
             sum=lambda x, axis=None, keepdims=False: _tile(torch.sum(x, dim=axis, keepdim=keepdims)),
             mma=_mma, load=_load, store=_store)

@@ -1,9 +1,12 @@
-"""Our cuTile backward: its three kernels compile for sm_90 without a GPU, at every head-dim tile set, causal and
-not, with the fixed tiles in registers; their bodies, emulated on CPU, pass the oracle; on a GPU the compiled
-kernels do, on shapes the presets leave out."""
+"""Our cuTile backward and its training step's forward: the kernels compile for sm_90 without a GPU, at every head-dim
+tile set, causal and not, with the fixed tiles in registers; their bodies, emulated on CPU, pass the oracle (the
+forward: o and lse against the float64 reference; the whole training step through its registered entry); on a GPU
+the compiled kernels do, on shapes the presets leave out."""
 
+import dataclasses
 import itertools
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -14,11 +17,14 @@ else:
     pytest.importorskip("cuda.tile", reason='cuTile not installed: pip install "cuda-tile[tileiras]"')
 
 from impls import get
+from impls.backward import forward_backward
 from impls.contract import Backward
-from impls.cutile.backward import HEAD_DIMS, BackwardCall, space, tiles
+from impls.cutile.backward import HEAD_DIMS, BackwardCall, ForwardCall, space, tiles
 from impls.cutile.export import export_launch
+from impls.cutile.launch import Launches
+from impls.reference import attention_lse
 from suite.cases import Case
-from suite.checks import BackwardOracle
+from suite.checks import BackwardOracle, Oracle
 from tests.cutile_helpers import sass
 from tests.tiers import first_fast, only_fast
 
@@ -50,6 +56,16 @@ def test_sm90_kernels_compile_without_spilling(head_dim: int, causal: bool) -> N
         usage = sass(export_launch(kernel, arguments, arch="sm_90"))
         assert usage["stack"] == 0 and usage["utmaldg"] > 0, (name, usage)
         assert name == "bwd_delta" or usage["hgmma"] > 0, (name, usage)
+
+
+@pytest.mark.parametrize(("head_dim", "causal"), only_fast(
+    itertools.product([64, 96, 128, 192, 256], [True, False]), [(64, True), (256, False)], unpack=True))
+def test_sm90_training_forward_compiles_without_spilling(head_dim: int, causal: bool) -> None:
+    # the forward a training step runs first, on the dq kernel's tiles, ragged query and key tiles
+    inputs = meta_inputs(head_dim, causal)
+    (_, kernel, arguments), = ForwardCall(inputs.q, inputs.k, inputs.v, causal=causal, scale=0.1).launches
+    usage = sass(export_launch(kernel, arguments, arch="sm_90"))
+    assert usage["stack"] == 0 and usage["utmaldg"] > 0 and usage["hgmma"] > 0, usage
 
 
 @pytest.mark.slow
@@ -107,18 +123,35 @@ def test_gradients_pass_the_oracle(case: Case) -> None:
     assert result.passed, result.message
 
 
-def emulated(inputs: Backward) -> tuple[torch.Tensor, ...]:
-    """(dq, dk, dv) of the three kernels' bodies run block by block with torch standing in for cuTile
-    (tests/cutile_emulator.py)."""
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_training_steps_pass_the_oracle(case: Case) -> None:
+    inputs = replace(case, op="fwdbwd").make_inputs("cuda")
+    result = BackwardOracle(inputs).check(get("cutile", "fwdbwd").prepare(inputs)())
+    assert result.passed, result.message
+
+
+def emulator():
+    """The four kernels' bodies and their helpers, with torch standing in for cuTile (tests/cutile_emulator.py)."""
     from impls.cutile import backward_kernels, kernel
     from tests.cutile_emulator import Emulator
 
-    emulator = Emulator([(kernel, ("load_rows", "store_rows", "key_tiles", "mask_scores")),
-                         (backward_kernels, ("bwd_delta", "bwd_dkdv", "bwd_dq", "query_tiles", "add_query_tile",
-                                             "add_key_tile", "load_row_values"))])
-    call = BackwardCall(inputs, scale=inputs.q.shape[-1] ** -0.5)
+    return Emulator([(kernel, ("load_rows", "store_rows", "key_tiles", "mask_scores", "softmax_step", "finite")),
+                     (backward_kernels, ("fwd_lse", "fold_key_tile", "bwd_delta", "bwd_dkdv", "bwd_dq", "query_tiles",
+                                         "add_query_tile", "add_key_tile", "load_row_values"))])
+
+
+def emulated(inputs: Backward) -> tuple[torch.Tensor, ...]:
+    """(dq, dk, dv) of the three kernels' bodies run block by block."""
+    return emulated_launches(BackwardCall(inputs, scale=inputs.q.shape[-1] ** -0.5))
+
+
+def emulated_launches(call: Launches) -> tuple[torch.Tensor, ...]:
+    """A prepared call's launches, each run block by block on the emulator; what the call returns."""
+    stand_in = emulator()
     for launch in call.launches:
-        emulator.launch(*launch)
+        stand_in.launch(*launch)
     return call.out
 
 
@@ -129,6 +162,41 @@ def test_kernels_pass_the_oracle_when_emulated_on_cpu(case: Case) -> None:
     inputs = case.make_inputs("cpu")
     result = BackwardOracle(inputs).check(emulated(inputs))
     assert result.passed, result.message
+
+
+LSE_TOLERANCE = 1e-4  # float32 sums of exact products of half inputs (about 1e-6 here); one in log2 units: x 1.44
+
+
+@pytest.mark.parametrize("case", first_fast([*CASES, Case(1, 2, 1, 128, 128, 64, "fp16", False, op="backward")],
+                                             fast=2), ids=lambda c: c.id)  # the last: no masked loop at all
+def test_training_forward_writes_the_reference_o_and_lse_when_emulated_on_cpu(case: Case) -> None:
+    """o within the forward's oracle; lse, natural-log, against float64's: +inf exactly where a row sees no key
+    (Sq > Skv, causal), and close elsewhere."""
+    inputs = case.make_inputs("cpu")
+    q, k, v, scale = inputs.q, inputs.k, inputs.v, inputs.q.shape[-1] ** -0.5
+    o, lse = emulated_launches(ForwardCall(q, k, v, causal=case.causal, scale=scale))
+    result = Oracle.dense(q, k, v, causal=case.causal, scale=scale).check(o)
+    assert result.passed, result.message
+    exact = attention_lse(q.double(), k.double(), causal=case.causal, scale=scale)
+    unseen = exact == torch.inf
+    assert torch.equal(lse == torch.inf, unseen)
+    assert (lse - exact)[~unseen].abs().max() < LSE_TOLERANCE
+
+
+@pytest.mark.parametrize("case", first_fast([Case(1, 4, 2, 50, 70, 64, "fp16", True, op="backward"), *CASES[:2],
+                                              CASES[5]]), ids=lambda c: c.id)
+def test_training_step_passes_the_oracle_when_emulated_on_cpu(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The training step of the registered backward (its forward=, then the backward, as ``fwdbwd`` runs them), every
+    launch emulated: the gradients pass, and the call runs the forward on the inputs it finds."""
+    monkeypatch.setattr(Launches, "__call__", emulated_launches)
+    inputs = replace(case, op="fwdbwd").make_inputs("cpu")
+    on_cpu = dataclasses.replace(get("cutile", "backward"), devices=("cpu",))
+    step = forward_backward(on_cpu)(inputs, scale=inputs.q.shape[-1] ** -0.5)
+    result = BackwardOracle(inputs).check(step())
+    assert result.passed, result.message
+    dq = step()[0].clone()
+    inputs.q.mul_(2)
+    assert not torch.equal(step()[0], dq)
 
 
 @pytest.mark.slow

@@ -1,5 +1,5 @@
 """Registers our cuTile FlashAttention-2 backward (``backward_kernels.py``) as ``cutile`` for op="backward": its fixed
-tiles per head dim and the three launches of a call."""
+tiles per head dim, the three launches of a call, and the forward of its training step (``fwd_lse``)."""
 
 from __future__ import annotations
 
@@ -63,6 +63,19 @@ def tiles(head_dim: int) -> Tiles:
     return space(head_dim)[0]
 
 
+@dataclass(frozen=True)
+class ForwardTiles:
+    """The training step's forward: TILE_M x TILE_N and worker warps, the dq kernel's (the same walk: a query tile
+    against the key tiles it sees, a TILE_M x D float32 accumulator)."""
+
+    m: int
+    n: int
+    warps: int
+
+    def describe(self) -> dict:
+        return {"forward": asdict(self), "tuned": False}
+
+
 def kernel(name: str, warps: int, int64: bool):
     """Kernel ``name`` of ``backward_kernels.py`` with ``warps`` worker warps, with 64-bit indexing where asked."""
     return kernel_with_hints(name + ("_int64" if int64 else ""), (("num_worker_warps", warps),), MODULE)
@@ -80,8 +93,7 @@ class BackwardCall(Launches):
         self.out = dq, dk, dv = tuple(torch.empty_like(x) for x in (q, k, v))
         delta = torch.empty_like(lse)
         int64 = needs_int64(q, k, v, o, do)
-        common = {"qk_scale": scale, "causal_offset": kv_len - q_len, "group": heads // kv_heads,
-                  "TILE_D": tile_d(head_dim), "CAUSAL": inputs.causal}
+        common = shared_constants(q, k, causal=inputs.causal, scale=scale)
         self.launches = [
             ((math.ceil(q_len / DELTA_ROWS), *heads_by_batch(heads, batch)), kernel("bwd_delta", DELTA_WARPS, int64),
              bind("bwd_delta", MODULE, Out=o, DO=do, Delta=delta, TILE_M=DELTA_ROWS, **common)),
@@ -95,8 +107,37 @@ class BackwardCall(Launches):
         ]
 
 
+def shared_constants(q: torch.Tensor, k: torch.Tensor, *, causal: bool, scale: float) -> dict:
+    """What every kernel of ``backward_kernels.py`` takes alike: the scale, the bottom-right causal offset, the GQA
+    group and the padded head dim."""
+    return {"qk_scale": scale, "causal_offset": k.shape[2] - q.shape[2], "group": q.shape[1] // k.shape[1],
+            "TILE_D": tile_d(q.shape[-1]), "CAUSAL": causal}
+
+
+class ForwardCall(Launches):
+    """The one launch of a training step's forward: ``(o, lse)``, the same two buffers every call."""
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float) -> None:
+        q, k, v = (t.contiguous() for t in (q, k, v))
+        batch, heads, q_len, head_dim = q.shape
+        t = tiles(head_dim)
+        self.variant = ForwardTiles(t.dq_m, t.dq_n, t.dq_warps)
+        self.out = o, lse = torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+        self.launches = [
+            ((math.ceil(q_len / t.dq_m), *heads_by_batch(heads, batch)),
+             kernel("fwd_lse", t.dq_warps, needs_int64(q, k, v)),
+             bind("fwd_lse", MODULE, Q=q, K=k, V=v, Out=o, LSE=lse, TILE_M=t.dq_m, TILE_N=t.dq_n,
+                  EVEN_N=k.shape[2] % t.dq_n == 0, **shared_constants(q, k, causal=causal, scale=scale))),
+        ]
+
+
+def training_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float) -> Prepared:
+    """The forward of a training step (``forward=`` of the backward's entry): our dense forward writes no lse."""
+    return ForwardCall(q, k, v, causal=causal, scale=scale).prepared()
+
+
 @register("cutile", op="backward", family="cutile", dtypes=HALF, devices=("cuda",), head_dims=HEAD_DIMS,
-          requires=requires, needs=("lse",),
+          requires=requires, needs=("lse",), forward=training_forward,
           description="our FlashAttention-2 backward in cuTile: delta pre-pass, dk/dv over key tiles walking the "
                       "query tiles of the GQA group, dq over query tiles; fixed tiles, untuned")
 def cutile_backward(inputs: Backward, *, scale: float) -> Prepared:

@@ -1,5 +1,10 @@
 """Our FlashAttention-2 backward in cuTile: three kernels over the forward's inputs, output and log-sum-exp, the same
-algorithm as ``impls.triton_fa.backward``.
+algorithm as ``impls.triton_fa.backward``, and the forward a training step runs before them.
+
+0. ``fwd_lse``: the forward of a training step: ``o`` and the natural-log ``lse`` of each query row (+inf where a
+   row sees no key), for the three kernels below to read. One block per TILE_M tile of query rows of one (batch,
+   query head), the dense forward's online softmax (``kernel.softmax_step``, log2 units) over the key tiles the
+   rows see; the mask only at the causal diagonal and a ragged last key tile, as ``bwd_dq`` walks them.
 
 1. ``bwd_delta``: ``delta = rowsum(do * o)`` per query row, float32 (the softmax Jacobian's row term).
 2. ``bwd_dkdv``: one block per TILE_N tile of keys of one (batch, kv head). It walks every query head of the kv
@@ -34,9 +39,60 @@ from impls.cutile.kernel import (
     key_tiles,
     load_rows,
     mask_scores,
+    softmax_step,
     store_rows,
     with_int64_indexing,
 )
+
+LOG_2 = math.log(2)  # the running max and sum are in log2 units; lse is natural-log: lse = (m + log2(l)) * ln 2
+
+
+@ct.kernel
+def fwd_lse(
+    Q, K, V, Out, LSE,
+    qk_scale: float,
+    causal_offset: int,
+    group: int,
+    TILE_D: ConstInt, TILE_M: ConstInt, TILE_N: ConstInt, CAUSAL: ConstBool, EVEN_N: ConstBool,
+):
+    """o and lse of one TILE_M tile of query rows of one (batch, query head); grid: query tiles x query heads x
+    batch."""
+    tile_m, head, batch = ct.bid(0), ct.bid(1), ct.bid(2)
+    kv_head = head // group  # GQA by index, as the forward
+    kv_len = K.shape[2]
+    scale_log2 = qk_scale * INV_LOG_2
+    offs_m = (tile_m * TILE_M + ct.arange(TILE_M, dtype=ct.int32))[:, None]
+    q = load_rows(Q, batch, head, tile_m, TILE_M, TILE_D, 0, None)
+    m_i = ct.full((TILE_M, 1), -math.inf, dtype=ct.float32)
+    l_i = ct.full((TILE_M, 1), 0.0, dtype=ct.float32)
+    acc = ct.full((TILE_M, TILE_D), 0.0, dtype=ct.float32)
+    # [0, free_end) seen whole by every row, [free_end, end) at the diagonal or ragged
+    _, _, free_end, end = key_tiles(tile_m, kv_len, causal_offset, 0, 0, TILE_M, TILE_N, CAUSAL, False)
+    for j in range(free_end):
+        acc, l_i, m_i = fold_key_tile(acc, l_i, m_i, q, K, V, batch, kv_head, j, offs_m, scale_log2, kv_len,
+                                      causal_offset, TILE_M, TILE_N, TILE_D, CAUSAL, EVEN_N, MASKED=False)
+    if CAUSAL or not EVEN_N:  # no masked loop where nothing needs one (the compiler cannot prove it empty)
+        for j in range(free_end, end):
+            acc, l_i, m_i = fold_key_tile(acc, l_i, m_i, q, K, V, batch, kv_head, j, offs_m, scale_log2, kv_len,
+                                          causal_offset, TILE_M, TILE_N, TILE_D, CAUSAL, EVEN_N, MASKED=True)
+    seen = l_i > 0.0  # a row that sees no key: o = 0, lse = +inf (its p in the backward is then 0)
+    l_safe = ct.where(seen, l_i, 1.0)
+    store_rows(Out, (acc / l_safe).astype(Out.dtype), batch, head, tile_m, 0)
+    lse = ct.where(seen, (m_i + ct.log2(l_safe)) * LOG_2, math.inf)
+    ct.store(LSE, index=(batch, head, tile_m), tile=lse.reshape((1, 1, TILE_M)))
+
+
+def fold_key_tile(acc, l_i, m_i, q, K, V, batch, kv_head, j, offs_m, scale_log2, kv_len, causal_offset, TILE_M,
+                  TILE_N, TILE_D, CAUSAL, EVEN_N, MASKED):
+    """Key tile j folded into the running max, sum (log2 units) and unnormalised output. MASKED: keys past a row's
+    diagonal or past Skv score -inf, and a row may not have seen any key yet (``kernel.finite``)."""
+    k = load_rows(K, batch, kv_head, j, TILE_N, TILE_D, 0, None)
+    v = load_rows(V, batch, kv_head, j, TILE_N, TILE_D, 0, None)
+    scores = ct.mma(q, ct.transpose(k), ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32))
+    if MASKED:
+        scores = mask_scores(scores, offs_m, j, kv_len, causal_offset, 0, 0, TILE_N, CAUSAL, EVEN_N, False)
+    p, alpha, l_i, m_i = softmax_step(scores, l_i, m_i, scale_log2, MASKED, True)
+    return ct.mma(p.astype(v.dtype), v, acc * alpha), l_i, m_i
 
 
 @ct.kernel
@@ -165,8 +221,10 @@ def load_row_values(A, batch, head, tile_m, TILE_M):
     return ct.load(A, index=(batch, head, tile_m), shape=(1, 1, TILE_M), allow_tma=False, padding_mode=ZERO_PAD)
 
 
-ARRAYS = {"bwd_delta": ("Out", "DO", "Delta"), "bwd_dkdv": ("Q", "K", "V", "DO", "LSE", "Delta", "DK", "DV"),
+ARRAYS = {"fwd_lse": ("Q", "K", "V", "Out", "LSE"), "bwd_delta": ("Out", "DO", "Delta"),
+          "bwd_dkdv": ("Q", "K", "V", "DO", "LSE", "Delta", "DK", "DV"),
           "bwd_dq": ("Q", "K", "V", "DO", "LSE", "Delta", "DQ")}
+fwd_lse_int64 = with_int64_indexing(fwd_lse, ARRAYS["fwd_lse"])
 bwd_delta_int64 = with_int64_indexing(bwd_delta, ARRAYS["bwd_delta"])
 bwd_dkdv_int64 = with_int64_indexing(bwd_dkdv, ARRAYS["bwd_dkdv"])
 bwd_dq_int64 = with_int64_indexing(bwd_dq, ARRAYS["bwd_dq"])
