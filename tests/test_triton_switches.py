@@ -147,3 +147,102 @@ def test_the_scale_folds_by_default_where_it_measured_faster() -> None:
         return dense_meta(q, q, causal=True, window=(-1, -1), softcap=0.0)["FOLD_SCALE"]
 
     assert folds(32) and folds(64) and not folds(96) and not folds(128)
+
+
+# Host descriptors (HOST_DESC) as the dense entry's tuning candidates, on the descriptor path only.
+HOST_CANDIDATES = [{"BLOCK_M": m, "BLOCK_N": n, "USE_TMA": True, "HOST_DESC": True, "num_warps": 8, "num_stages": 3}
+                   for m, n in ((128, 128), (128, 64))]
+
+
+def test_host_descriptor_configs_are_candidates_of_the_descriptor_path_only() -> None:
+    from impls.triton_fa.dense import configs, heuristic_config
+
+    host = [c for c in configs(pointer=True, tma=True) if c.get("HOST_DESC")]
+    assert host == HOST_CANDIDATES
+    assert not any(c.get("HOST_DESC") for c in configs(pointer=True, tma=False))
+    assert not any(heuristic_config(128, 8192, pointer).get("HOST_DESC") for pointer in (True, False))
+
+
+def pin_config(monkeypatch, config: dict) -> list:
+    """Run the dense entries as on an sm_90 GPU whose tuning lookup gives ``config`` (the interpreter still runs
+    the kernel: fp32 inputs, whose dots it computes right); returns the space checks each lookup was given."""
+    from impls.triton_fa import dense
+
+    checks = []
+
+    def lookup(key, tune, fixed, compile_all=None, near=(), valid=None):
+        checks.append(valid)
+        return config, "pinned"
+
+    monkeypatch.setattr(dense, "interpreting", lambda: False)
+    monkeypatch.setattr(dense, "tma_available", lambda device: True)
+    monkeypatch.setattr(dense.TUNING, "key", lambda device, shape: repr(shape))
+    monkeypatch.setattr(dense.TUNING, "lookup", lookup)
+    return checks
+
+
+@pytest.mark.parametrize("config", [slow(HOST_CANDIDATES[0]), HOST_CANDIDATES[1]],
+                         ids=lambda c: f"{c['BLOCK_M']}x{c['BLOCK_N']}")
+def test_a_host_descriptor_pick_runs_through_the_prepared_launch(monkeypatch, config: dict) -> None:
+    import impls
+
+    checks = pin_config(monkeypatch, config)
+    q, k, v = (t.float() for t in ramped_inputs(1, 2, 1, 130, 200))
+    oracle = Oracle.dense(q, k, v, causal=True, scale=q.shape[-1] ** -0.5)
+    prepared = impls.get("triton").prepare(q, k, v, causal=True, scale=q.shape[-1] ** -0.5)
+    result = oracle.check(prepared.run())
+    assert result.passed, result.message
+    assert prepared.config["HOST_DESC"] and prepared.config["chosen"] == "pinned"
+    assert checks[0](config)  # a shipped table may carry it
+
+
+def test_host_descriptor_picks_are_refused_where_descriptors_do_not_fit(monkeypatch) -> None:
+    import impls
+
+    checks = pin_config(monkeypatch, {"BLOCK_M": 64, "BLOCK_N": 64, "USE_TMA": False, "num_warps": 4,
+                                      "num_stages": 1})
+    q, k, v = (t.float() for t in ramped_inputs(1, 2, 2, 16, 16, 96, 96))
+    impls.get("triton").prepare(q, k, v, causal=False, scale=0.1).run()
+    assert not any(checks[0](c) for c in HOST_CANDIDATES)
+
+
+@pytest.mark.parametrize("winner", ["host", "pointer"])
+def test_one_autotuner_runs_host_descriptor_and_pointer_configs_on_the_same_arguments(winner: str) -> None:
+    """``triton.autotune`` over a host-descriptor config, then an in-kernel-descriptor and a pointer one (timed by
+    a stand-in that ranks them as ``winner`` asks), on descriptors built with other block shapes as the tuned launch
+    builds them: the pick's run, after the others reshaped nothing it reads, passes the oracle."""
+    import triton
+
+    from impls.triton_fa.dense import (
+        PLACEHOLDER_TILES,
+        dense_meta,
+        host_descriptors,
+        kernel_arguments,
+        plain_kernel,
+        tuner_configs,
+    )
+
+    def wanted(c) -> bool:
+        tiles = (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_stages)
+        return tiles == (128, 64, 3) if c.kwargs.get("HOST_DESC") else tiles == (64, 64, 3)
+
+    candidates = sorted(filter(wanted, tuner_configs(pointer=True, tma=True)), key=lambda c: -c.kwargs["BLOCK_M"])
+    assert [(c.kwargs["USE_TMA"], c.kwargs.get("HOST_DESC", False)) for c in candidates] == [
+        (True, True), (False, False), (True, False)]
+    times = iter([1.0, 3.0, 2.0] if winner == "host" else [3.0, 1.0, 2.0])
+
+    def stand_in_bench(call, quantiles) -> list[float]:
+        call()
+        return [next(times)] * len(quantiles)
+
+    key = ["q_len_class", "HEAD_DIM", "CAUSAL"]
+    tuner = triton.autotune(configs=candidates, key=key, do_bench=stand_in_bench)(plain_kernel())
+    q, k, v = (t.float() for t in ramped_inputs(1, 2, 1, 130, 200))
+    out, scale = torch.empty_like(q), q.shape[-1] ** -0.5
+    meta = {**dense_meta(q, v, causal=True, window=(-1, -1), softcap=0.0),
+            **host_descriptors(q, k, v, out, *PLACEHOLDER_TILES)}
+    tuner[lambda c: (triton.cdiv(130, c["BLOCK_M"]), 2, 1)](*kernel_arguments(q, k, v, out, scale, causal=True),
+                                                            **meta)
+    assert bool(tuner.best_config.kwargs.get("HOST_DESC")) == (winner == "host")
+    result = Oracle.dense(q, k, v, causal=True, scale=scale).check(out)
+    assert result.passed, result.message

@@ -86,7 +86,8 @@ def triton_candidates() -> Iterator[tuple[str, Maker]]:
         def make(q, k, v, out, causal: bool, scale: float, cfg: dict[str, Any] = cfg) -> Callable[[], Any]:
             return lambda: launch(cfg, q, k, v, out, causal=causal, scale=scale)
         tiles = f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}:w{cfg['num_warps']}s{cfg['num_stages']}"
-        yield f"triton{'-tma' * cfg['USE_TMA']}:{tiles}", make
+        path = "-host" if cfg.get("HOST_DESC") else "-tma" if cfg["USE_TMA"] else ""
+        yield f"triton{path}:{tiles}", make
 
 
 # Named configs of the Triton kernel's switches (impls/triton_fa/dense.py SWITCHES), each beside the plain kernel

@@ -2,14 +2,16 @@
 tensor descriptors (TMA on Hopper) only, as ``triton-tma``, and over packed batches as ``triton``'s varlen entry.
 
 Autotuned over tile shape, warps, pipeline depth and, on sm_90 and newer, how tiles are loaded (pointers or
-descriptors: ``USE_TMA`` is a config parameter like the tile shape), keyed on the shape class (sequence-length
-buckets, head dim, causal, GQA group, dtype); the chosen config is reported with every benchmark. Under
-``TRITON_INTERPRET=1`` (CPU) the autotuner, which times on a GPU, is bypassed for one fixed config, and the dots run
-in float32 because the interpreter computes half-precision ``tl.dot`` wrongly.
+descriptors built in the kernel or on the host: ``USE_TMA`` and ``HOST_DESC`` are config parameters like the tile
+shape), keyed on the shape class (sequence-length buckets, head dim, causal, GQA group, dtype); the chosen config is
+reported with every benchmark. Under ``TRITON_INTERPRET=1`` (CPU) the autotuner, which times on a GPU, is bypassed
+for one fixed config, and the dots run in float32 because the interpreter computes half-precision ``tl.dot``
+wrongly.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from collections.abc import Callable
@@ -47,6 +49,12 @@ SEARCH_SPACE = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (64, 64, 4, 
 # The descriptor (TMA) path on sm_90+: it needs ~140 registers at 128x64 where the pointer path needs 244
 # (cuobjdump, Triton 3.6), so with two pipeline stages two 128-row programs fit on one SM.
 TMA_SEARCH_SPACE = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (32, 64, 4, 3)]
+# The same path with its descriptors built on the host (HOST_DESC): at D=128 the switch sweep's best variant
+# (128x128, 3 stages: +2% geomean over the 128x64 pointer tile) and a level one (docs/design.md#the-search-spaces).
+HOST_DESC_SEARCH_SPACE = [(128, 128, 8, 3), (128, 64, 8, 3)]
+PLACEHOLDER_TILES = (64, 64)  # (BLOCK_M, BLOCK_N): host descriptors' blocks before a config sets its own
+# The kernel's host descriptor arguments, for q, k, v and out, and the tile dimension that sizes each one's block.
+DESCRIPTORS = {"desc_q": "BLOCK_M", "desc_k": "BLOCK_N", "desc_v": "BLOCK_N", "desc_o": "BLOCK_M"}
 
 
 def heuristic_config(block_d: int, q_len_class: int, pointer: bool) -> dict:
@@ -69,10 +77,26 @@ def plain_kernel():
 
 
 def configs(pointer: bool = True, tma: bool = False) -> list[dict]:
-    """The autotuner's candidates as launch options: the pointer-path space, the TMA-path space, or both."""
-    spaces = [(False, SEARCH_SPACE)] * pointer + [(True, TMA_SEARCH_SPACE)] * tma
-    return [{"BLOCK_M": m, "BLOCK_N": n, "USE_TMA": use_tma, "num_warps": w, "num_stages": s}
-            for use_tma, space in spaces for m, n, w, s in space]
+    """The autotuner's candidates as launch options: the pointer-path space, the TMA-path spaces (descriptors
+    built in the kernel, then on the host), or both. ``tma`` only where ``descriptors_fit``."""
+    spaces = [({"USE_TMA": False}, SEARCH_SPACE)] * pointer + [
+        ({"USE_TMA": True}, TMA_SEARCH_SPACE), ({"USE_TMA": True, "HOST_DESC": True}, HOST_DESC_SEARCH_SPACE)] * tma
+    return [{"BLOCK_M": m, "BLOCK_N": n, **path, "num_warps": w, "num_stages": s}
+            for path, space in spaces for m, n, w, s in space]
+
+
+def tuner_configs(pointer: bool, tma: bool) -> list:
+    """``configs(pointer, tma)`` as the autotuner's ``triton.Config``s. On the TMA path each sets the host
+    descriptors' block shapes to its own tiles before it runs (``shape_descriptors``): HOST_DESC configs read
+    them, and the others, which ignore them, then compile for the same argument types every time."""
+    import triton
+
+    def as_config(c: dict) -> triton.Config:
+        options = {k: c[k] for k in ("num_warps", "num_stages")}
+        return triton.Config({k: v for k, v in c.items() if k not in options}, **options,
+                             pre_hook=shape_descriptors if tma else None)
+
+    return [as_config(c) for c in configs(pointer, tma)]
 
 
 @functools.cache
@@ -80,17 +104,29 @@ def autotuned(pointer: bool, tma: bool):
     """The kernel autotuned over ``configs(pointer, tma)``, keyed on the shape class."""
     import triton
 
-    def as_config(c: dict) -> triton.Config:
-        options = {k: c[k] for k in ("num_warps", "num_stages")}
-        return triton.Config({k: v for k, v in c.items() if k not in options}, **options)
-
     key = ["q_len_class", "kv_len_class", "group", "HEAD_DIM", "CAUSAL", "HAS_WINDOW", "SOFTCAP"]
-    return triton.autotune(configs=[as_config(c) for c in configs(pointer, tma)], key=key)(plain_kernel())
+    return triton.autotune(configs=tuner_configs(pointer, tma), key=key)(plain_kernel())
+
+
+def shape_descriptors(nargs: dict) -> None:
+    """The autotuner's pre_hook (Triton's fused-attention tutorial does the same): ``nargs``' host descriptors, if
+    any, given blocks of one head's BLOCK_M query or BLOCK_N key rows for the config in ``nargs``."""
+    for name, rows in DESCRIPTORS.items():
+        if nargs.get(name) is not None:
+            nargs[name].block_shape = [1, nargs[rows], nargs[name].block_shape[-1]]
+
+
+def shaped_descriptors(meta: dict, config: dict) -> dict:
+    """``meta`` with copies of its host descriptors shaped for ``config`` (``shape_descriptors``), so that
+    compiles in parallel threads do not reshape each other's."""
+    copies = {name: dataclasses.replace(meta[name]) for name in DESCRIPTORS if meta.get(name) is not None}
+    shape_descriptors({**copies, **config})
+    return {**meta, **copies}
 
 
 # Config keys beside the tile shape that pick among the kernel's switches (kernel.py; all off by default). They
 # reach the kernel through launch() for sweeps (tools/sweep.py --which variants); the autotuner's spaces leave
-# them off.
+# them off, but for HOST_DESC (HOST_DESC_SEARCH_SPACE).
 SWITCHES = {"FOLD_SCALE": False, "LAZY_RESCALE": 0.0, "LOOP_STAGES": 0, "WARP_SPECIALIZE": False,
             "HOST_DESC": False, "PERSISTENT": 0, "OVERLAP_PV": False}
 # Launch-side keys, not kernel arguments: persistent programs per SM (the grid is that times the SM count).
@@ -119,10 +155,10 @@ def fixed_launch(config: dict, q, k, v, out, *, causal: bool, scale: float, wind
         install_descriptor_allocator()
     batch, heads, q_len = q.shape[:3]
     args = kernel_arguments(q, k, v, out, scale, window, causal)
-    if host_desc:
-        args = (*host_descriptors(q, k, v, out, config["BLOCK_M"], config["BLOCK_N"]), *args[4:])
     grid = launch_grid(config, q_len, heads, batch, q.device, per_sm)
     meta = dense_meta(q, v, causal=causal, window=window, softcap=softcap)
+    if host_desc:
+        meta.update(host_descriptors(q, k, v, out, config["BLOCK_M"], config["BLOCK_N"]))
     meta.update({key: config.pop(key) for key in SWITCHES if key in config})  # the config's switches win
     kernel = plain_kernel()
     if warmup:
@@ -160,9 +196,10 @@ def launch_grid(config: dict, q_len: int, heads: int, batch: int, device: torch.
     return (min(sms * programs_per_sm, tiles * heads * batch),)
 
 
-def host_descriptors(q, k, v, out, block_m: int, block_n: int) -> tuple:
-    """Tensor descriptors over the contiguous (B*H, S, D) views of q, k, v and out, built on the host (HOST_DESC):
-    the kernel then writes none to global scratch; blocks of one head's BLOCK_M query or BLOCK_N key rows."""
+def host_descriptors(q, k, v, out, block_m: int, block_n: int) -> dict:
+    """Tensor descriptors over the contiguous (B*H, S, D) views of q, k, v and out, built on the host (HOST_DESC),
+    by their kernel argument names: the kernel then writes none to global scratch; blocks of one head's BLOCK_M
+    query or BLOCK_N key rows."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     def describe(t, rows: int) -> TensorDescriptor:
@@ -171,7 +208,8 @@ def host_descriptors(q, k, v, out, block_m: int, block_n: int) -> tuple:
         b, h, s, d = t.shape
         return TensorDescriptor(t, [b * h, s, d], [s * d, d, 1], [1, rows, d])
 
-    return describe(q, block_m), describe(k, block_n), describe(v, block_n), describe(out, block_m)
+    return dict(zip(DESCRIPTORS, (describe(q, block_m), describe(k, block_n), describe(v, block_n),
+                                  describe(out, block_m)), strict=True))
 
 
 # FOLD_SCALE by default up to this padded head dim: at D=64 the softmax's arithmetic, not the dots, bounds the
@@ -222,14 +260,16 @@ def precompile(kernel, args: tuple, meta: dict, grid, candidates: list[dict]) ->
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=min(len(candidates), os.cpu_count() or 1)) as pool:
-        list(pool.map(lambda c: kernel.warmup(*args, grid=grid(c), **meta, **c), candidates))
+        list(pool.map(lambda c: kernel.warmup(*args, grid=grid(c), **shaped_descriptors(meta, c), **c), candidates))
 
 
 def prepared_launch(args: tuple, meta: dict, grid, out: torch.Tensor, *, pointer: bool, tma: bool,
                     shape_class: tuple, lengths: tuple[int, int]) -> Prepared:
     """The timed call: ``attention_fwd`` with ``args`` and ``meta``, its config as ``TuningCache.lookup`` gives it
     for ``shape_class`` (whose positions ``lengths``, the length classes, a shipped pick carries across); under the
-    interpreter one fixed config. Runs once (compile, tune where asked)."""
+    interpreter one fixed config. ``meta`` holds the host descriptors (``host_descriptors``, any block shape) where
+    the space has HOST_DESC configs; a config that is not one runs without them. Runs once (compile, tune where
+    asked)."""
     kernel = plain_kernel()
     fixed = {**INTERPRETER_CONFIG, "USE_TMA": tma and not pointer}
     if interpreting():  # the autotuner times on a GPU
@@ -251,6 +291,10 @@ def prepared_launch(args: tuple, meta: dict, grid, out: torch.Tensor, *, pointer
         config, source = TUNING.lookup(TUNING.key(out.device, (*prefix, *shape_class)), tune, lambda: guess,
                                        compile_all, [len(prefix) + i for i in lengths], space.__contains__)
     launch_grid = grid(config)
+    if config.get("HOST_DESC"):
+        meta = shaped_descriptors(meta, config)
+    else:  # the same compile as where the space has no descriptors
+        meta = {k: v for k, v in meta.items() if k not in DESCRIPTORS}
 
     def run() -> torch.Tensor:
         kernel[launch_grid](*args, **meta, **config)
@@ -299,6 +343,8 @@ def prepare_dense(q, k, v, paths: str, *, causal: bool, scale: float, window: tu
     out = q.new_empty((batch, heads, q_len, value_dim))
     window = binding_window(window, causal, q_len, k.shape[2])  # one that hides no key: no window masks
     meta = dense_meta(q, v, causal=causal, window=window, softcap=softcap)
+    if tma:  # for the HOST_DESC configs: each shapes them to its tiles before it runs
+        meta.update(host_descriptors(q, k, v, out, *PLACEHOLDER_TILES))
 
     def grid(cfg):
         return (triton.cdiv(q_len, cfg["BLOCK_M"]), *axes)

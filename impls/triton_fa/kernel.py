@@ -13,8 +13,9 @@ j <= i + Skv - Sq); a row that sees no key keeps l == 0 and is written as zeros.
 
 USE_TMA: tiles move through tensor descriptors (Hopper's bulk tensor copy engine) over the contiguous
 (B*H, S, D) view of each tensor, instead of pointer arithmetic; ragged tiles read zeros and stores are
-clipped per head by the descriptor itself. HOST_DESC: those descriptors come from the host as the Q, K, V and
-Out arguments instead of being written by each program.
+clipped per head by the descriptor itself. HOST_DESC: those descriptors come from the host, as the arguments
+``desc_q`` .. ``desc_o`` beside the pointers (so one autotuner serves both), instead of being written by each
+program.
 
 Schedule and softmax switches (all off by default; docs/design.md#triton-forward):
 - PERSISTENT (1: head by head, 2: heaviest tiles of all heads first): as many programs as the launcher sizes
@@ -319,7 +320,7 @@ def _attention_tile(
 
 @triton.jit
 def attention_fwd(
-    Q, K, V, Out, qk_scale,  # HOST_DESC: Q, K, V and Out are tensor descriptors over the (B*H, S, D) views
+    Q, K, V, Out, qk_scale,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -338,13 +339,14 @@ def attention_fwd(
     HOST_DESC: tl.constexpr = False, PERSISTENT: tl.constexpr = 0, FOLD_SCALE: tl.constexpr = False,
     LAZY_RESCALE: tl.constexpr = 0.0, LOOP_STAGES: tl.constexpr = 0, WARP_SPECIALIZE: tl.constexpr = False,
     OVERLAP_PV: tl.constexpr = False,
+    desc_q=None, desc_k=None, desc_v=None, desc_o=None,  # HOST_DESC: descriptors over the (B*H, S, D) views
 ):
     tl.static_assert(not (PERSISTENT and VARLEN), "the persistent schedule is for dense batches")
     tl.static_assert(not (USE_TMA and VARLEN), "descriptors cover dense batches only")
     tl.static_assert(USE_TMA or not HOST_DESC, "host descriptors are the descriptor (USE_TMA) path")
     tl.static_assert(not (OVERLAP_PV and LAZY_RESCALE > 0), "a conditional rescale undoes the P @ V overlap")
     if HOST_DESC:
-        q_desc, k_desc, v_desc, o_desc = Q, K, V, Out
+        q_desc, k_desc, v_desc, o_desc = desc_q, desc_k, desc_v, desc_o
     elif USE_TMA:  # descriptors over the contiguous (B*H, S, D) views; their bounds are per head
         num_bh = num_batch * num_heads
         q_desc = tl.make_tensor_descriptor(Q, shape=[num_bh, q_len, HEAD_DIM],
