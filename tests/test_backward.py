@@ -103,9 +103,9 @@ from impls.triton_fa.backward import bwd_dkdv, bwd_dq, block_d, fwd_lse, tiles
 for d in (64, 128, 256):
     dkdv, dq = tiles(d, torch.bfloat16)
     for fn, t in ((bwd_dkdv, dkdv), (bwd_dq, dq), (fwd_lse, dq)):
-        meta = {"HEAD_DIM": d, "BLOCK_D": block_d(d), "SOFTCAP": 0.0, "DOT_FP32": False,
+        meta = {"HEAD_DIM": d, "BLOCK_D": block_d(d), "SOFTCAP": 0.0, "DOT_FP32": False, "PACKED": False,
                 "BLOCK_M": t["BLOCK_M"], "BLOCK_N": t["BLOCK_N"]}
-        pointers = {n: "fp32" if n in ("LSE", "Delta") else "bf16" for n in fn.arg_names
+        pointers = {n: {"LSE": "fp32", "Delta": "fp32", "CuSeqlens": "i32"}.get(n, "bf16") for n in fn.arg_names
                     if n[0].isupper() and n not in meta}
         cubin = compile_for(fn, 90, meta, pointers, t["num_warps"], t["num_stages"]).asm["cubin"]
         print(json.dumps({"d": d, "kernel": fn.__name__, **sass_summary(cubin)}))
