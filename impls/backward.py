@@ -8,8 +8,8 @@ forward and ``torch.autograd.grad`` together. Naive: standard attention in the i
 (the forward chooses the kernel, the backward follows it); flex: compiled, GPU only (PyTorch has no flex backward
 on CPU); flash-attn 2/3/4: their ``flash_attn_func``, GPU only, ``requires`` naming a missing package. Packed
 documents (``cu_seqlens``) go through the peer's varlen forward entry where it has one (naive: per document;
-flex: its document mask; flash-attn: ``flash_attn_varlen_func``); the others (SDPA's backends, whose varlen entry
-is not per backend) refuse them.
+sdpa: nested jagged tensors; flex: its document mask; flash-attn: ``flash_attn_varlen_func``); the others (SDPA's
+entries per backend, which have none) refuse them.
 
 Any other backward entry (ours: ``impls.triton_fa.backward``, ``impls.cutile``) gets its training step from
 ``forward_backward``: the ``forward=`` it registered, writing ``(o, lse)``, then the backward over them.

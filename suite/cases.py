@@ -186,7 +186,9 @@ class Case:
 
     def seqlens(self) -> list[int]:
         """Per-sequence lengths: the cache lengths (paged; mixed: the decoding sequences', then the chunks'), the
-        sequence lengths (varlen), Skv (dense)."""
+        sequence lengths (varlen, packed training), Skv (dense)."""
+        if self.packed:  # the documents of its varlen forward, which draws its inputs
+            return replace(self, op="varlen").seqlens()
         gen = torch.Generator().manual_seed(self.seed)
         if self.op == "mixed":
             decode = replace(self, op="paged", sq=1, chunks=0).seqlens() if self.batch else []
@@ -246,7 +248,6 @@ class Case:
         forward's ``o`` and ``lse`` too (standard attention in the case's dtype per sequence, made here, so outside
         any timed region)."""
         from impls.contract import ForwardBackward
-        from impls.reference import attention_lse, attention_ref
 
         forward = replace(self, op=self.forward_op).make_inputs(device)
         if self.packed:
@@ -254,17 +255,7 @@ class Case:
         else:
             (q, k, v), cu_seqlens = forward, None
         step = ForwardBackward(q, k, v, randn(*q.shape), causal=self.causal, cu_seqlens=cu_seqlens)
-        if self.op == "fwdbwd":
-            return step
-        options = {"causal": self.causal, **self.variants}
-        if not self.packed:
-            return step.backward(attention_ref(q, k, v, upcast=False, **options), attention_lse(q, k, **options))
-        o, lse = torch.empty_like(q), torch.empty(q.shape[:-1], dtype=torch.float32, device=device)
-        for b in range(step.batch):  # each document's rows: views into the packed o and lse
-            qd, kd, vd = (step.document(t, b) for t in (q, k, v))
-            step.document(o, b)[:] = attention_ref(qd, kd, vd, upcast=False, **options)
-            step.document(lse[..., None], b)[:] = attention_lse(qd, kd, **options)[..., None]
-        return step.backward(o, lse)
+        return step if self.op == "fwdbwd" else with_forward(step, **self.variants)
 
     def _paged_inputs(self, randn, device):
         from impls.contract import PagedKV
@@ -320,6 +311,23 @@ class Case:
             start += n
         tails = [(int(table[b, pages_per_seq[b] - 1]), n % page) for b, n in enumerate(lengths) if n % page]
         return PageLayout(lengths, num_pages, table, order[used:], tails)
+
+
+def with_forward(step, **variants):
+    """The ``Backward`` of a training step's inputs (``ForwardBackward``): its forward's ``o`` and ``lse`` made by
+    standard attention in the inputs' dtype, per document where they are packed; ``variants``: window, softcap."""
+    from impls.reference import attention_lse, attention_ref
+
+    q, k, v = step.q, step.k, step.v
+    options = {"causal": step.causal, **variants}
+    if not step.packed:
+        return step.backward(attention_ref(q, k, v, upcast=False, **options), attention_lse(q, k, **options))
+    o, lse = torch.empty_like(q), torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    for b in range(step.batch):  # each document's rows: views into the packed o and lse
+        qd, kd, vd = (step.document(t, b) for t in (q, k, v))
+        step.document(o, b)[:] = attention_ref(qd, kd, vd, upcast=False, **options)
+        step.document(lse[..., None], b)[:] = attention_lse(qd, kd, **options)[..., None]
+    return step.backward(o, lse)
 
 
 @dataclass(frozen=True)

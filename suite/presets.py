@@ -73,7 +73,8 @@ def _train() -> list[Case]:
     dense = backward(Case(16384 // s, hq, hkv, s, s, d, "bf16", True, model=name)
                      for name, hq, hkv, d in (LLAMA3_8B, LLAMA3_70B_TP8) for s in (4096, 8192))
     name, hq, hkv, d = LLAMA3_8B
-    return dense + packed_training([Case(8, hq, hkv, 16384, 16384, d, "bf16", True, lengths="random", model=name)])
+    return dense + packed_training([Case(8, hq, hkv, 16384, 16384, d, "bf16", True, op="backward", lengths="random",
+                                         model=name)])
 
 
 # Attention shapes of real checkpoints: (name in the case id, Hq, Hkv, D). The 70B is one GPU's slice of
@@ -281,7 +282,7 @@ PRESETS: dict[str, list[Case]] = {
         Case(1, 2, 2, 130, 70, 128, "fp32", True),
         Case(2, 2, 1, 40, 40, 128, "fp16", False),
         Case(1, 2, 1, 90, 90, 64, "bf16", True, window=(32, -1), softcap=20.0),
-    ]) + packed_training([Case(4, 4, 2, 150, 150, 64, "fp16", True, lengths="random")]),
+    ]) + packed_training([Case(4, 4, 2, 150, 150, 64, "fp16", True, op="backward", lengths="random")]),
     "gqa": grid(batch=[4], heads=[(32, h) for h in (32, 8, 4, 1)], seqlens=[4096], d=[128]),
     "decode": grid(
         batch=[4], heads=[(32, 8)], seqlens=[(sq, skv) for sq in (1, 16) for skv in (1024, 4096, 16384, 32768)],
