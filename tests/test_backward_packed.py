@@ -4,13 +4,17 @@ the oracle per document, their cases, FLOPs and presets, and our Triton kernels 
 from __future__ import annotations
 
 import itertools
+import sys
+import types
 from dataclasses import replace
 
 import pytest
 import torch
 
-from impls import Unsupported, get
+from impls import Impl, Unsupported, get
 from impls.contract import Backward, ForwardBackward
+from impls.flash_attn_pkg import GENERATIONS
+from impls.reference import attention_ref
 from suite import metrics
 from suite.cases import Case, with_forward
 from suite.checks import BackwardOracle
@@ -144,3 +148,30 @@ def test_packed_cases_their_ids_flops_and_presets() -> None:
     for name, model in (("train", "llama3-8b"), ("bwd-cpu", "")):
         packed = [c for c in preset(name) if c.packed]
         assert {c.op for c in packed} == {"backward", "fwdbwd"} and all(c.model == model for c in packed), name
+
+
+@pytest.mark.parametrize("name", list(GENERATIONS))
+def test_flash_attn_runs_packed_documents_through_its_varlen_function(name: str, monkeypatch) -> None:
+    """Autograd through each generation's ``flash_attn_varlen_func`` (a fake module here: standard attention per
+    document), called with the documents' offsets and longest length."""
+    module, _, _ = GENERATIONS[name]
+    seen = {}
+
+    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
+                               causal=False, **kwargs):
+        seen.update(offsets=(cu_seqlens_q.tolist(), cu_seqlens_k.tolist()), longest=(max_seqlen_q, max_seqlen_k))
+        bounds = itertools.pairwise(cu_seqlens_q.tolist())
+        out = torch.cat([attention_ref(*(t[a:b].transpose(0, 1)[None] for t in (q, k, v)), causal=causal,
+                                       scale=softmax_scale, upcast=False)[0].transpose(0, 1) for a, b in bounds])
+        return out if name == "flash-attn2" else (out, None)  # FA3/FA4 return (out, lse)
+
+    parts = module.split(".")
+    for i in range(1, len(parts) + 1):
+        monkeypatch.setitem(sys.modules, ".".join(parts[:i]), types.ModuleType(".".join(parts[:i])))
+    sys.modules[module].flash_attn_varlen_func = flash_attn_varlen_func
+    monkeypatch.setattr(Impl, "availability", lambda self, device: None)
+    inputs = with_forward(packed_step((9, 1, 20), hq=4, hkv=2, d=16, dtype=torch.float16))
+    assert "packed" in get(name, "backward").variants
+    result = BackwardOracle(inputs).check(get(name, "backward").prepare(inputs)())
+    assert result.passed, result.message
+    assert seen == {"offsets": ([0, 9, 10, 30],) * 2, "longest": (20, 20)}
