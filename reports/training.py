@@ -23,8 +23,12 @@ def mode_parts(run: Run, preset: str) -> list[str]:
     return parts if base and parts[0] == preset and len(parts) > 1 else []
 
 
+PACKED_LENGTHS = ("random", "equal")  # a training case's documents packed: sq counts the tokens of all of them
+
+
 def dq_float32_bytes(case: dict[str, Any]) -> int:
-    return case.get("batch", 1) * case.get("hq", 0) * case.get("sq", 0) * case.get("d", 0) * FLOAT32_BYTES
+    rows = case.get("sq", 0) * (1 if case.get("lengths") in PACKED_LENGTHS else case.get("batch", 1))
+    return rows * case.get("hq", 0) * case.get("d", 0) * FLOAT32_BYTES
 
 
 def memory_budget(run: Run, backward_id: str) -> float | None:

@@ -15,6 +15,8 @@ from impls import Impl, Unsupported, get
 from impls.contract import Backward, ForwardBackward
 from impls.flash_attn_pkg import GENERATIONS
 from impls.reference import attention_ref
+from reports.runs import by_training_mode
+from reports.training import dq_float32_bytes
 from suite import metrics
 from suite.cases import Case, with_forward
 from suite.checks import BackwardOracle
@@ -145,9 +147,13 @@ def test_packed_cases_their_ids_flops_and_presets() -> None:
     assert metrics.min_bytes(step) == metrics.min_bytes(case) + metrics.min_bytes(replace(case, op="varlen"))
     with pytest.raises(ValueError, match="backward: 4 packed sequences need sq == skv"):
         replace(case, skv=200)
+    assert dq_float32_bytes(case.as_dict()) == 150 * 4 * 64 * 4  # the report's memory bound: one dq of the tokens
     for name, model in (("train", "llama3-8b"), ("bwd-cpu", "")):
-        packed = [c for c in preset(name) if c.packed]
+        cases = preset(name)
+        packed = [c for c in cases if c.packed]
         assert {c.op for c in packed} == {"backward", "fwdbwd"} and all(c.model == model for c in packed), name
+        split = by_training_mode({name: [c.id for c in cases]}, {c.id: c.as_dict() for c in cases})
+        assert list(split) == [f"{name}: {mode}" for mode in ("forward", "backward", "fwd+bwd")]
 
 
 @pytest.mark.parametrize("name", list(GENERATIONS))
