@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from reports.cases import case_labels
+from reports.cases import case_labels, packed
 from reports.overview import OURS, is_ours
 from reports.runs import TRAINING_MODES, Run
 
@@ -23,11 +23,8 @@ def mode_parts(run: Run, preset: str) -> list[str]:
     return parts if base and parts[0] == preset and len(parts) > 1 else []
 
 
-PACKED_LENGTHS = ("random", "equal")  # a training case's documents packed: sq counts the tokens of all of them
-
-
 def dq_float32_bytes(case: dict[str, Any]) -> int:
-    rows = case.get("sq", 0) * (1 if case.get("lengths") in PACKED_LENGTHS else case.get("batch", 1))
+    rows = case.get("sq", 0) * (1 if packed(case) else case.get("batch", 1))  # packed: sq counts every token
     return rows * case.get("hq", 0) * case.get("d", 0) * FLOAT32_BYTES
 
 

@@ -15,6 +15,7 @@ from impls import Impl, Unsupported, get
 from impls.contract import Backward, ForwardBackward
 from impls.flash_attn_pkg import GENERATIONS
 from impls.reference import attention_ref
+from reports.cases import case_parts
 from reports.runs import by_training_mode
 from reports.training import dq_float32_bytes
 from suite import metrics
@@ -148,6 +149,7 @@ def test_packed_cases_their_ids_flops_and_presets() -> None:
     with pytest.raises(ValueError, match="backward: 4 packed sequences need sq == skv"):
         replace(case, skv=200)
     assert dq_float32_bytes(case.as_dict()) == 150 * 4 * 64 * 4  # the report's memory bound: one dq of the tokens
+    assert case_parts(case.as_dict())[1:4] == ["backward", "150 tokens in 4", "random lengths"]
     for name, model in (("train", "llama3-8b"), ("bwd-cpu", "")):
         cases = preset(name)
         packed = [c for c in cases if c.packed]
