@@ -24,7 +24,8 @@ prepare functions take the validated inputs object and the scale::
 
 A window or softcap reaches a prepare function, as ``window=`` / ``softcap=``, of any operation only where it
 declares the variant (``variants=("window", "softcap")``); a paged batch with an fp8 cache reaches only those
-that declare ``"kv_fp8"``.
+that declare ``"kv_fp8"``, and a backward or training step over packed documents (``cu_seqlens``) only those that
+declare ``"packed"``.
 
 The backward pass (``op="backward"``) takes a ``Backward`` the same way and returns ``(dq, dk, dv)``; an
 implementation that reads the forward's log-sum-exp declares ``needs=("lse",)``, and inputs without one are refused;
@@ -53,8 +54,9 @@ from impls.contract import NO_WINDOW, unit_head_stride, validate_attention_input
 
 # What a model may ask of attention beyond causal (impls.reference): a sliding window and softcap (options of the
 # call), a value head dim other than the query/key one (a property of dense inputs: MLA's Dv 128, Dqk 192), and an
-# fp8 KV cache (a property of paged-decode inputs: impls.contract.PagedKV).
-VARIANTS = ("window", "softcap", "value_dim", "kv_fp8")
+# fp8 KV cache (a property of paged-decode inputs: impls.contract.PagedKV), and documents packed with cu_seqlens (a
+# property of the training ops' inputs: impls.contract.Backward, as long-context training packs its batches).
+VARIANTS = ("window", "softcap", "value_dim", "kv_fp8", "packed")
 
 Runner = Callable[[], torch.Tensor]
 
@@ -185,6 +187,8 @@ class Impl:
             options = {"scale": scale}
             if batch.kv_fp8 and "kv_fp8" not in self.variants:
                 raise Unsupported(f"{self.name}: an fp8 (e4m3) KV cache not supported")
+            if getattr(batch, "packed", False) and "packed" not in self.variants:
+                raise Unsupported(f"{self.name}: packed documents (cu_seqlens) not supported in {self.op}")
             missing = [name for name in self.needs if getattr(batch, name, None) is None]
             if missing:
                 raise ValueError(f"{self.name} needs {', '.join(missing)} in its {self.op} inputs, got None")

@@ -44,9 +44,8 @@ def naive(q, k, v, *, causal: bool, scale: float, **variants):
                       "then standard attention per sequence over one kv head (scores latent + rotary wide, values "
                       "the latent rows), eager PyTorch")
 def naive_serving(inputs, *, scale: float, **variants):
-    out = inputs.output_like()
-
     def run():
+        out = inputs.output_like()  # fresh each call: autograd through it (a packed backward's peer) needs that
         for b, o in serving_attention_ref(inputs, scale=scale, upcast=False, **variants).items():
             scatter_sequence(out, inputs, b, o)
         return out

@@ -15,6 +15,15 @@ def length(n: int) -> str:
     return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
 
 
+PACKED_LENGTHS = ("random", "equal")  # a training case of these lengths packs documents: sq counts all their tokens
+
+
+def packed(case: dict[str, Any]) -> bool:
+    """Whether a case's tokens are documents packed in one batch (varlen, or a training op over them)."""
+    op = case.get("op") or "dense"
+    return op == "varlen" or (op in ("backward", "fwdbwd") and case.get("lengths") in PACKED_LENGTHS)
+
+
 def case_parts(case: dict[str, Any], *, with_length: bool = True, with_batch: bool = True) -> list[str]:
     """What tells a case apart, in reading order: model, operation, shape, mask, heads, head dim, dtype, variants
     (an fp8 KV cache's last); empty strings where a case has no such part. Without ``with_length`` the shape loses
@@ -27,7 +36,7 @@ def case_parts(case: dict[str, Any], *, with_length: bool = True, with_batch: bo
     if op in ("paged", "mla"):
         sized = f"{batch} x {length(skv)}"
         shape = [spread, f"pages of {case.get('page_size')}", f"{sq} new token" + ("s" if sq > 1 else "")]
-    elif op == "varlen":
+    elif packed(case):
         sized, shape = f"{length(sq)} tokens in {batch}", [spread, mask]
     elif op == "mixed":  # decoding sequences beside prefill chunks
         chunks = case.get("chunks", 0)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from reports.cases import case_labels
+from reports.cases import case_labels, packed
 from reports.overview import OURS, is_ours
 from reports.runs import TRAINING_MODES, Run
 
@@ -24,7 +24,8 @@ def mode_parts(run: Run, preset: str) -> list[str]:
 
 
 def dq_float32_bytes(case: dict[str, Any]) -> int:
-    return case.get("batch", 1) * case.get("hq", 0) * case.get("sq", 0) * case.get("d", 0) * FLOAT32_BYTES
+    rows = case.get("sq", 0) * (1 if packed(case) else case.get("batch", 1))  # packed: sq counts every token
+    return rows * case.get("hq", 0) * case.get("d", 0) * FLOAT32_BYTES
 
 
 def memory_budget(run: Run, backward_id: str) -> float | None:

@@ -18,15 +18,15 @@ FP8_MAX = 448.0  # the largest finite float8_e4m3fn: a per-tensor scale maps the
 
 
 OPS = ("dense", "paged", "varlen", "mla", "mixed", "backward", "fwdbwd")
-TRAINING_OPS = ("backward", "fwdbwd")  # the dense forward's gradients: the backward alone, or a whole training step
+TRAINING_OPS = ("backward", "fwdbwd")  # the forward's gradients: the backward alone, or a whole training step
 PAGED_OPS = ("paged", "mla")  # the operations over a paged cache: decode steps, causal, with a page size
 PAGE_SIZED_OPS = (*PAGED_OPS, "mixed")  # every operation over a paged cache (mixed: decode steps and prefill chunks)
 LENGTHS = {  # how a serving case's sequence lengths are drawn (seeded by the case id)
     "fixed": "dense cases: every sequence Sq x Skv",
     "uniform": "paged: every sequence holds Skv tokens",
     "longtail": "paged: Skv x u^3, u uniform in (0, 1): mean Skv/4, a few long; the first sequence holds Skv",
-    "random": "varlen: B lengths summing to the total, cut at B-1 uniform random points",
-    "equal": "varlen: B lengths of total/B each (compares with the dense kernel)",
+    "random": "varlen, packed training: B lengths summing to the total, cut at B-1 uniform random points",
+    "equal": "varlen, packed training: B lengths of total/B each (compares with the dense kernel)",
 }
 
 
@@ -42,7 +42,8 @@ class Case:
     - ``mixed``: one serving step of ``batch`` decoding sequences (one new token each; cache lengths as
       ``paged``'s: ``skv`` the longest, ``lengths`` their draw) beside ``chunks`` prefill chunks of ``sq`` new tokens,
       chunk ``c`` the ``c + 1``-th of its prompt (``c * sq`` tokens already cached), over pages of ``page_size``.
-    - ``backward``: the backward pass of the dense case of the same shape (``impls.contract.Backward``).
+    - ``backward``: the backward pass of the dense case of the same shape (``impls.contract.Backward``); with
+      ``lengths`` random or equal, of the varlen case's documents packed with cu_seqlens (``packed``).
     - ``fwdbwd``: its forward and backward as a training step runs them (``impls.contract.ForwardBackward``).
     """
 
@@ -72,8 +73,8 @@ class Case:
         if self.op not in OPS:
             raise ValueError(f"op {self.op!r} is not one of {', '.join(OPS)}")
         allowed = {"dense": ("fixed",), "paged": ("uniform", "longtail"), "varlen": ("random", "equal"),
-                   "mla": ("uniform", "longtail"), "mixed": ("uniform", "longtail"), "backward": ("fixed",),
-                   "fwdbwd": ("fixed",)}[self.op]
+                   "mla": ("uniform", "longtail"), "mixed": ("uniform", "longtail"),
+                   "backward": ("fixed", "random", "equal"), "fwdbwd": ("fixed", "random", "equal")}[self.op]
         if self.lengths not in allowed:
             raise ValueError(f"lengths {self.lengths!r} do not apply to {self.op}: {', '.join(allowed)}")
         if (self.op in PAGE_SIZED_OPS) != (self.page_size > 0):
@@ -94,14 +95,26 @@ class Case:
                                    or (self.chunks and self.sq < 1)):
             raise ValueError(f"mixed: {self.batch} decoding sequences of up to {self.skv} cached tokens and "
                              f"{self.chunks} prefill chunks of {self.sq} new tokens: at least one sequence, none empty")
-        if self.op == "varlen" and (self.sq != self.skv or self.sq < self.batch):
-            raise ValueError(f"varlen: {self.batch} sequences need sq == skv >= batch tokens in all")
+        if self.forward_op == "varlen" and (self.sq != self.skv or self.sq < self.batch):
+            raise ValueError(f"{self.op}: {self.batch} packed sequences need sq == skv >= batch tokens in all")
+
+    @property
+    def packed(self) -> bool:
+        """A training op over documents packed as varlen's (``lengths`` random or equal), each attending to itself."""
+        return self.op in TRAINING_OPS and self.lengths != "fixed"
+
+    @property
+    def forward_op(self) -> str:
+        """The forward operation of this case's shape: a training op's own forward (varlen where ``packed``)."""
+        if self.op in TRAINING_OPS:
+            return "varlen" if self.packed else "dense"
+        return self.op
 
     @property
     def id(self) -> str:
         """Dense ``fp16-causal-h8:2-s300x300-d128`` (``-b4`` appended when batch > 1); serving
         ``paged-bf16-h32:8-q1-kv4096-uniform-p16-d128-b64`` and ``varlen-bf16-causal-h32:8-t16384-random-d128-b8``;
-        a model's name goes first."""
+        training ops prefix their forward's with ``bwd-`` or ``fwdbwd-``; a model's name goes first."""
         mask = "causal" if self.causal else "full"
         tail = f"-b{self.batch}" if self.batch != 1 else ""
         heads = f"h{self.hq}:{self.hkv}"
@@ -118,11 +131,11 @@ class Case:
         elif self.op == "paged":
             body = (f"paged-{self.dtype}-{heads}-q{self.sq}-kv{self.skv}-{self.lengths}-p{self.page_size}"
                     f"-d{self.d}{variants}{tail}")
-        elif self.op == "varlen":
+        elif self.forward_op == "varlen":
             body = f"varlen-{self.dtype}-{mask}-{heads}-t{self.sq}-{self.lengths}-d{self.d}{variants}{tail}"
         else:
             body = f"{self.dtype}-{mask}-{heads}-s{self.sq}x{self.skv}-d{self.d}{variants}{tail}"
-            body = {"backward": f"bwd-{body}", "fwdbwd": f"fwdbwd-{body}"}.get(self.op, body)
+        body = {"backward": f"bwd-{body}", "fwdbwd": f"fwdbwd-{body}"}.get(self.op, body)
         return f"{self.model}-{body}" if self.model else body
 
     @property
@@ -173,7 +186,9 @@ class Case:
 
     def seqlens(self) -> list[int]:
         """Per-sequence lengths: the cache lengths (paged; mixed: the decoding sequences', then the chunks'), the
-        sequence lengths (varlen), Skv (dense)."""
+        sequence lengths (varlen, packed training), Skv (dense)."""
+        if self.packed:  # the documents of its varlen forward, which draws its inputs
+            return replace(self, op="varlen").seqlens()
         gen = torch.Generator().manual_seed(self.seed)
         if self.op == "mixed":
             decode = replace(self, op="paged", sq=1, chunks=0).seqlens() if self.batch else []
@@ -229,17 +244,18 @@ class Case:
         return tuple(randn(*s) for s in shapes)
 
     def _training_inputs(self, randn, device):
-        """The dense draw and a random ``do``; the backward alone gets its forward's ``o`` and ``lse`` too (standard
-        attention in the case's dtype, made here, so outside any timed region)."""
+        """The forward's draw (dense, or varlen's packed documents) and a random ``do``; the backward alone gets its
+        forward's ``o`` and ``lse`` too (standard attention in the case's dtype per sequence, made here, so outside
+        any timed region)."""
         from impls.contract import ForwardBackward
-        from impls.reference import attention_lse, attention_ref
 
-        q, k, v = replace(self, op="dense").make_inputs(device)
-        step = ForwardBackward(q, k, v, randn(*q.shape), causal=self.causal)
-        if self.op == "fwdbwd":
-            return step
-        options = {"causal": self.causal, **self.variants}
-        return step.backward(attention_ref(q, k, v, upcast=False, **options), attention_lse(q, k, **options))
+        forward = replace(self, op=self.forward_op).make_inputs(device)
+        if self.packed:
+            q, k, v, cu_seqlens = forward.q, forward.k, forward.v, forward.cu_seqlens_q
+        else:
+            (q, k, v), cu_seqlens = forward, None
+        step = ForwardBackward(q, k, v, randn(*q.shape), causal=self.causal, cu_seqlens=cu_seqlens)
+        return step if self.op == "fwdbwd" else with_forward(step, **self.variants)
 
     def _paged_inputs(self, randn, device):
         from impls.contract import PagedKV
@@ -295,6 +311,23 @@ class Case:
             start += n
         tails = [(int(table[b, pages_per_seq[b] - 1]), n % page) for b, n in enumerate(lengths) if n % page]
         return PageLayout(lengths, num_pages, table, order[used:], tails)
+
+
+def with_forward(step, **variants):
+    """The ``Backward`` of a training step's inputs (``ForwardBackward``): its forward's ``o`` and ``lse`` made by
+    standard attention in the inputs' dtype, per document where they are packed; ``variants``: window, softcap."""
+    from impls.reference import attention_lse, attention_ref
+
+    q, k, v = step.q, step.k, step.v
+    options = {"causal": step.causal, **variants}
+    if not step.packed:
+        return step.backward(attention_ref(q, k, v, upcast=False, **options), attention_lse(q, k, **options))
+    o, lse = torch.empty_like(q), torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    for b in range(step.batch):  # each document's rows: views into the packed o and lse
+        qd, kd, vd = (step.document(t, b) for t in (q, k, v))
+        step.document(o, b)[:] = attention_ref(qd, kd, vd, upcast=False, **options)
+        step.document(lse[..., None], b)[:] = attention_lse(qd, kd, **options)[..., None]
+    return step.backward(o, lse)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ Large cases are checked on a sample of (batch, head) pairs, always including the
 every query row of each: the oracle's cost grows as Sq * Skv per head. Serving batches (paged decode, varlen)
 are checked on a sample of sequences, every head and row of each. The backward pass (``BackwardOracle``) holds
 each of dq, dk and dv to the same rule against float64 autograd, on sampled (batch, kv head) pairs with all the
-query heads of each one's group.
+query heads of each one's group; over packed documents, on sampled (document, kv head) pairs.
 """
 
 from __future__ import annotations
@@ -147,36 +147,36 @@ GRADIENTS = ("dq", "dk", "dv")
 
 
 class BackwardOracle:
-    """The rule for each of ``(dq, dk, dv)``: one ``Oracle`` per gradient, on sampled (batch, kv head) pairs with
-    every query head of the pair's group (dk and dv sum over them) and every row."""
+    """The rule for each of ``(dq, dk, dv)``: one ``Oracle`` per gradient, on sampled (sequence, kv head) pairs with
+    every query head of the pair's group (dk and dv sum over them) and every row. Packed documents (``cu_seqlens``)
+    are sampled as serving batches' sequences are, then their (document, kv head) pairs."""
 
     def __init__(self, inputs, *, scale: float | None = None, **variants) -> None:
-        q, k = inputs.q, inputs.k
-        batch, hkv = k.shape[:2]
+        q, hkv = inputs.q, inputs.k.shape[1]  # heads are axis 1 of dense and packed tensors alike
         group = q.shape[1] // hkv
-        pairs = sampled_heads(batch, hkv, group * q.shape[2] * k.shape[2])
-        bi = torch.tensor([b for b, _ in pairs], device=q.device)
-        hi = torch.tensor([h for _, h in pairs], device=q.device)
-        heads = (hi[:, None] * group + torch.arange(group, device=q.device)).flatten()  # each pair's query heads
+        lengths = inputs.seqlens()
+        sequences = [b for b in sampled_sequences(inputs.batch) if lengths[b]] if inputs.packed else list(
+            range(inputs.batch))
+        longest = max(lengths[b] for b in sequences)
+        scores = group * longest * (longest if inputs.packed else inputs.k.shape[2])
+        pairs = [(sequences[i], h) for i, h in sampled_heads(len(sequences), hkv, scores)]
 
-        def pick(t: torch.Tensor, query_heads: bool) -> torch.Tensor:
-            if query_heads:  # (pairs, group, S, D)
-                return t[bi.repeat_interleave(group), heads].unflatten(0, (len(pairs), group))
-            return t[bi, hi][:, None]
+        def pick(t: torch.Tensor, pair: tuple[int, int], query_heads: bool) -> torch.Tensor:
+            """A pair's part of ``t`` in the dense layout, (1, group, S, D) (query heads) or (1, 1, S, D)."""
+            b, h = pair
+            heads = slice(h * group, (h + 1) * group) if query_heads else slice(h, h + 1)
+            return inputs.document(t, b)[:, heads] if inputs.packed else t[b:b + 1, heads]
 
-        sample = [pick(t, i in (0, 3)) for i, t in enumerate((q, inputs.k, inputs.v, inputs.do))]
         options = {"causal": inputs.causal, "scale": scale, **variants}
-
-        def grads(upcast: bool) -> list[torch.Tensor]:
-            # One pair at a time: autograd keeps every chunk's scores, so memory grows with the pairs done at once.
-            per_pair = [attention_grads_ref(*(t[i:i + 1] for t in sample), upcast=upcast, **options)
-                        for i in range(len(pairs))]
-            return [torch.cat(grad) for grad in zip(*per_pair, strict=True)]
-
-        refs, naives = grads(True), grads(False)
+        samples = [[pick(t, pair, i in (0, 3)) for i, t in enumerate((q, inputs.k, inputs.v, inputs.do))]
+                   for pair in pairs]
+        # One pair at a time: autograd keeps every chunk's scores, so memory grows with the pairs done at once.
+        refs, naives = ([attention_grads_ref(*sample, upcast=upcast, **options) for sample in samples]
+                        for upcast in (True, False))
         self.sampled = len(pairs)
-        self.oracles = [Oracle([ref], [naive], lambda out, query=i == 0: [pick(out, query)], t, len(pairs))
-                        for i, (ref, naive, t) in enumerate(zip(refs, naives, (q, inputs.k, inputs.v), strict=True))]
+        self.oracles = [Oracle([ref[i] for ref in refs], [naive[i] for naive in naives],
+                               lambda out, query=i == 0: [pick(out, pair, query) for pair in pairs], t, len(pairs))
+                        for i, t in enumerate((q, inputs.k, inputs.v))]
 
     def check(self, out) -> CheckResult:
         """Passes when every gradient does; the figures are those of the gradient nearest its tolerance (or the

@@ -58,8 +58,8 @@ def flops(case: Case) -> int:
     serving cases sum over their sequences (decode: Sq_new new tokens against each cache, bottom-right). The
     backward counts 2.5 times its forward (flash-attention's convention: five matmuls to the forward's two), a
     training step 3.5 times (the forward and its backward)."""
-    if case.op in TRAINING_OPS:
-        return TRAINING_FLOPS[case.op] * flops(replace(case, op="dense")) // 2
+    if case.op in TRAINING_OPS:  # packed documents: the varlen forward's, summed over each document's pairs
+        return TRAINING_FLOPS[case.op] * flops(replace(case, op=case.forward_op)) // 2
     if case.op == "dense":
         total = case.batch * pairs(case.sq, case.skv, case.causal, case.window)
     elif case.op in PAGED_OPS:
@@ -96,8 +96,9 @@ def min_bytes(case: Case) -> int:
     """q, k, v read once and o written once; the backward: q, k, v, o, do and lse read once, dq, dk, dv written
     once; a training step: both."""
     if case.op in TRAINING_OPS:
-        forward = min_bytes(replace(case, op="dense"))
-        backward = 2 * forward + case.batch * case.sq * case.hq * 4  # (k, v, q, o) twice, and lse
+        forward = min_bytes(replace(case, op=case.forward_op))
+        rows = case.sq if case.packed else case.batch * case.sq
+        backward = 2 * forward + rows * case.hq * 4  # (k, v, q, o) twice, and lse
         return backward + (forward if case.op == "fwdbwd" else 0)
     q_rows = {"varlen": case.sq, "mixed": sum(case.new_tokens())}.get(case.op, case.batch * case.sq)
     return kv_bytes(case) + q_rows * case.hq * (case.d + case.value_dim) * itemsize(case)

@@ -10,7 +10,7 @@ from dataclasses import replace
 import torch
 
 from impls.contract import NO_WINDOW
-from suite.cases import Case
+from suite.cases import TRAINING_OPS, Case
 
 
 def grid(
@@ -60,10 +60,21 @@ def backward(cases: Iterable[Case]) -> list[Case]:
     return [replace(c, op=op) for c in cases for op in ("dense", "backward", "fwdbwd")]
 
 
+def packed_training(cases: Iterable[Case]) -> list[Case]:
+    """Each case over packed documents (``lengths`` random or equal) in the two modes of training that take them:
+    the backward alone and the whole step. Their forward is a varlen case, left to the serving presets so that a
+    training report's forward section stays dense."""
+    return [replace(c, op=op) for c in cases for op in TRAINING_OPS]
+
+
 def _train() -> list[Case]:
-    """Training's attention: Llama-3-8B and the 70B's slice of 8 GPUs at 4K and 8K, 16K tokens a batch."""
-    return backward(Case(16384 // s, hq, hkv, s, s, d, "bf16", True, model=name)
-                    for name, hq, hkv, d in (LLAMA3_8B, LLAMA3_70B_TP8) for s in (4096, 8192))
+    """Training's attention: Llama-3-8B and the 70B's slice of 8 GPUs at 4K and 8K, 16K tokens a batch; and
+    Llama-3-8B's 16K tokens packed from 8 documents of random lengths, causal within each."""
+    dense = backward(Case(16384 // s, hq, hkv, s, s, d, "bf16", True, model=name)
+                     for name, hq, hkv, d in (LLAMA3_8B, LLAMA3_70B_TP8) for s in (4096, 8192))
+    name, hq, hkv, d = LLAMA3_8B
+    return dense + packed_training([Case(8, hq, hkv, 16384, 16384, d, "bf16", True, op="backward", lengths="random",
+                                         model=name)])
 
 
 # Attention shapes of real checkpoints: (name in the case id, Hq, Hkv, D). The 70B is one GPU's slice of
@@ -263,15 +274,15 @@ PRESETS: dict[str, list[Case]] = {
     # The FlashAttention-3 paper's backward chart (same shapes as fa3), and training shapes of two models.
     "fa3-bwd": backward(_fa3()),
     "train": _train(),
-    # The backward's CPU twin: GQA, MQA, causal with Sq < Skv and Sq > Skv, D 64 and 128, fp32 and fp16, and a
-    # sliding window with softcap (Gemma-2's variants).
+    # The backward's CPU twin: GQA, MQA, causal with Sq < Skv and Sq > Skv, D 64 and 128, fp32 and fp16, a
+    # sliding window with softcap (Gemma-2's variants), and documents of random lengths packed (GQA, causal).
     "bwd-cpu": backward([
         Case(1, 4, 2, 100, 100, 64, "fp32", True),
         Case(1, 4, 1, 70, 130, 64, "fp16", True),
         Case(1, 2, 2, 130, 70, 128, "fp32", True),
         Case(2, 2, 1, 40, 40, 128, "fp16", False),
         Case(1, 2, 1, 90, 90, 64, "bf16", True, window=(32, -1), softcap=20.0),
-    ]),
+    ]) + packed_training([Case(4, 4, 2, 150, 150, 64, "fp16", True, op="backward", lengths="random")]),
     "gqa": grid(batch=[4], heads=[(32, h) for h in (32, 8, 4, 1)], seqlens=[4096], d=[128]),
     "decode": grid(
         batch=[4], heads=[(32, 8)], seqlens=[(sq, skv) for sq in (1, 16) for skv in (1024, 4096, 16384, 32768)],

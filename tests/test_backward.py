@@ -100,23 +100,24 @@ import json, torch
 from impls.sass import sass_summary
 from impls.triton_fa.aot import compile_for
 from impls.triton_fa.backward import bwd_dkdv, bwd_dq, block_d, fwd_lse, tiles
-for d in (64, 128, 256):
+for d, packed in ((64, False), (128, False), (256, False), (128, True)):
     dkdv, dq = tiles(d, torch.bfloat16)
     for fn, t in ((bwd_dkdv, dkdv), (bwd_dq, dq), (fwd_lse, dq)):
-        meta = {"HEAD_DIM": d, "BLOCK_D": block_d(d), "SOFTCAP": 0.0, "DOT_FP32": False,
+        meta = {"HEAD_DIM": d, "BLOCK_D": block_d(d), "SOFTCAP": 0.0, "DOT_FP32": False, "PACKED": packed,
                 "BLOCK_M": t["BLOCK_M"], "BLOCK_N": t["BLOCK_N"]}
-        pointers = {n: "fp32" if n in ("LSE", "Delta") else "bf16" for n in fn.arg_names
+        pointers = {n: {"LSE": "fp32", "Delta": "fp32", "CuSeqlens": "i32"}.get(n, "bf16") for n in fn.arg_names
                     if n[0].isupper() and n not in meta}
         cubin = compile_for(fn, 90, meta, pointers, t["num_warps"], t["num_stages"]).asm["cubin"]
-        print(json.dumps({"d": d, "kernel": fn.__name__, **sass_summary(cubin)}))
+        print(json.dumps({"d": d, "packed": packed, "kernel": fn.__name__, **sass_summary(cubin)}))
 """
 
 
 @pytest.mark.slow
 def test_the_fixed_gpu_tiles_compile_for_hopper_without_spilling_in_their_loops() -> None:
     """The bf16 tiles ``tiles`` picks, compiled for sm_90 without a GPU (the training step's forward on the dq
-    kernel's): no local memory touched inside the loops (head dim 256's dk/dv keeps 16 bytes of stack outside
-    them), warpgroup MMA except in that dk/dv, whose tile of 16 query rows is below a warpgroup MMA's 64."""
+    kernel's), dense and (head dim 128) over packed documents: no local memory touched inside the loops (head dim
+    256's dk/dv keeps 16 bytes of stack outside them), warpgroup MMA except in that dk/dv, whose tile of 16 query
+    rows is below a warpgroup MMA's 64."""
     import json
     import os
     import subprocess
@@ -128,7 +129,7 @@ def test_the_fixed_gpu_tiles_compile_for_hopper_without_spilling_in_their_loops(
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert len(results) == 9
+    assert len(results) == 12
     for r in results:
         assert r["loop_spills"] == 0 and r["stack"] <= 16, r
         assert r["hgmma"] > 0 or (r["d"], r["kernel"]) == (256, "bwd_dkdv"), r

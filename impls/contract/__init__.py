@@ -47,7 +47,8 @@ Output ``(total_q, Hq, D)``. Page slots past a sequence's length may hold anythi
 
 The backward pass of dense attention (``Backward``): the forward's inputs, output, log-sum-exp and the upstream
 gradient in; ``(dq, dk, dv)`` out. A training step's forward and backward (``ForwardBackward``): the forward's
-inputs and the upstream gradient in, the same gradients out.
+inputs and the upstream gradient in, the same gradients out. Either may hold documents packed as varlen's rows
+with one ``cu_seqlens`` for q and k (each document attends to itself), implementations that declare ``"packed"``.
 """
 
 from impls.contract.backward import Backward, ForwardBackward

@@ -12,8 +12,11 @@ j <= i + Skv - Sq) and is a sliding window's right side of 0: row i sees keys fr
 position + right, so a key tile walks only the query tiles that reach it and a query tile only the key tiles it
 reaches; a row that sees no key has lse = +inf, so its p is 0. Softcap ``s = c tanh(x / c)`` scales ``ds`` by its
 slope ``1 - tanh^2``. ``fwd_lse`` is the forward a training step runs first: o and the lse this backward reads.
-Every tensor is contiguous (B, H, S, D); a head dim that is not a power of two is padded to BLOCK_D with zeros by
-masked loads.
+Every tensor is contiguous (B, H, S, D), or under PACKED documents packed as (total, H, D) rows with cu_seqlens:
+each program reads its document's first row and length from cu_seqlens (the grid is sized for the longest; a
+program past its document's end returns) and steps H rows of the packed tensor from one of a head's rows to the
+next; lse and delta are (B, H, S) or (total, H), one value per row of q in its order. A head dim that is not a power
+of two is padded to BLOCK_D with zeros by masked loads.
 """
 
 from __future__ import annotations
@@ -30,22 +33,23 @@ DELTA_ROWS = 64  # rows of do * o each program of the pre-pass sums
 
 
 @triton.jit
-def _tile(ptr, offs_r, offs_d, length, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, FP32: tl.constexpr):
-    """The (len(offs_r), BLOCK_D) tile of rows ``offs_r`` of a contiguous (S, HEAD_DIM) head at ``ptr``, as float32
-    where ``FP32``; rows past ``length`` and padded columns read zeros."""
+def _tile(ptr, offs_r, stride, offs_d, length, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, FP32: tl.constexpr):
+    """The (len(offs_r), BLOCK_D) tile of rows ``offs_r`` of a head at ``ptr`` whose rows are ``stride`` rows of
+    HEAD_DIM apart (``_head_rows``), as float32 where ``FP32``; rows past ``length`` and padded columns read zeros."""
     mask = offs_r[:, None] < length
     if BLOCK_D != HEAD_DIM:
         mask = mask & (offs_d[None, :] < HEAD_DIM)
-    t = tl.load(ptr + offs_r[:, None] * HEAD_DIM + offs_d[None, :], mask=mask, other=0.0)
+    t = tl.load(ptr + (offs_r[:, None] * stride) * HEAD_DIM + offs_d[None, :], mask=mask, other=0.0)
     return t.to(tl.float32) if FP32 else t
 
 
 @triton.jit
-def _store_tile(ptr, value, offs_r, offs_d, length, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+def _store_tile(ptr, value, offs_r, stride, offs_d, length, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     mask = offs_r[:, None] < length
     if BLOCK_D != HEAD_DIM:
         mask = mask & (offs_d[None, :] < HEAD_DIM)
-    tl.store(ptr + offs_r[:, None] * HEAD_DIM + offs_d[None, :], value.to(ptr.dtype.element_ty), mask=mask)
+    tl.store(ptr + (offs_r[:, None] * stride) * HEAD_DIM + offs_d[None, :], value.to(ptr.dtype.element_ty),
+             mask=mask)
 
 
 @triton.jit
@@ -106,38 +110,63 @@ def _probs(q, k_t, lse, offs_m, offs_n, q_len, kv_len, window_left, window_right
 
 
 @triton.jit
-def _query_tile(num_heads, q_len, kv_len, group, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_D: tl.constexpr):
+def _sequence(CuSeqlens, batch, q_len, kv_len, PACKED: tl.constexpr):
+    """Sequence ``batch``'s first packed row (64-bit) and its query and key lengths: under PACKED, its document's
+    from cu_seqlens (a document attends to itself), else 0 and the dense lengths."""
+    if PACKED:
+        start = tl.load(CuSeqlens + batch).to(tl.int64)
+        length = (tl.load(CuSeqlens + batch + 1) - start).to(tl.int32)
+        return start, length, length
+    return batch * 0, q_len, kv_len
+
+
+@triton.jit
+def _head_rows(start, batch, head, num_heads, length, PACKED: tl.constexpr):
+    """Where ``head``'s rows of one sequence start, in rows of HEAD_DIM (lse's and delta's index of its first row),
+    and how many rows apart two consecutive ones are: dense (B, H, S, D) keeps a head's rows together, packed
+    (total, H, D) interleaves the H heads from the document's first row ``start`` (64-bit: rows x D pass 2**31)."""
+    if PACKED:
+        return start * num_heads + head, num_heads
+    return (batch * num_heads + head) * length, 1
+
+
+@triton.jit
+def _query_tile(CuSeqlens, num_heads, q_len, kv_len, group, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                PACKED: tl.constexpr):
     """This program's query tile, on a grid of (query tiles, query heads, batch): its first row, its rows and
-    columns, and where its head's rows and its kv head's rows start (64-bit: batch x heads x S x D can pass 2**31)."""
+    columns, its sequence's lengths, and where its head's rows and its kv head's rows start and step."""
     head = tl.program_id(1).to(tl.int64)
     batch = tl.program_id(2).to(tl.int64)
+    start, q_len, kv_len = _sequence(CuSeqlens, batch, q_len, kv_len, PACKED)
     start_m = tl.program_id(0) * BLOCK_M
-    row_base = (batch * num_heads + head) * q_len
-    kv_base = (batch * (num_heads // group) + head // group) * kv_len * HEAD_DIM
-    return start_m, start_m + tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D), row_base, kv_base
+    row_base, row_stride = _head_rows(start, batch, head, num_heads, q_len, PACKED)
+    kv_base, kv_stride = _head_rows(start, batch, head // group, num_heads // group, kv_len, PACKED)
+    return (start_m, start_m + tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D), q_len, kv_len, row_base, row_stride,
+            kv_base, kv_stride)
 
 
 @triton.jit
 def fwd_lse(
-    Q, K, V, Out, LSE, scale,
+    Q, K, V, Out, LSE, CuSeqlens, scale,
     num_heads, q_len, kv_len, group, window_left, window_right,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PACKED: tl.constexpr,
 ):
     """The forward a training step runs before this backward: ``o`` and the natural-log ``lse`` of each row
     (``+inf`` where a row sees no key), by an online softmax over the key tiles the rows see, every tile masked."""
-    start_m, offs_m, offs_d, row_base, kv_base = _query_tile(num_heads, q_len, kv_len, group, HEAD_DIM, BLOCK_M,
-                                                             BLOCK_D)
-    q = _tile(Q + row_base * HEAD_DIM, offs_m, offs_d, q_len, HEAD_DIM, BLOCK_D, DOT_FP32)
+    start_m, offs_m, offs_d, q_len, kv_len, row_base, row_stride, kv_base, kv_stride = _query_tile(
+        CuSeqlens, num_heads, q_len, kv_len, group, BLOCK_M, BLOCK_D, PACKED)
+    if start_m >= q_len:  # past its document's end: the grid is sized for the longest
+        return
+    q = _tile(Q + row_base * HEAD_DIM, offs_m, row_stride, offs_d, q_len, HEAD_DIM, BLOCK_D, DOT_FP32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     lo, hi = _key_range(start_m, q_len, kv_len, window_left, window_right, BLOCK_M, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _tile(K + kv_base, offs_n, offs_d, kv_len, HEAD_DIM, BLOCK_D, DOT_FP32)
-        v = _tile(V + kv_base, offs_n, offs_d, kv_len, HEAD_DIM, BLOCK_D, DOT_FP32)
+        k = _tile(K + kv_base * HEAD_DIM, offs_n, kv_stride, offs_d, kv_len, HEAD_DIM, BLOCK_D, DOT_FP32)
+        v = _tile(V + kv_base * HEAD_DIM, offs_n, kv_stride, offs_d, kv_len, HEAD_DIM, BLOCK_D, DOT_FP32)
         s, _ = _scores(q, tl.trans(k), offs_m, offs_n, q_len, kv_len, window_left, window_right, scale, SOFTCAP,
                        DOT_FP32)
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -148,39 +177,42 @@ def fwd_lse(
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_FP32)
         m_i = m_new
     seen = l_i > 0
-    _store_tile(Out + row_base * HEAD_DIM, acc / tl.where(seen, l_i, 1.0)[:, None], offs_m, offs_d, q_len, HEAD_DIM,
-                BLOCK_D)
+    _store_tile(Out + row_base * HEAD_DIM, acc / tl.where(seen, l_i, 1.0)[:, None], offs_m, row_stride, offs_d, q_len,
+                HEAD_DIM, BLOCK_D)
     lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("inf"))
-    tl.store(LSE + row_base + offs_m, lse, mask=offs_m < q_len)
+    tl.store(LSE + row_base + offs_m * row_stride, lse, mask=offs_m < q_len)
 
 
 @triton.jit
 def bwd_delta(Out, DO, Delta, rows, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
-    """``delta = rowsum(do * o)`` over the flattened (B * H * Sq, HEAD_DIM) rows."""
+    """``delta = rowsum(do * o)`` over the flattened (B * H * Sq, HEAD_DIM) rows (packed: (total * H, HEAD_DIM)),
+    so in lse's layout."""
     offs_m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    o = _tile(Out, offs_m, offs_d, rows, HEAD_DIM, BLOCK_D, True)
-    do = _tile(DO, offs_m, offs_d, rows, HEAD_DIM, BLOCK_D, True)
+    o = _tile(Out, offs_m, 1, offs_d, rows, HEAD_DIM, BLOCK_D, True)
+    do = _tile(DO, offs_m, 1, offs_d, rows, HEAD_DIM, BLOCK_D, True)
     tl.store(Delta + offs_m, tl.sum(o * do, 1), mask=offs_m < rows)
 
 
 @triton.jit
 def bwd_dkdv(
-    Q, K, V, DO, LSE, Delta, DK, DV, scale,
+    Q, K, V, DO, LSE, Delta, DK, DV, CuSeqlens, scale,
     num_heads, q_len, kv_len, group, window_left, window_right,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PACKED: tl.constexpr,
 ):
     # Grid: (key tiles, kv heads, batch).
     kv_head = tl.program_id(1).to(tl.int64)
     batch = tl.program_id(2).to(tl.int64)
-    num_kv_heads = num_heads // group
+    start, q_len, kv_len = _sequence(CuSeqlens, batch, q_len, kv_len, PACKED)
     start_n = tl.program_id(0) * BLOCK_N
+    if start_n >= kv_len:  # past its document's end: the grid is sized for the longest
+        return
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    kv_base = (batch * num_kv_heads + kv_head) * kv_len * HEAD_DIM
-    k = _tile(K + kv_base, offs_n, offs_d, kv_len, HEAD_DIM, BLOCK_D, DOT_FP32)
-    v = _tile(V + kv_base, offs_n, offs_d, kv_len, HEAD_DIM, BLOCK_D, DOT_FP32)
+    kv_base, kv_stride = _head_rows(start, batch, kv_head, num_heads // group, kv_len, PACKED)
+    k = _tile(K + kv_base * HEAD_DIM, offs_n, kv_stride, offs_d, kv_len, HEAD_DIM, BLOCK_D, DOT_FP32)
+    v = _tile(V + kv_base * HEAD_DIM, offs_n, kv_stride, offs_d, kv_len, HEAD_DIM, BLOCK_D, DOT_FP32)
     k_t = tl.trans(k)
     v_t = tl.trans(v)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -192,48 +224,50 @@ def bwd_dkdv(
     hi = tl.minimum(q_len, tl.maximum(start_n + BLOCK_N + window_left - offset, 0))
     for h in range(0, group):
         head = kv_head * group + h
-        row_base = (batch * num_heads + head) * q_len
+        row_base, row_stride = _head_rows(start, batch, head, num_heads, q_len, PACKED)
         for start_m in range(lo, hi, BLOCK_M):
             offs_m = start_m + tl.arange(0, BLOCK_M)
-            q = _tile(Q + row_base * HEAD_DIM, offs_m, offs_d, q_len, HEAD_DIM, BLOCK_D, DOT_FP32)
-            do = _tile(DO + row_base * HEAD_DIM, offs_m, offs_d, q_len, HEAD_DIM, BLOCK_D, DOT_FP32)
-            lse = tl.load(LSE + row_base + offs_m, mask=offs_m < q_len, other=float("inf"))
-            delta = tl.load(Delta + row_base + offs_m, mask=offs_m < q_len, other=0.0)
+            q = _tile(Q + row_base * HEAD_DIM, offs_m, row_stride, offs_d, q_len, HEAD_DIM, BLOCK_D, DOT_FP32)
+            do = _tile(DO + row_base * HEAD_DIM, offs_m, row_stride, offs_d, q_len, HEAD_DIM, BLOCK_D, DOT_FP32)
+            lse = tl.load(LSE + row_base + offs_m * row_stride, mask=offs_m < q_len, other=float("inf"))
+            delta = tl.load(Delta + row_base + offs_m * row_stride, mask=offs_m < q_len, other=0.0)
             p, slope = _probs(q, k_t, lse, offs_m, offs_n, q_len, kv_len, window_left, window_right, scale, SOFTCAP,
                               DOT_FP32)
             dv += _dot(tl.trans(p.to(do.dtype)), do, DOT_FP32)
             dp = _dot(do, v_t, DOT_FP32)
             ds = p * (dp - delta[:, None]) * slope
             dk += _dot(tl.trans(ds.to(q.dtype)), q, DOT_FP32)
-    _store_tile(DK + kv_base, dk * scale, offs_n, offs_d, kv_len, HEAD_DIM, BLOCK_D)
-    _store_tile(DV + kv_base, dv, offs_n, offs_d, kv_len, HEAD_DIM, BLOCK_D)
+    _store_tile(DK + kv_base * HEAD_DIM, dk * scale, offs_n, kv_stride, offs_d, kv_len, HEAD_DIM, BLOCK_D)
+    _store_tile(DV + kv_base * HEAD_DIM, dv, offs_n, kv_stride, offs_d, kv_len, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit
 def bwd_dq(
-    Q, K, V, DO, LSE, Delta, DQ, scale,
+    Q, K, V, DO, LSE, Delta, DQ, CuSeqlens, scale,
     num_heads, q_len, kv_len, group, window_left, window_right,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PACKED: tl.constexpr,
 ):
-    start_m, offs_m, offs_d, row_base, kv_base = _query_tile(num_heads, q_len, kv_len, group, HEAD_DIM, BLOCK_M,
-                                                             BLOCK_D)
-    q = _tile(Q + row_base * HEAD_DIM, offs_m, offs_d, q_len, HEAD_DIM, BLOCK_D, DOT_FP32)
-    do = _tile(DO + row_base * HEAD_DIM, offs_m, offs_d, q_len, HEAD_DIM, BLOCK_D, DOT_FP32)
-    lse = tl.load(LSE + row_base + offs_m, mask=offs_m < q_len, other=float("inf"))
-    delta = tl.load(Delta + row_base + offs_m, mask=offs_m < q_len, other=0.0)
+    start_m, offs_m, offs_d, q_len, kv_len, row_base, row_stride, kv_base, kv_stride = _query_tile(
+        CuSeqlens, num_heads, q_len, kv_len, group, BLOCK_M, BLOCK_D, PACKED)
+    if start_m >= q_len:  # past its document's end: the grid is sized for the longest
+        return
+    q = _tile(Q + row_base * HEAD_DIM, offs_m, row_stride, offs_d, q_len, HEAD_DIM, BLOCK_D, DOT_FP32)
+    do = _tile(DO + row_base * HEAD_DIM, offs_m, row_stride, offs_d, q_len, HEAD_DIM, BLOCK_D, DOT_FP32)
+    lse = tl.load(LSE + row_base + offs_m * row_stride, mask=offs_m < q_len, other=float("inf"))
+    delta = tl.load(Delta + row_base + offs_m * row_stride, mask=offs_m < q_len, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     lo, hi = _key_range(start_m, q_len, kv_len, window_left, window_right, BLOCK_M, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _tile(K + kv_base, offs_n, offs_d, kv_len, HEAD_DIM, BLOCK_D, DOT_FP32)
-        v = _tile(V + kv_base, offs_n, offs_d, kv_len, HEAD_DIM, BLOCK_D, DOT_FP32)
+        k = _tile(K + kv_base * HEAD_DIM, offs_n, kv_stride, offs_d, kv_len, HEAD_DIM, BLOCK_D, DOT_FP32)
+        v = _tile(V + kv_base * HEAD_DIM, offs_n, kv_stride, offs_d, kv_len, HEAD_DIM, BLOCK_D, DOT_FP32)
         p, slope = _probs(q, tl.trans(k), lse, offs_m, offs_n, q_len, kv_len, window_left, window_right, scale,
                           SOFTCAP, DOT_FP32)
         dp = _dot(do, tl.trans(v), DOT_FP32)
         ds = p * (dp - delta[:, None]) * slope
         dq += _dot(ds.to(k.dtype), k, DOT_FP32)
-    _store_tile(DQ + row_base * HEAD_DIM, dq * scale, offs_m, offs_d, q_len, HEAD_DIM, BLOCK_D)
+    _store_tile(DQ + row_base * HEAD_DIM, dq * scale, offs_m, row_stride, offs_d, q_len, HEAD_DIM, BLOCK_D)
 
 
 def tiles(head_dim: int, dtype: torch.dtype) -> tuple[dict, dict]:
@@ -253,33 +287,47 @@ def tiles(head_dim: int, dtype: torch.dtype) -> tuple[dict, dict]:
     return tuple({"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": 2} for m, n, w in (dkdv, dq))
 
 
-def _launch_shape(q: torch.Tensor, k: torch.Tensor, window: tuple[int, int], causal: bool) -> tuple:
-    """The kernels' (num_heads, q_len, kv_len, group, window_left, window_right), causal as a right side of 0."""
-    heads, q_len = q.shape[1], q.shape[2]
-    return (heads, q_len, k.shape[2], heads // k.shape[1], *window_bounds(window, causal))
+def _lengths(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor | None, max_seqlen: int
+             ) -> tuple[int, int, int]:
+    """The grid's sequences and their query and key lengths: dense (B, H, S, D) tensors' own; packed (total, H, D)
+    ones' documents at the longest one's length (a document attends to itself)."""
+    if cu_seqlens is None:
+        return q.shape[0], q.shape[2], k.shape[2]
+    return cu_seqlens.shape[0] - 1, max_seqlen, max_seqlen
 
 
-def _meta(head_dim: int, dtype: torch.dtype, softcap: float) -> dict:
-    return {"HEAD_DIM": head_dim, "BLOCK_D": block_d(head_dim), "SOFTCAP": softcap,
+def _launch_shape(q: torch.Tensor, k: torch.Tensor, q_len: int, kv_len: int, window: tuple[int, int],
+                  causal: bool) -> tuple:
+    """The kernels' (num_heads, q_len, kv_len, group, window_left, window_right), causal as a right side of 0. The
+    heads are axis 1 of dense and packed tensors alike."""
+    heads = q.shape[1]
+    return (heads, q_len, kv_len, heads // k.shape[1], *window_bounds(window, causal))
+
+
+def _meta(head_dim: int, dtype: torch.dtype, softcap: float, packed: bool) -> dict:
+    return {"HEAD_DIM": head_dim, "BLOCK_D": block_d(head_dim), "SOFTCAP": softcap, "PACKED": packed,
             "DOT_FP32": interpreting() or dtype == torch.float32}  # the interpreter's half dots are wrong
 
 
 def training_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
+                     cu_seqlens: torch.Tensor | None = None, max_seqlen: int = 0,
                      window: tuple[int, int] = NO_WINDOW, softcap: float = 0.0) -> Prepared:
     """The forward of a training step (``forward=`` of the backward's entry): ``(o, lse)`` written into the same
-    two buffers each call, for the backward to read. The dense kernel returns no lse, so this is a plain masked
-    FlashAttention-2 loop of its own, on the dq kernel's tiles."""
+    two buffers each call, for the backward to read; packed documents with ``cu_seqlens`` and their longest
+    length ``max_seqlen``. The dense kernel returns no lse, so this is a plain masked FlashAttention-2 loop of its
+    own, on the dq kernel's tiles."""
     q, k, v = (t.contiguous() for t in (q, k, v))
-    batch, heads, q_len, head_dim = q.shape
+    head_dim = q.shape[-1]
+    batch, q_len, kv_len = _lengths(q, k, cu_seqlens, max_seqlen)
     o = torch.empty_like(q)
-    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)  # one per row of q, in its order
     _, tile = tiles(head_dim, q.dtype)
-    grid = (triton.cdiv(q_len, tile["BLOCK_M"]), *heads_by_batch(heads, batch))
-    meta = {**_meta(head_dim, q.dtype, softcap), **tile}
-    shape = _launch_shape(q, k, window, causal)
+    grid = (triton.cdiv(max(q_len, 1), tile["BLOCK_M"]), *heads_by_batch(q.shape[1], batch))
+    meta = {**_meta(head_dim, q.dtype, softcap, cu_seqlens is not None), **tile}
+    shape = _launch_shape(q, k, q_len, kv_len, window, causal)
 
     def run() -> tuple[torch.Tensor, torch.Tensor]:
-        fwd_lse[grid](q, k, v, o, lse, scale, *shape, **meta)
+        fwd_lse[grid](q, k, v, o, lse, cu_seqlens, scale, *shape, **meta)
         return o, lse
 
     run()  # compiles, outside any timed region
@@ -287,30 +335,30 @@ def training_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causa
 
 
 @register("triton", op="backward", family="triton", dtypes=FLOATS, head_dims=HEAD_DIMS, requires=requires,
-          needs=("lse",), variants=("window", "softcap"), forward=training_forward,
+          needs=("lse",), variants=("window", "softcap", "packed"), forward=training_forward,
           description="our FlashAttention-2 backward in Triton: delta pre-pass, dk/dv over key tiles walking the "
-                      "query tiles, dq over query tiles; fixed tiles, untuned")
+                      "query tiles, dq over query tiles; packed documents read from cu_seqlens; fixed tiles, untuned")
 def triton_backward(inputs: Backward, *, scale: float, window: tuple[int, int] = NO_WINDOW,
                     softcap: float = 0.0) -> Prepared:
-    # Contiguous (B, H, S, D) as the kernels address them: a copy only where an input is not (out of timed calls).
+    # Contiguous as the kernels address them: a copy only where an input is not (out of timed calls).
     q, k, v, o, do = (t.contiguous() for t in (inputs.q, inputs.k, inputs.v, inputs.o, inputs.do))
     lse = inputs.lse.contiguous()
-    batch, heads, q_len, head_dim = q.shape
-    kv_heads, kv_len = k.shape[1], k.shape[2]
+    head_dim, cu_seqlens = q.shape[-1], inputs.cu_seqlens
+    batch, q_len, kv_len = _lengths(q, k, cu_seqlens, inputs.max_seqlen)
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
     delta = torch.empty_like(lse)
     dkdv_tiles, dq_tiles = tiles(head_dim, q.dtype)
-    meta = _meta(head_dim, q.dtype, softcap)
-    shape = _launch_shape(q, k, window, inputs.causal)
-    rows = batch * heads * q_len
-    dkdv_grid = (triton.cdiv(kv_len, dkdv_tiles["BLOCK_N"]), *heads_by_batch(kv_heads, batch, "kv heads"))
-    dq_grid = (triton.cdiv(q_len, dq_tiles["BLOCK_M"]), *heads_by_batch(heads, batch))
+    meta = _meta(head_dim, q.dtype, softcap, inputs.packed)
+    shape = _launch_shape(q, k, q_len, kv_len, window, inputs.causal)
+    rows = lse.numel()  # every row of every head, in lse's layout
+    dkdv_grid = (triton.cdiv(max(kv_len, 1), dkdv_tiles["BLOCK_N"]), *heads_by_batch(k.shape[1], batch, "kv heads"))
+    dq_grid = (triton.cdiv(max(q_len, 1), dq_tiles["BLOCK_M"]), *heads_by_batch(q.shape[1], batch))
 
     def run() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         bwd_delta[(triton.cdiv(rows, DELTA_ROWS),)](o, do, delta, rows, HEAD_DIM=head_dim, BLOCK_D=meta["BLOCK_D"],
                                                     BLOCK_M=DELTA_ROWS)
-        bwd_dkdv[dkdv_grid](q, k, v, do, lse, delta, dk, dv, scale, *shape, **meta, **dkdv_tiles)
-        bwd_dq[dq_grid](q, k, v, do, lse, delta, dq, scale, *shape, **meta, **dq_tiles)
+        bwd_dkdv[dkdv_grid](q, k, v, do, lse, delta, dk, dv, cu_seqlens, scale, *shape, **meta, **dkdv_tiles)
+        bwd_dq[dq_grid](q, k, v, do, lse, delta, dq, cu_seqlens, scale, *shape, **meta, **dq_tiles)
         return dq, dk, dv
 
     run()  # compiles, outside any timed region
