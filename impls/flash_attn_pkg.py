@@ -167,3 +167,56 @@ def _make_serving(name: str, module: str, hint: str) -> None:
 
 for _name, (_module, _attribute, _hint) in GENERATIONS.items():
     _make_serving(_name, _module, _hint)
+
+
+# MLA decode in its absorbed form. FA3's flash_attn_with_kvcache reads it as its authors benchmark it
+# (hopper/benchmark_mla_decode.py): the rotary part as q / k (head dim 64), the latent as qv / v (value head dim
+# 512) over one kv head, so scores are q_pe . kpe + q_nope . ckv and the values the latent rows; it refuses a q/k head
+# dim over 64 or a value head dim over 512 beside a qv. FA2 and FA4 take no qv, so MLA's scores would be one 576-wide
+# head dim, past both generations' 256; their entries refuse with that reason. No fp8 cache: FA3 wants k, v and qv in
+# q's dtype (its fp8 path is fp8 queries with per-head descales, not an fp8 cache under bf16 queries).
+FA3_MLA_WIDTHS = (512, 64)  # the widest latent and rotary part FA3's qv path takes
+MLA_REFUSALS = {
+    "flash-attn2": "flash-attn 2 supports head dims up to 256, one for q/k and v alike, and takes no qv",
+    "flash-attn4": "flash-attn 4 (flash_attn.cute) supports head dims up to 256 and takes no qv",
+}
+
+
+def _mla_refusal(inputs) -> str | None:
+    """Why FA3's qv path cannot take these widths, or None."""
+    latent, rope = inputs.latent_dim, inputs.rope_dim
+    if latent > FA3_MLA_WIDTHS[0] or rope > FA3_MLA_WIDTHS[1]:
+        return (f"a latent of {latent} and a rotary part of {rope}: flash-attn 3 takes qv with a value head dim up to "
+                f"{FA3_MLA_WIDTHS[0]} beside a q/k head dim up to {FA3_MLA_WIDTHS[1]}")
+    return None
+
+
+def _make_mla(name: str, module: str, hint: str) -> None:
+    fa3 = name == "flash-attn3"
+    attribute = "flash_attn_with_kvcache" if name != "flash-attn4" else "flash_attn_varlen_func"
+
+    @register(name, op="mla", family="flash-attn", dtypes=HALF, devices=("cuda",),
+              requires=_requires(module, attribute, hint),
+              description=(f"{module}.flash_attn_with_kvcache: q_pe / kpe as q / k, q_nope / ckv as qv / v, "
+                           "page_table, causal" if fa3 else f"refuses MLA: {MLA_REFUSALS.get(name)}"))
+    def prepare_mla(inputs, *, scale: float) -> Callable[[], torch.Tensor]:
+        if not fa3:
+            raise Unsupported(f"{MLA_REFUSALS[name]}: MLA's scores are {inputs.head_dim} wide over "
+                              f"{inputs.latent_dim}-wide values")
+        reason = _mla_refusal(inputs)
+        if reason:
+            raise Unsupported(reason)
+        func = load_function(module, attribute)
+        # One kv head: the caches' (num_pages, page_size, width) as FA3's (num_pages, page_size, 1, width), views.
+        k_cache, v_cache = inputs.kpe.unsqueeze(2), inputs.ckv.unsqueeze(2)
+        kwargs = {"qv": inputs.q_nope, "page_table": inputs.block_table, "cache_seqlens": inputs.cache_seqlens,
+                  "softmax_scale": scale, "causal": True}
+
+        def call() -> torch.Tensor:
+            return _first_output(func(inputs.q_pe, k_cache, v_cache, **kwargs))
+
+        return probe(call, *REFUSALS)
+
+
+for _name, (_module, _attribute, _hint) in GENERATIONS.items():
+    _make_mla(_name, _module, _hint)
