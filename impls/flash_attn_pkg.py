@@ -121,7 +121,7 @@ def _make_serving(name: str, module: str, hint: str) -> None:
     @register(name, op="paged", family="flash-attn", dtypes=HALF, devices=("cuda",), variants=("window", "softcap"),
               requires=_requires(module, "flash_attn_varlen_func" if fa4 else "flash_attn_with_kvcache", hint),
               description=f"{module}." + ("flash_attn_varlen_func with page_table, seqused_k, split heuristic "
-                                          "and pack_gqa" if fa4 else "flash_attn_with_kvcache with block_table"))
+                                          "and pack_gqa" if fa4 else "flash_attn_with_kvcache with the page table"))
     def prepare_paged(inputs, *, scale: float, **variants):
         common = {"softmax_scale": scale, "causal": True, **variant_kwargs(name, **variants)}
         if fa4:
@@ -130,7 +130,8 @@ def _make_serving(name: str, module: str, hint: str) -> None:
                       **FA4_DECODE_SETTINGS}
         else:
             func = load_function(module, "flash_attn_with_kvcache")
-            kwargs = {**common, "cache_seqlens": inputs.cache_seqlens, "block_table": inputs.block_table}
+            table = "page_table" if name == "flash-attn3" else "block_table"  # FA3's interface renamed it
+            kwargs = {**common, "cache_seqlens": inputs.cache_seqlens, table: inputs.block_table}
 
         def call() -> torch.Tensor:
             return _first_output(func(inputs.q, inputs.k_cache, inputs.v_cache, **kwargs))

@@ -124,3 +124,19 @@ def test_mla_entries_are_cuda_only_and_name_a_missing_package():
     reason = impls.get("flash-attn3", "mla").requires("cuda")
     if reason is not None:
         assert "flash_attn_interface.flash_attn_with_kvcache not importable" in reason
+
+
+def test_fa3_paged_decode_passes_its_page_table_by_fa3s_keyword(fake_fa3_mla):
+    """FA3's flash_attn_with_kvcache takes ``page_table`` (FA2's ``block_table``): a wrong keyword is a TypeError."""
+    from suite.presets import paged
+
+    seen = {}
+
+    def flash_attn_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_table, softmax_scale, causal, **kwargs):
+        seen.update(page_table=page_table, causal=causal)
+        return torch.zeros_like(q)
+
+    sys.modules["flash_attn_interface"].flash_attn_with_kvcache = flash_attn_with_kvcache
+    inputs = paged(("", 4, 2, 16), 2, 40, page_size=16).make_inputs("cpu")
+    impls.get("flash-attn3", "paged").prepare(inputs, scale=0.25)()
+    assert seen["page_table"] is inputs.block_table and seen["causal"]
