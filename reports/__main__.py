@@ -7,8 +7,8 @@ import fnmatch
 import sys
 from pathlib import Path
 
-from reports.build import cache_twins, write_runs
-from reports.markdown import table, twins_table
+from reports.build import cache_twins, step_parts, write_runs
+from reports.markdown import parts_table, table, twins_table
 from reports.runs import ReportError, Run, load_run
 
 DEFAULT_HTML = Path("results/report.html")
@@ -28,7 +28,7 @@ def check_names(runs: list[Run], option: str, names: list[str]) -> None:
 
 def markdown(paths: list[Path], ours: list[str]) -> str:
     """A table per preset with measurements, of each run in turn (reports/markdown.py); after a preset's table, its
-    quantized-cache cases against their 16-bit twins where it has them."""
+    quantized-cache cases against their 16-bit twins and its mixed steps against their parts, where it has them."""
     runs = [load_run(path) for path in paths]
     check_names(runs, "--ours", ours)
     tables = []
@@ -38,6 +38,8 @@ def markdown(paths: list[Path], ours: list[str]) -> str:
                 tables.append(table(run, preset, ours=ours))
                 if cache_twins(run, preset):
                     tables.append(twins_table(run, preset))
+                if step_parts(run, preset):
+                    tables.append(parts_table(run, preset))
     return "\n".join(tables)
 
 

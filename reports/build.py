@@ -127,9 +127,54 @@ def cache_twins(run: Run, preset: str) -> list[dict[str, Any]]:
     return rows
 
 
-def twin_columns(run: Run, preset: str, rows: list[dict[str, Any]]) -> list[str]:
-    """The implementations of ``cache_twins`` rows, in the preset's leaderboard order."""
-    return [b["impl"] for b in leaderboard(run, preset) if any(b["impl"] in row["ratios"] for row in rows)]
+def twin_columns(run: Run, preset: str, rows: list[dict[str, Any]], key: str = "ratios") -> list[str]:
+    """The implementations of ``cache_twins`` rows (``step_parts``' with ``key`` "times"), in the preset's
+    leaderboard order (its sections' in turn where it was split)."""
+    ranked = [b["impl"] for part in preset_family(run, preset) or [preset] for b in leaderboard(run, part)]
+    return [impl for impl in dict.fromkeys(ranked) if any(impl in row[key] for row in rows)]
+
+
+# A mixed step's parts: the fields each resets (the suite's ``suite.cases.MIXED_PARTS``, which a test keeps equal;
+# the reports do not import the suite, which needs torch).
+MIXED_PARTS = {"decode": {"chunks": 0, "sq": 1}, "prefill": {"batch": 0, "skv": 0, "lengths": "uniform"}}
+RECORDED_ONLY = ("merit", "preset")  # fields a run records beside a case's own, which a part's differ in
+
+
+def _shape(case: dict[str, Any]) -> str:
+    return json.dumps({k: v for k, v in case.items() if k not in RECORDED_ONLY}, sort_keys=True)
+
+
+def preset_family(run: Run, preset: str) -> list[str]:
+    """The sections a preset was split into (``by_figure_of_merit``: "PRESET: decode", "PRESET: prefill"), when
+    ``preset`` is the first of them; the preset alone where it was not split; else none (a table over the whole
+    preset shows once, in its first section)."""
+    base = preset.rpartition(": ")[0] or preset
+    family = [p for p in run.presets if p == base or p.startswith(f"{base}: ")]
+    return family if family and family[0] == preset else []
+
+
+def step_parts(run: Run, preset: str) -> list[dict[str, Any]]:
+    """Each mixed step of the preset (over every section it was split into) whose decode part and prefill part
+    (``MIXED_PARTS``) the run measured too: per implementation timed on all three, in the lead mode, the step's
+    milliseconds, the parts' and the step's time over the parts' sum (at most 1: the one launch costs no more than
+    two). Rows: ``case``, ``decode``, ``prefill`` (case ids), ``times`` {impl: {step_ms, decode_ms, prefill_ms,
+    ratio}}."""
+    case_ids = [cid for part in preset_family(run, preset) for cid in run.presets[part]]
+    by_shape = {_shape(run.cases[cid]): cid for cid in case_ids if cid in run.cases}
+    rows = []
+    for cid in case_ids:
+        case = run.cases.get(cid, {})
+        if case.get("op") != "mixed" or not (case.get("batch") and case.get("chunks")):
+            continue
+        ids = {part: by_shape.get(_shape({**case, **fields})) for part, fields in MIXED_PARTS.items()}
+        step, decode, prefill = (run.by_case.get(i or "", {}) for i in (cid, ids["decode"], ids["prefill"]))
+        times = {impl: {"step_ms": m.median_s * 1e3, "decode_ms": decode[impl].median_s * 1e3,
+                        "prefill_ms": prefill[impl].median_s * 1e3,
+                        "ratio": m.median_s / (decode[impl].median_s + prefill[impl].median_s)}
+                 for impl, m in step.items() if impl in decode and impl in prefill}
+        if times:
+            rows.append({"case": cid, **ids, "times": times})
+    return rows
 
 
 def correctness_matrix(run: Run) -> dict[str, Any]:
@@ -300,6 +345,8 @@ def section(runs: list[Run], preset: str, baseline: str | None, style) -> dict[s
         "training": [(r.label, r.lead, table) for r in runs if (table := training_modes(r, preset))],
         "twins": [(r.label, r.lead, rows, twin_columns(r, preset, rows)) for r in runs
                   if (rows := cache_twins(r, preset))],
+        "step_parts": [(r.label, r.lead, rows, twin_columns(r, preset, rows, "times")) for r in runs
+                       if (rows := step_parts(r, preset))],
         **section_charts(runs, preset, metric, style, ceilings),
         "tables": tables,
         "shown": {col for *_, cols in tables for col in cols},  # what the notes under the tables explain

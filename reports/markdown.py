@@ -27,7 +27,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from reports.build import cache_twins, leaderboard, twin_columns
+from reports.build import cache_twins, leaderboard, step_parts, twin_columns
 from reports.cases import case_labels
 from reports.formatting import sig3
 from reports.runs import Measurement, ReportError, Run, figure_of_merit, load_run
@@ -112,13 +112,40 @@ def twins_table(run: Run, preset: str, *, impls: Sequence[str] = ("*",), cases: 
     labels, shared = case_labels({row["case"]: run.cases.get(row["case"], {}) for row in rows})
     narrow = "/".join(sorted({row["kv_dtype"] for row in rows}))
     wide = "/".join(sorted({str(run.cases.get(row["case"], {}).get("dtype")) for row in rows}))
-    lines = [f"`{preset}`, time of a step over the {narrow} cache / the same step over a {wide} one ({run.lead} "
-             f"timing, {run.env.get('gpu') or run.env.get('device', '?')}"
+    lines = [f"`{preset}`, time of a step over the {narrow} cache / the same step over a {wide} one ({_timing(run)}"
              + (f"; every case {', '.join(shared)}" if shared else "") + "):", "",
              "| " + " | ".join(["case", *columns]) + " |", "|" + "---|" * (len(columns) + 1)]
     for row in rows:
         cells = [f"{row['ratios'][c]:.2f}" if c in row["ratios"] else "-" for c in columns]
         lines.append("| " + " | ".join([labels[row["case"]], *cells]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _timing(run: Run) -> str:
+    return f"{run.lead} timing, {run.env.get('gpu') or run.env.get('device', '?')}"
+
+
+def parts_table(run: Run, preset: str, *, impls: Sequence[str] = ("*",), cases: Sequence[str] = ("*",)) -> str:
+    """The preset's mixed steps against their parts timed apart as a markdown table (``reports.build.step_parts``):
+    a row per step and implementation, the three times and the step's over the parts' sum, bold where at most 1."""
+    rows = [row for row in step_parts(run, preset) if _matches(row["case"], cases)]
+    if not rows:
+        raise ReportError(f"{run.path}: preset {preset!r} has no mixed step matching {', '.join(cases)} measured "
+                          "beside its decode and prefill parts")
+    columns = [c for c in twin_columns(run, preset, rows, "times") if _matches(c, impls)]
+    if not columns:
+        raise ReportError(f"{run.path}: preset {preset!r} has no implementation matching {', '.join(impls)}")
+    labels, shared = case_labels({row["case"]: run.cases.get(row["case"], {}) for row in rows})
+    lines = [f"`{preset}`, a mixed step against its decode and prefill parts timed apart, ms ({_timing(run)}"
+             + (f"; every step {', '.join(shared)}" if shared else "") + "):", "",
+             "| step | implementation | step | decode | prefill | step / parts |", "|" + "---|" * 6]
+    for row in rows:
+        for impl in (c for c in columns if c in row["times"]):
+            t = row["times"][impl]
+            ratio = f"{t['ratio']:.2f}"
+            cells = [labels[row["case"]], impl, *(_cell(t[k]) for k in ("step_ms", "decode_ms", "prefill_ms")),
+                     f"**{ratio}**" if t["ratio"] <= 1 else ratio]
+            lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -132,6 +159,8 @@ def block_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ours", action="append", default=[], help="add the best of these over the best of the rest")
     parser.add_argument("--twins", action="store_true",
                         help="the quantized-cache cases' step time over their 16-bit twins' instead (twins_table)")
+    parser.add_argument("--parts", action="store_true",
+                        help="the mixed steps against their decode and prefill parts instead (parts_table)")
     return parser
 
 
@@ -143,14 +172,18 @@ def render_block(args: str, root: Path, runs: dict[Path, Run]) -> str:
         ns = block_parser().parse_args(shlex.split(args))
     except (argparse.ArgumentError, SystemExit) as exc:
         raise ReportError(f"bad results block arguments {args!r}: {exc}") from exc
-    if ns.twins and ns.ours:
-        raise ReportError(f"bad results block arguments {args!r}: --ours does not apply to --twins")
+    if ns.twins and ns.parts:
+        raise ReportError(f"bad results block arguments {args!r}: --twins and --parts are two tables")
+    if (ns.twins or ns.parts) and ns.ours:
+        raise ReportError(f"bad results block arguments {args!r}: --ours does not apply to "
+                          f"{'--twins' if ns.twins else '--parts'}")
     path = root / ns.file
     if path not in runs:
         runs[path] = load_run(path)
     selection = {"impls": ns.impl or ["*"], "cases": ns.case or ["*"]}
-    if ns.twins:
-        return "\n" + twins_table(runs[path], ns.preset, **selection) + "\n"
+    if ns.twins or ns.parts:
+        made = twins_table if ns.twins else parts_table
+        return "\n" + made(runs[path], ns.preset, **selection) + "\n"
     return "\n" + table(runs[path], ns.preset, ours=ns.ours, **selection) + "\n"
 
 

@@ -20,7 +20,7 @@ def mode_parts(run: Run, preset: str) -> list[str]:
     else none (the side-by-side table shows once, in the first)."""
     base = preset.rpartition(": ")[0]
     parts = [f"{base}: {mode}" for mode in MODES if f"{base}: {mode}" in run.presets]
-    return parts if base and parts[0] == preset and len(parts) > 1 else []
+    return parts if len(parts) > 1 and parts[0] == preset else []  # a preset split by figure of merit has none
 
 
 def dq_float32_bytes(case: dict[str, Any]) -> int:

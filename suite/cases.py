@@ -28,6 +28,9 @@ LENGTHS = {  # how a serving case's sequence lengths are drawn (seeded by the ca
     "random": "varlen, packed training: B lengths summing to the total, cut at B-1 uniform random points",
     "equal": "varlen, packed training: B lengths of total/B each (compares with the dense kernel)",
 }
+# A mixed step's parts, timed apart to price its one launch: the fields each resets (``Case.mixed_parts``; the
+# report matches parts by them, ``reports.build.MIXED_PARTS``).
+MIXED_PARTS = {"decode": {"chunks": 0, "sq": 1}, "prefill": {"batch": 0, "skv": 0, "lengths": "uniform"}}
 
 
 @dataclass(frozen=True)
@@ -204,6 +207,15 @@ class Case:
         if self.lengths == "equal":
             return [self.sq // self.batch + (i < self.sq % self.batch) for i in range(self.batch)]
         return [self.skv] * self.batch
+
+    def mixed_parts(self) -> dict[str, Case]:
+        """A mixed step's decode part (its decoding sequences alone) and prefill part (its chunks alone), where it has
+        both; else none. The parts hold the whole's sequences, same lengths (the decoding ones are drawn from the
+        paged case's seed, which no chunk field enters; a chunk's are fixed); values and page placement are each
+        case's own draw, which the time does not depend on."""
+        if self.op != "mixed" or not (self.batch and self.chunks):
+            return {}
+        return {part: replace(self, **fields) for part, fields in MIXED_PARTS.items()}
 
     def new_tokens(self) -> list[int]:
         """A mixed case's new tokens per sequence, in ``seqlens``' order: one per decoding sequence, then the

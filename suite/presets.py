@@ -157,15 +157,25 @@ def mixed(model: tuple[str, int, int, int], decode: int, skv: int, chunks: int =
                 model=name, chunks=chunks)
 
 
+def with_parts(cases: list[Case]) -> list[Case]:
+    """The cases, each mixed step followed by those of its parts (``Case.mixed_parts``) not already listed: the
+    report sets a step against its parts timed apart."""
+    listed: dict[str, Case] = {}
+    for case in cases:
+        for c in (case, *case.mixed_parts().values()):
+            listed.setdefault(c.id, c)
+    return list(listed.values())
+
+
 def _serving_mixed() -> list[Case]:
     """Steps of a server that runs prefill chunks beside decoding (vLLM's chunked prefill), for two models: 64
     sequences decoding over 1-32K cached tokens (long-tailed) or 8K each beside 1-4 chunks of 512-4096 new tokens;
-    and both ends, prefill chunks alone and decoding alone."""
+    and each step's parts, its decoding alone and its chunks alone."""
     cases = []
     for model in (LLAMA3_8B, LLAMA3_70B_TP8):
-        cases += [mixed(model, 64, 32768, 2, 2048, lengths="longtail"), mixed(model, 64, 8192, 1, 4096),
-                  mixed(model, 0, 0, 4, 4096), mixed(model, 64, 32768, lengths="longtail")]
-    return [*cases, mixed(LLAMA3_8B, 64, 32768, 4, 512, lengths="longtail"), mixed(LLAMA3_8B, 16, 32768, 1, 4096)]
+        cases += [mixed(model, 64, 32768, 2, 2048, lengths="longtail"), mixed(model, 64, 8192, 1, 4096)]
+    return with_parts([*cases, mixed(LLAMA3_8B, 64, 32768, 4, 512, lengths="longtail"),
+                       mixed(LLAMA3_8B, 16, 32768, 1, 4096)])
 
 
 # MLA decode in the absorbed form: (name in the case id, query heads, latent width, rotary width). DeepSeek-V3 (and R1,
@@ -328,9 +338,9 @@ PRESETS: dict[str, list[Case]] = {
     "serving-mixed": _serving_mixed(),
     # The mixed twin on CPU (and as cheap GPU edge cases): decoding sequences beside prefill chunks over several
     # query and key tiles, GQA and MQA, a group of 3 and a head dim that is not a power of two, pages that the
-    # lengths do not fill, and both ends (prefill alone, decode alone).
+    # lengths do not fill, and both ends (prefill alone, decode alone); the first step with its two parts.
     "serving-mixed-cpu": [
-        mixed(("", 4, 2, 64), 3, 100, 2, 40, lengths="longtail"),
+        *with_parts([mixed(("", 4, 2, 64), 3, 100, 2, 40, lengths="longtail")]),
         mixed(("", 8, 1, 64), 2, 77, 1, 33, page_size=32, dtype="fp16"),
         mixed(("", 6, 2, 40), 4, 70),
         mixed(("", 4, 4, 32), 0, 0, 2, 50, dtype="fp32"),

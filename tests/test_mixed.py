@@ -13,7 +13,7 @@ from impls import MixedBatch, Unsupported
 from impls.contract import gather_sequence
 from impls.reference import serving_attention_ref
 from suite import metrics
-from suite.cases import Case, PageLayout
+from suite.cases import MIXED_PARTS, Case, PageLayout
 from suite.checks import Oracle
 from suite.presets import LLAMA3_8B, MAX_SERVING_TOKENS, PRESETS, mixed, paged
 from tests.tiers import first_fast
@@ -186,7 +186,7 @@ def test_a_case_ranks_by_whichever_of_bytes_and_flops_bounds_it():
 
 def test_the_presets_hold_both_ends_and_the_cpu_twin_every_path():
     gpu: list[Case] = PRESETS["serving-mixed"]
-    assert 8 <= len(gpu) <= 12 and len({c.id for c in gpu}) == len(gpu)
+    assert 8 <= len(gpu) <= 16 and len({c.id for c in gpu}) == len(gpu)
     assert {(c.hq, c.hkv, c.d) for c in gpu} == {(32, 8, 128), (8, 1, 128)}
     assert any(c.batch == 0 for c in gpu) and any(c.chunks == 0 for c in gpu)  # prefill alone, decode alone
     assert {c.sq for c in gpu if c.chunks} == {512, 2048, 4096} and max(c.chunks for c in gpu) == 4
@@ -197,6 +197,25 @@ def test_the_presets_hold_both_ends_and_the_cpu_twin_every_path():
     for case in cpu:
         inputs = case.make_inputs("cpu")
         assert inputs.seqlens_q() == case.new_tokens() and list(inputs.seqlens) == case.seqlens()
+
+
+def test_a_steps_parts_are_its_decoding_alone_and_its_chunks_alone_over_the_same_lengths():
+    """The GPU preset holds every step's two parts, the CPU twin its first step's; a part is the whole less the other
+    part's fields (the report matches them so: reports.build.MIXED_PARTS), and the whole's lengths are the decode
+    part's then the prefill's."""
+    from reports.build import MIXED_PARTS as REPORTED
+
+    assert REPORTED == MIXED_PARTS
+    for name, with_parts in (("serving-mixed", slice(None)), ("serving-mixed-cpu", slice(1))):
+        ids = {c.id for c in PRESETS[name]}
+        steps = [c for c in PRESETS[name] if c.mixed_parts()]
+        assert steps and all({p.id for p in c.mixed_parts().values()} <= ids for c in steps[with_parts])
+        for case in steps:
+            parts = case.mixed_parts()
+            assert parts["decode"].seqlens() + parts["prefill"].seqlens() == case.seqlens()
+            assert parts["decode"].new_tokens() + parts["prefill"].new_tokens() == case.new_tokens()
+            assert all(p.as_dict() == {**case.as_dict(), **MIXED_PARTS[n]} for n, p in parts.items())
+    assert mixed(LLAMA3_8B, 64, 8192).mixed_parts() == {} == mixed(LLAMA3_8B, 0, 0, 2, 8).mixed_parts()
 
 
 def test_the_peers_say_why_they_cannot_run_here():

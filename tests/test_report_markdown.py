@@ -144,6 +144,62 @@ def test_a_quantized_cache_is_set_against_its_16_bit_twin(serving_results, tmp_p
         render_block("twins.json --preset serving-cpu-bench --twins --ours sdpa", tmp_path, {})
 
 
+def with_mixed_steps(serving_results: Path, tmp_path: Path) -> Path:
+    """The serving run with ``serving-mixed-cpu``'s first step, its two parts (ranked by another figure of merit
+    than the step: the preset splits in two sections) and a step whose parts are missing, every benchmark a copy of
+    one measured case's with the median set: both parts 1 ms; the step 1.5 ms for sdpa, 2.5 for naive."""
+    from suite.presets import PRESETS
+
+    data = json.loads(serving_results.read_text())
+    fmha, template = data["fmha"], data["benchmarks"][:2]
+    step, lone = (c for c in PRESETS["serving-mixed-cpu"] if c.mixed_parts())
+    cases = {step: "gbps", step.mixed_parts()["decode"]: "gbps", step.mixed_parts()["prefill"]: "tflops", lone: "gbps"}
+    for case, merit in cases.items():
+        params = json.loads(json.dumps(case.as_dict()))  # as a run stores it: tuples as lists
+        fmha["cases"][case.id] = {**params, "preset": "serving-mixed-cpu", "merit": merit}
+        for bench in template:
+            copy = json.loads(json.dumps(bench))
+            impl = copy["extra_info"]["impl"]
+            copy["extra_info"]["case"] = case.id
+            whole = case.batch and case.chunks
+            copy["stats"]["median"] = {"sdpa": 1.5e-3}.get(impl, 2.5e-3) if whole else 1e-3
+            data["benchmarks"].append(copy)
+    fmha["presets"]["serving-mixed-cpu"] = [c.id for c in cases]
+    path = tmp_path / "mixed.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_a_mixed_step_is_set_against_its_parts_timed_apart(serving_results, tmp_path):
+    """Each mixed step measured beside both its parts gets, per implementation timed on all three, the three times
+    and the step's over the parts' sum (bold where at most 1): once, in the first section of its split preset, and
+    as a markdown table (``--parts``); a step whose parts were not measured gets none."""
+    from reports.__main__ import markdown
+    from reports.build import step_parts
+    from reports.markdown import parts_table, render_block
+
+    path = with_mixed_steps(serving_results, tmp_path)
+    run = load_run(path)
+    first, second = "serving-mixed-cpu: decode", "serving-mixed-cpu: prefill"
+    assert first in run.presets and second in run.presets and step_parts(run, second) == []
+    rows = step_parts(run, first)
+    assert [row["case"] for row in rows] == [run.presets[first][0]] and rows[0]["prefill"] in run.presets[second]
+    assert {impl: t["ratio"] for impl, t in rows[0]["times"].items()} == pytest.approx({"sdpa": 0.75, "naive": 1.25})
+    html = write_report([path], tmp_path / "r.html").read_text()
+    section = _section(html, first)
+    assert "A mixed step against its parts" in section and "A mixed step" not in _section(html, second)
+    assert "<strong>0.75</strong>" in section and "<td>1.25</td>" in section
+    text = parts_table(run, first)
+    lines = [line for line in text.splitlines() if line.startswith("| ") and "implementation" not in line]
+    assert [line.split(" | ")[1:] for line in lines] == [["sdpa", "1.5", "1", "1", "**0.75** |"],
+                                                        ["naive", "2.5", "1", "1", "1.25 |"]]
+    assert "naive" not in parts_table(run, first, impls=["sdpa"]) and text in markdown([path], [])
+    with pytest.raises(ReportError, match="no mixed step"):
+        parts_table(run, second)
+    with pytest.raises(ReportError, match="--ours does not apply to --parts"):
+        render_block("mixed.json --preset x --parts --ours sdpa", tmp_path, {})
+
+
 def test_case_labels_leave_to_the_caption_what_every_case_shares():
     from reports.markdown import case_labels
 
