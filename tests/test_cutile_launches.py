@@ -184,7 +184,7 @@ def test_every_candidate_of_every_gpu_preset_case_makes_its_launches(monkeypatch
             continue
         assert calls and all(call.launches for call in calls), case.id
         built += len(calls)
-    assert built > len(cases)
+    assert built > sum(case.op in ("dense", "varlen") for case in cases.values())  # more than one a case
 
 
 def test_a_persistent_grid_counts_clusters_as_blocks(monkeypatch):
