@@ -227,10 +227,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     state = run_state(metafunc.config)
     phase = "benchmark" if "benchmark" in metafunc.fixturenames else "correctness"
     marker = metafunc.definition.get_closest_marker("cases")  # a test that names its own cases
-    selected = [("properties", c) for c in marker.args] if marker else presets.cases(grids_for(metafunc.config, phase))
+    grids = [] if marker else grids_for(metafunc.config, phase)
+    selected = [("properties", c) for c in marker.args] if marker else presets.cases(grids)
     params = []
     named = bool(metafunc.config.getoption("--impl"))  # else studies (the blog's ladder) run in their presets only
-    grids = [] if marker else grids_for(metafunc.config, phase)
     for preset, case in selected:
         holding = [name for name in grids if case in presets.preset(name)] or [preset]
         if case.id not in state.cases:

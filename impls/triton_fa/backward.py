@@ -44,6 +44,14 @@ def _tile(ptr, offs_r, stride, offs_d, length, HEAD_DIM: tl.constexpr, BLOCK_D: 
 
 
 @triton.jit
+def _key_tiles(K, V, kv_base, offs_n, kv_stride, offs_d, kv_len, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+               FP32: tl.constexpr):
+    """The K and V tiles of key rows ``offs_n`` of the kv head whose rows start at ``kv_base`` (``_tile``)."""
+    return (_tile(K + kv_base * HEAD_DIM, offs_n, kv_stride, offs_d, kv_len, HEAD_DIM, BLOCK_D, FP32),
+            _tile(V + kv_base * HEAD_DIM, offs_n, kv_stride, offs_d, kv_len, HEAD_DIM, BLOCK_D, FP32))
+
+
+@triton.jit
 def _store_tile(ptr, value, offs_r, stride, offs_d, length, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     mask = offs_r[:, None] < length
     if BLOCK_D != HEAD_DIM:
@@ -165,8 +173,7 @@ def fwd_lse(
     lo, hi = _key_range(start_m, q_len, kv_len, window_left, window_right, BLOCK_M, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _tile(K + kv_base * HEAD_DIM, offs_n, kv_stride, offs_d, kv_len, HEAD_DIM, BLOCK_D, DOT_FP32)
-        v = _tile(V + kv_base * HEAD_DIM, offs_n, kv_stride, offs_d, kv_len, HEAD_DIM, BLOCK_D, DOT_FP32)
+        k, v = _key_tiles(K, V, kv_base, offs_n, kv_stride, offs_d, kv_len, HEAD_DIM, BLOCK_D, DOT_FP32)
         s, _ = _scores(q, tl.trans(k), offs_m, offs_n, q_len, kv_len, window_left, window_right, scale, SOFTCAP,
                        DOT_FP32)
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -211,8 +218,7 @@ def bwd_dkdv(
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     kv_base, kv_stride = _head_rows(start, batch, kv_head, num_heads // group, kv_len, PACKED)
-    k = _tile(K + kv_base * HEAD_DIM, offs_n, kv_stride, offs_d, kv_len, HEAD_DIM, BLOCK_D, DOT_FP32)
-    v = _tile(V + kv_base * HEAD_DIM, offs_n, kv_stride, offs_d, kv_len, HEAD_DIM, BLOCK_D, DOT_FP32)
+    k, v = _key_tiles(K, V, kv_base, offs_n, kv_stride, offs_d, kv_len, HEAD_DIM, BLOCK_D, DOT_FP32)
     k_t = tl.trans(k)
     v_t = tl.trans(v)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -260,8 +266,7 @@ def bwd_dq(
     lo, hi = _key_range(start_m, q_len, kv_len, window_left, window_right, BLOCK_M, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _tile(K + kv_base * HEAD_DIM, offs_n, kv_stride, offs_d, kv_len, HEAD_DIM, BLOCK_D, DOT_FP32)
-        v = _tile(V + kv_base * HEAD_DIM, offs_n, kv_stride, offs_d, kv_len, HEAD_DIM, BLOCK_D, DOT_FP32)
+        k, v = _key_tiles(K, V, kv_base, offs_n, kv_stride, offs_d, kv_len, HEAD_DIM, BLOCK_D, DOT_FP32)
         p, slope = _probs(q, tl.trans(k), lse, offs_m, offs_n, q_len, kv_len, window_left, window_right, scale,
                           SOFTCAP, DOT_FP32)
         dp = _dot(do, tl.trans(v), DOT_FP32)
