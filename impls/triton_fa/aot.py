@@ -27,14 +27,14 @@ def compile_cubin(arch: int, *, dtype: str = "fp16", head_dim: int = 128, causal
                   switches: dict | None = None) -> bytes:
     """``switches``: the kernel's switches (``dense.SWITCHES``) to set; HOST_DESC takes descriptor arguments, which
     this compiles no signature for."""
-    from impls.triton_fa.dense import DESCRIPTORS, FOLD_SCALE_MAX_D, SWITCHES
+    from impls.triton_fa.dense import DESCRIPTORS, SWITCHES, folds_scale
     from impls.triton_fa.kernel import attention_fwd
 
-    dims = head_dims(head_dim)  # the switches as a launch sets them, then the ones asked for
-    switches = {**SWITCHES, "FOLD_SCALE": dims["BLOCK_D"] <= FOLD_SCALE_MAX_D, **(switches or {})}
+    # the switches as a launch sets them, then the ones asked for
+    switches = {**SWITCHES, "FOLD_SCALE": folds_scale(head_dim), **(switches or {})}
     if switches["HOST_DESC"]:
         raise ValueError("HOST_DESC: compile the in-kernel descriptor path (--tma) instead")
-    constants = {**switches, **dims, "CAUSAL": causal, "BLOCK_M": block_m, "BLOCK_N": block_n,
+    constants = {**switches, **head_dims(head_dim), "CAUSAL": causal, "BLOCK_M": block_m, "BLOCK_N": block_n,
                  "DOT_FP32": dtype == "fp32", "USE_TMA": use_tma, "VARLEN": False,  # head dims padded to powers of 2
                  "HAS_WINDOW": window, "SOFTCAP": softcap,
                  "cu_seqlens_q": None, "cu_seqlens_k": None,  # dense: no sequence offsets

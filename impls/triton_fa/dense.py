@@ -218,11 +218,16 @@ def host_descriptors(q, k, v, out, block_m: int, block_n: int) -> dict:
 FOLD_SCALE_MAX_D = 64
 
 
+def folds_scale(head_dim: int) -> bool:
+    """Whether the kernel folds the scale (``FOLD_SCALE``) by default at this head dim (its padded tile's)."""
+    return block_d(head_dim) <= FOLD_SCALE_MAX_D
+
+
 def dense_meta(q, v, *, causal: bool, window: tuple[int, int], softcap: float) -> dict:
     """``attention_fwd``'s compile-time arguments for a dense call, but for the tile config."""
-    dims = head_dims(q.shape[-1], v.shape[-1])
-    return {**dims, "CAUSAL": causal, "DOT_FP32": interpreting() or q.dtype == torch.float32,
-            "HAS_WINDOW": window != NO_WINDOW, "SOFTCAP": softcap, "FOLD_SCALE": dims["BLOCK_D"] <= FOLD_SCALE_MAX_D}
+    return {**head_dims(q.shape[-1], v.shape[-1]), "CAUSAL": causal,
+            "DOT_FP32": interpreting() or q.dtype == torch.float32, "HAS_WINDOW": window != NO_WINDOW,
+            "SOFTCAP": softcap, "FOLD_SCALE": folds_scale(q.shape[-1])}
 
 
 def kernel_arguments(q, k, v, out, scale: float, window: tuple[int, int] = NO_WINDOW, causal: bool = False) -> tuple:
@@ -374,7 +379,7 @@ def prepare_varlen(inputs, *, scale: float, window: tuple[int, int] = NO_WINDOW,
     window = inputs.binding_window(window)
     meta = {**head_dims(head_dim), "CAUSAL": inputs.causal, "VARLEN": True,
             "DOT_FP32": interpreting() or inputs.q.dtype == torch.float32, "HAS_WINDOW": window != NO_WINDOW,
-            "SOFTCAP": softcap, "FOLD_SCALE": block_d(head_dim) <= FOLD_SCALE_MAX_D}
+            "SOFTCAP": softcap, "FOLD_SCALE": folds_scale(head_dim)}
 
     def grid(cfg):
         return (triton.cdiv(inputs.max_seqlen_q, cfg["BLOCK_M"]), *axes)
