@@ -55,7 +55,8 @@ def parse_case(text: str):
         name, sep, value = item.partition("=")
         if not sep or name not in fields:
             raise argparse.ArgumentTypeError(f"{item!r}: expected FIELD=VALUE with FIELD one of {', '.join(fields)}")
-        kind = type(getattr(Case, name, 0)) if name not in ("batch", "hq", "hkv", "sq", "skv", "d") else int
+        default = fields[name].default
+        kind = int if default is dataclasses.MISSING else type(default)  # the fields without a default are sizes
         if name == "window":
             values[name] = tuple(int(x) for x in value.split(":"))
         elif kind is bool:
