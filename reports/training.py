@@ -28,7 +28,7 @@ def dq_float32_bytes(case: dict[str, Any]) -> int:
     return rows * case.get("hq", 0) * case.get("d", 0) * FLOAT32_BYTES
 
 
-def memory_budget(run: Run, backward_id: str) -> float | None:
+def memory_bound(run: Run, backward_id: str) -> float | None:
     """The peak bytes a backward of ours may take on this case: the best (smallest) peer's plus dq in float32."""
     peers = [m.peak_memory_bytes for impl, m in run.by_case.get(backward_id, {}).items()
              if not is_ours(impl, OURS) and isinstance(m.peak_memory_bytes, int)]
@@ -38,7 +38,7 @@ def memory_budget(run: Run, backward_id: str) -> float | None:
 def training_modes(run: Run, preset: str) -> dict[str, Any] | None:
     """Rows per shape and implementation: ``tflops`` {mode: rate in the lead timing}, ``step_over_parts`` (the
     step's time over the forward's plus the backward's: below 1, the step costs less than its parts timed apart),
-    ``bwd_mib`` (the backward's peak) and, for ours, ``within_budget`` (``memory_budget``)."""
+    ``bwd_mib`` (the backward's peak) and, for ours, ``within_bound`` (``memory_bound``)."""
     parts = mode_parts(run, preset)
     if not parts:
         return None
@@ -52,7 +52,7 @@ def training_modes(run: Run, preset: str) -> dict[str, Any] | None:
     rows = []
     for key, ids in shapes.items():
         measured = {mode: run.by_case.get(cid, {}) for mode, cid in ids.items()}
-        budget = memory_budget(run, ids["backward"]) if "backward" in ids else None
+        bound = memory_bound(run, ids["backward"]) if "backward" in ids else None
         for impl in sorted({impl for per_impl in measured.values() for impl in per_impl}):
             m = {mode: per_impl[impl] for mode, per_impl in measured.items() if impl in per_impl}
             parts_s = m["forward"].median_s + m["backward"].median_s if "forward" in m and "backward" in m else None
@@ -62,7 +62,7 @@ def training_modes(run: Run, preset: str) -> dict[str, Any] | None:
                 "tflops": {mode: x.tflops for mode, x in m.items()},
                 "step_over_parts": m["fwd+bwd"].median_s / parts_s if parts_s and "fwd+bwd" in m else None,
                 "bwd_mib": peak / 2**20 if isinstance(peak, int) else None,
-                "within_budget": peak <= budget if is_ours(impl, OURS) and budget and isinstance(peak, int)
+                "within_bound": peak <= bound if is_ours(impl, OURS) and bound and isinstance(peak, int)
                 else None,
             })
     present = [mode for mode in MODES if any(mode in r["tflops"] for r in rows)]

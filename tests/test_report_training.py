@@ -61,11 +61,11 @@ def test_the_three_modes_side_by_side_with_the_step_against_its_parts_and_the_ba
     ours = next(r for (shape, impl), r in rows.items() if impl == "triton" and "h4:2" in shape)
     assert ours["tflops"] == {"forward": 0.5, "backward": 1.0, "fwd+bwd": pytest.approx(1 / 2.4)}
     assert ours["step_over_parts"] == pytest.approx(2.4 / 3.0)
-    assert ours["within_budget"] is True and ours["bwd_mib"] == pytest.approx(10 + dq / MIB)
+    assert ours["within_bound"] is True and ours["bwd_mib"] == pytest.approx(10 + dq / MIB)
     peer = next(r for (_, impl), r in rows.items() if impl == "sdpa")
-    assert peer["within_budget"] is None  # the budget is ours to keep
+    assert peer["within_bound"] is None  # the bound is ours to keep
     over = load_run(fake_run(tmp_path / "over.json", MEDIANS, {"sdpa": 10 * MIB, "triton": 10 * MIB + 2 * dq}))
-    assert {r["within_budget"] for r in training_modes(over, "train: forward")["rows"] if r["ours"]} == {False}
+    assert {r["within_bound"] for r in training_modes(over, "train: forward")["rows"] if r["ours"]} == {False}
 
 
 def test_the_report_ranks_each_mode_and_names_each_ones_leader(tmp_path):
