@@ -64,6 +64,25 @@ def test_triton_backward_passes_the_oracle(odd: Backward) -> None:
     assert result.passed, result.message
 
 
+# Tiles of 16 and 32 over odd lengths: key tiles wholly seen, cut by the causal diagonal or a window's left edge, and
+# ragged at both ends, so the kernels' masked and mask-free loops all run (the one-tile default runs one of them).
+@pytest.mark.parametrize("split", [True, False], ids=["split", "one-loop"])
+@pytest.mark.parametrize("case", [
+    Case(1, 2, 1, 90, 110, 64, "fp32", True, op="backward", window=(40, -1)),
+    slow(Case(1, 2, 2, 110, 90, 32, "fp32", False, op="backward", window=(-1, 24))),
+    slow(Case(1, 2, 2, 70, 70, 32, "fp32", False, op="backward")),
+], ids=lambda c: c.id if isinstance(c, Case) else c)
+def test_the_masked_and_mask_free_loops_cover_every_tile(case: Case, split: bool, monkeypatch) -> None:
+    from impls.triton_fa import backward
+    small = {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
+    monkeypatch.setattr(backward, "tiles", lambda *_: ({**small, "SPLIT": split}, {**small, "BLOCK_M": 32,
+                                                                                    "BLOCK_N": 16}))
+    for op in ("backward", "fwdbwd"):  # the case's lse, and the step's own forward over the same loops
+        inputs = replace(case, op=op).make_inputs("cpu")
+        result = BackwardOracle(inputs, **case.variants).check(get("triton", op).prepare(inputs, **case.variants)())
+        assert result.passed, f"{op}: {result.message}"
+
+
 def test_the_oracle_fails_a_wrong_gradient_and_nan(odd: Backward) -> None:
     oracle = BackwardOracle(odd)
     dq, dk, dv = get("naive", "backward").prepare(odd)()
@@ -103,8 +122,8 @@ from impls.triton_fa.backward import bwd_dkdv, bwd_dq, block_d, fwd_lse, tiles
 for d, packed in ((64, False), (128, False), (256, False), (128, True)):
     dkdv, dq = tiles(d, torch.bfloat16)
     for fn, t in ((bwd_dkdv, dkdv), (bwd_dq, dq), (fwd_lse, dq)):
-        meta = {"HEAD_DIM": d, "BLOCK_D": block_d(d), "SOFTCAP": 0.0, "DOT_FP32": False, "PACKED": packed,
-                "BLOCK_M": t["BLOCK_M"], "BLOCK_N": t["BLOCK_N"]}
+        meta = {"HEAD_DIM": d, "BLOCK_D": block_d(d), "SOFTCAP": 0.0, "DOT_FP32": False, "LOG2": True, "PACKED": packed,
+                "LEFT": False, "RIGHT": True, **{k: v for k, v in t.items() if k.isupper()}}
         pointers = {n: {"LSE": "fp32", "Delta": "fp32", "CuSeqlens": "i32"}.get(n, "bf16") for n in fn.arg_names
                     if n[0].isupper() and n not in meta}
         cubin = compile_for(fn, 90, meta, pointers, t["num_warps"], t["num_stages"]).asm["cubin"]
@@ -116,7 +135,7 @@ for d, packed in ((64, False), (128, False), (256, False), (128, True)):
 def test_the_fixed_gpu_tiles_compile_for_hopper_without_spilling_in_their_loops() -> None:
     """The bf16 tiles ``tiles`` picks, compiled for sm_90 without a GPU (the training step's forward on the dq
     kernel's), dense and (head dim 128) over packed documents: no local memory touched inside the loops (head dim
-    256's dk/dv keeps 16 bytes of stack outside them), warpgroup MMA except in that dk/dv, whose tile of 16 query
+    256's dk/dv keeps 32 bytes of stack outside them), warpgroup MMA except in that dk/dv, whose tile of 16 query
     rows is below a warpgroup MMA's 64."""
     import json
     import os
@@ -131,7 +150,7 @@ def test_the_fixed_gpu_tiles_compile_for_hopper_without_spilling_in_their_loops(
     results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert len(results) == 12
     for r in results:
-        assert r["loop_spills"] == 0 and r["stack"] <= 16, r
+        assert r["loop_spills"] == 0 and r["stack"] <= 32, r
         assert r["hgmma"] > 0 or (r["d"], r["kernel"]) == (256, "bwd_dkdv"), r
 
 

@@ -26,29 +26,35 @@ import triton
 import triton.language as tl
 
 from impls._registry import FLOATS, Prepared, heads_by_batch, register
-from impls.contract import NO_WINDOW, Backward, window_bounds
+from impls.contract import NO_WINDOW, UNBOUNDED, Backward, window_bounds
 from impls.triton_fa.config import HEAD_DIMS, block_d, interpreting, requires
 
 DELTA_ROWS = 64  # rows of do * o each program of the pre-pass sums
+LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): one natural-log unit in base 2
 
 
 @triton.jit
-def _tile(ptr, offs_r, stride, offs_d, length, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, FP32: tl.constexpr):
+def _tile(ptr, offs_r, stride, offs_d, length, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, FP32: tl.constexpr,
+          TRANSPOSED: tl.constexpr = False):
     """The (len(offs_r), BLOCK_D) tile of rows ``offs_r`` of a head at ``ptr`` whose rows are ``stride`` rows of
-    HEAD_DIM apart (``_head_rows``), as float32 where ``FP32``; rows past ``length`` and padded columns read zeros."""
-    mask = offs_r[:, None] < length
+    HEAD_DIM apart (``_head_rows``), as float32 where ``FP32``, or its (BLOCK_D, len(offs_r)) transpose loaded as
+    such where ``TRANSPOSED`` (a dot's right operand, with no shuffle of a register tile); rows past ``length`` and
+    padded columns read zeros."""
+    rows = offs_r[None, :] if TRANSPOSED else offs_r[:, None]
+    cols = offs_d[:, None] if TRANSPOSED else offs_d[None, :]
+    mask = rows < length
     if BLOCK_D != HEAD_DIM:
-        mask = mask & (offs_d[None, :] < HEAD_DIM)
-    t = tl.load(ptr + (offs_r[:, None] * stride) * HEAD_DIM + offs_d[None, :], mask=mask, other=0.0)
+        mask = mask & (cols < HEAD_DIM)
+    t = tl.load(ptr + (rows * stride) * HEAD_DIM + cols, mask=mask, other=0.0)
     return t.to(tl.float32) if FP32 else t
 
 
 @triton.jit
 def _key_tiles(K, V, kv_base, offs_n, kv_stride, offs_d, kv_len, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-               FP32: tl.constexpr):
+               FP32: tl.constexpr, TRANSPOSED: tl.constexpr = False):
     """The K and V tiles of key rows ``offs_n`` of the kv head whose rows start at ``kv_base`` (``_tile``)."""
-    return (_tile(K + kv_base * HEAD_DIM, offs_n, kv_stride, offs_d, kv_len, HEAD_DIM, BLOCK_D, FP32),
-            _tile(V + kv_base * HEAD_DIM, offs_n, kv_stride, offs_d, kv_len, HEAD_DIM, BLOCK_D, FP32))
+    return (_tile(K + kv_base * HEAD_DIM, offs_n, kv_stride, offs_d, kv_len, HEAD_DIM, BLOCK_D, FP32, TRANSPOSED),
+            _tile(V + kv_base * HEAD_DIM, offs_n, kv_stride, offs_d, kv_len, HEAD_DIM, BLOCK_D, FP32, TRANSPOSED))
 
 
 @triton.jit
@@ -80,41 +86,75 @@ def _tanh(x, EXACT: tl.constexpr):
 
 
 @triton.jit
-def _key_range(start_m, q_len, kv_len, window_left, window_right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The key tiles ``[lo, hi)`` that some row of the query tile at ``start_m`` sees: row i sits at key position
-    i + kv_len - q_len (bottom-right) and sees the keys from its position - left to its position + right."""
+def _exp(x, LOG2: tl.constexpr):
+    return tl.math.exp2(x) if LOG2 else tl.exp(x)
+
+
+@triton.jit
+def _units(LOG2: tl.constexpr):
+    """What one natural-log unit is in the kernels' units: log2(e) in base 2, else 1."""
+    return LOG2E if LOG2 else 1.0
+
+
+@triton.jit
+def _full_span(lo, hi, first, end, BLOCK: tl.constexpr):
+    """Of the tiles walked from ``lo`` (a multiple of BLOCK) to ``hi``, the run ``[full_lo, full_hi)`` of those
+    that start at ``first`` or later and end by ``end`` (the run reaches ``hi`` where ``end`` does): they run
+    without a mask, the tiles before and after the run with one."""
+    full_lo = tl.minimum(tl.cdiv(tl.maximum(first, lo), BLOCK) * BLOCK, hi)
+    full_hi = tl.where(end >= hi, hi, tl.maximum(end, 0) // BLOCK * BLOCK)
+    return full_lo, tl.maximum(full_hi, full_lo)
+
+
+@triton.jit
+def _key_spans(start_m, q_len, kv_len, window_left, window_right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               RAGGED: tl.constexpr):
+    """The key tiles ``[lo, hi)`` that some row of the query tile at ``start_m`` sees, and within them the run
+    every row sees whole (``_full_span``): row i sits at key position i + kv_len - q_len (bottom-right) and sees the
+    keys from its position - left to its position + right. ``RAGGED``: a last key tile that passes kv_len is
+    masked too (the forward's; a backward's zero-filled keys add nothing to dq)."""
     first = start_m + (kv_len - q_len)
     lo = tl.maximum(first - window_left, 0) // BLOCK_N * BLOCK_N
     hi = tl.minimum(kv_len, tl.maximum(first + BLOCK_M + window_right, 0))
-    return lo, hi
+    end = first + window_right + 1  # the first row's right edge; the last row's left edge starts the run
+    if RAGGED:
+        end = tl.minimum(end, kv_len // BLOCK_N * BLOCK_N)
+    full_lo, full_hi = _full_span(lo, hi, first + BLOCK_M - 1 - window_left, end, BLOCK_N)
+    return lo, full_lo, full_hi, hi
 
 
 @triton.jit
-def _scores(q, k_t, offs_m, offs_n, q_len, kv_len, window_left, window_right, scale, SOFTCAP: tl.constexpr,
-            DOT_FP32: tl.constexpr):
-    """The scaled scores of one (BLOCK_M, BLOCK_N) tile, ``cap * tanh(s / cap)`` under SOFTCAP, -inf where a key is
-    not seen or out of bounds, and the softcap's slope ``1 - tanh^2`` (1 without one); ``k_t``: the key tile
-    transposed."""
-    s = _dot(q, k_t, DOT_FP32) * scale
-    slope = 1.0
+def _query_spans(start_n, q_len, kv_len, window_left, window_right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The query tiles ``[lo, hi)`` whose rows see some key of the key tile at ``start_n``, and the run of them
+    that sees the tile whole: the rows at positions from start_n - right to the tile's last key + left. Rows past
+    q_len need no mask: their lse is +inf, so their p is 0."""
+    offset = kv_len - q_len
+    lo = tl.maximum(start_n - window_right - offset, 0) // BLOCK_M * BLOCK_M
+    hi = tl.minimum(q_len, tl.maximum(start_n + BLOCK_N + window_left - offset, 0))
+    full_lo, full_hi = _full_span(lo, hi, start_n + BLOCK_N - 1 - window_right - offset,
+                                  start_n + window_left + 1 - offset, BLOCK_M)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _scores(s, rows, keys, q_len, kv_len, window_left, window_right, scale, MASK: tl.constexpr,
+            SOFTCAP: tl.constexpr, LOG2: tl.constexpr, EXACT: tl.constexpr):
+    """Raw scores ``s`` as the kernels' scores in their units (``_units``), ``cap * tanh(x / cap)`` under SOFTCAP,
+    and the softcap's slope ``1 - tanh^2`` (1 without one). ``rows`` and ``keys`` index s's two axes (either may be
+    the first: the dk/dv kernel works on s^T); under MASK a pair whose key the row does not see, or that is out of
+    bounds, scores -inf."""
     if SOFTCAP > 0:
-        t = _tanh(s / SOFTCAP, DOT_FP32)
-        s = t * SOFTCAP
+        t = _tanh(s * (scale / SOFTCAP), EXACT)
+        s = t * (SOFTCAP * _units(LOG2))
         slope = 1 - t * t
-    position = offs_m[:, None] + (kv_len - q_len)
-    keys = offs_n[None, :]
-    visible = (keys < kv_len) & (offs_m[:, None] < q_len) & (keys >= position - window_left)
-    visible = visible & (keys <= position + window_right)
-    return tl.where(visible, s, float("-inf")), slope
-
-
-@triton.jit
-def _probs(q, k_t, lse, offs_m, offs_n, q_len, kv_len, window_left, window_right, scale, SOFTCAP: tl.constexpr,
-           DOT_FP32: tl.constexpr):
-    """``p = exp(s - lse)`` of one tile (0 where a key is not seen) and the softcap's slope. In natural units:
-    lse in log2 units would be rounded once more, which at float32 inputs doubled dv's error against the oracle."""
-    s, slope = _scores(q, k_t, offs_m, offs_n, q_len, kv_len, window_left, window_right, scale, SOFTCAP, DOT_FP32)
-    return tl.exp(s - lse[:, None]), slope
+    else:
+        s = s * (scale * _units(LOG2))
+        slope = 1.0
+    if MASK:
+        position = rows + (kv_len - q_len)
+        seen = (keys < kv_len) & (keys >= position - window_left) & (keys <= position + window_right)
+        s = tl.where(seen, s, float("-inf"))
+    return s, slope
 
 
 @triton.jit
@@ -154,14 +194,41 @@ def _query_tile(CuSeqlens, num_heads, q_len, kv_len, group, BLOCK_M: tl.constexp
 
 
 @triton.jit
+def _row_terms(LSE, Delta, row_base, offs_m, row_stride, q_len, LOG2: tl.constexpr):
+    """A query tile's lse in the kernels' units (+inf past the rows: their p is 0), and its delta."""
+    lse = tl.load(LSE + row_base + offs_m * row_stride, mask=offs_m < q_len, other=float("inf"))
+    delta = tl.load(Delta + row_base + offs_m * row_stride, mask=offs_m < q_len, other=0.0)
+    return lse * _units(LOG2), delta
+
+
+@triton.jit
+def _forward_step(q, K, V, kv_base, kv_stride, offs_m, offs_d, start_n, m_i, l_i, acc, q_len, kv_len, window_left,
+                  window_right, scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                  SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, LOG2: tl.constexpr, MASK: tl.constexpr):
+    """One key tile of the online softmax: the running max ``m_i`` and sum ``l_i`` in the kernels' units."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    k_t, v = (_tile(K + kv_base * HEAD_DIM, offs_n, kv_stride, offs_d, kv_len, HEAD_DIM, BLOCK_D, DOT_FP32, True),
+              _tile(V + kv_base * HEAD_DIM, offs_n, kv_stride, offs_d, kv_len, HEAD_DIM, BLOCK_D, DOT_FP32))
+    s, _ = _scores(_dot(q, k_t, DOT_FP32), offs_m[:, None], offs_n[None, :], q_len, kv_len, window_left,
+                   window_right, scale, MASK, SOFTCAP, LOG2, DOT_FP32)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet: no NaN
+    p = _exp(s - m_safe[:, None], LOG2)
+    alpha = _exp(m_i - m_safe, LOG2)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_FP32)
+
+
+@triton.jit
 def fwd_lse(
     Q, K, V, Out, LSE, CuSeqlens, scale,
     num_heads, q_len, kv_len, group, window_left, window_right,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PACKED: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, LOG2: tl.constexpr, PACKED: tl.constexpr, LEFT: tl.constexpr,
+    RIGHT: tl.constexpr,
 ):
     """The forward a training step runs before this backward: ``o`` and the natural-log ``lse`` of each row
-    (``+inf`` where a row sees no key), by an online softmax over the key tiles the rows see, every tile masked."""
+    (``+inf`` where a row sees no key), by an online softmax over the key tiles the rows see, masked only where
+    some pair is not seen (``_key_spans``)."""
     start_m, offs_m, offs_d, q_len, kv_len, row_base, row_stride, kv_base, kv_stride = _query_tile(
         CuSeqlens, num_heads, q_len, kv_len, group, BLOCK_M, BLOCK_D, PACKED)
     if start_m >= q_len:  # past its document's end: the grid is sized for the longest
@@ -170,23 +237,25 @@ def fwd_lse(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    lo, hi = _key_range(start_m, q_len, kv_len, window_left, window_right, BLOCK_M, BLOCK_N)
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        k, v = _key_tiles(K, V, kv_base, offs_n, kv_stride, offs_d, kv_len, HEAD_DIM, BLOCK_D, DOT_FP32)
-        s, _ = _scores(q, tl.trans(k), offs_m, offs_n, q_len, kv_len, window_left, window_right, scale, SOFTCAP,
-                       DOT_FP32)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet: no NaN
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_FP32)
-        m_i = m_new
+    lo, full_lo, full_hi, hi = _key_spans(start_m, q_len, kv_len, window_left, window_right, BLOCK_M, BLOCK_N, True)
+    if LEFT:
+        for start_n in range(lo, full_lo, BLOCK_N):
+            m_i, l_i, acc = _forward_step(q, K, V, kv_base, kv_stride, offs_m, offs_d, start_n, m_i, l_i, acc,
+                                          q_len, kv_len, window_left, window_right, scale, HEAD_DIM, BLOCK_D, BLOCK_N,
+                                          SOFTCAP, DOT_FP32, LOG2, MASK=True)
+    for start_n in range(full_lo, full_hi, BLOCK_N):
+        m_i, l_i, acc = _forward_step(q, K, V, kv_base, kv_stride, offs_m, offs_d, start_n, m_i, l_i, acc, q_len,
+                                      kv_len, window_left, window_right, scale, HEAD_DIM, BLOCK_D, BLOCK_N, SOFTCAP,
+                                      DOT_FP32, LOG2, MASK=False)
+    for start_n in range(full_hi, hi, BLOCK_N):
+        m_i, l_i, acc = _forward_step(q, K, V, kv_base, kv_stride, offs_m, offs_d, start_n, m_i, l_i, acc, q_len,
+                                      kv_len, window_left, window_right, scale, HEAD_DIM, BLOCK_D, BLOCK_N, SOFTCAP,
+                                      DOT_FP32, LOG2, MASK=True)
     seen = l_i > 0
     _store_tile(Out + row_base * HEAD_DIM, acc / tl.where(seen, l_i, 1.0)[:, None], offs_m, row_stride, offs_d, q_len,
                 HEAD_DIM, BLOCK_D)
-    lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("inf"))
+    l_safe = tl.where(seen, l_i, 1.0)
+    lse = tl.where(seen, (m_i + (tl.math.log2(l_safe) if LOG2 else tl.log(l_safe))) / _units(LOG2), float("inf"))
     tl.store(LSE + row_base + offs_m * row_stride, lse, mask=offs_m < q_len)
 
 
@@ -202,11 +271,32 @@ def bwd_delta(Out, DO, Delta, rows, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexp
 
 
 @triton.jit
+def _dkdv_step(k, v, Q, DO, LSE, Delta, row_base, row_stride, offs_n, offs_d, start_m, dk, dv, q_len, kv_len,
+               window_left, window_right, scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+               SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, LOG2: tl.constexpr, MASK: tl.constexpr):
+    """One query tile against this program's key tile, in the transposed frame: ``s^T = k q^T``, so that ``p^T``
+    and ``ds^T`` are the left operands of ``dv += p^T do`` and ``dk += ds^T q`` as they come out of their dots."""
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    q_t = _tile(Q + row_base * HEAD_DIM, offs_m, row_stride, offs_d, q_len, HEAD_DIM, BLOCK_D, DOT_FP32, True)
+    do = _tile(DO + row_base * HEAD_DIM, offs_m, row_stride, offs_d, q_len, HEAD_DIM, BLOCK_D, DOT_FP32)
+    lse, delta = _row_terms(LSE, Delta, row_base, offs_m, row_stride, q_len, LOG2)
+    s_t, slope = _scores(_dot(k, q_t, DOT_FP32), offs_m[None, :], offs_n[:, None], q_len, kv_len, window_left,
+                         window_right, scale, MASK, SOFTCAP, LOG2, DOT_FP32)
+    p_t = _exp(s_t - lse[None, :], LOG2)
+    dv += _dot(p_t.to(do.dtype), do, DOT_FP32)
+    ds_t = p_t * (_dot(v, tl.trans(do), DOT_FP32) - delta[None, :]) * slope
+    dk += _dot(ds_t.to(q_t.dtype), tl.trans(q_t), DOT_FP32)
+    return dk, dv
+
+
+@triton.jit
 def bwd_dkdv(
     Q, K, V, DO, LSE, Delta, DK, DV, CuSeqlens, scale,
     num_heads, q_len, kv_len, group, window_left, window_right,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PACKED: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, LOG2: tl.constexpr, PACKED: tl.constexpr, LEFT: tl.constexpr,
+    RIGHT: tl.constexpr,
+    SPLIT: tl.constexpr = True,
 ):
     # Grid: (key tiles, kv heads, batch).
     kv_head = tl.program_id(1).to(tl.int64)
@@ -219,40 +309,56 @@ def bwd_dkdv(
     offs_d = tl.arange(0, BLOCK_D)
     kv_base, kv_stride = _head_rows(start, batch, kv_head, num_heads // group, kv_len, PACKED)
     k, v = _key_tiles(K, V, kv_base, offs_n, kv_stride, offs_d, kv_len, HEAD_DIM, BLOCK_D, DOT_FP32)
-    k_t = tl.trans(k)
-    v_t = tl.trans(v)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    # The query rows whose keys reach this tile: position (row + kv_len - q_len) from start_n - right to the tile's
-    # last key + left.
-    offset = kv_len - q_len
-    lo = tl.maximum(start_n - window_right - offset, 0) // BLOCK_M * BLOCK_M
-    hi = tl.minimum(q_len, tl.maximum(start_n + BLOCK_N + window_left - offset, 0))
-    for h in range(0, group):
-        head = kv_head * group + h
-        row_base, row_stride = _head_rows(start, batch, head, num_heads, q_len, PACKED)
-        for start_m in range(lo, hi, BLOCK_M):
-            offs_m = start_m + tl.arange(0, BLOCK_M)
-            q = _tile(Q + row_base * HEAD_DIM, offs_m, row_stride, offs_d, q_len, HEAD_DIM, BLOCK_D, DOT_FP32)
-            do = _tile(DO + row_base * HEAD_DIM, offs_m, row_stride, offs_d, q_len, HEAD_DIM, BLOCK_D, DOT_FP32)
-            lse = tl.load(LSE + row_base + offs_m * row_stride, mask=offs_m < q_len, other=float("inf"))
-            delta = tl.load(Delta + row_base + offs_m * row_stride, mask=offs_m < q_len, other=0.0)
-            p, slope = _probs(q, k_t, lse, offs_m, offs_n, q_len, kv_len, window_left, window_right, scale, SOFTCAP,
-                              DOT_FP32)
-            dv += _dot(tl.trans(p.to(do.dtype)), do, DOT_FP32)
-            dp = _dot(do, v_t, DOT_FP32)
-            ds = p * (dp - delta[:, None]) * slope
-            dk += _dot(tl.trans(ds.to(q.dtype)), q, DOT_FP32)
+    lo, full_lo, full_hi, hi = _query_spans(start_n, q_len, kv_len, window_left, window_right, BLOCK_M, BLOCK_N)
+    for h in range(0, group):  # the query heads of this kv head's group: dk and dv sum over them here
+        row_base, row_stride = _head_rows(start, batch, kv_head * group + h, num_heads, q_len, PACKED)
+        if SPLIT:  # the tiles whole (most of them) without a mask, the others with one
+            if RIGHT:
+                for start_m in range(lo, full_lo, BLOCK_M):
+                    dk, dv = _dkdv_step(k, v, Q, DO, LSE, Delta, row_base, row_stride, offs_n, offs_d, start_m, dk,
+                                        dv, q_len, kv_len, window_left, window_right, scale, HEAD_DIM, BLOCK_D,
+                                        BLOCK_M, SOFTCAP, DOT_FP32, LOG2, MASK=True)
+            for start_m in range(full_lo, full_hi, BLOCK_M):
+                dk, dv = _dkdv_step(k, v, Q, DO, LSE, Delta, row_base, row_stride, offs_n, offs_d, start_m, dk, dv,
+                                    q_len, kv_len, window_left, window_right, scale, HEAD_DIM, BLOCK_D, BLOCK_M,
+                                    SOFTCAP, DOT_FP32, LOG2, MASK=False)
+            if LEFT:
+                for start_m in range(full_hi, hi, BLOCK_M):
+                    dk, dv = _dkdv_step(k, v, Q, DO, LSE, Delta, row_base, row_stride, offs_n, offs_d, start_m, dk,
+                                        dv, q_len, kv_len, window_left, window_right, scale, HEAD_DIM, BLOCK_D,
+                                        BLOCK_M, SOFTCAP, DOT_FP32, LOG2, MASK=True)
+        else:  # one loop, every tile masked: each loop compiled holds registers, and at head dim 128 two spill
+            for start_m in range(lo, hi, BLOCK_M):
+                dk, dv = _dkdv_step(k, v, Q, DO, LSE, Delta, row_base, row_stride, offs_n, offs_d, start_m, dk, dv,
+                                    q_len, kv_len, window_left, window_right, scale, HEAD_DIM, BLOCK_D, BLOCK_M,
+                                    SOFTCAP, DOT_FP32, LOG2, MASK=True)
     _store_tile(DK + kv_base * HEAD_DIM, dk * scale, offs_n, kv_stride, offs_d, kv_len, HEAD_DIM, BLOCK_D)
     _store_tile(DV + kv_base * HEAD_DIM, dv, offs_n, kv_stride, offs_d, kv_len, HEAD_DIM, BLOCK_D)
+
+
+@triton.jit
+def _dq_step(q, do, lse, delta, K, V, kv_base, kv_stride, offs_m, offs_d, start_n, dq, q_len, kv_len, window_left,
+             window_right, scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+             SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, LOG2: tl.constexpr, MASK: tl.constexpr):
+    """One key tile against this program's query tile: ``dq += ds k``, K and V loaded transposed for the dots."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    k_t, v_t = _key_tiles(K, V, kv_base, offs_n, kv_stride, offs_d, kv_len, HEAD_DIM, BLOCK_D, DOT_FP32, True)
+    s, slope = _scores(_dot(q, k_t, DOT_FP32), offs_m[:, None], offs_n[None, :], q_len, kv_len, window_left,
+                       window_right, scale, MASK, SOFTCAP, LOG2, DOT_FP32)
+    p = _exp(s - lse[:, None], LOG2)
+    ds = p * (_dot(do, v_t, DOT_FP32) - delta[:, None]) * slope
+    return dq + _dot(ds.to(k_t.dtype), tl.trans(k_t), DOT_FP32)
 
 
 @triton.jit
 def bwd_dq(
     Q, K, V, DO, LSE, Delta, DQ, CuSeqlens, scale,
     num_heads, q_len, kv_len, group, window_left, window_right,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PACKED: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, LOG2: tl.constexpr, PACKED: tl.constexpr, LEFT: tl.constexpr,
+    RIGHT: tl.constexpr,
 ):
     start_m, offs_m, offs_d, q_len, kv_len, row_base, row_stride, kv_base, kv_stride = _query_tile(
         CuSeqlens, num_heads, q_len, kv_len, group, BLOCK_M, BLOCK_D, PACKED)
@@ -260,36 +366,42 @@ def bwd_dq(
         return
     q = _tile(Q + row_base * HEAD_DIM, offs_m, row_stride, offs_d, q_len, HEAD_DIM, BLOCK_D, DOT_FP32)
     do = _tile(DO + row_base * HEAD_DIM, offs_m, row_stride, offs_d, q_len, HEAD_DIM, BLOCK_D, DOT_FP32)
-    lse = tl.load(LSE + row_base + offs_m * row_stride, mask=offs_m < q_len, other=float("inf"))
-    delta = tl.load(Delta + row_base + offs_m * row_stride, mask=offs_m < q_len, other=0.0)
+    lse, delta = _row_terms(LSE, Delta, row_base, offs_m, row_stride, q_len, LOG2)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    lo, hi = _key_range(start_m, q_len, kv_len, window_left, window_right, BLOCK_M, BLOCK_N)
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        k, v = _key_tiles(K, V, kv_base, offs_n, kv_stride, offs_d, kv_len, HEAD_DIM, BLOCK_D, DOT_FP32)
-        p, slope = _probs(q, tl.trans(k), lse, offs_m, offs_n, q_len, kv_len, window_left, window_right, scale,
-                          SOFTCAP, DOT_FP32)
-        dp = _dot(do, tl.trans(v), DOT_FP32)
-        ds = p * (dp - delta[:, None]) * slope
-        dq += _dot(ds.to(k.dtype), k, DOT_FP32)
+    lo, full_lo, full_hi, hi = _key_spans(start_m, q_len, kv_len, window_left, window_right, BLOCK_M, BLOCK_N, False)
+    if LEFT:
+        for start_n in range(lo, full_lo, BLOCK_N):
+            dq = _dq_step(q, do, lse, delta, K, V, kv_base, kv_stride, offs_m, offs_d, start_n, dq, q_len, kv_len,
+                          window_left, window_right, scale, HEAD_DIM, BLOCK_D, BLOCK_N, SOFTCAP, DOT_FP32, LOG2,
+                          MASK=True)
+    for start_n in range(full_lo, full_hi, BLOCK_N):
+        dq = _dq_step(q, do, lse, delta, K, V, kv_base, kv_stride, offs_m, offs_d, start_n, dq, q_len, kv_len,
+                      window_left, window_right, scale, HEAD_DIM, BLOCK_D, BLOCK_N, SOFTCAP, DOT_FP32, LOG2,
+                      MASK=False)
+    if RIGHT:
+        for start_n in range(full_hi, hi, BLOCK_N):
+            dq = _dq_step(q, do, lse, delta, K, V, kv_base, kv_stride, offs_m, offs_d, start_n, dq, q_len, kv_len,
+                          window_left, window_right, scale, HEAD_DIM, BLOCK_D, BLOCK_N, SOFTCAP, DOT_FP32, LOG2,
+                          MASK=True)
     _store_tile(DQ + row_base * HEAD_DIM, dq * scale, offs_m, row_stride, offs_d, q_len, HEAD_DIM, BLOCK_D)
 
 
 def tiles(head_dim: int, dtype: torch.dtype) -> tuple[dict, dict]:
-    """The fixed, untuned launch options of the dk/dv and the dq kernels; under the interpreter, one 64 x 64 tile.
-    On a GPU, picked by compiling for sm_90 (not timed yet): the largest tiles whose float32 accumulators and K/V
-    (dk/dv) or Q/dO (dq) tiles fit in registers without spilling at 16-bit inputs; float32 inputs (ieee dots,
-    twice the registers) take the smallest and still spill from head dim 128."""
+    """The fixed launch options of the dk/dv and the dq kernels; under the interpreter, one 64 x 64 tile (and the
+    dk/dv kernel's masked and mask-free loops apart, ``SPLIT``). On a GPU, picked by compiling for sm_90: the
+    largest tiles whose float32 accumulators fit in registers without spilling at 16-bit inputs; float32 inputs
+    (ieee dots, twice the registers) take the smallest and still spill from head dim 128."""
     if interpreting():
         one = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1}
-        return one, one
+        return {**one, "SPLIT": True}, one
     if dtype == torch.float32:
         dkdv, dq = (16, 32, 4), (32, 32, 4)
     elif block_d(head_dim) > 128:
         dkdv, dq = (16, 32, 4), (128, 32, 8)
     else:
         dkdv, dq = (64, 64, 8), (128, 64, 8)
-    return tuple({"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": 2} for m, n, w in (dkdv, dq))
+    dkdv_tiles, dq_tiles = ({"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": 2} for m, n, w in (dkdv, dq))
+    return {**dkdv_tiles, "SPLIT": False}, dq_tiles
 
 
 def _lengths(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor | None, max_seqlen: int
@@ -309,9 +421,15 @@ def _launch_shape(q: torch.Tensor, k: torch.Tensor, q_len: int, kv_len: int, win
     return (heads, q_len, kv_len, heads // k.shape[1], *window_bounds(window, causal))
 
 
-def _meta(head_dim: int, dtype: torch.dtype, softcap: float, packed: bool) -> dict:
+def _meta(head_dim: int, dtype: torch.dtype, softcap: float, packed: bool, window: tuple[int, int],
+          causal: bool) -> dict:
+    """The kernels' compile-time switches. LEFT / RIGHT: whether the window's side (causal: the right) hides keys,
+    so that the loops over the tiles it cuts are compiled only then (each loop compiled costs registers)."""
+    exact = interpreting() or dtype == torch.float32  # the interpreter's half dots are wrong
+    left, right = window_bounds(window, causal)
+    # Natural units where exact: lse in log2 units is rounded once more, which at float32 doubled dv's error.
     return {"HEAD_DIM": head_dim, "BLOCK_D": block_d(head_dim), "SOFTCAP": softcap, "PACKED": packed,
-            "DOT_FP32": interpreting() or dtype == torch.float32}  # the interpreter's half dots are wrong
+            "DOT_FP32": exact, "LOG2": not exact, "LEFT": left < UNBOUNDED, "RIGHT": right < UNBOUNDED}
 
 
 def training_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
@@ -328,7 +446,7 @@ def training_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causa
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)  # one per row of q, in its order
     _, tile = tiles(head_dim, q.dtype)
     grid = (triton.cdiv(max(q_len, 1), tile["BLOCK_M"]), *heads_by_batch(q.shape[1], batch))
-    meta = {**_meta(head_dim, q.dtype, softcap, cu_seqlens is not None), **tile}
+    meta = {**_meta(head_dim, q.dtype, softcap, cu_seqlens is not None, window, causal), **tile}
     shape = _launch_shape(q, k, q_len, kv_len, window, causal)
 
     def run() -> tuple[torch.Tensor, torch.Tensor]:
@@ -353,7 +471,7 @@ def triton_backward(inputs: Backward, *, scale: float, window: tuple[int, int] =
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
     delta = torch.empty_like(lse)
     dkdv_tiles, dq_tiles = tiles(head_dim, q.dtype)
-    meta = _meta(head_dim, q.dtype, softcap, inputs.packed)
+    meta = _meta(head_dim, q.dtype, softcap, inputs.packed, window, inputs.causal)
     shape = _launch_shape(q, k, q_len, kv_len, window, inputs.causal)
     rows = lse.numel()  # every row of every head, in lse's layout
     dkdv_grid = (triton.cdiv(max(kv_len, 1), dkdv_tiles["BLOCK_N"]), *heads_by_batch(k.shape[1], batch, "kv heads"))
