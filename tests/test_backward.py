@@ -65,18 +65,19 @@ def test_triton_backward_passes_the_oracle(odd: Backward) -> None:
 
 
 # Tiles of 16 and 32 over odd lengths: key tiles wholly seen, cut by the causal diagonal or a window's left edge, and
-# ragged at both ends, so the kernels' masked and mask-free loops all run (the one-tile default runs one of them).
+# ragged at both ends, so the kernels' masked and mask-free loops all run (the one-tile default runs one of them);
+# each GQA group of 2 split over two dk/dv programs that add their sums.
 @pytest.mark.parametrize("split", [True, False], ids=["split", "one-loop"])
 @pytest.mark.parametrize("case", [
     Case(1, 2, 1, 90, 110, 64, "fp32", True, op="backward", window=(40, -1)),
-    slow(Case(1, 2, 2, 110, 90, 32, "fp32", False, op="backward", window=(-1, 24))),
-    slow(Case(1, 2, 2, 70, 70, 32, "fp32", False, op="backward")),
+    slow(Case(1, 4, 2, 110, 90, 32, "fp32", False, op="backward", window=(-1, 24))),
+    slow(Case(1, 4, 2, 70, 70, 32, "fp32", False, op="backward")),
 ], ids=lambda c: c.id if isinstance(c, Case) else c)
 def test_the_masked_and_mask_free_loops_cover_every_tile(case: Case, split: bool, monkeypatch) -> None:
     from impls.triton_fa import backward
     small = {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
-    monkeypatch.setattr(backward, "tiles", lambda *_: ({**small, "SPLIT": split}, {**small, "BLOCK_M": 32,
-                                                                                    "BLOCK_N": 16}))
+    other = {**small, "BLOCK_M": 32, "BLOCK_N": 16}
+    monkeypatch.setattr(backward, "tiles", lambda *_: ({**small, "SPLIT": split, "HEAD_SPLITS": 2}, other, other))
     for op in ("backward", "fwdbwd"):  # the case's lse, and the step's own forward over the same loops
         inputs = replace(case, op=op).make_inputs("cpu")
         result = BackwardOracle(inputs, **case.variants).check(get("triton", op).prepare(inputs, **case.variants)())
@@ -120,10 +121,11 @@ from impls.sass import sass_summary
 from impls.triton_fa.aot import compile_for
 from impls.triton_fa.backward import bwd_dkdv, bwd_dq, block_d, fwd_lse, tiles
 for d, packed in ((64, False), (128, False), (256, False), (128, True)):
-    dkdv, dq = tiles(d, torch.bfloat16)
-    for fn, t in ((bwd_dkdv, dkdv), (bwd_dq, dq), (fwd_lse, dq)):
+    dkdv, dq, forward = tiles(d, torch.bfloat16)
+    for fn, t in ((bwd_dkdv, dkdv), (bwd_dq, dq), (fwd_lse, forward)):
         meta = {"HEAD_DIM": d, "BLOCK_D": block_d(d), "SOFTCAP": 0.0, "DOT_FP32": False, "LOG2": True, "PACKED": packed,
-                "LEFT": False, "RIGHT": True, **{k: v for k, v in t.items() if k.isupper()}}
+                "LEFT": False, "RIGHT": True, **{k: v for k, v in t.items() if k.isupper()},
+                **({"HEAD_SPLITS": 1} if fn is bwd_dkdv else {})}
         pointers = {n: {"LSE": "fp32", "Delta": "fp32", "CuSeqlens": "i32"}.get(n, "bf16") for n in fn.arg_names
                     if n[0].isupper() and n not in meta}
         cubin = compile_for(fn, 90, meta, pointers, t["num_warps"], t["num_stages"]).asm["cubin"]
@@ -132,11 +134,12 @@ for d, packed in ((64, False), (128, False), (256, False), (128, True)):
 
 
 @pytest.mark.slow
-def test_the_fixed_gpu_tiles_compile_for_hopper_without_spilling_in_their_loops() -> None:
-    """The bf16 tiles ``tiles`` picks, compiled for sm_90 without a GPU (the training step's forward on the dq
-    kernel's), dense and (head dim 128) over packed documents: no local memory touched inside the loops (head dim
-    256's dk/dv keeps 32 bytes of stack outside them), warpgroup MMA except in that dk/dv, whose tile of 16 query
-    rows is below a warpgroup MMA's 64."""
+def test_the_gpu_tiles_compile_for_hopper_without_spilling_in_their_loops() -> None:
+    """The bf16 tiles ``tiles`` picks, compiled for sm_90 without a GPU, dense and (head dim 128) over packed
+    documents: no local memory touched inside the loops (head dim 256's dk/dv keeps 32 bytes of stack outside
+    them), warpgroup MMA except in that dk/dv, whose tile of 16 query rows is below a warpgroup MMA's 64. The one
+    exception is the dk/dv tile the H200 sweep picked at head dim 128 (timed under Triton 3.6, fastest there): the
+    Triton of this machine spills in its loops, and the bound catches a change that makes that worse."""
     import json
     import os
     import subprocess
@@ -150,8 +153,12 @@ def test_the_fixed_gpu_tiles_compile_for_hopper_without_spilling_in_their_loops(
     results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert len(results) == 12
     for r in results:
-        assert r["loop_spills"] == 0 and r["stack"] <= 32, r
+        swept = (r["d"], r["kernel"]) == (128, "bwd_dkdv")
+        assert r["loop_spills"] <= (SWEPT_DKDV_LOOP_SPILLS if swept else 0) and r["stack"] <= (512 if swept else 32), r
         assert r["hgmma"] > 0 or (r["d"], r["kernel"]) == (256, "bwd_dkdv"), r
+
+
+SWEPT_DKDV_LOOP_SPILLS = 96  # Triton 3.9: 78-80 spill instructions in the loops of 64 x 128, 8 warps, 3 stages
 
 
 # Bottom-right windows with softcap: a window on both sides over Sq < Skv (fp32), and Gemma-2's causal window with

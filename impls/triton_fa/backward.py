@@ -58,12 +58,18 @@ def _key_tiles(K, V, kv_base, offs_n, kv_stride, offs_d, kv_len, HEAD_DIM: tl.co
 
 
 @triton.jit
-def _store_tile(ptr, value, offs_r, stride, offs_d, length, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+def _store_tile(ptr, value, offs_r, stride, offs_d, length, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                ADD: tl.constexpr = False):
+    """Stores a tile as ``_tile`` addresses it; ``ADD``: adds it atomically (float32), as programs that share
+    the rows do."""
     mask = offs_r[:, None] < length
     if BLOCK_D != HEAD_DIM:
         mask = mask & (offs_d[None, :] < HEAD_DIM)
-    tl.store(ptr + (offs_r[:, None] * stride) * HEAD_DIM + offs_d[None, :], value.to(ptr.dtype.element_ty),
-             mask=mask)
+    ptrs = ptr + (offs_r[:, None] * stride) * HEAD_DIM + offs_d[None, :]
+    if ADD:
+        tl.atomic_add(ptrs, value, mask=mask, sem="relaxed")
+    else:
+        tl.store(ptrs, value.to(ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -296,10 +302,12 @@ def bwd_dkdv(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, LOG2: tl.constexpr, PACKED: tl.constexpr, LEFT: tl.constexpr,
     RIGHT: tl.constexpr,
-    SPLIT: tl.constexpr = True,
+    SPLIT: tl.constexpr = True, HEAD_SPLITS: tl.constexpr = 1,
 ):
-    # Grid: (key tiles, kv heads, batch).
-    kv_head = tl.program_id(1).to(tl.int64)
+    # Grid: (key tiles, kv heads x HEAD_SPLITS, batch); each program walks its share of the kv head's group.
+    kv_head = (tl.program_id(1) // HEAD_SPLITS).to(tl.int64)
+    heads = group // HEAD_SPLITS
+    first_head = kv_head * group + tl.program_id(1) % HEAD_SPLITS * heads
     batch = tl.program_id(2).to(tl.int64)
     start, q_len, kv_len = _sequence(CuSeqlens, batch, q_len, kv_len, PACKED)
     start_n = tl.program_id(0) * BLOCK_N
@@ -312,8 +320,8 @@ def bwd_dkdv(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     lo, full_lo, full_hi, hi = _query_spans(start_n, q_len, kv_len, window_left, window_right, BLOCK_M, BLOCK_N)
-    for h in range(0, group):  # the query heads of this kv head's group: dk and dv sum over them here
-        row_base, row_stride = _head_rows(start, batch, kv_head * group + h, num_heads, q_len, PACKED)
+    for h in range(0, heads):  # query heads of this kv head's group: dk and dv sum over them here
+        row_base, row_stride = _head_rows(start, batch, first_head + h, num_heads, q_len, PACKED)
         if SPLIT:  # the tiles whole (most of them) without a mask, the others with one
             if RIGHT:
                 for start_m in range(lo, full_lo, BLOCK_M):
@@ -334,8 +342,9 @@ def bwd_dkdv(
                 dk, dv = _dkdv_step(k, v, Q, DO, LSE, Delta, row_base, row_stride, offs_n, offs_d, start_m, dk, dv,
                                     q_len, kv_len, window_left, window_right, scale, HEAD_DIM, BLOCK_D, BLOCK_M,
                                     SOFTCAP, DOT_FP32, LOG2, MASK=True)
-    _store_tile(DK + kv_base * HEAD_DIM, dk * scale, offs_n, kv_stride, offs_d, kv_len, HEAD_DIM, BLOCK_D)
-    _store_tile(DV + kv_base * HEAD_DIM, dv, offs_n, kv_stride, offs_d, kv_len, HEAD_DIM, BLOCK_D)
+    _store_tile(DK + kv_base * HEAD_DIM, dk * scale, offs_n, kv_stride, offs_d, kv_len, HEAD_DIM, BLOCK_D,
+                HEAD_SPLITS > 1)
+    _store_tile(DV + kv_base * HEAD_DIM, dv, offs_n, kv_stride, offs_d, kv_len, HEAD_DIM, BLOCK_D, HEAD_SPLITS > 1)
 
 
 @triton.jit
@@ -386,22 +395,40 @@ def bwd_dq(
     _store_tile(DQ + row_base * HEAD_DIM, dq * scale, offs_m, row_stride, offs_d, q_len, HEAD_DIM, BLOCK_D)
 
 
-def tiles(head_dim: int, dtype: torch.dtype) -> tuple[dict, dict]:
-    """The fixed launch options of the dk/dv and the dq kernels; under the interpreter, one 64 x 64 tile (and the
-    dk/dv kernel's masked and mask-free loops apart, ``SPLIT``). On a GPU, picked by compiling for sm_90: the
-    largest tiles whose float32 accumulators fit in registers without spilling at 16-bit inputs; float32 inputs
-    (ieee dots, twice the registers) take the smallest and still spill from head dim 128."""
+# Launch options per head-dim tile at 16-bit inputs: (BLOCK_M, BLOCK_N, warps, stages) of the dk/dv kernel with its
+# SPLIT, of the dq kernel and of the step's forward, the fastest of a sweep on an H200 (Triton 3.6; the sweep and
+# its figures: docs/design.md#the-backward-pass). Head dim 256 keeps the largest tiles that compile without
+# spilling.
+GPU_TILES = {
+    64: ((32, 64, 4, 3, False), (64, 64, 4, 3), (64, 64, 4, 3)),
+    128: ((64, 128, 8, 3, True), (128, 64, 8, 3), (64, 64, 4, 3)),
+    256: ((16, 32, 4, 2, False), (128, 32, 8, 2), (128, 32, 8, 2)),
+}
+# float32 inputs (ieee dots, twice the registers): the smallest tiles, which still spill from head dim 128.
+FP32_TILES = ((16, 32, 4, 2, False), (32, 32, 4, 2), (32, 32, 4, 2))
+# A kv head's group is split over programs (dk and dv then added atomically) until the dk/dv kernel has this many
+# programs per SM: a causal key tile's work falls with its position, so one wave of them leaves most SMs idle.
+WAVES = 2
+
+
+def tiles(head_dim: int, dtype: torch.dtype) -> tuple[dict, dict, dict]:
+    """The launch options of the dk/dv kernel, the dq kernel and the step's forward; under the interpreter, one
+    64 x 64 tile, and the dk/dv kernel's masked and mask-free loops apart (``SPLIT``)."""
     if interpreting():
         one = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1}
-        return {**one, "SPLIT": True}, one
-    if dtype == torch.float32:
-        dkdv, dq = (16, 32, 4), (32, 32, 4)
-    elif block_d(head_dim) > 128:
-        dkdv, dq = (16, 32, 4), (128, 32, 8)
-    else:
-        dkdv, dq = (64, 64, 8), (128, 64, 8)
-    dkdv_tiles, dq_tiles = ({"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": 2} for m, n, w in (dkdv, dq))
-    return {**dkdv_tiles, "SPLIT": False}, dq_tiles
+        return {**one, "SPLIT": True}, one, one
+    dkdv, dq, forward = FP32_TILES if dtype == torch.float32 else GPU_TILES[max(block_d(head_dim), 64)]
+    keys = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "SPLIT")
+    return dict(zip(keys, dkdv, strict=True)), *(dict(zip(keys[:4], t, strict=True)) for t in (dq, forward))
+
+
+def head_splits(group: int, programs: int, device: torch.device) -> int:
+    """Over how many programs each kv head's group of query heads is split: the fewest (a divisor of the group)
+    that give the dk/dv kernel WAVES programs per SM."""
+    if device.type != "cuda":
+        return 1
+    target = WAVES * torch.cuda.get_device_properties(device).multi_processor_count
+    return next(s for s in range(1, group + 1) if group % s == 0 and (programs * s >= target or s == group))
 
 
 def _lengths(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor | None, max_seqlen: int
@@ -438,13 +465,13 @@ def training_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causa
     """The forward of a training step (``forward=`` of the backward's entry): ``(o, lse)`` written into the same
     two buffers each call, for the backward to read; packed documents with ``cu_seqlens`` and their longest
     length ``max_seqlen``. The dense kernel returns no lse, so this is a plain masked FlashAttention-2 loop of its
-    own, on the dq kernel's tiles."""
+    own."""
     q, k, v = (t.contiguous() for t in (q, k, v))
     head_dim = q.shape[-1]
     batch, q_len, kv_len = _lengths(q, k, cu_seqlens, max_seqlen)
     o = torch.empty_like(q)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)  # one per row of q, in its order
-    _, tile = tiles(head_dim, q.dtype)
+    *_, tile = tiles(head_dim, q.dtype)
     grid = (triton.cdiv(max(q_len, 1), tile["BLOCK_M"]), *heads_by_batch(q.shape[1], batch))
     meta = {**_meta(head_dim, q.dtype, softcap, cu_seqlens is not None, window, causal), **tile}
     shape = _launch_shape(q, k, q_len, kv_len, window, causal)
@@ -460,7 +487,8 @@ def training_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causa
 @register("triton", op="backward", family="triton", dtypes=FLOATS, head_dims=HEAD_DIMS, requires=requires,
           needs=("lse",), variants=("window", "softcap", "packed"), forward=training_forward,
           description="our FlashAttention-2 backward in Triton: delta pre-pass, dk/dv over key tiles walking the "
-                      "query tiles, dq over query tiles; packed documents read from cu_seqlens; fixed tiles, untuned")
+                      "query tiles (a GQA group split over programs where they are few), dq over query tiles; packed "
+                      "documents read from cu_seqlens; tiles fixed per head dim")
 def triton_backward(inputs: Backward, *, scale: float, window: tuple[int, int] = NO_WINDOW,
                     softcap: float = 0.0) -> Prepared:
     # Contiguous as the kernels address them: a copy only where an input is not (out of timed calls).
@@ -470,19 +498,30 @@ def triton_backward(inputs: Backward, *, scale: float, window: tuple[int, int] =
     batch, q_len, kv_len = _lengths(q, k, cu_seqlens, inputs.max_seqlen)
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
     delta = torch.empty_like(lse)
-    dkdv_tiles, dq_tiles = tiles(head_dim, q.dtype)
+    dkdv_tiles, dq_tiles, _ = tiles(head_dim, q.dtype)
     meta = _meta(head_dim, q.dtype, softcap, inputs.packed, window, inputs.causal)
     shape = _launch_shape(q, k, q_len, kv_len, window, inputs.causal)
     rows = lse.numel()  # every row of every head, in lse's layout
-    dkdv_grid = (triton.cdiv(max(kv_len, 1), dkdv_tiles["BLOCK_N"]), *heads_by_batch(k.shape[1], batch, "kv heads"))
+    key_tiles = triton.cdiv(max(kv_len, 1), dkdv_tiles["BLOCK_N"])
+    splits = dkdv_tiles.pop("HEAD_SPLITS", None) or head_splits(shape[3], key_tiles * k.shape[1] * batch, q.device)
+    dkdv_grid = (key_tiles, *heads_by_batch(k.shape[1] * splits, batch, "kv heads"))
     dq_grid = (triton.cdiv(max(q_len, 1), dq_tiles["BLOCK_M"]), *heads_by_batch(q.shape[1], batch))
+    # Programs that share a kv head add into float32 sums, zeroed and cast in the call.
+    dk_sum, dv_sum = (torch.empty_like(t, dtype=torch.float32) for t in (k, v)) if splits > 1 else (dk, dv)
 
     def run() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         bwd_delta[(triton.cdiv(rows, DELTA_ROWS),)](o, do, delta, rows, HEAD_DIM=head_dim, BLOCK_D=meta["BLOCK_D"],
                                                     BLOCK_M=DELTA_ROWS)
-        bwd_dkdv[dkdv_grid](q, k, v, do, lse, delta, dk, dv, cu_seqlens, scale, *shape, **meta, **dkdv_tiles)
+        if splits > 1:
+            dk_sum.zero_()
+            dv_sum.zero_()
+        bwd_dkdv[dkdv_grid](q, k, v, do, lse, delta, dk_sum, dv_sum, cu_seqlens, scale, *shape, **meta,
+                            **dkdv_tiles, HEAD_SPLITS=splits)
+        if splits > 1:
+            dk.copy_(dk_sum)
+            dv.copy_(dv_sum)
         bwd_dq[dq_grid](q, k, v, do, lse, delta, dq, cu_seqlens, scale, *shape, **meta, **dq_tiles)
         return dq, dk, dv
 
     run()  # compiles, outside any timed region
-    return Prepared(run, config={"dkdv": dkdv_tiles, "dq": dq_tiles, "tuned": False})
+    return Prepared(run, config={"dkdv": {**dkdv_tiles, "HEAD_SPLITS": splits}, "dq": dq_tiles, "tuned": False})
