@@ -92,6 +92,14 @@ def test_deepseek_steps_compile_to_warpgroup_mma_with_no_stack(sq, kv_dtype):
     assert usage["stack"] == usage["ldl"] == usage["stl"] == 0, usage
     assert combine[:4] == b"\x7fELF"
 
+def test_the_sass_tool_refuses_more_rows_than_the_kernel_packs(capsys):
+    from tools.cutile_sass import main
+
+    with pytest.raises(SystemExit):
+        main(["--mla", "40"])
+    assert "--mla takes 1 to 32 query rows" in capsys.readouterr().err
+
+
 def emulated(call) -> torch.Tensor:
     """A prepared call's launches (the split kernel, then the combine where it splits) run block by block on CPU."""
     from impls.cutile import decode, kernel, mla

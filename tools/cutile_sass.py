@@ -83,7 +83,11 @@ def main(argv: list[str] | None = None) -> None:
                              "most 32) at DeepSeek-V3's widths, over key tiles and worker warps")
     parser.add_argument("--kv-fp8", action="store_true", help="--mla over an fp8 (e4m3) latent cache")
     args = parser.parse_args(argv)
-    if args.mla:
+    if args.mla is not None:
+        from impls.cutile.mla_serving import MAX_ROWS
+
+        if not 1 <= args.mla <= MAX_ROWS:
+            parser.error(f"--mla takes 1 to {MAX_ROWS} query rows (the kernel packs at most that many), got {args.mla}")
         report_mla(args)
     else:
         report(args)
