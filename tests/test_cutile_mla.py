@@ -92,6 +92,7 @@ def test_deepseek_steps_compile_to_warpgroup_mma_with_no_stack(sq, kv_dtype):
     assert usage["stack"] == usage["ldl"] == usage["stl"] == 0, usage
     assert combine[:4] == b"\x7fELF"
 
+
 def test_the_sass_tool_refuses_more_rows_than_the_kernel_packs(capsys):
     from tools.cutile_sass import main
 
@@ -117,9 +118,8 @@ def emulated(call) -> torch.Tensor:
 # chunk a sequence) and with 16-key tiles, which cut the longer caches into chunks that the combine merges. The fast
 # tier runs the fp8 twin as launched and the 300-token cache cut into 4 chunks.
 TWINS = [*preset("mla-cpu"), mla(("", 4, 32, 8), 2, 100, page_size=24)]
-EMULATED = [(TWINS[3], None), (TWINS[2], 16),
-            *((case, tile_n) for tile_n in (None, 16) for case in TWINS if (case, tile_n) not in
-              [(TWINS[3], None), (TWINS[2], 16)])]
+FAST = [(TWINS[3], None), (TWINS[2], 16)]
+EMULATED = FAST + [(case, tile_n) for tile_n in (None, 16) for case in TWINS if (case, tile_n) not in FAST]
 
 
 @pytest.mark.parametrize(("case", "tile_n"), first_fast(EMULATED, fast=2, unpack=True),
