@@ -3,7 +3,8 @@ they call. cuTile has no interpreter; this checks a kernel's index arithmetic, l
 against the oracle where no GPU is at hand. It says nothing about what the compiler makes of the kernel.
 
 Stand-ins: ``ct.load`` reads whole tiles at tile indices with zeros past the array's ends, ``ct.store`` drops what
-lies past them, ``ct.mma`` multiplies in float64 and accumulates in float32 (and, as cuTile, refuses operands of
+lies past them, ``ct.gather`` and ``ct.scatter`` read zeros and write nothing where the mask is off or an index is
+out of bounds, ``ct.mma`` multiplies in float64 and accumulates in float32 (and, as cuTile, refuses operands of
 two dtypes). Helpers a kernel calls are rebound so that they see the stand-in too.
 """
 
@@ -47,6 +48,34 @@ def _store(A, index, tile, allow_tma=None) -> None:
     view.copy_(tile[tuple(slice(0, n) for n in view.shape)].to(A.dtype))
 
 
+BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # an element's bits (fp8 has no CPU where)
+
+
+def _where_valid(A: torch.Tensor, indices: tuple, mask) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """The broadcast indices, and where they are in bounds and the mask is on."""
+    indices = indices if isinstance(indices, tuple) else (indices,)
+    index = torch.broadcast_tensors(*(torch.as_tensor(i) for i in indices))
+    valid = torch.ones(index[0].shape, dtype=torch.bool) if mask is None else torch.as_tensor(mask)
+    for i, n in zip(index, A.shape, strict=True):
+        valid = valid & (i >= 0) & (i < n)
+    return torch.broadcast_to(valid, index[0].shape), index
+
+
+def _gather(A, indices, mask=None, latency=None, check_bounds=True) -> Tile:
+    valid, index = _where_valid(A, indices, mask)
+    bits = A.view(BITS[A.element_size()])[tuple(torch.where(valid, i, 0) for i in index)]
+    return _tile(torch.where(valid, bits, 0).view(A.dtype))
+
+
+def _scatter(A, indices, value, mask=None, latency=None, check_bounds=True) -> None:
+    valid, index = _where_valid(A, indices, mask)
+    A[tuple(i[valid] for i in index)] = torch.broadcast_to(torch.as_tensor(value), valid.shape)[valid].to(A.dtype)
+
+
+def _where(cond, a, b) -> Tile:
+    return _tile(torch.where(torch.as_tensor(cond), torch.as_tensor(a), torch.as_tensor(b)))
+
+
 class Emulator:
     """The stand-in ``ct`` and the kernels of ``modules`` rebound to it (each module: the names of its functions
     that kernels call, kernels included)."""
@@ -57,7 +86,9 @@ class Emulator:
             float32=torch.float32, int32=torch.int32, bool_=torch.bool, bid=lambda axis: self.block[axis],
             cdiv=lambda a, b: -(-a // b), full=lambda shape, value, dtype: _tile(torch.full(shape, value, dtype=dtype)),
             arange=lambda n, dtype: _tile(torch.arange(n, dtype=dtype)),
-            where=lambda cond, a, b: _tile(torch.where(cond, a, b)),
+            where=_where, gather=_gather, scatter=_scatter, PaddingMode=types.SimpleNamespace(ZERO=0),
+            static_iter=iter, cat=lambda tiles, axis: _tile(torch.cat(tiles, axis)),
+            truediv=lambda x, y: _tile(torch.div(x, y)),
             exp2=lambda x, flush_to_zero=False: _tile(torch.exp2(x)), log2=lambda x: _tile(torch.log2(x)),
             max=lambda x, axis=None, keepdims=False: _tile(torch.amax(x, dim=axis, keepdim=keepdims)),
             maximum=lambda x, y: _tile(torch.maximum(x, y)),

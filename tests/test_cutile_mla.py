@@ -2,6 +2,7 @@
 exports for sm_90. No GPU is needed: the launches are built over the CPU twins and compiled ahead of time."""
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,8 +13,10 @@ else:
     pytest.importorskip("cuda.tile", reason='cuTile not installed: pip install "cuda-tile[tileiras]"')
 
 from impls import Unsupported
-from suite.presets import DEEPSEEK_V3_MLA_TP8, mla
+from suite.checks import Oracle
+from suite.presets import DEEPSEEK_V3_MLA_TP8, mla, preset
 from tests.cutile_helpers import named, sass
+from tests.tiers import first_fast
 
 
 def call_of(case, sm_count: int = 1):
@@ -30,12 +33,12 @@ def exported(call) -> list[bytes]:
 
 
 def test_a_split_step_compiles_with_the_paged_decodes_combine():
-    """Widths that are not powers of two (48 + 16, padded to 64 + 16), pages of 16 joined into 32-key tiles, and a
-    300-token cache cut into chunks on one SM: the split launch writes partials that the combine merges, one
+    """Widths that are not powers of two (48 + 16, padded to 64 + 16), pages of 16 joined into 64-key tiles, and a
+    600-token cache cut into chunks on one SM: the split launch writes partials that the combine merges, one
     combine block per query head, and both compile."""
     from impls.cutile import mla as kernel
 
-    _, call = call_of(mla(("", 4, 48, 16), 1, 300, page_size=16))
+    _, call = call_of(mla(("", 4, 48, 16), 1, 600, page_size=16))
     assert call.num_splits > 1 and len(call.launches) == 2
     (grid, _, _), (combine_grid, combine, _) = call.launches
     split = named(call.launches[0])
@@ -76,14 +79,58 @@ def test_more_rows_than_a_tile_are_refused_with_the_reason():
         prepare_mla(inputs, scale=0.1)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(("sq", "kv_dtype"), [(1, ""), (2, ""), (1, "fp8")])
-def test_deepseek_steps_compile_on_tma_with_tensor_cores(sq, kv_dtype):
-    """DeepSeek-V3 per GPU of 8 (16 heads, 512 + 64, pages of 64): 32-key tiles are half a page, loaded on TMA, and
-    both products run on tensor cores."""
+@pytest.mark.parametrize(("sq", "kv_dtype"), first_fast([(1, ""), (2, ""), (1, "fp8")], unpack=True))
+def test_deepseek_steps_compile_to_warpgroup_mma_with_no_stack(sq, kv_dtype):
+    """DeepSeek-V3 per GPU of 8 (16 heads, 512 + 64, pages of 64), 16 and 32 rows: 64-key tiles are a page, loaded on
+    TMA; with the keys as the products' rows both run on warpgroup MMA, and nothing spills (the query rows as the
+    products' rows ran on HMMA with 416-1392 B of stack)."""
     _, call = call_of(mla(DEEPSEEK_V3_MLA_TP8, 1, 4096, sq=sq, kv_dtype=kv_dtype))
     assert call.num_splits > 1
     split, combine = exported(call)
     usage = sass(split)
-    assert usage["utmaldg"] > 0 and usage["hmma"] + usage["hgmma"] > 0, usage
+    assert usage["utmaldg"] > 0 and usage["hgmma"] > 0 and usage["hmma"] == 0, usage
+    assert usage["stack"] == usage["ldl"] == usage["stl"] == 0, usage
     assert combine[:4] == b"\x7fELF"
+
+
+def test_the_sass_tool_refuses_more_rows_than_the_kernel_packs(capsys):
+    from tools.cutile_sass import main
+
+    with pytest.raises(SystemExit):
+        main(["--mla", "40"])
+    assert "--mla takes 1 to 32 query rows" in capsys.readouterr().err
+
+
+def emulated(call) -> torch.Tensor:
+    """A prepared call's launches (the split kernel, then the combine where it splits) run block by block on CPU."""
+    from impls.cutile import decode, kernel, mla
+    from tests.cutile_emulator import Emulator
+
+    stand_in = Emulator([(mla, ("mla_decode_split", "fold_keys", "latent_tile", "page_rows")),
+                         (decode, ("concatenate", "page_of", "first_tile", "paged_decode_combine")),
+                         (kernel, ("softmax_step", "finite"))])
+    for launch in call.launches:
+        stand_in.launch(*launch)
+    return call.out
+
+
+# The CPU twins, and pages of 24 that no tile fits (row gathers), each as launched (64-key tiles: on one SM, one
+# chunk a sequence) and with 16-key tiles, which cut the longer caches into chunks that the combine merges. The fast
+# tier runs the fp8 twin as launched and the 300-token cache cut into 4 chunks.
+TWINS = [*preset("mla-cpu"), mla(("", 4, 32, 8), 2, 100, page_size=24)]
+FAST = [(TWINS[3], None), (TWINS[2], 16)]
+EMULATED = FAST + [(case, tile_n) for tile_n in (None, 16) for case in TWINS if (case, tile_n) not in FAST]
+
+
+@pytest.mark.parametrize(("case", "tile_n"), first_fast(EMULATED, fast=2, unpack=True),
+                         ids=lambda v: getattr(v, "id", f"tile_n={v}"))
+def test_the_kernel_passes_the_oracle_when_emulated_on_cpu(case, tile_n):
+    """The transposed products, the softmax down the key axis, the page loads and row gathers, the masks, the chunks
+    and their combine, emulated block by block: within the oracle's tolerance."""
+    from impls.cutile.mla_serving import MLACall, mla_form
+
+    inputs = case.make_inputs("cpu")
+    form = mla_form(inputs.page_size)
+    call = MLACall(replace(form, tile_n=tile_n or form.tile_n), inputs, scale=inputs.scale(None), sm_count=1)
+    result = Oracle.serving(inputs).check(emulated(call))
+    assert result.passed, result.message

@@ -14,7 +14,11 @@ EPILOG = """examples:
   python -m tools.cutile_sass --head-dim 128
   python -m tools.cutile_sass --head-dim 192 --value-dim 128 --no-ladder --runs
   python -m tools.cutile_sass --head-dim 128 --window --overlap
+  python -m tools.cutile_sass --mla 32 --kv-fp8
 """
+MLA_TILES = (16, 32, 64)  # key tiles of the MLA decode's split kernel compiled by --mla
+MLA_WORKER_WARPS = (4, 8)
+MLA_CACHE = 4096  # tokens: one sequence, split on one SM (only the launch's constants matter)
 
 
 def report(args: argparse.Namespace) -> None:
@@ -37,6 +41,27 @@ def report(args: argparse.Namespace) -> None:
             print(f"{name + phase:70s} {sass_summary(cubin)}{runs}{overlap}", flush=True)
 
 
+def report_mla(args: argparse.Namespace) -> None:
+    """The MLA decode's split launch at DeepSeek-V3's widths (512 + 64, pages of 64) with ``args.mla`` query rows, in
+    the shipped form and with each key tile and worker-warp count: one line each."""
+    from dataclasses import replace
+
+    from impls.cutile.export import export_launch
+    from impls.cutile.mla_serving import MLA_FORM, MLACall
+    from impls.sass import sass_summary
+    from suite.presets import DEEPSEEK_V3_MLA_TP8, mla
+
+    name, _, latent, rope = DEEPSEEK_V3_MLA_TP8
+    case = mla((name, args.mla, latent, rope), 1, MLA_CACHE, kv_dtype="fp8" if args.kv_fp8 else "")
+    inputs = case.make_inputs("cpu")
+    for tile_n in MLA_TILES:
+        for warps in MLA_WORKER_WARPS:
+            form = replace(MLA_FORM, tile_n=tile_n, worker_warps=warps)
+            _, kernel, arguments = MLACall(form, inputs, scale=inputs.scale(None), sm_count=1).launches[0]
+            label = f"{tile_n} keys, {warps} worker warps" + (" (shipped)" if form == MLA_FORM else "")
+            print(f"{label:40s} {sass_summary(export_launch(kernel, arguments, arch=args.arch))}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m tools.cutile_sass", description=__doc__, epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -53,7 +78,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--overlap", action="store_true",
                         help="also how many HGMMAs run between the softmax's exponentials with no wait between "
                              "(the deferred P V's overlap, Variant.defer_pv; 0 where each product waits)")
-    report(parser.parse_args(argv))
+    parser.add_argument("--mla", type=int, metavar="ROWS",
+                        help="instead: the MLA decode's split kernel with ROWS query rows (heads x new tokens, at "
+                             "most 32) at DeepSeek-V3's widths, over key tiles and worker warps")
+    parser.add_argument("--kv-fp8", action="store_true", help="--mla over an fp8 (e4m3) latent cache")
+    args = parser.parse_args(argv)
+    if args.mla is not None:
+        from impls.cutile.mla_serving import MAX_ROWS
+
+        if not 1 <= args.mla <= MAX_ROWS:
+            parser.error(f"--mla takes 1 to {MAX_ROWS} query rows (the kernel packs at most that many), got {args.mla}")
+        report_mla(args)
+    else:
+        report(args)
 
 
 if __name__ == "__main__":

@@ -682,16 +682,17 @@ def mask_scores(qk, offs_m, j, kv_len, causal_offset, window_left, window_right,
     return ct.where(visible, qk, -math.inf)
 
 
-def softmax_step(qk, l_i, m_i, qk_scale_log2, MAY_BE_EMPTY, FAST_MATH):
+def softmax_step(qk, l_i, m_i, qk_scale_log2, MAY_BE_EMPTY, FAST_MATH, KEY_AXIS=-1):
     """The probabilities ``p`` of a score tile against the new running max, the factor ``alpha`` that rescales
-    what was accumulated so far, the new running sum and max (log2 units); P V is the caller's."""
+    what was accumulated so far, the new running sum and max (log2 units); P V is the caller's. The keys run
+    along KEY_AXIS (0: a tile with a column per query row, as the MLA decode's)."""
     # The tile's row max in log2 units: the scale multiplies the row max once, not the whole tile twice.
-    m_tile = ct.max(qk, axis=-1, keepdims=True) * qk_scale_log2
+    m_tile = ct.max(qk, axis=KEY_AXIS, keepdims=True) * qk_scale_log2
     m_new = ct.maximum(m_i, m_tile)
     m_ref = finite(m_new, MAY_BE_EMPTY)
     alpha = ct.exp2(m_i - m_ref, flush_to_zero=FAST_MATH)  # what was summed so far shrinks by 2**(old - new)
     p = ct.exp2(qk * qk_scale_log2 - m_ref, flush_to_zero=FAST_MATH)
-    l_i = l_i * alpha + ct.sum(p, axis=-1, keepdims=True)
+    l_i = l_i * alpha + ct.sum(p, axis=KEY_AXIS, keepdims=True)
     return p, alpha, l_i, m_new
 
 

@@ -7,16 +7,22 @@ registered as ``cutile``'s ``mla`` entry by ``mla_serving.py``: the design of th
    loaded once per chunk for all of them.
 2. One load, two uses: a key tile loads TILE_N latent rows and their rotary rows; the scores are
    ``q_nope . ckv + q_pe . kpe`` (two products into one accumulator), and the same latent tile is the values of P V.
-3. Split-KV: each sequence's cache is cut into chunks by the paged decode's split plan (``impls._plans.split_plan``
+3. Keys as the products' rows: the tile computes the transposed scores ``S^T = ckv q_nope^T + kpe q_pe^T``
+   (TILE_N, TILE_M), a column per query row, and the transposed output ``O^T += ckv^T P^T`` (TILE_L, TILE_M). The
+   query rows (16 or 32) are too few for Hopper's warpgroup MMA, whose row count is 64 a warpgroup; 64 keys and
+   512 latent columns are not. So both products run on HGMMA with the latent tile read from shared memory, and
+   the accumulator is spread over two warpgroups (``mla_serving``'s worker warps): no register spills, where the
+   query rows as the products' rows spilled (docs/design.md, "MLA decode").
+4. Split-KV: each sequence's cache is cut into chunks by the paged decode's split plan (``impls._plans.split_plan``
    with one kv head), a block each; their normalised outputs and log-sum-exps are merged by the paged decode's
    combine (``decode.paged_decode_combine``), which sees the heads as one kv head's GROUP. A sequence of one chunk
    writes its output at once.
-4. Pages: block loads (TMA on Hopper) of the part of a page a key tile lies in, or of the whole pages it spans,
+5. Pages: block loads (TMA on Hopper) of the part of a page a key tile lies in, or of the whole pages it spans,
    joined (decode.py's PAGES); where no such tile fits the page size, the rows are gathered through the table
    (ROWS). Every tile is masked: positions past a row's last visible one are hidden, and the latent and rotary rows
    past the sequence are zeroed, so that whatever unused slots hold (NaN included) never reaches the output.
    Widths that are not powers of two are padded with zeros (loads pad, gathers are bounds-checked).
-5. An fp8 cache is loaded as stored and each tile widened to q's dtype after its load; its one scale is folded
+6. An fp8 cache is loaded as stored and each tile widened to q's dtype after its load; its one scale is folded
    into the score scale on the host and multiplies the chunk's output once.
 
 Causal within each sequence, bottom-right: new token ``t`` of ``SQ`` sees positions ``<= L - SQ + t``.
@@ -28,10 +34,10 @@ import math
 
 import cuda.tile as ct
 
-from impls.cutile.decode import concatenate, fold, page_of
-from impls.cutile.kernel import ConstBool, ConstInt, score_scale, with_int64_indexing
+from impls.cutile.decode import concatenate, page_of
+from impls.cutile.kernel import ConstBool, ConstInt, score_scale, softmax_step, with_int64_indexing
 
-ROWS, PAGES = 0, 1  # GATHER: how a key tile is read (module docstring, 4)
+ROWS, PAGES = 0, 1  # GATHER: how a key tile is read (module docstring, 5)
 
 
 @ct.kernel
@@ -49,39 +55,46 @@ def mla_decode_split(
     batch = ct.bid(1)
     seq_len = ct.gather(CacheSeqlens, batch).item()
 
-    rows = ct.arange(TILE_M, dtype=ct.int32)[:, None]
+    rows = ct.arange(TILE_M, dtype=ct.int32)[None, :]  # the query rows are columns (module docstring, 3)
     token = rows % SQ
     head = rows // SQ
     real_row = rows < HEADS * SQ
-    latent_dims = ct.arange(TILE_L, dtype=ct.int32)[None, :]
-    rope_dims = ct.arange(TILE_R, dtype=ct.int32)[None, :]
-    q_nope = ct.gather(QNope, (batch, token, head, latent_dims), mask=real_row)  # columns past the width read 0
+    latent_dims = ct.arange(TILE_L, dtype=ct.int32)[:, None]
+    rope_dims = ct.arange(TILE_R, dtype=ct.int32)[:, None]
+    q_nope = ct.gather(QNope, (batch, token, head, latent_dims), mask=real_row)  # (TILE_L, TILE_M); past the width 0
     q_pe = ct.gather(QPe, (batch, token, head, rope_dims), mask=real_row)
-    last_visible = seq_len - SQ + token  # (TILE_M, 1): causal, bottom-right within the sequence
+    last_visible = seq_len - SQ + token  # (1, TILE_M): causal, bottom-right within the sequence
 
-    m_i = ct.full((TILE_M, 1), -math.inf, dtype=ct.float32)
-    l_i = ct.full((TILE_M, 1), 0.0, dtype=ct.float32)
-    acc = ct.full((TILE_M, TILE_L), 0.0, dtype=ct.float32)
+    m_i = ct.full((1, TILE_M), -math.inf, dtype=ct.float32)
+    l_i = ct.full((1, TILE_M), 0.0, dtype=ct.float32)
+    acc = ct.full((TILE_L, TILE_M), 0.0, dtype=ct.float32)
     score_scale_log2 = score_scale(qk_scale, 0.0)
     first = chunk * (split_len // TILE_N)  # split_len is whole tiles
     end = min(first + split_len // TILE_N, ct.cdiv(seq_len, TILE_N))
     for j in range(first, end):
         ckv, kpe = latent_tile(CKV, KPE, BlockTable, batch, j, seq_len, TILE_N, TILE_L, TILE_R, PAGE_SIZE, GATHER,
                                LATENCY, q_nope.dtype)
-        qk = ct.mma(q_nope, ct.transpose(ckv), ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32))
-        qk = ct.mma(q_pe, ct.transpose(kpe), qk)
-        positions = j * TILE_N + ct.arange(TILE_N, dtype=ct.int32)[None, :]
+        qk = ct.mma(ckv, q_nope, ct.full((TILE_N, TILE_M), 0.0, dtype=ct.float32))
+        qk = ct.mma(kpe, q_pe, qk)
+        positions = j * TILE_N + ct.arange(TILE_N, dtype=ct.int32)[:, None]
         qk = ct.where(positions <= last_visible, qk, -math.inf)  # past the sequence too: last_visible < L
-        acc, l_i, m_i = fold(acc, l_i, m_i, qk, ckv, score_scale_log2, True)
+        acc, l_i, m_i = fold_keys(acc, l_i, m_i, qk, ckv, score_scale_log2)
 
     l_safe = ct.where(l_i == 0.0, 1.0, l_i)  # a row that saw no key in this chunk: output 0, weight 0
     acc = ct.truediv(acc * kv_scale, l_safe)  # an fp8 cache's scale, once (the combine is linear in the parts)
     if SPLIT:
         lse = ct.where(l_i == 0.0, -math.inf, m_i + ct.log2(l_safe))
-        ct.store(OutPart, index=(batch, chunk, 0, 0), tile=acc.reshape((1, 1, TILE_M, TILE_L)))
+        ct.store(OutPart, index=(batch, chunk, 0, 0), tile=ct.transpose(acc).reshape((1, 1, TILE_M, TILE_L)))
         ct.store(LsePart, index=(batch, chunk, 0), tile=lse.reshape((1, 1, TILE_M)))
     else:
         ct.scatter(Out, (batch, token, head, latent_dims), acc.astype(Out.dtype), mask=real_row)
+
+
+def fold_keys(acc, l_i, m_i, qk, ckv, score_scale_log2):
+    """The online softmax step on transposed scores (TILE_N, TILE_M), then ``O^T += ckv^T P^T`` (decode.fold with
+    the keys as rows): P in the latent tile's 16 bits, as the paged decode's."""
+    p, alpha, l_i, m_new = softmax_step(qk, l_i, m_i, score_scale_log2, True, True, KEY_AXIS=0)
+    return ct.mma(ct.transpose(ckv), p.astype(ckv.dtype), acc * alpha), l_i, m_new
 
 
 def latent_tile(CKV, KPE, BlockTable, batch, j, seq_len, TILE_N, TILE_L, TILE_R, PAGE_SIZE, GATHER, LATENCY, dtype):

@@ -20,12 +20,14 @@ from impls.cutile.serving import COMBINE_OCCUPANCY
 @dataclass(frozen=True)
 class MLAVariant:
     """The kernel's one form: key tile width, how a tile is read from the pages (``read``: "pages" or "rows", the
-    kernel's GATHER), how far ahead its loads are issued, and the programs per SM its split plan aims at."""
+    kernel's GATHER), how far ahead its loads are issued, the programs per SM its split plan aims at, and the
+    compiler's worker warps (``num_worker_warps``)."""
 
-    tile_n: int = 32
+    tile_n: int = 64
     read: str = "pages"
     latency: int = 2
     plan_programs: int = PROGRAMS_PER_SM
+    worker_warps: int = 8
 
     def fits(self, page_size: int) -> bool:
         """Block loads take tiles that hold whole pages or lie within one."""
@@ -35,14 +37,16 @@ class MLAVariant:
         return asdict(self)
 
 
-# One fixed form until a tuner. 32 keys a tile: 32 latent rows of 512 are 32 KB of bf16 a stage, as the Triton
-# kernel's BLOCK_N (64 would be 64 KB, two stages filling most of a Hopper SM's shared memory); half a page of 64
-# a load, on TMA. Row gathers only where no block load fits the page size (H200, paged decode: 1.4 TB/s at most).
+# One fixed form until a tuner. 64 keys a tile: the rows of a warpgroup MMA with the keys as the products' rows
+# (mla.py's docstring, 3), a page of 64 a load, on TMA; 8 worker warps, two warpgroups, hold the 512 x rows fp32
+# accumulator. Compiled for sm_90 at 512 + 64 (cuda-tile 1.7.0, tileiras 13.4) this is the one form measured with
+# no stack at 16 and 32 rows, bf16 and fp8 (docs/design.md, "MLA decode": 32 keys or 4 worker warps spill). Row
+# gathers only where no block load fits the page size (H200, paged decode: 1.4 TB/s at most), in 32-key tiles over 4
+# worker warps: gathered through registers the tile is not on HGMMA whole, and 64 keys or 8 warps spilled more.
 MLA_FORM = MLAVariant()
-ROWS_FORM = MLAVariant(read="rows")
-# Query heads x new tokens in one tile: the fp32 accumulator is rows x 512. Compiled for sm_90 at 512 + 64 (cuda-tile
-# 1.7.0, tileiras 13.4, 2026-11-29) the split kernel already spills at 16 rows (168 registers, 416 B of stack) and
-# more at 32 (1392 B): DeepSeek-V3's 16 heads per GPU of 8 with a draft token. More rows are refused.
+ROWS_FORM = MLAVariant(tile_n=32, read="rows", worker_warps=4)
+# Query heads x new tokens in one tile, the products' columns: DeepSeek-V3's 16 heads per GPU of 8 with a draft
+# token. More rows are refused (not compiled: 64 would double the accumulator).
 MAX_ROWS = 32
 
 
@@ -65,7 +69,8 @@ class MLACall(Launches):
         self.lse = torch.empty(parts, dtype=torch.float32, device=device)
         int64 = needs_int64(inputs.ckv, inputs.kpe)
         self.cache_indexing = "64-bit" if int64 else "32-bit"
-        kernel = kernel_with_hints("mla_decode_split" + ("_int64" if int64 else ""), (), module="mla")
+        kernel = kernel_with_hints("mla_decode_split" + ("_int64" if int64 else ""),
+                                   (("num_worker_warps", variant.worker_warps),), module="mla")
         from impls.cutile import mla  # after kernel_with_hints: the toolchain is set before cuTile is imported
 
         gather = mla.PAGES if variant.read == "pages" else mla.ROWS
