@@ -2,9 +2,11 @@
 they call. cuTile has no interpreter; this checks a kernel's index arithmetic, loop bounds, masks and dtypes
 against the oracle where no GPU is at hand. It says nothing about what the compiler makes of the kernel.
 
-Stand-ins: ``ct.load`` reads whole tiles at tile indices with zeros past the array's ends, ``ct.store`` drops what
-lies past them, ``ct.mma`` multiplies in float64 and accumulates in float32 (and, as cuTile, refuses operands of
-two dtypes). Helpers a kernel calls are rebound so that they see the stand-in too.
+Stand-ins: ``ct.load`` reads whole tiles at tile indices (in a dimension order where given) with zeros past the
+array's ends, ``ct.store`` drops what lies past them, ``ct.gather`` and ``ct.scatter`` read and write elements at
+broadcast indices, skipping masked and out-of-bounds ones (a gather reads zeros there), ``ct.mma`` multiplies in
+float64 and accumulates in float32 (and, as cuTile, refuses operands of two dtypes). Helpers a kernel calls are
+rebound so that they see the stand-in too.
 """
 
 from __future__ import annotations
@@ -34,8 +36,8 @@ def _mma(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor) -> Tile:
 
 
 def _load(A, index, shape, order=None, latency=None, padding_mode=None, allow_tma=None) -> Tile:
-    if order is not None:
-        raise NotImplementedError("loads with a dimension order")
+    if order is not None:  # the tile's dimension i is the array's dimension order[i]
+        A = A.permute(order)
     out = torch.zeros(shape, dtype=A.dtype)
     part = A[tuple(slice(i * s, i * s + s) for i, s in zip(index, shape, strict=True))]
     out[tuple(slice(0, n) for n in part.shape)] = part
@@ -45,6 +47,29 @@ def _load(A, index, shape, order=None, latency=None, padding_mode=None, allow_tm
 def _store(A, index, tile, allow_tma=None) -> None:
     view = A[tuple(slice(i * s, i * s + s) for i, s in zip(index, tile.shape, strict=True))]
     view.copy_(tile[tuple(slice(0, n) for n in view.shape)].to(A.dtype))
+
+
+def _elements(A, indices, mask) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """Indices into ``A`` broadcast to one shape, clamped into bounds, and where they are real: unmasked and in
+    bounds."""
+    indices = indices if isinstance(indices, tuple) else (indices,)
+    indices = torch.broadcast_tensors(*(torch.as_tensor(i, dtype=torch.int64) for i in indices))
+    real = torch.ones(indices[0].shape, dtype=torch.bool) if mask is None else torch.as_tensor(mask).clone()
+    real = real.broadcast_to(indices[0].shape).clone()
+    for i, n in zip(indices, A.shape, strict=True):
+        real &= (i >= 0) & (i < n)
+    return tuple(torch.where(real, i, 0) for i in indices), real
+
+
+def _gather(A, indices, mask=None, latency=None, padding_value=0) -> Tile:
+    where, real = _elements(A, indices, mask)
+    return _tile(torch.where(real, A[where], torch.tensor(padding_value, dtype=A.dtype)))
+
+
+def _scatter(A, indices, value, mask=None, latency=None) -> None:
+    where, real = _elements(A, indices, mask)
+    value = torch.as_tensor(value).to(A.dtype).broadcast_to(real.shape)
+    A[tuple(i[real] for i in where)] = value[real]
 
 
 class Emulator:
@@ -57,13 +82,15 @@ class Emulator:
             float32=torch.float32, int32=torch.int32, bool_=torch.bool, bid=lambda axis: self.block[axis],
             cdiv=lambda a, b: -(-a // b), full=lambda shape, value, dtype: _tile(torch.full(shape, value, dtype=dtype)),
             arange=lambda n, dtype: _tile(torch.arange(n, dtype=dtype)),
-            where=lambda cond, a, b: _tile(torch.where(cond, a, b)),
+            where=lambda cond, a, b: _tile(torch.where(torch.as_tensor(cond), a, b)),
+            truediv=lambda a, b: _tile(a / b), cat=lambda parts, axis: _tile(torch.cat(parts, axis)),
+            static_iter=lambda it: it, PaddingMode=types.SimpleNamespace(ZERO="zero"),
             exp2=lambda x, flush_to_zero=False: _tile(torch.exp2(x)), log2=lambda x: _tile(torch.log2(x)),
             max=lambda x, axis=None, keepdims=False: _tile(torch.amax(x, dim=axis, keepdim=keepdims)),
             maximum=lambda x, y: _tile(torch.maximum(x, y)),
             transpose=lambda x: _tile(x.transpose(-1, -2)),
             sum=lambda x, axis=None, keepdims=False: _tile(torch.sum(x, dim=axis, keepdim=keepdims)),
-            mma=_mma, load=_load, store=_store)
+            mma=_mma, load=_load, store=_store, gather=_gather, scatter=_scatter)
         scopes = [({**vars(module), "ct": ct}, module, names) for module, names in modules]
         self.functions: dict[str, Callable] = {}
         for scope, module, names in scopes:
