@@ -22,7 +22,7 @@ from impls.cutile.mixed_serving import MIXED_ROWS, MixedCall, MixedForm, prepare
 from impls.cutile.serving import DecodeVariant
 from suite.checks import Oracle
 from suite.presets import LLAMA3_8B, LLAMA3_70B_TP8, PRESETS, mixed
-from tests.cutile_helpers import named, sass
+from tests.cutile_helpers import named, needs_cuobjdump, sass
 from tests.test_mixed import KERNEL_BATCHES, batch
 from tests.tiers import first_fast
 
@@ -86,6 +86,26 @@ def test_pages_no_key_tile_fits_are_gathered_by_rows_and_compile():
     assert export_launch(*call.launches[0][1:], arch="sm_90")[:4] == b"\x7fELF"
 
 
+@pytest.mark.slow
+def test_a_cache_of_2_31_elements_is_read_through_word_views_or_64_bit_offsets(monkeypatch):
+    """As the paged decode reads one (``serving.cache_operands``; faked here: the twin's caches): page loads through
+    32-bit word views, on TMA; where a word view does not fit, the kernel's 64-bit twin."""
+    import impls.cutile.serving
+    from impls.cutile import decode
+
+    inputs = mixed(LLAMA3_8B, 2, 100, 1, 40).make_inputs("cpu")
+    monkeypatch.setattr(impls.cutile.serving, "needs_int64", lambda *tensors: True)
+    words = MixedCall(inputs, scale=0.125)
+    assert named(words.launches[0])["GATHER"] == decode.WORD_PAGES and words.cache_indexing == "32-bit word views"
+    assert sass(export_launch(*words.launches[0][1:], arch="sm_90"))["utmaldg"] > 0
+    monkeypatch.setattr(impls.cutile.serving, "word_view_fits", lambda *args: False)
+    wide = MixedCall(inputs, scale=0.125)
+    (_, kernel, arguments), = wide.launches
+    assert kernel._pyfunc.__name__ == "mixed_attention" and wide.cache_indexing == "64-bit"
+    assert kernel is not words.launches[0][1] and arguments[1].dtype == inputs.k_cache.dtype
+    assert export_launch(kernel, arguments, arch="sm_90")[:4] == b"\x7fELF"
+
+
 CPU_CASES = PRESETS["serving-mixed-cpu"]
 
 
@@ -122,10 +142,19 @@ def test_small_tiles_pass_the_oracle_when_emulated_on_cpu(new_tokens, lengths, h
 
 def test_a_group_wider_than_a_tile_is_refused_with_the_reason():
     inputs = batch([1, 3], [5, 9], heads=(128, 1))
-    with pytest.raises(Unsupported, match="128 query heads per kv head: .* at most 64 rows"):
+    with pytest.raises(Unsupported, match=r"128 query heads per kv head: .* at most 64 rows"):
         prepare_mixed(inputs, scale=0.1)
 
 
 def test_head_dims_outside_the_list_are_refused_by_the_registry(on_cpu):
     with pytest.raises(Unsupported, match="head dim 12 not supported"):
         on_cpu.prepare(batch([1, 3], [5, 9], head_dim=12))
+
+
+def test_the_sass_tool_prints_the_mixed_kernels_form_and_spills(capsys):
+    from tools.cutile_sass import main
+
+    needs_cuobjdump()
+    main(["--mixed", "8", "--head-dim", "64"])
+    line = capsys.readouterr().out
+    assert line.startswith("mixed: group 8, {'tile_m': 64, 'tile_n': 64, 'read': 'pages'") and "'stack': 0" in line

@@ -14,6 +14,7 @@ EPILOG = """examples:
   python -m tools.cutile_sass --head-dim 128
   python -m tools.cutile_sass --head-dim 192 --value-dim 128 --no-ladder --runs
   python -m tools.cutile_sass --head-dim 128 --window --overlap
+  python -m tools.cutile_sass --mixed 4 --mixed 8 --head-dim 128
 """
 
 
@@ -37,6 +38,22 @@ def report(args: argparse.Namespace) -> None:
             print(f"{name + phase:70s} {sass_summary(cubin)}{runs}{overlap}", flush=True)
 
 
+def report_mixed(args: argparse.Namespace) -> None:
+    """One line per group: the mixed kernel's fixed form as it launches for a step of that group (one kv head, two
+    decoding sequences beside a chunk, pages of --page-size) and its SASS summary."""
+    from impls.cutile.export import export_launch
+    from impls.cutile.mixed_serving import MixedCall
+    from impls.sass import sass_summary
+    from suite.presets import mixed
+
+    for group in args.mixed:
+        inputs = mixed(("", group, 1, args.head_dim), 2, 300, 1, 70, page_size=args.page_size).make_inputs("cpu")
+        call = MixedCall(inputs, scale=args.head_dim ** -0.5)
+        (_, kernel, arguments), = call.launches
+        name = f"mixed: group {group}, {call.variant.describe()}"
+        print(f"{name:70s} {sass_summary(export_launch(kernel, arguments, arch=args.arch))}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m tools.cutile_sass", description=__doc__, epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -53,7 +70,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--overlap", action="store_true",
                         help="also how many HGMMAs run between the softmax's exponentials with no wait between "
                              "(the deferred P V's overlap, Variant.defer_pv; 0 where each product waits)")
-    report(parser.parse_args(argv))
+    parser.add_argument("--mixed", type=int, action="append", default=[], metavar="GROUP",
+                        help="instead: the mixed prefill and decode kernel at this many query heads a kv head "
+                             "(repeatable)")
+    parser.add_argument("--page-size", type=int, default=16, help="--mixed: the cache's page size (default 16)")
+    args = parser.parse_args(argv)
+    if args.mixed:
+        report_mixed(args)
+    else:
+        report(args)
 
 
 if __name__ == "__main__":
