@@ -50,13 +50,13 @@ def on_cpu(monkeypatch: pytest.MonkeyPatch):
 
 def test_a_step_is_one_launch_over_its_work_list_and_compiles_without_stack():
     """Llama-3-8B's group of 4 at D 128: 64 rows are 16 new tokens, so a decode row is one item and a chunk of 40
-    three; one block per (item, kv head); compiled for sm_90 its products run on the warpgroup MMA, its pages load by
-    TMA and nothing spills."""
+    three; one block per (item, kv head), the kv heads of an item adjacent; compiled for sm_90 its products run on
+    the warpgroup MMA, its pages load by TMA and nothing spills."""
     inputs = mixed(LLAMA3_8B, 3, 100, 2, 40, lengths="longtail").make_inputs("cpu")
     call = MixedCall(inputs, scale=0.125)
     (grid, kernel, arguments), = call.launches
     assert kernel._pyfunc.__name__ == "mixed_attention" and call.tokens == MIXED_ROWS // 4 == 16
-    assert grid == (3 + 2 * 3, 8, 1) and call.work.shape == (9, 2) and call.work.dtype == torch.int32
+    assert grid == ((3 + 2 * 3) * 8, 1, 1) and call.work.shape == (9, 2) and call.work.dtype == torch.int32
     launch = named(call.launches[0])
     assert (launch["GROUP"], launch["TOKENS"], launch["TILE_M"], launch["TILE_N"], launch["TILE_D"]) == (4, 16, 64, 64,
                                                                                                          128)

@@ -4,7 +4,9 @@ in the paged decode's cuTile forms (``decode.py``). One launch serves the whole 
 
 1. A work list, built on the host when the call is prepared (``impls._plans.mixed_work_list``, the Triton kernel's):
    one item per tile of ``TOKENS`` new tokens of a sequence, ``(sequence, first new token)``, those that read the
-   most keys first. A decoding sequence is one item, a chunk of 4096 tokens hundreds. The grid is (item, kv head).
+   most keys first. A decoding sequence is one item, a chunk of 4096 tokens hundreds. One block per (item, kv head),
+   kv heads adjacent on one grid axis, so that the blocks start in the list's order, longest first, across the kv
+   heads too (a grid (item, kv head) starts every item of kv head 0 before the first of kv head 1).
 2. GQA packing: row ``r`` of a tile is new token ``first + r // GROUP`` of query head ``kv_head * GROUP + r % GROUP``,
    so each K/V tile read serves every query head of the kv head, for a decode row as for a prefill tile.
 3. The key loop is the paged decode's: key tiles read through the block table as the decode reads them
@@ -30,14 +32,15 @@ NO_SOFTCAP, NO_WINDOW_LEFT = 0.0, 0  # the decode helpers' model variants, off: 
 
 @ct.kernel
 def mixed_attention(
-    Q, KCache, VCache, BlockTable, CacheSeqlens, CuSeqlensQ, Work, Out, qk_scale: float,
+    Q, KCache, VCache, BlockTable, CacheSeqlens, CuSeqlensQ, Work, Out, qk_scale: float, num_kv_heads: int,
     GROUP: ConstInt, TOKENS: ConstInt, TILE_M: ConstInt, TILE_N: ConstInt, TILE_D: ConstInt, PAGE_SIZE: ConstInt,
     GATHER: ConstInt, K_LATENCY: ConstInt, V_LATENCY: ConstInt,
 ):
-    """Block (work item, kv head): the TOKENS x GROUP query rows of one tile of a sequence's new tokens over its
-    cache. ``Work`` (items, 2) holds each item's sequence and first new token; Q and Out are packed (total_q, Hq, D)."""
-    item = ct.bid(0)
-    kv_head = ct.bid(1)
+    """Block ``item * num_kv_heads + kv_head``: the TOKENS x GROUP query rows of one tile of a sequence's new tokens
+    over its cache. ``Work`` (items, 2) holds each item's sequence and first new token; Q and Out are packed
+    (total_q, Hq, D)."""
+    item = ct.bid(0) // num_kv_heads
+    kv_head = ct.bid(0) % num_kv_heads
     seq = ct.gather(Work, (item, 0)).item()
     first = ct.gather(Work, (item, 1)).item()  # the tile's first new token
     q_start = ct.gather(CuSeqlensQ, seq).item()

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from impls._plans import mixed_work
-from impls._registry import HALF, Prepared, Unsupported, check_grid_axis, register
+from impls._registry import HALF, Prepared, Unsupported, register
 from impls.contract import MixedBatch
 from impls.cutile.config import kernel_with_hints, tile_d
 from impls.cutile.launch import Launches, requires
@@ -50,7 +50,6 @@ class MixedCall(Launches):
         hq, head_dim = q.shape[1:]
         hkv = k_cache.shape[2]
         group, width = hq // hkv, tile_d(head_dim)
-        check_grid_axis(hkv, "kv heads")
         self.variant = variant = variant or mixed_form(inputs.page_size)
         self.tokens = variant.tile_m // group  # new tokens a tile
         self.work = mixed_work(inputs, self.tokens)
@@ -59,10 +58,10 @@ class MixedCall(Launches):
         k_cache, v_cache, gather, int64, self.cache_indexing = cache_operands(keys, k_cache, v_cache, width)
         hints = (("occupancy", keys.occupancy),) if keys.occupancy else ()
         kernel = kernel_with_hints("mixed_attention" + ("_int64" if int64 else ""), hints, module="mixed")
-        self.launches = [((self.work.shape[0], hkv, 1), kernel, (
+        self.launches = [((self.work.shape[0] * hkv, 1, 1), kernel, (
             q, k_cache, v_cache, inputs.block_table, inputs.cache_seqlens, inputs.cu_seqlens_q, self.work, self.out,
-            scale, group, self.tokens, variant.tile_m, keys.tile_n, width, inputs.page_size, gather, keys.k_latency,
-            keys.v_latency))]
+            scale, hkv, group, self.tokens, variant.tile_m, keys.tile_n, width, inputs.page_size, gather,
+            keys.k_latency, keys.v_latency))]
 
     def prepared(self, **config) -> Prepared:
         return super().prepared(tokens_per_tile=self.tokens, work_items=self.work.shape[0],
