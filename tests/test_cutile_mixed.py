@@ -76,14 +76,21 @@ def test_model_groups_and_head_dims_compile_without_stack(model, page_size):
     assert usage["hgmma"] > 0 and usage["utmaldg"] > 0 and usage["stack"] == 0, usage
 
 
+ROW_GATHER_BATCH = ([1, 1, 70], [300, 9, 200], (32, 8), 24)  # pages of 24: no page load fits them
+
+
 @pytest.mark.slow
-def test_pages_no_key_tile_fits_are_gathered_by_rows_and_compile():
+def test_pages_no_key_tile_fits_are_gathered_by_rows():
+    """The fixed form falls back to the paged decode's row gathers: compiled, and emulated within the oracle."""
     from impls.cutile import decode
 
-    inputs = mixed(LLAMA3_8B, 2, 100, 1, 40, page_size=24).make_inputs("cpu")
-    call = MixedCall(inputs, scale=0.125)
+    new_tokens, lengths, heads, page_size = ROW_GATHER_BATCH
+    inputs = batch(new_tokens, lengths, heads=heads, page_size=page_size)
+    call = MixedCall(inputs, scale=inputs.scale(None))
     assert named(call.launches[0])["GATHER"] == decode.ROWS
     assert export_launch(*call.launches[0][1:], arch="sm_90")[:4] == b"\x7fELF"
+    result = Oracle.serving(inputs).check(emulated_launches(call))
+    assert result.passed, result.message
 
 
 @pytest.mark.slow
@@ -137,6 +144,18 @@ def test_small_tiles_pass_the_oracle_when_emulated_on_cpu(new_tokens, lengths, h
     inputs = batch(new_tokens, lengths, heads=heads, page_size=page_size)
     call = MixedCall(inputs, scale=inputs.scale(None), variant=variant)
     result = Oracle.serving(inputs).check(emulated_launches(call))
+    assert result.passed, result.message
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(("new_tokens", "lengths", "heads", "page_size"),
+                         [*KERNEL_BATCHES, ROW_GATHER_BATCH])
+def test_the_compiled_kernel_passes_the_oracle(new_tokens, lengths, heads, page_size):
+    """On a GPU, shapes the presets leave out: pages of 32 read in halves, a group of 3, MQA, an empty cache before
+    one token, and pages of 24 that no page load fits."""
+    inputs = batch(new_tokens, lengths, heads=heads, page_size=page_size, device="cuda")
+    result = Oracle.serving(inputs).check(get("cutile", "mixed").prepare(inputs)())
     assert result.passed, result.message
 
 
