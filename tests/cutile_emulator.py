@@ -54,8 +54,8 @@ def _elements(A, indices, mask) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]
     bounds."""
     indices = indices if isinstance(indices, tuple) else (indices,)
     indices = torch.broadcast_tensors(*(torch.as_tensor(i, dtype=torch.int64) for i in indices))
-    real = torch.ones(indices[0].shape, dtype=torch.bool) if mask is None else torch.as_tensor(mask).clone()
-    real = real.broadcast_to(indices[0].shape).clone()
+    shape = indices[0].shape
+    real = torch.ones(shape, dtype=torch.bool) if mask is None else torch.as_tensor(mask).broadcast_to(shape).clone()
     for i, n in zip(indices, A.shape, strict=True):
         real &= (i >= 0) & (i < n)
     return tuple(torch.where(real, i, 0) for i in indices), real

@@ -43,7 +43,7 @@ def mixed_form(page_size: int) -> MixedForm:
 
 
 class MixedCall(Launches):
-    """One mixed step: the work list and the one launch over it."""
+    """One mixed step: the work list and the one launch over it. A group wider than the form's tile is refused."""
 
     def __init__(self, inputs: MixedBatch, *, scale: float, variant: MixedForm | None = None) -> None:
         q, k_cache, v_cache = inputs.q, inputs.k_cache, inputs.v_cache
@@ -51,6 +51,9 @@ class MixedCall(Launches):
         hkv = k_cache.shape[2]
         group, width = hq // hkv, tile_d(head_dim)
         self.variant = variant = variant or mixed_form(inputs.page_size)
+        if group > variant.tile_m:
+            raise Unsupported(f"{group} query heads per kv head: this kernel packs a decode row's query heads in one "
+                              f"tile of at most {variant.tile_m} rows")
         self.tokens = variant.tile_m // group  # new tokens a tile
         self.work = mixed_work(inputs, self.tokens)
         self.out = inputs.output_like()
@@ -74,8 +77,4 @@ class MixedCall(Launches):
                       "per (tile of a sequence's new tokens, kv head) from a host-built work list, query heads of a "
                       "kv head packed in one tile, pages read by the paged decode's block loads; one fixed config")
 def prepare_mixed(inputs: MixedBatch, *, scale: float) -> Prepared:
-    group = inputs.q.shape[1] // inputs.k_cache.shape[2]
-    if group > MIXED_ROWS:
-        raise Unsupported(f"{group} query heads per kv head: this kernel packs a decode row's query heads in one tile "
-                          f"of at most {MIXED_ROWS} rows")
     return MixedCall(inputs, scale=scale).prepared(chosen="fixed")
