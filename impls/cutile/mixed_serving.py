@@ -29,12 +29,13 @@ class MixedForm:
 
 # Fixed tiles, no tuner yet (docs/design.md#mixed-batches). 64 rows is one warpgroup's matrix instruction: a prefill
 # tile keeps a 64-row tile's arithmetic intensity, and a decode row's unused rows of a dot hide behind reading its
-# K/V. Keys as the paged decode's 64-key page loads at loads 3 / 3, the compiler's own occupancy: compiled for sm_90
-# (tileiras 13.4) at D 128, groups 4, 7 and 8, 168 registers and no stack; at D 256 too. Two blocks a SM asked (the
-# decode's lead form) gave 128 registers and no stack, but SASS that no nvdisasm up to 13.5 reads: not chosen
-# unseen. A group wider than the tile is refused: a 128-row tile spilled 352-904 B in every key form.
+# K/V. Keys as the paged decode's lead form, 64-key page loads with two blocks a SM asked, issued 4 / 4 tiles ahead
+# (the decode's 3 / 3 within 1% of it; here 3 / 3 gave SASS that no nvdisasm up to 13.5 reads). Compiled for sm_90
+# (tileiras 13.4) at D 64-128 and groups 4-12: 128 registers, 83-91 KB of shared memory, no stack; at D 256 the
+# compiler keeps one block a SM (168 registers, no stack). A group wider than the tile is refused: a 128-row tile
+# spilled 352-904 B in every key form.
 MIXED_ROWS = 64
-KEY_FORM = DecodeVariant(64, "pages")
+KEY_FORM = DecodeVariant(64, "pages", k_latency=4, v_latency=4, occupancy=2)
 
 
 def mixed_form(page_size: int) -> MixedForm:
