@@ -1,6 +1,7 @@
 """How our kernels plan their work, shared by the Triton and cuTile families: split-KV decode plans, the combine's
-cut, the persistent varlen work plan, the decode tuners' shape class, and the route of a decode-shaped dense call
-through the paged decode. Private to our kernels; the contract (``impls.contract``) knows nothing of it.
+cut, the persistent varlen work plan, the mixed step's work list, the decode tuners' shape class, and the route of a
+decode-shaped dense call through the paged decode. Private to our kernels; the contract (``impls.contract``) knows
+nothing of it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from impls._registry import Prepared, Unsupported, get
-from impls.contract import NO_WINDOW, UNBOUNDED, PagedKV, decode_shaped
+from impls.contract import NO_WINDOW, UNBOUNDED, MixedBatch, PagedKV, decode_shaped
 from impls.tuning import TuningCache, fastest
 
 # Our decode kernels run the dots of bf16 queries over an fp8 cache in fp16 (``fp16_dots``; each kernel's module
@@ -308,3 +309,23 @@ def longest_first(units: list[list[tuple[int, int]]], blocks: int) -> tuple[int,
         shares[block].extend(item for _, item in unit)
         heapq.heappush(load, (work + cost, block))
     return max(work for work, _ in load), shares
+
+
+def mixed_work_list(seqlens_q: list[int], seqlens: tuple[int, ...], tokens: int) -> list[tuple[int, int]]:
+    """A mixed step's work items ``(sequence, first new token)``, one per ``tokens`` new tokens of a sequence, those
+    that read the most keys first (a tile of new tokens t0..t1 of q_len reads ``L - q_len + t1 + 1`` keys), so that
+    the long ones start in the first wave and the short ones fill in behind them."""
+    items = [(seq, first) for seq, n in enumerate(seqlens_q) for first in range(0, n, tokens)]
+
+    def keys(item: tuple[int, int]) -> int:
+        seq, first = item
+        return seqlens[seq] - seqlens_q[seq] + min(first + tokens, seqlens_q[seq])
+
+    return sorted(items, key=keys, reverse=True)
+
+
+def mixed_work(inputs: MixedBatch, tokens: int) -> torch.Tensor:
+    """``mixed_work_list`` of a step as our mixed kernels read it: ``(items, 2)`` int32 on q's device, made when the
+    call is prepared (a server builds its step's metadata once a step, outside the layers)."""
+    items = mixed_work_list(inputs.seqlens_q(), inputs.seqlens, tokens)
+    return torch.tensor(items, dtype=torch.int32).to(inputs.q.device)

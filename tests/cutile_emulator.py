@@ -2,10 +2,11 @@
 they call. cuTile has no interpreter; this checks a kernel's index arithmetic, loop bounds, masks and dtypes
 against the oracle where no GPU is at hand. It says nothing about what the compiler makes of the kernel.
 
-Stand-ins: ``ct.load`` reads whole tiles at tile indices with zeros past the array's ends, ``ct.store`` drops what
-lies past them, ``ct.gather`` and ``ct.scatter`` read zeros and write nothing where the mask is off or an index is
-out of bounds, ``ct.mma`` multiplies in float64 and accumulates in float32 (and, as cuTile, refuses operands of
-two dtypes). Helpers a kernel calls are rebound so that they see the stand-in too.
+Stand-ins: ``ct.load`` reads whole tiles at tile indices (in a dimension order where given) with zeros past the
+array's ends, ``ct.store`` drops what lies past them, ``ct.gather`` and ``ct.scatter`` read and write elements at
+broadcast indices, skipping masked and out-of-bounds ones (a gather reads its padding value there), ``ct.mma``
+multiplies in float64 and accumulates in float32 (and, as cuTile, refuses operands of two dtypes). Helpers a kernel
+calls are rebound so that they see the stand-in too.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ def _mma(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor) -> Tile:
 
 
 def _load(A, index, shape, order=None, latency=None, padding_mode=None, allow_tma=None) -> Tile:
-    if order is not None:
-        raise NotImplementedError("loads with a dimension order")
+    if order is not None:  # the tile's dimension i is the array's dimension order[i]
+        A = A.permute(order)
     out = torch.zeros(shape, dtype=A.dtype)
     part = A[tuple(slice(i * s, i * s + s) for i, s in zip(index, shape, strict=True))]
     out[tuple(slice(0, n) for n in part.shape)] = part
@@ -51,25 +52,29 @@ def _store(A, index, tile, allow_tma=None) -> None:
 BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # an element's bits (fp8 has no CPU where)
 
 
-def _where_valid(A: torch.Tensor, indices: tuple, mask) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """The broadcast indices, and where they are in bounds and the mask is on."""
+def _elements(A, indices, mask) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """Indices into ``A`` broadcast to one shape, clamped into bounds, and where they are real: unmasked and in
+    bounds."""
     indices = indices if isinstance(indices, tuple) else (indices,)
-    index = torch.broadcast_tensors(*(torch.as_tensor(i) for i in indices))
-    valid = torch.ones(index[0].shape, dtype=torch.bool) if mask is None else torch.as_tensor(mask)
-    for i, n in zip(index, A.shape, strict=True):
-        valid = valid & (i >= 0) & (i < n)
-    return torch.broadcast_to(valid, index[0].shape), index
+    indices = torch.broadcast_tensors(*(torch.as_tensor(i, dtype=torch.int64) for i in indices))
+    shape = indices[0].shape
+    real = torch.ones(shape, dtype=torch.bool) if mask is None else torch.as_tensor(mask).broadcast_to(shape).clone()
+    for i, n in zip(indices, A.shape, strict=True):
+        real &= (i >= 0) & (i < n)
+    return tuple(torch.where(real, i, 0) for i in indices), real
 
 
-def _gather(A, indices, mask=None, latency=None, check_bounds=True) -> Tile:
-    valid, index = _where_valid(A, indices, mask)
-    bits = A.view(BITS[A.element_size()])[tuple(torch.where(valid, i, 0) for i in index)]
-    return _tile(torch.where(valid, bits, 0).view(A.dtype))
+def _gather(A, indices, mask=None, latency=None, padding_value=0, check_bounds=True) -> Tile:
+    where, real = _elements(A, indices, mask)
+    bits = BITS[A.element_size()]
+    pad = torch.tensor(padding_value, dtype=A.dtype).view(bits)
+    return _tile(torch.where(real, A.view(bits)[where], pad).view(A.dtype))
 
 
 def _scatter(A, indices, value, mask=None, latency=None, check_bounds=True) -> None:
-    valid, index = _where_valid(A, indices, mask)
-    A[tuple(i[valid] for i in index)] = torch.broadcast_to(torch.as_tensor(value), valid.shape)[valid].to(A.dtype)
+    where, real = _elements(A, indices, mask)
+    value = torch.as_tensor(value).to(A.dtype).broadcast_to(real.shape)
+    A[tuple(i[real] for i in where)] = value[real]
 
 
 def _where(cond, a, b) -> Tile:

@@ -15,11 +15,16 @@ def named(launch: tuple) -> dict:
     return dict(zip(inspect.signature(kernel._pyfunc).parameters, arguments, strict=True))
 
 
+def needs_cuobjdump() -> None:
+    """Skips where cuobjdump is missing, except in CI."""
+    if not find_cuobjdump() and not os.environ.get("CI"):
+        pytest.skip("needs cuobjdump (pip install nvidia-cuda-cuobjdump, or triton)")
+
+
 def sass(cubin: bytes) -> dict[str, int]:
     """Registers, stack, shared memory and instruction counts of a cubin (skips where cuobjdump is missing,
     except in CI)."""
-    if not find_cuobjdump() and not os.environ.get("CI"):
-        pytest.skip("needs cuobjdump (pip install nvidia-cuda-cuobjdump, or triton)")
+    needs_cuobjdump()
     return sass_summary(cubin)
 
 

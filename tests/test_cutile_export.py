@@ -2,7 +2,8 @@
 
 No GPU is needed: ``cuda.tile.compilation.export_kernel`` runs the whole compiler (tileiras) ahead of time. The
 dense kernel's SASS shows what the hints did: no stack, the K/V pipeline's depth, the matrix instructions' runs.
-The serving kernels' exports are in test_cutile_decode.py and test_cutile_varlen.py.
+The serving kernels' exports are in test_cutile_decode.py, test_cutile_varlen.py, test_cutile_mla.py and
+test_cutile_mixed.py.
 """
 
 import itertools

@@ -136,10 +136,10 @@ def test_triton_mixed_matches_the_oracle(new_tokens, lengths, heads, page_size):
 
 
 def test_the_work_list_covers_every_token_once_longest_first():
-    from impls.triton_fa.mixed import work_list
+    from impls._plans import mixed_work_list
 
     seqlens_q, seqlens = [1, 45, 1, 20], (37, 60, 900, 20)
-    items = work_list(seqlens_q, seqlens, tokens=8)
+    items = mixed_work_list(seqlens_q, seqlens, tokens=8)
     covered = sorted((seq, first + t) for seq, first in items for t in range(8) if first + t < seqlens_q[seq])
     assert covered == [(seq, t) for seq, n in enumerate(seqlens_q) for t in range(n)]
     keys = [seqlens[seq] - seqlens_q[seq] + min(first + 8, seqlens_q[seq]) for seq, first in items]

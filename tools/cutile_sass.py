@@ -15,6 +15,7 @@ EPILOG = """examples:
   python -m tools.cutile_sass --head-dim 192 --value-dim 128 --no-ladder --runs
   python -m tools.cutile_sass --head-dim 128 --window --overlap
   python -m tools.cutile_sass --mla 32 --kv-fp8
+  python -m tools.cutile_sass --mixed 4 --mixed 8 --head-dim 128
 """
 MLA_TILES = (16, 32, 64)  # key tiles of the MLA decode's split kernel compiled by --mla
 MLA_WORKER_WARPS = (4, 8)
@@ -62,6 +63,22 @@ def report_mla(args: argparse.Namespace) -> None:
             print(f"{label:40s} {sass_summary(export_launch(kernel, arguments, arch=args.arch))}", flush=True)
 
 
+def report_mixed(args: argparse.Namespace) -> None:
+    """One line per group: the mixed kernel's fixed form as it launches for a step of that group (one kv head, two
+    decoding sequences beside a chunk, pages of --page-size) and its SASS summary."""
+    from impls.cutile.export import export_launch
+    from impls.cutile.mixed_serving import MixedCall
+    from impls.sass import sass_summary
+    from suite.presets import mixed
+
+    for group in args.mixed:
+        inputs = mixed(("", group, 1, args.head_dim), 2, 300, 1, 70, page_size=args.page_size).make_inputs("cpu")
+        call = MixedCall(inputs, scale=args.head_dim ** -0.5)
+        (_, kernel, arguments), = call.launches
+        name = f"mixed: group {group}, {call.variant.describe()}"
+        print(f"{name:70s} {sass_summary(export_launch(kernel, arguments, arch=args.arch))}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m tools.cutile_sass", description=__doc__, epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -82,6 +99,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="instead: the MLA decode's split kernel with ROWS query rows (heads x new tokens, at "
                              "most 32) at DeepSeek-V3's widths, over key tiles and worker warps")
     parser.add_argument("--kv-fp8", action="store_true", help="--mla over an fp8 (e4m3) latent cache")
+    parser.add_argument("--mixed", type=int, action="append", default=[], metavar="GROUP",
+                        help="instead: the mixed prefill and decode kernel at this many query heads a kv head "
+                             "(repeatable)")
+    parser.add_argument("--page-size", type=int, default=16, help="--mixed: the cache's page size (default 16)")
     args = parser.parse_args(argv)
     if args.mla is not None:
         from impls.cutile.mla_serving import MAX_ROWS
@@ -89,6 +110,8 @@ def main(argv: list[str] | None = None) -> None:
         if not 1 <= args.mla <= MAX_ROWS:
             parser.error(f"--mla takes 1 to {MAX_ROWS} query rows (the kernel packs at most that many), got {args.mla}")
         report_mla(args)
+    elif args.mixed:
+        report_mixed(args)
     else:
         report(args)
 

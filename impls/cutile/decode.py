@@ -124,10 +124,9 @@ def paged_decode_split(
     # Tiles every new token sees whole (their last position <= L - SQ) need no mask; the rest are masked.
     whole = max(free, min(end, (seq_len - SQ + 1) // TILE_N))
     for j in range(free, whole):
-        k, v = key_tile(KCache, VCache, BlockTable, batch, kv_head, j, seq_len, dims, TILE_N, TILE_D,
-                        PAGE_SIZE, GATHER, False, K_LATENCY, V_LATENCY, q.dtype)
-        qk = tile_scores(q, k, row_down, qk_scale, SOFTCAP, TILE_M, TILE_N)
-        acc, l_i, m_i = fold(acc, l_i, m_i, qk, v, score_scale_log2, False)
+        acc, l_i, m_i = whole_fold(q, row_down, acc, l_i, m_i, KCache, VCache, BlockTable, batch, kv_head, j, seq_len,
+                                   dims, qk_scale, score_scale_log2, TILE_M, TILE_N, TILE_D, PAGE_SIZE, GATHER,
+                                   K_LATENCY, V_LATENCY, SOFTCAP)
     for j in range(whole, end):
         acc, l_i, m_i = masked_fold(q, row_down, acc, l_i, m_i, KCache, VCache, BlockTable, batch, kv_head, j,
                                     seq_len, last_visible, window_left, dims, qk_scale, score_scale_log2, TILE_M,
@@ -163,6 +162,15 @@ def first_tile(seq_len, window_left, SQ, TILE_N):
     """The key tile that holds the first position a sequence's new tokens see: 0, or with a window of
     ``window_left`` keys (UNBOUNDED: none) the tile of position L - SQ - window_left."""
     return max(seq_len - SQ - window_left, 0) // TILE_N
+
+
+def whole_fold(q, row_down, acc, l_i, m_i, KCache, VCache, BlockTable, batch, kv_head, j, seq_len, dims, qk_scale,
+               score_scale_log2, TILE_M, TILE_N, TILE_D, PAGE_SIZE, GATHER, K_LATENCY, V_LATENCY, SOFTCAP):
+    """Key tile j into the online softmax (``tile_scores``' rows) where every row sees the whole tile: no mask."""
+    k, v = key_tile(KCache, VCache, BlockTable, batch, kv_head, j, seq_len, dims, TILE_N, TILE_D, PAGE_SIZE, GATHER,
+                    False, K_LATENCY, V_LATENCY, q.dtype)
+    qk = tile_scores(q, k, row_down, qk_scale, SOFTCAP, TILE_M, TILE_N)
+    return fold(acc, l_i, m_i, qk, v, score_scale_log2, False)
 
 
 def masked_fold(q, row_down, acc, l_i, m_i, KCache, VCache, BlockTable, batch, kv_head, j, seq_len, last_visible,

@@ -141,6 +141,19 @@ def cache_reading(k_cache: torch.Tensor, v_cache: torch.Tensor, width: int) -> t
     return int64, int64 and word_view_fits(k_cache, v_cache, width)
 
 
+def cache_operands(variant: DecodeVariant, k_cache: torch.Tensor, v_cache: torch.Tensor, width: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, int, bool, str]:
+    """The caches as ``variant``'s key tiles read them (``cache_reading``): (k, v, as passed to the kernel, its
+    GATHER, whether it indexes them in 64 bits, how they are read, for the config). Page loads of caches that need
+    64-bit offsets go through 32-bit word views where those fit."""
+    gather, (int64, words) = variant.gather, cache_reading(k_cache, v_cache, width)
+    if words and variant.read == "pages":
+        from impls.cutile import decode
+
+        return k_cache.view(torch.int32), v_cache.view(torch.int32), decode.WORD_PAGES, False, "32-bit word views"
+    return k_cache, v_cache, gather, int64, "64-bit" if int64 else "32-bit"
+
+
 class DecodeCall(Launches):
     """One decode step with ``variant``: the split launch, and the combine where a sequence has more than one
     chunk."""
@@ -164,14 +177,7 @@ class DecodeCall(Launches):
         parts = (batch * hkv, self.num_splits, tile_m) if split else (1, 1, 1)  # unused without a split
         self.part = torch.empty((*parts, width if split else 1), dtype=torch.float32, device=q.device)
         self.lse = torch.empty(parts, dtype=torch.float32, device=q.device)
-        gather, (int64, words) = variant.gather, cache_reading(k_cache, v_cache, width)
-        self.cache_indexing = "64-bit" if int64 else "32-bit"  # recorded with the config: how the cache is read
-        if words and variant.read == "pages":
-            from impls.cutile import decode
-
-            k_cache, v_cache = k_cache.view(torch.int32), v_cache.view(torch.int32)
-            gather, int64 = decode.WORD_PAGES, False
-            self.cache_indexing = "32-bit word views"
+        k_cache, v_cache, gather, int64, self.cache_indexing = cache_operands(variant, k_cache, v_cache, width)
         kernel = variant.split_kernel(int64)
         tiles = (group, sq, tile_m)
         self.launches = [((self.num_splits, *heads_by_batch(hkv, batch, "kv heads")), kernel, (

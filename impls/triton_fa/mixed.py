@@ -3,10 +3,11 @@
 A server's step holds sequences that decode (one new token) beside prefill chunks (hundreds to thousands of new
 tokens), all over the same paged cache (``impls.contract.MixedBatch``). One kernel serves them all:
 
-1. A work list, built on the host when the call is prepared (as a server builds its step's metadata): one item per
-   tile of ``TOKENS`` new tokens of a sequence, ``(sequence, first new token)``. A decoding sequence is one item, a
-   chunk of 4096 tokens hundreds. The grid is (item, kv head); items are ordered by the keys they read, longest
-   first, so that the long ones start first and the short ones fill in behind them.
+1. A work list, built on the host when the call is prepared (as a server builds its step's metadata;
+   ``impls._plans.mixed_work_list``, the cuTile kernel's too): one item per tile of ``TOKENS`` new tokens of a
+   sequence, ``(sequence, first new token)``. A decoding sequence is one item, a chunk of 4096 tokens hundreds. The
+   grid is (item, kv head); items are ordered by the keys they read, longest first, so that the long ones start
+   first and the short ones fill in behind them.
 2. GQA packing: a tile's BLOCK_M rows are ``TOKENS`` new tokens times the ``GROUP = Hq / Hkv`` query heads of its kv
    head (row r: token r // GROUP, head r % GROUP), so each K/V tile read serves every query head of its group, for a
    decode row as for a prefill tile.
@@ -25,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from impls._plans import mixed_work
 from impls._registry import FLOATS, Prepared, check_grid_axis, register
 from impls.triton_fa.config import HEAD_DIMS, block_d, interpreting, requires
 from impls.triton_fa.decode import _decode_tiles, store_output
@@ -106,18 +108,6 @@ def tiles(group: int, head_dim: int, interp: bool) -> tuple[int, int, int]:
     return block_m, block_n, max(warps, block_m // ROWS_PER_WARP)
 
 
-def work_list(seqlens_q: list[int], seqlens: tuple[int, ...], tokens: int) -> list[tuple[int, int]]:
-    """The step's work items ``(sequence, first new token)``, one per ``tokens`` new tokens of a sequence, those that
-    read the most keys first (a tile of new tokens t0..t1 of q_len reads ``L - q_len + t1 + 1`` keys)."""
-    items = [(seq, first) for seq, n in enumerate(seqlens_q) for first in range(0, n, tokens)]
-
-    def keys(item: tuple[int, int]) -> int:
-        seq, first = item
-        return seqlens[seq] - seqlens_q[seq] + min(first + tokens, seqlens_q[seq])
-
-    return sorted(items, key=keys, reverse=True)
-
-
 def mixed_launch(inputs, scale: float):
     """The step's one launch: the timed call and its config."""
     q, k_cache, v_cache = inputs.q, inputs.k_cache, inputs.v_cache
@@ -127,9 +117,8 @@ def mixed_launch(inputs, scale: float):
     interp = interpreting()
     block_m, block_n, num_warps = tiles(group, head_dim, interp)
     tokens = block_m // group
-    items = work_list(inputs.seqlens_q(), inputs.seqlens, tokens)
     check_grid_axis(hkv, "kv heads")
-    work = torch.tensor(items, dtype=torch.int32).to(q.device)
+    work = mixed_work(inputs, tokens)
     out = inputs.output_like()
     args = (q, k_cache, v_cache, inputs.block_table, inputs.cache_seqlens, inputs.cu_seqlens_q, work, out,
             scale * LOG2_E, *q.stride()[:2], *k_cache.stride()[:3], *v_cache.stride()[:3],
@@ -137,14 +126,14 @@ def mixed_launch(inputs, scale: float):
     meta = {"GROUP": group, "TOKENS": tokens, "PAGE_SIZE": inputs.page_size, "HEAD_DIM": head_dim,
             "BLOCK_D": block_d(head_dim), "BLOCK_M": block_m, "BLOCK_N": block_n,
             "DOT_FP32": interp or q.dtype == torch.float32, "num_warps": num_warps, "num_stages": NUM_STAGES}
-    grid = (len(items), hkv)
+    grid = (work.shape[0], hkv)
 
     def run() -> torch.Tensor:
         mixed_attention[grid](*args, **meta)
         return out
 
     return run, {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": num_warps, "tokens_per_tile": tokens,
-                 "work_items": len(items)}
+                 "work_items": work.shape[0]}
 
 
 @register("triton", op="mixed", family="triton", dtypes=FLOATS, head_dims=HEAD_DIMS, requires=requires,
