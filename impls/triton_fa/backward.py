@@ -407,8 +407,9 @@ GPU_TILES = {
 # float32 inputs (ieee dots, twice the registers): the smallest tiles, which still spill from head dim 128.
 FP32_TILES = ((16, 32, 4, 2, False), (32, 32, 4, 2), (32, 32, 4, 2))
 # A kv head's group is split over programs (dk and dv then added atomically) until the dk/dv kernel has this many
-# programs per SM: a causal key tile's work falls with its position, so one wave of them leaves most SMs idle.
-WAVES = 2
+# programs per SM: a causal key tile's work falls with its position, so one wave of them leaves most SMs idle. 4
+# picks the fastest split of those timed on an H200 (docs/design.md#the-backward-pass).
+WAVES = 4
 
 
 def tiles(head_dim: int, dtype: torch.dtype) -> tuple[dict, dict, dict]:

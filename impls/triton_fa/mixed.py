@@ -5,9 +5,10 @@ tokens), all over the same paged cache (``impls.contract.MixedBatch``). One kern
 
 1. A work list, built on the host when the call is prepared (as a server builds its step's metadata;
    ``impls._plans.mixed_work_list``, the cuTile kernel's too): one item per tile of ``TOKENS`` new tokens of a
-   sequence, ``(sequence, first new token)``. A decoding sequence is one item, a chunk of 4096 tokens hundreds. The
-   grid is (item, kv head); items are ordered by the keys they read, longest first, so that the long ones start
-   first and the short ones fill in behind them.
+   sequence, ``(sequence, first new token)``. A decoding sequence is one item, a chunk of 4096 tokens hundreds. One
+   program per (item, kv head), the kv head fastest (blocks start in index order), and items ordered by the keys
+   they read, longest first: the long items of every kv head start in the first wave and the short ones fill in
+   behind them. With the item fastest instead, the last kv heads' long items started after every item of the first.
 2. GQA packing: a tile's BLOCK_M rows are ``TOKENS`` new tokens times the ``GROUP = Hq / Hkv`` query heads of its kv
    head (row r: token r // GROUP, head r % GROUP), so each K/V tile read serves every query head of its group, for a
    decode row as for a prefill tile.
@@ -27,7 +28,7 @@ import triton
 import triton.language as tl
 
 from impls._plans import mixed_work
-from impls._registry import FLOATS, Prepared, check_grid_axis, register
+from impls._registry import FLOATS, Prepared, register
 from impls.triton_fa.config import HEAD_DIMS, block_d, interpreting, requires
 from impls.triton_fa.decode import _decode_tiles, store_output
 from impls.triton_fa.kernel import LOG2_E
@@ -46,7 +47,7 @@ INTERPRETER_BLOCK_M, INTERPRETER_BLOCK_N = 16, 16
 
 @triton.jit
 def mixed_attention(
-    Q, K_cache, V_cache, block_table, cache_seqlens, cu_seqlens_q, work, Out, qk_scale,
+    Q, K_cache, V_cache, block_table, cache_seqlens, cu_seqlens_q, work, Out, qk_scale, num_kv_heads,
     stride_qt, stride_qh,
     stride_kp, stride_ks, stride_kh,
     stride_vp, stride_vs, stride_vh,
@@ -54,9 +55,10 @@ def mixed_attention(
     GROUP: tl.constexpr, TOKENS: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
-    """Program (work item, kv head): the GROUP x TOKENS rows of one tile of a sequence's new tokens over its cache."""
-    item = tl.program_id(0)
-    kv_head = tl.program_id(1).to(tl.int64)
+    """Program (work item, kv head), on one axis with the kv head fastest: the GROUP x TOKENS rows of one tile of a
+    sequence's new tokens over its cache."""
+    item = tl.program_id(0) // num_kv_heads
+    kv_head = (tl.program_id(0) % num_kv_heads).to(tl.int64)
     seq = tl.load(work + 2 * item).to(tl.int64)
     first = tl.load(work + 2 * item + 1)  # the tile's first new token
     q_start = tl.load(cu_seqlens_q + seq)
@@ -117,16 +119,15 @@ def mixed_launch(inputs, scale: float):
     interp = interpreting()
     block_m, block_n, num_warps = tiles(group, head_dim, interp)
     tokens = block_m // group
-    check_grid_axis(hkv, "kv heads")
     work = mixed_work(inputs, tokens)
     out = inputs.output_like()
     args = (q, k_cache, v_cache, inputs.block_table, inputs.cache_seqlens, inputs.cu_seqlens_q, work, out,
-            scale * LOG2_E, *q.stride()[:2], *k_cache.stride()[:3], *v_cache.stride()[:3],
+            scale * LOG2_E, hkv, *q.stride()[:2], *k_cache.stride()[:3], *v_cache.stride()[:3],
             inputs.block_table.stride(0), *out.stride()[:2])
     meta = {"GROUP": group, "TOKENS": tokens, "PAGE_SIZE": inputs.page_size, "HEAD_DIM": head_dim,
             "BLOCK_D": block_d(head_dim), "BLOCK_M": block_m, "BLOCK_N": block_n,
             "DOT_FP32": interp or q.dtype == torch.float32, "num_warps": num_warps, "num_stages": NUM_STAGES}
-    grid = (work.shape[0], hkv)
+    grid = (work.shape[0] * hkv,)
 
     def run() -> torch.Tensor:
         mixed_attention[grid](*args, **meta)
