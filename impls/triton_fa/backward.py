@@ -520,9 +520,38 @@ def shape_class(dtype: torch.dtype, head_dim: int, causal: bool, window: tuple[i
             length_class(q_len), length_class(kv_len))
 
 
-def _fastest(candidates: list[tuple[dict, Callable[[], object]]]) -> dict:
+# Each kernel's candidates as (tiles, call): the dk/dv kernel's, the dq kernel's.
+Candidates = tuple[list[tuple[dict, Callable[[], None]]], list[tuple[dict, Callable[[], None]]]]
+
+
+def _fastest(candidates: list[tuple[dict, Callable[[], None]]]) -> dict:
     """The fastest candidate's tiles; a lone candidate (the fixed tiles) without timing."""
     return candidates[0][0] if len(candidates) == 1 else fastest(candidates)
+
+
+def chosen_tiles(q: torch.Tensor, shape_key: tuple,
+                 candidates: Callable[[list[dict], list[dict]], Candidates]) -> tuple[tuple[dict, dict], str]:
+    """The dk/dv and dq tiles for a call on ``q`` of shape class ``shape_key``, and where they came from
+    (``TuningCache.lookup``). A tune times each kernel alone over its space, ``candidates(dkdv_space, dq_space)``
+    giving the calls."""
+    dkdv_space, dq_space = search_space(q.shape[-1], q.dtype)
+    dkdv_fixed, dq_fixed, _ = tiles(q.shape[-1], q.dtype)
+
+    def tune() -> dict:
+        dkdv, dq = candidates(dkdv_space, dq_space)
+        return {"dkdv": _fastest(dkdv), "dq": _fastest(dq)}
+
+    def compile_all() -> None:
+        for kernel in candidates(dkdv_space, dq_space):
+            for _, call in kernel:
+                call()
+
+    def valid(config: dict) -> bool:
+        return config.get("dkdv") in dkdv_space and config.get("dq") in dq_space
+
+    config, source = TUNING.lookup(TUNING.key(q.device, shape_key), tune, lambda: {"dkdv": dkdv_fixed, "dq": dq_fixed},
+                                   compile_all, NEAR_LENGTHS, valid)
+    return (config["dkdv"], config["dq"]), source
 
 
 @register("triton", op="backward", family="triton", dtypes=FLOATS, head_dims=HEAD_DIMS, requires=requires,
@@ -573,33 +602,16 @@ def triton_backward(inputs: Backward, *, scale: float, window: tuple[int, int] =
         grid = (triton.cdiv(max(q_len, 1), tile["BLOCK_M"]), *heads_by_batch(q.shape[1], batch))
         return lambda: bwd_dq[grid](q, k, v, do, lse, delta, dq, cu_seqlens, scale, *shape, **meta, **tile)
 
-    dkdv_tiles, dq_tiles, _ = tiles(head_dim, q.dtype)
-    if not timed_here(q):  # the interpreter times nothing
-        source = "fixed (interpreter)"
-    else:
-        dkdv_space, dq_space = search_space(head_dim, q.dtype)
+    def candidates(dkdv_space: list[dict], dq_space: list[dict]) -> Candidates:
+        delta_pass()  # both kernels read delta: computed once, before either is timed
+        return [(t, dkdv_launch(t)[0]) for t in dkdv_space], [(t, dq_launch(t)) for t in dq_space]
 
-        def candidates() -> list[list[tuple[dict, Callable[[], None]]]]:
-            """Each kernel's candidates, to be timed alone: delta, which both read, is computed once first."""
-            delta_pass()
-            return [[(t, dkdv_launch(t)[0]) for t in dkdv_space], [(t, dq_launch(t)) for t in dq_space]]
-
-        def tune() -> dict:
-            dkdv_candidates, dq_candidates = candidates()
-            return {"dkdv": _fastest(dkdv_candidates), "dq": _fastest(dq_candidates)}
-
-        def compile_all() -> None:
-            for _, call in (c for kernel in candidates() for c in kernel):
-                call()
-
-        def valid(config: dict) -> bool:
-            return config.get("dkdv") in dkdv_space and config.get("dq") in dq_space
-
-        key = TUNING.key(q.device, shape_class(q.dtype, head_dim, inputs.causal, window, softcap, inputs.packed,
-                                               shape[3], q_len, kv_len))
-        config, source = TUNING.lookup(key, tune, lambda: {"dkdv": dkdv_tiles, "dq": dq_tiles}, compile_all,
-                                       NEAR_LENGTHS, valid)
-        dkdv_tiles, dq_tiles = config["dkdv"], config["dq"]
+    if timed_here(q):
+        shape_key = shape_class(q.dtype, head_dim, inputs.causal, window, softcap, inputs.packed, shape[3], q_len,
+                                kv_len)
+        (dkdv_tiles, dq_tiles), source = chosen_tiles(q, shape_key, candidates)
+    else:  # the interpreter times nothing
+        (dkdv_tiles, dq_tiles, _), source = tiles(head_dim, q.dtype), "fixed (interpreter)"
     dkdv_run, dkdv_options = dkdv_launch(dkdv_tiles)
     dq_run = dq_launch(dq_tiles)
 
