@@ -27,6 +27,11 @@ def test_tables_ship_for_the_h200():
 def check_pick(family: str, shape: list[str], config: dict) -> None:
     if shape[0] == "dense decode":
         assert config in ({"route": "decode"}, {"route": "dense"})
+    elif family == "triton_fa" and shape[0] == "backward":
+        from impls.triton_fa.backward import search_space
+
+        dkdv_space, dq_space = search_space(int(shape[2]), getattr(torch, shape[1].removeprefix("torch.")))
+        assert set(config) == {"dkdv", "dq"} and config["dkdv"] in dkdv_space and config["dq"] in dq_space
     elif family == "triton_fa":
         from impls.triton_fa.dense import configs
         from impls.triton_fa.paged import DECODE_SPACE
@@ -105,3 +110,29 @@ def test_the_h200_table_holds_every_serving_decode_class(family, on_h200):
         shape = decode_shape_class(inputs, inputs.window_left(case.window), case.softcap)
         picks[case.id] = TUNING.tables.pick(TUNING.key("cuda", shape), NEAR_DECODE)
     assert cases and all(pick and pick[1] == "shipped (NVIDIA H200)" for pick in picks.values()), picks
+
+
+# The backward's shipped picks come from an H200 sweep of fa3-bwd at 2K and 8K (D 64 and 128, causal and not) and
+# train's Llama-3-8B 4K and 70B slice 8K (docs/design.md#the-backward-pass): those classes are answered exactly, the
+# other dense lengths by the nearest swept length of the same class; no packed class was swept, so train's packed
+# documents run the fixed tiles.
+SWEPT_BACKWARD = {("fa3-bwd", 2048), ("fa3-bwd", 8192), ("llama3-8b", 4096), ("llama3-70b-tp8", 8192)}
+
+
+@pytest.mark.parametrize("name", ["train", "fa3-bwd"])
+def test_the_h200_table_answers_the_training_presets_backward(name, on_h200):
+    from impls.triton_fa.backward import NEAR_LENGTHS, shape_class
+    from impls.triton_fa.config import TUNING
+
+    cases = [case for case in preset(name) if case.op == "backward"]  # fwdbwd cases share them
+    sources, expected = {}, {}
+    for case in cases:
+        length = max(case.seqlens()) if case.packed else case.sq  # the packed grid's: the longest document's
+        shape = shape_class(case.torch_dtype, case.d, case.causal, case.window, case.softcap, case.packed,
+                            case.hq // case.hkv, length, case.skv if not case.packed else length)
+        pick = TUNING.tables.pick(TUNING.key("cuda", shape), NEAR_LENGTHS)
+        sources[case.id] = pick[1] if pick else tuning.FIXED
+        swept = (case.model or name, case.sq) in SWEPT_BACKWARD
+        expected[case.id] = (tuning.FIXED if case.packed else
+                             "shipped (NVIDIA H200)" if swept else f"{tuning.NEAREST} (NVIDIA H200)")
+    assert cases and sources == expected

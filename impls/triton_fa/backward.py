@@ -21,13 +21,17 @@ of two is padded to BLOCK_D with zeros by masked loads.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
 
-from impls._registry import FLOATS, Prepared, heads_by_batch, register
+from impls._plans import timed_here
+from impls._registry import FLOATS, Prepared, heads_by_batch, length_class, register
 from impls.contract import NO_WINDOW, UNBOUNDED, Backward, window_bounds
-from impls.triton_fa.config import HEAD_DIMS, block_d, interpreting, requires
+from impls.triton_fa.config import HEAD_DIMS, TUNING, block_d, interpreting, requires
+from impls.tuning import fastest
 
 DELTA_ROWS = 64  # rows of do * o each program of the pre-pass sums
 LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): one natural-log unit in base 2
@@ -397,8 +401,8 @@ def bwd_dq(
 
 # Launch options per head-dim tile at 16-bit inputs: (BLOCK_M, BLOCK_N, warps, stages) of the dk/dv kernel with its
 # SPLIT, of the dq kernel and of the step's forward, the fastest of a sweep on an H200 (Triton 3.6; the sweep and
-# its figures: docs/design.md#the-backward-pass). Head dim 256 keeps the largest tiles that compile without
-# spilling.
+# its figures: docs/design.md#the-backward-pass): the fixed config, where no tune or shipped pick answers. Head dim
+# 256 keeps the largest tiles that compile without spilling.
 GPU_TILES = {
     64: ((32, 64, 4, 3, False), (64, 64, 4, 3), (64, 64, 4, 3)),
     128: ((64, 128, 8, 3, True), (128, 64, 8, 3), (64, 64, 4, 3)),
@@ -406,6 +410,15 @@ GPU_TILES = {
 }
 # float32 inputs (ieee dots, twice the registers): the smallest tiles, which still spill from head dim 128.
 FP32_TILES = ((16, 32, 4, 2, False), (32, 32, 4, 2), (32, 32, 4, 2))
+DKDV_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "SPLIT")
+DQ_KEYS = DKDV_KEYS[:4]
+# The tuners' candidates at 16-bit inputs and head-dim tiles up to TUNED_MAX_D, each kernel timed alone: the sweep's
+# leaders on some shape (docs/design.md#the-backward-pass), GPU_TILES' among them. Larger tiles spill, and at head
+# dim 256 and float32 the fixed tiles are the only candidates.
+DKDV_SPACE = ((32, 64, 4, 3, False), (64, 64, 8, 2, False), (64, 64, 8, 3, False), (32, 128, 8, 2, False),
+              (32, 128, 8, 3, False), (64, 128, 8, 2, True), (64, 128, 8, 3, True), (64, 128, 8, 2, False))
+DQ_SPACE = ((128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 4), (128, 128, 8, 2))
+TUNED_MAX_D = 128
 # A kv head's group is split over programs (dk and dv then added atomically) until the dk/dv kernel has this many
 # programs per SM: a causal key tile's work falls with its position, so one wave of them leaves most SMs idle. 4
 # picks the fastest split of those timed on an H200 (docs/design.md#the-backward-pass).
@@ -413,14 +426,23 @@ WAVES = 4
 
 
 def tiles(head_dim: int, dtype: torch.dtype) -> tuple[dict, dict, dict]:
-    """The launch options of the dk/dv kernel, the dq kernel and the step's forward; under the interpreter, one
+    """The fixed launch options of the dk/dv kernel, the dq kernel and the step's forward; under the interpreter, one
     64 x 64 tile, and the dk/dv kernel's masked and mask-free loops apart (``SPLIT``)."""
     if interpreting():
         one = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1}
         return {**one, "SPLIT": True}, one, one
     dkdv, dq, forward = FP32_TILES if dtype == torch.float32 else GPU_TILES[max(block_d(head_dim), 64)]
-    keys = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "SPLIT")
-    return dict(zip(keys, dkdv, strict=True)), *(dict(zip(keys[:4], t, strict=True)) for t in (dq, forward))
+    return dict(zip(DKDV_KEYS, dkdv, strict=True)), *(dict(zip(DQ_KEYS, t, strict=True)) for t in (dq, forward))
+
+
+def search_space(head_dim: int, dtype: torch.dtype) -> tuple[list[dict], list[dict]]:
+    """The tuners' candidates for the dk/dv and the dq kernel at this head dim and dtype (``DKDV_SPACE``,
+    ``DQ_SPACE``; the fixed tiles alone at float32 and past TUNED_MAX_D)."""
+    if dtype == torch.float32 or block_d(head_dim) > TUNED_MAX_D:
+        dkdv, dq, _ = tiles(head_dim, dtype)
+        return [dkdv], [dq]
+    return ([dict(zip(DKDV_KEYS, t, strict=True)) for t in DKDV_SPACE],
+            [dict(zip(DQ_KEYS, t, strict=True)) for t in DQ_SPACE])
 
 
 def head_splits(group: int, programs: int, device: torch.device) -> int:
@@ -482,14 +504,62 @@ def training_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causa
         return o, lse
 
     run()  # compiles, outside any timed region
-    return Prepared(run, config={"forward": tile, "tuned": False})
+    return Prepared(run, config={"forward": tile})
+
+
+# The backward's shape class (``shape_class``): a shipped pick carries across these positions, the length classes.
+NEAR_LENGTHS = (8, 9)
+
+
+def shape_class(dtype: torch.dtype, head_dim: int, causal: bool, window: tuple[int, int], softcap: float,
+                packed: bool, group: int, q_len: int, kv_len: int) -> tuple:
+    """What decides the backward's tiles, as its tuning key holds it: the dtype, the head-dim tile, the mask and
+    softcap as compiled in, packed documents, the GQA group and the length classes (packed: the longest
+    document's)."""
+    return ("backward", dtype, block_d(head_dim), causal, window != NO_WINDOW, softcap, packed, group,
+            length_class(q_len), length_class(kv_len))
+
+
+# Each kernel's candidates as (tiles, call): the dk/dv kernel's, the dq kernel's.
+Candidates = tuple[list[tuple[dict, Callable[[], None]]], list[tuple[dict, Callable[[], None]]]]
+
+
+def _fastest(candidates: list[tuple[dict, Callable[[], None]]]) -> dict:
+    """The fastest candidate's tiles; a lone candidate (the fixed tiles) without timing."""
+    return candidates[0][0] if len(candidates) == 1 else fastest(candidates)
+
+
+def chosen_tiles(q: torch.Tensor, shape_key: tuple,
+                 candidates: Callable[[list[dict], list[dict]], Candidates]) -> tuple[tuple[dict, dict], str]:
+    """The dk/dv and dq tiles for a call on ``q`` of shape class ``shape_key``, and where they came from
+    (``TuningCache.lookup``). A tune times each kernel alone over its space, ``candidates(dkdv_space, dq_space)``
+    giving the calls."""
+    dkdv_space, dq_space = search_space(q.shape[-1], q.dtype)
+    dkdv_fixed, dq_fixed, _ = tiles(q.shape[-1], q.dtype)
+
+    def tune() -> dict:
+        dkdv, dq = candidates(dkdv_space, dq_space)
+        return {"dkdv": _fastest(dkdv), "dq": _fastest(dq)}
+
+    def compile_all() -> None:
+        for kernel in candidates(dkdv_space, dq_space):
+            for _, call in kernel:
+                call()
+
+    def valid(config: dict) -> bool:
+        return config.get("dkdv") in dkdv_space and config.get("dq") in dq_space
+
+    config, source = TUNING.lookup(TUNING.key(q.device, shape_key), tune, lambda: {"dkdv": dkdv_fixed, "dq": dq_fixed},
+                                   compile_all, NEAR_LENGTHS, valid)
+    return (config["dkdv"], config["dq"]), source
 
 
 @register("triton", op="backward", family="triton", dtypes=FLOATS, head_dims=HEAD_DIMS, requires=requires,
           needs=("lse",), variants=("window", "softcap", "packed"), forward=training_forward,
           description="our FlashAttention-2 backward in Triton: delta pre-pass, dk/dv over key tiles walking the "
                       "query tiles (a GQA group split over programs where they are few), dq over query tiles; packed "
-                      "documents read from cu_seqlens; tiles fixed per head dim")
+                      "documents read from cu_seqlens; the dk/dv and dq tiles each tuned per shape class, shipped "
+                      "for the H200")
 def triton_backward(inputs: Backward, *, scale: float, window: tuple[int, int] = NO_WINDOW,
                     softcap: float = 0.0) -> Prepared:
     # Contiguous as the kernels address them: a copy only where an input is not (out of timed calls).
@@ -499,30 +569,57 @@ def triton_backward(inputs: Backward, *, scale: float, window: tuple[int, int] =
     batch, q_len, kv_len = _lengths(q, k, cu_seqlens, inputs.max_seqlen)
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
     delta = torch.empty_like(lse)
-    dkdv_tiles, dq_tiles, _ = tiles(head_dim, q.dtype)
     meta = _meta(head_dim, q.dtype, softcap, inputs.packed, window, inputs.causal)
     shape = _launch_shape(q, k, q_len, kv_len, window, inputs.causal)
     rows = lse.numel()  # every row of every head, in lse's layout
-    key_tiles = triton.cdiv(max(kv_len, 1), dkdv_tiles["BLOCK_N"])
-    splits = dkdv_tiles.pop("HEAD_SPLITS", None) or head_splits(shape[3], key_tiles * k.shape[1] * batch, q.device)
-    dkdv_grid = (key_tiles, *heads_by_batch(k.shape[1] * splits, batch, "kv heads"))
-    dq_grid = (triton.cdiv(max(q_len, 1), dq_tiles["BLOCK_M"]), *heads_by_batch(q.shape[1], batch))
-    # Programs that share a kv head add into float32 sums, zeroed and cast in the call.
-    dk_sum, dv_sum = (torch.empty_like(t, dtype=torch.float32) for t in (k, v)) if splits > 1 else (dk, dv)
 
-    def run() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def delta_pass() -> None:
         bwd_delta[(triton.cdiv(rows, DELTA_ROWS),)](o, do, delta, rows, HEAD_DIM=head_dim, BLOCK_D=meta["BLOCK_D"],
                                                     BLOCK_M=DELTA_ROWS)
-        if splits > 1:
-            dk_sum.zero_()
-            dv_sum.zero_()
-        bwd_dkdv[dkdv_grid](q, k, v, do, lse, delta, dk_sum, dv_sum, cu_seqlens, scale, *shape, **meta,
-                            **dkdv_tiles, HEAD_SPLITS=splits)
-        if splits > 1:
-            dk.copy_(dk_sum)
-            dv.copy_(dv_sum)
-        bwd_dq[dq_grid](q, k, v, do, lse, delta, dq, cu_seqlens, scale, *shape, **meta, **dq_tiles)
+
+    def dkdv_launch(tile: dict) -> tuple[Callable[[], None], dict]:
+        """The dk/dv kernel's call on ``tile`` and its launch options, the group split (``head_splits``) added."""
+        tile = {**tile}
+        key_tiles = triton.cdiv(max(kv_len, 1), tile["BLOCK_N"])
+        splits = tile.pop("HEAD_SPLITS", None) or head_splits(shape[3], key_tiles * k.shape[1] * batch, q.device)
+        grid = (key_tiles, *heads_by_batch(k.shape[1] * splits, batch, "kv heads"))
+        # Programs that share a kv head add into float32 sums, zeroed and cast in the call.
+        dk_sum, dv_sum = (torch.empty_like(t, dtype=torch.float32) for t in (k, v)) if splits > 1 else (dk, dv)
+
+        def run() -> None:
+            if splits > 1:
+                dk_sum.zero_()
+                dv_sum.zero_()
+            bwd_dkdv[grid](q, k, v, do, lse, delta, dk_sum, dv_sum, cu_seqlens, scale, *shape, **meta, **tile,
+                           HEAD_SPLITS=splits)
+            if splits > 1:
+                dk.copy_(dk_sum)
+                dv.copy_(dv_sum)
+
+        return run, {**tile, "HEAD_SPLITS": splits}
+
+    def dq_launch(tile: dict) -> Callable[[], None]:
+        grid = (triton.cdiv(max(q_len, 1), tile["BLOCK_M"]), *heads_by_batch(q.shape[1], batch))
+        return lambda: bwd_dq[grid](q, k, v, do, lse, delta, dq, cu_seqlens, scale, *shape, **meta, **tile)
+
+    def candidates(dkdv_space: list[dict], dq_space: list[dict]) -> Candidates:
+        delta_pass()  # both kernels read delta: computed once, before either is timed
+        return [(t, dkdv_launch(t)[0]) for t in dkdv_space], [(t, dq_launch(t)) for t in dq_space]
+
+    if timed_here(q):
+        shape_key = shape_class(q.dtype, head_dim, inputs.causal, window, softcap, inputs.packed, shape[3], q_len,
+                                kv_len)
+        (dkdv_tiles, dq_tiles), source = chosen_tiles(q, shape_key, candidates)
+    else:  # the interpreter times nothing
+        (dkdv_tiles, dq_tiles, _), source = tiles(head_dim, q.dtype), "fixed (interpreter)"
+    dkdv_run, dkdv_options = dkdv_launch(dkdv_tiles)
+    dq_run = dq_launch(dq_tiles)
+
+    def run() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        delta_pass()
+        dkdv_run()
+        dq_run()
         return dq, dk, dv
 
     run()  # compiles, outside any timed region
-    return Prepared(run, config={"dkdv": {**dkdv_tiles, "HEAD_SPLITS": splits}, "dq": dq_tiles, "tuned": False})
+    return Prepared(run, config={"dkdv": dkdv_options, "dq": dq_tiles, "chosen": source})
