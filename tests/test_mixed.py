@@ -281,9 +281,9 @@ def test_triton_refuses_a_head_dim_outside_its_list_with_the_reason():
 @pytest.mark.slow
 def test_triton_mixed_compiles_for_hopper_without_spills():
     """Llama-3-8B's and the 70B slice's groups at D 128, Qwen2.5's group of 7, and D 256, compiled for sm_90 as
-    launched."""
+    launched, whole and in the form that splits the decoding rows."""
     from tests.test_triton_compile import compiled
 
-    for result in compiled("--arch 90 --mixed 4", "--arch 90 --mixed 8", "--arch 90 --mixed 7",
-                           "--arch 90 --mixed 2 --d 256"):
+    forms = ("--arch 90 --mixed 4", "--arch 90 --mixed 8", "--arch 90 --mixed 7", "--arch 90 --mixed 2 --d 256")
+    for result in compiled(*forms, *(f"{form} --split" for form in forms)):
         assert result["hgmma"] > 0 and result["stack"] == 0, result

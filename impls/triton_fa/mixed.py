@@ -1,4 +1,5 @@
-"""Mixed prefill and decode over a paged KV cache in Triton: one launch for a whole serving step.
+"""Mixed prefill and decode over a paged KV cache in Triton: one launch for a whole serving step (and a combine after
+it where a step too small for the GPU splits its decoding rows).
 
 A server's step holds sequences that decode (one new token) beside prefill chunks (hundreds to thousands of new
 tokens), all over the same paged cache (``impls.contract.MixedBatch``). One kernel serves them all:
@@ -15,12 +16,11 @@ tokens), all over the same paged cache (``impls.contract.MixedBatch``). One kern
 3. The key loop is the paged decode's (``decode._decode_tiles``): pages gathered through the block table, the keys
    every row of the tile sees without a mask, then the tiles up to the tile's last new token masked causally
    (bottom-right within the sequence: token t of q_len sees positions <= L - q_len + t).
-
 4. Split-KV for the decoding rows where the step's programs are too few for the GPU (the 70B slice's 64 decoding
    sequences: 64 programs on 132 SMs; ``impls._plans.mixed_split_plan``): each decoding sequence's item becomes one
    per chunk of the paged decode's split plan, each chunk's normalised output and log-sum-exp go to the partials
    (the paged decode's ``store_partials``), and the paged decode's combine, launched after the kernel, merges them
-   into the output rows. Prefill tiles are never split; a step with enough programs is one launch, as before (see
+   into the output rows. Prefill tiles are never split; a step with enough programs is one launch (see
    docs/design.md#mixed-batches).
 """
 
@@ -185,7 +185,8 @@ def mixed_launch(inputs, scale: float, sm_count: int | None = None):
 @register("triton", op="mixed", family="triton", dtypes=FLOATS, head_dims=HEAD_DIMS, requires=requires,
           description="our mixed-batch kernel: one launch for decoding sequences and prefill chunks, a program per "
                       "(tile of a sequence's new tokens, kv head) from a host-built work list, query heads of a kv "
-                      "head packed in one tile, pages gathered through the block table; fixed tiles")
+                      "head packed in one tile, pages gathered through the block table; a step of too few programs "
+                      "splits its decoding rows' caches and merges them by log-sum-exp; fixed tiles")
 def prepare_mixed(inputs, *, scale: float) -> Prepared:
     run, config = mixed_launch(inputs, scale)
     run()  # compile outside any timed region
