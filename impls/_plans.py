@@ -316,16 +316,63 @@ def mixed_work_list(seqlens_q: list[int], seqlens: tuple[int, ...], tokens: int)
     that read the most keys first (a tile of new tokens t0..t1 of q_len reads ``L - q_len + t1 + 1`` keys), so that
     the long ones start in the first wave and the short ones fill in behind them."""
     items = [(seq, first) for seq, n in enumerate(seqlens_q) for first in range(0, n, tokens)]
-
-    def keys(item: tuple[int, int]) -> int:
-        seq, first = item
-        return seqlens[seq] - seqlens_q[seq] + min(first + tokens, seqlens_q[seq])
-
-    return sorted(items, key=keys, reverse=True)
+    return sorted(items, key=lambda item: tile_keys(seqlens_q, seqlens, tokens, *item), reverse=True)
 
 
-def mixed_work(inputs: MixedBatch, tokens: int) -> torch.Tensor:
+def tile_keys(seqlens_q: list[int], seqlens: tuple[int, ...], tokens: int, seq: int, first: int) -> int:
+    """The keys a tile of ``tokens`` new tokens from ``first`` of sequence ``seq`` reads: ``L - q_len + t1 + 1``, its
+    last token t1's."""
+    return seqlens[seq] - seqlens_q[seq] + min(first + tokens, seqlens_q[seq])
+
+
+# A mixed step whose programs (work items x kv heads) are at least this many a SM runs its decoding rows whole: the
+# GPU is busy without a combine. Below it (the 70B slice's 64 decoding sequences: 64 programs on 132 SMs) the decoding
+# sequences take the paged decode's split plan.
+MIXED_WHOLE_PROGRAMS_PER_SM = 1
+
+
+def decoding(seqlens_q: list[int]) -> list[int]:
+    """The sequences of a mixed step that decode (one new token), in order: the split plan's rows (its slots)."""
+    return [seq for seq, n in enumerate(seqlens_q) if n == 1]
+
+
+def mixed_split_plan(seqlens_q: list[int], seqlens: tuple[int, ...], kv_heads: int, tokens: int, block_n: int,
+                     sm_count: int, min_tiles: int | None = None) -> tuple[int, int]:
+    """(num_splits, split_len) for a mixed step's decoding sequences: ``split_plan`` over their caches where the
+    step's programs (a work item of ``tokens`` new tokens per kv head) are fewer than MIXED_WHOLE_PROGRAMS_PER_SM a
+    SM, else (1, 0): nothing split. Prefill tiles are never split."""
+    rows = decoding(seqlens_q)
+    programs = kv_heads * sum(-(-n // tokens) for n in seqlens_q)
+    if not rows or programs >= MIXED_WHOLE_PROGRAMS_PER_SM * sm_count:
+        return 1, 0
+    num_splits, split_len = split_plan([seqlens[seq] for seq in rows], kv_heads, block_n, sm_count, min_tiles)
+    return (num_splits, split_len) if num_splits > 1 else (1, 0)
+
+
+def mixed_split_work_list(seqlens_q: list[int], seqlens: tuple[int, ...], tokens: int,
+                          split_len: int) -> list[tuple[int, int, int, int]]:
+    """``mixed_work_list`` with each decoding sequence's item cut into its chunks of ``split_len`` keys (those that
+    hold keys): items ``(sequence, first new token, chunk, slot)``, the slot a decoding sequence's index in
+    ``decoding`` (where its chunks' partials go), -1 for the prefill tiles (chunk 0, their whole range). Those that
+    read the most keys first, as in ``mixed_work_list``."""
+    slot = {seq: i for i, seq in enumerate(decoding(seqlens_q))}
+    items = []  # (keys read, item)
+    for seq, first in mixed_work_list(seqlens_q, seqlens, tokens):
+        if seq in slot:
+            length = seqlens[seq]
+            items += [(min(split_len, length - c * split_len), (seq, 0, c, slot[seq]))
+                      for c in range(-(-length // split_len))]
+        else:
+            items.append((tile_keys(seqlens_q, seqlens, tokens, seq, first), (seq, first, 0, -1)))
+    return [item for _, item in sorted(items, key=lambda pair: -pair[0])]
+
+
+def mixed_work(inputs: MixedBatch, tokens: int, split_len: int = 0) -> torch.Tensor:
     """``mixed_work_list`` of a step as our mixed kernels read it: ``(items, 2)`` int32 on q's device, made when the
-    call is prepared (a server builds its step's metadata once a step, outside the layers)."""
-    items = mixed_work_list(inputs.seqlens_q(), inputs.seqlens, tokens)
+    call is prepared (a server builds its step's metadata once a step, outside the layers); ``split_len``: the
+    decoding sequences cut so, ``mixed_split_work_list``'s ``(items, 4)``."""
+    if split_len:
+        items = mixed_split_work_list(inputs.seqlens_q(), inputs.seqlens, tokens, split_len)
+    else:
+        items = mixed_work_list(inputs.seqlens_q(), inputs.seqlens, tokens)
     return torch.tensor(items, dtype=torch.int32).to(inputs.q.device)

@@ -135,6 +135,53 @@ def test_triton_mixed_matches_the_oracle(new_tokens, lengths, heads, page_size):
     assert prepared.config["work_items"] == sum(math.ceil(n / prepared.config["tokens_per_tile"]) for n in new_tokens)
 
 
+# Steps whose decoding rows the plan splits, under the interpreter (tiles of 16 keys) with the SMs of a GPU the step is
+# too small for: (new tokens, cache lengths, heads, SMs). GQA with a prefill chunk beside ragged caches, one of them
+# one new token over an empty cache, in one-tile chunks; MQA decoding alone in chunks of two tiles, the last ragged.
+SPLIT_BATCHES = [
+    ([1, 1, 24, 1, 1], [150, 2, 40, 77, 1], (8, 2), 132),
+    ([1, 1], [300, 5], (4, 1), 4),
+]
+
+
+@pytest.mark.parametrize(("new_tokens", "lengths", "heads", "sm_count"), SPLIT_BATCHES)
+def test_triton_mixed_splits_the_decoding_rows_of_a_small_step_and_matches_the_oracle(new_tokens, lengths, heads,
+                                                                                        sm_count):
+    pytest.importorskip("triton")
+    from impls.triton_fa.mixed import mixed_launch
+
+    inputs = batch(new_tokens, lengths, heads=heads, device=DEVICE)
+    run, config = mixed_launch(inputs, inputs.scale(None), sm_count=sm_count)
+    assert config["num_splits"] > 1
+    run().fill_(float("nan"))  # every row written by each call: the prefill tiles' and the combine's
+    result = Oracle.serving(inputs).check(run())
+    assert result.passed, result.message
+
+
+def test_a_mixed_step_splits_its_decoding_rows_only_when_its_programs_are_too_few():
+    from impls._plans import mixed_split_plan, split_plan
+
+    seqlens_q, seqlens = [1, 1, 24], (4096, 64, 40)  # 2 decode items and 6 tiles of 4 tokens over 2 kv heads
+    assert mixed_split_plan(seqlens_q, seqlens, 2, 4, 64, sm_count=16) == (1, 0)  # 16 programs
+    assert mixed_split_plan(seqlens_q, seqlens, 2, 4, 64, sm_count=17) == split_plan([4096, 64], 2, 64, 17)
+    assert mixed_split_plan([24, 30], (40, 30), 2, 4, 64, sm_count=132) == (1, 0)  # nothing decodes
+    assert mixed_split_plan([1, 1], (64, 64), 1, 4, 64, sm_count=132) == (1, 0)  # one tile each: the plan keeps them
+
+
+def test_the_split_work_list_cuts_each_decoding_cache_into_its_chunks_and_keeps_the_prefill_tiles():
+    from impls._plans import mixed_split_work_list, mixed_work_list, tile_keys
+
+    seqlens_q, seqlens = [1, 45, 1, 20], (37, 60, 900, 20)
+    items = mixed_split_work_list(seqlens_q, seqlens, tokens=8, split_len=32)
+    chunks = sorted((seq, chunk, slot) for seq, _, chunk, slot in items if slot >= 0)
+    assert chunks == [(0, 0, 0), (0, 1, 0), *((2, c, 1) for c in range(29))]  # 37 and 900 keys in chunks of 32
+    prefill = [(seq, first) for seq, first, chunk, slot in items if slot < 0]
+    assert prefill == [item for item in mixed_work_list(seqlens_q, seqlens, 8) if seqlens_q[item[0]] > 1]
+    keys = [min(32, seqlens[seq] - 32 * chunk) if slot >= 0 else tile_keys(seqlens_q, seqlens, 8, seq, first)
+            for seq, first, chunk, slot in items]
+    assert keys == sorted(keys, reverse=True)  # the chunk ends first, then the rest, longest first
+
+
 def test_the_work_list_covers_every_token_once_longest_first():
     from impls._plans import mixed_work_list
 
@@ -234,9 +281,9 @@ def test_triton_refuses_a_head_dim_outside_its_list_with_the_reason():
 @pytest.mark.slow
 def test_triton_mixed_compiles_for_hopper_without_spills():
     """Llama-3-8B's and the 70B slice's groups at D 128, Qwen2.5's group of 7, and D 256, compiled for sm_90 as
-    launched."""
+    launched, whole and in the form that splits the decoding rows."""
     from tests.test_triton_compile import compiled
 
-    for result in compiled("--arch 90 --mixed 4", "--arch 90 --mixed 8", "--arch 90 --mixed 7",
-                           "--arch 90 --mixed 2 --d 256"):
+    forms = ("--arch 90 --mixed 4", "--arch 90 --mixed 8", "--arch 90 --mixed 7", "--arch 90 --mixed 2 --d 256")
+    for result in compiled(*forms, *(f"{form} --split" for form in forms)):
         assert result["hgmma"] > 0 and result["stack"] == 0, result

@@ -84,17 +84,20 @@ def compile_mla(arch: int, *, rows: int, latent: int = 512, rope: int = 64, page
     return compile_for(mla_decode_split, arch, constants, pointers, num_warps, MLA_CONFIG["num_stages"])
 
 
-def compile_mixed(arch: int, *, group: int, head_dim: int = 128, page_size: int = 16, dtype: str = "bf16"):
+def compile_mixed(arch: int, *, group: int, head_dim: int = 128, page_size: int = 16, dtype: str = "bf16",
+                  split: bool = False):
     """The mixed prefill+decode kernel (mixed.py) with the tiles its launch picks for ``group`` query heads per kv
-    head at this head dim."""
+    head at this head dim; ``split``: the form that splits the decoding rows (SPLIT)."""
     from impls.triton_fa.config import block_d
     from impls.triton_fa.mixed import NUM_STAGES, mixed_attention, tiles
 
     block_m, block_n, num_warps = tiles(group, head_dim, interp=False)
     constants = {"GROUP": group, "TOKENS": block_m // group, "PAGE_SIZE": page_size, "HEAD_DIM": head_dim,
-                 "BLOCK_D": block_d(head_dim), "BLOCK_M": block_m, "BLOCK_N": block_n, "DOT_FP32": False}
+                 "BLOCK_D": block_d(head_dim), "BLOCK_M": block_m, "BLOCK_N": block_n, "DOT_FP32": False,
+                 "SPLIT": split}
     pointers = {**dict.fromkeys(("Q", "K_cache", "V_cache", "Out"), dtype),
-                **dict.fromkeys(("block_table", "cache_seqlens", "cu_seqlens_q", "work"), "i32")}
+                **dict.fromkeys(("block_table", "cache_seqlens", "cu_seqlens_q", "work"), "i32"),
+                **dict.fromkeys(("O_part", "LSE_part"), "fp32")}
     return compile_for(mixed_attention, arch, constants, pointers, num_warps, NUM_STAGES)
 
 
@@ -176,6 +179,7 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--mixed", type=int, metavar="GROUP",
                         help="the mixed prefill+decode kernel instead, for GROUP query heads per kv head (bf16, "
                              "--d, pages of 16)")
+    parser.add_argument("--split", action="store_true", help="--mixed in the form that splits the decoding rows")
     parser.add_argument("--each", action="store_true",
                         help="read one line of these options per configuration from stdin; print a JSON line each "
                              "(one process for many compiles)")
@@ -184,7 +188,7 @@ def parser() -> argparse.ArgumentParser:
 
 def resources(args: argparse.Namespace) -> dict[str, int]:
     if args.mixed:
-        kernel = compile_mixed(args.arch, group=args.mixed, head_dim=args.d)
+        kernel = compile_mixed(args.arch, group=args.mixed, head_dim=args.d, split=args.split)
         return {**describe(kernel.asm["cubin"]), "shared": kernel.metadata.shared}
     if args.mla:
         kernel = compile_mla(args.arch, rows=args.mla, kv_fp8=args.kv_fp8)

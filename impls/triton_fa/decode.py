@@ -366,10 +366,11 @@ def paged_decode_combine(
     num_kv_heads, num_splits, split_len, window_left,
     GROUP: tl.constexpr, SQ: tl.constexpr, BLOCK_M: tl.constexpr,
     MAX_SPLITS: tl.constexpr, SPLIT_CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, Out_rows=None,
 ):
     """Program (batch * kv head, row, head-dim slice): merge the row's chunks by log-sum-exp over BLOCK_D of
-    its columns and write them to ``Out``.
+    its columns and write them to ``Out``. ``Out_rows``: where batch b's rows go, ``Out_rows[b]`` times stride_b
+    (a mixed step's decoding sequences, one new token each, in its packed tokens); by default b.
 
     The log-sum-exps of all chunks fit in registers (one float each); the partial outputs are read SPLIT_CHUNK
     chunks at a time (``impls._plans.combine_plan``: with many chunks the slice narrows so that one step
@@ -401,4 +402,7 @@ def paged_decode_combine(
     head = kv_head * GROUP + row // SQ
     token = row % SQ
     out = (acc / total).to(Out.dtype.element_ty)
-    tl.store(Out + batch * stride_b + token * stride_t + head * stride_h + offs_d, out, mask=offs_d < HEAD_DIM)
+    out_row = batch
+    if Out_rows is not None:
+        out_row = tl.load(Out_rows + batch)
+    tl.store(Out + out_row * stride_b + token * stride_t + head * stride_h + offs_d, out, mask=offs_d < HEAD_DIM)
