@@ -147,7 +147,8 @@ def test_a_quantized_cache_is_set_against_its_16_bit_twin(serving_results, tmp_p
 def with_mixed_steps(serving_results: Path, tmp_path: Path) -> Path:
     """The serving run with ``serving-mixed-cpu``'s first step, its two parts (ranked by another figure of merit
     than the step: the preset splits in two sections) and a step whose parts are missing, every benchmark a copy of
-    one measured case's with the median set: both parts 1 ms; the step 1.5 ms for sdpa, 2.5 for naive."""
+    one measured case's with the median set (and the figures of merit with it): sdpa 1 ms a part and 1.5 the
+    step, naive 1.2 and 3."""
     from suite.presets import PRESETS
 
     data = json.loads(serving_results.read_text())
@@ -163,7 +164,10 @@ def with_mixed_steps(serving_results: Path, tmp_path: Path) -> Path:
             copy["extra_info"]["case"] = case.id
             whole = case.batch and case.chunks
             # sdpa leads every part too, so the leaderboard's order (the table's) does not rest on a tie
-            copy["stats"]["median"] = {"sdpa": 1.5e-3}.get(impl, 3e-3) if whole else {"sdpa": 1e-3}.get(impl, 1.2e-3)
+            median = {"sdpa": 1.5e-3}.get(impl, 3e-3) if whole else {"sdpa": 1e-3}.get(impl, 1.2e-3)
+            copy["stats"]["median"] = median
+            # the figures of merit (what the leaderboard ranks) follow the median, not the template's own timing
+            copy["extra_info"].update(gbps=1e-3 / median, tflops=1e-3 / median)
             data["benchmarks"].append(copy)
     fmha["presets"]["serving-mixed-cpu"] = [c.id for c in cases]
     path = tmp_path / "mixed.json"
