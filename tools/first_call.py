@@ -110,6 +110,7 @@ def measure(impl_name: str, case, against_tune: bool, rounds: int) -> dict[str, 
         os.environ["FMHA_TUNING"] = "retune"
         tuned = problem.prepare(impl)
         row["tuned_chosen"] = tuned.config.get("chosen", "")
+        row["tuned_config"] = {k: v for k, v in tuned.config.items() if k != "chosen"}  # what the tune found
         ratios = [graph_time_ms(prepared) / graph_time_ms(tuned) for _ in range(rounds)]
         row["pick_over_tuned"] = round(statistics.median(ratios), 4)
         row["pick_over_tuned_spread"] = [round(min(ratios), 4), round(max(ratios), 4)]
