@@ -166,6 +166,22 @@ def fitted_chunk(tiles: list[int], kv_heads: int, slots: int, min_tiles: int) ->
     return low
 
 
+def chunk_keys(length: int, split_len: int) -> list[int]:
+    """The keys of each chunk of ``split_len`` that holds some of a ``length``-key cache, in order: the chunks the
+    paged decode's combine merges (``ceil(length / split_len)`` of them)."""
+    return [min(split_len, length - first) for first in range(0, length, split_len)]
+
+
+def split_work_list(lengths: list[int] | tuple[int, ...], split_len: int) -> list[tuple[int, int]]:
+    """A split decode's programs ``(sequence, chunk)``: one per chunk that holds keys (``chunk_keys``), those with
+    the most keys first, so that the full chunks start in the first waves and the short ones fill in behind them.
+    A grid of (chunks, sequences) launches the empty ones too (a long-tailed batch: most of them). A sequence of no
+    keys keeps its chunk 0, which writes its zeros where the launch is unsplit (the combine reads none of it)."""
+    items = [(keys, (seq, chunk)) for seq, length in enumerate(lengths)
+             for chunk, keys in enumerate(chunk_keys(length, split_len) or [0])]
+    return [item for _, item in sorted(items, key=lambda pair: -pair[0])]
+
+
 COMBINE_STEP_ELEMENTS = 4096  # partial-output elements a combine program merges per step: 16 KB of fp32
 COMBINE_MIN_TILE_D = 16
 
@@ -359,9 +375,7 @@ def mixed_split_work_list(seqlens_q: list[int], seqlens: tuple[int, ...], tokens
     items = []  # (keys read, item)
     for seq, first in mixed_work_list(seqlens_q, seqlens, tokens):
         if seq in slot:
-            length = seqlens[seq]
-            items += [(min(split_len, length - c * split_len), (seq, 0, c, slot[seq]))
-                      for c in range(-(-length // split_len))]
+            items += [(keys, (seq, 0, c, slot[seq])) for c, keys in enumerate(chunk_keys(seqlens[seq], split_len))]
         else:
             items.append((tile_keys(seqlens_q, seqlens, tokens, seq, first), (seq, first, 0, -1)))
     return [item for _, item in sorted(items, key=lambda pair: -pair[0])]

@@ -14,7 +14,7 @@ import impls
 from impls import Prepared
 from impls.contract import UNBOUNDED
 from suite.checks import Oracle
-from suite.presets import UNEVEN_VARLEN
+from suite.presets import UNEVEN_VARLEN, preset
 from tests.tiers import first_fast
 
 
@@ -152,6 +152,26 @@ def test_combine_plan_merges_many_chunks_in_one_step():
     assert chunks == 256 and tile_d * chunks <= COMBINE_STEP_ELEMENTS and 128 % tile_d == 0
     tile_d, chunks = combine_plan(1000, 64)  # beyond one step at the narrowest slice: the loop takes the rest
     assert tile_d == 16 and chunks * tile_d == COMBINE_STEP_ELEMENTS
+
+
+def test_split_work_list_holds_each_chunk_with_keys_once_full_chunks_first():
+    """The programs of a split decode: exactly the (sequence, chunk) pairs whose chunk holds keys, the ones the
+    combine merges, those with the most keys first; a sequence of no keys keeps its chunk 0 (its zeros, unsplit)."""
+    from impls._plans import chunk_keys, split_plan, split_work_list
+
+    lengths = [700, 1, 0, 256, 257, 5]
+    items = split_work_list(lengths, 256)
+    assert sorted(items) == [(0, 0), (0, 1), (0, 2), (1, 0), (2, 0), (3, 0), (4, 0), (4, 1), (5, 0)]
+    keys = [chunk_keys(lengths[seq], 256)[chunk] if lengths[seq] else 0 for seq, chunk in items]
+    assert keys == sorted(keys, reverse=True) and keys[:4] == [256] * 4 and items[-1] == (2, 0)
+    assert [len(chunk_keys(n, 256)) for n in lengths] == [-(-n // 256) for n in lengths]  # the combine's count
+    assert split_work_list([300, 20], 320) == [(0, 0), (1, 0)]  # unsplit: a program a sequence, longest first
+    # The `mla` preset's long-tailed batch (64 sequences, 1-8192 keys) on 132 SMs: 26 chunks of 320 keys, 1,664
+    # programs as a grid of (chunk, sequence), of which 504 hold keys.
+    longtail = [c for c in preset("mla") if c.lengths == "longtail"][0].seqlens()
+    splits, split_len = split_plan(longtail, 1, 64, 132)
+    assert (splits, split_len, len(longtail)) == (26, 320, 64)
+    assert len(split_work_list(longtail, split_len)) == sum(-(-n // split_len) for n in longtail) == 504
 
 
 def dense_decode(batch=2, hq=8, hkv=2, sq=1, skv=256, layout="bhsd", dtype=torch.float16):

@@ -14,9 +14,10 @@ registered as ``cutile``'s ``mla`` entry by ``mla_serving.py``: the design of th
    the accumulator is spread over two warpgroups (``mla_serving``'s worker warps): no register spills, where the
    query rows as the products' rows spilled (docs/design.md, "MLA decode").
 4. Split-KV: each sequence's cache is cut into chunks by the paged decode's split plan (``impls._plans.split_plan``
-   with one kv head), a block each; their normalised outputs and log-sum-exps are merged by the paged decode's
-   combine (``decode.paged_decode_combine``), which sees the heads as one kv head's GROUP. A sequence of one chunk
-   writes its output at once.
+   with one kv head), a block per chunk that holds keys, from a work list built on the host when the call is
+   prepared (``impls._plans.split_work_list``: full chunks first); their normalised outputs and log-sum-exps are
+   merged by the paged decode's combine (``decode.paged_decode_combine``), which sees the heads as one kv head's
+   GROUP and reads the same chunks. A sequence of one chunk writes its output at once.
 5. Pages: block loads (TMA on Hopper) of the part of a page a key tile lies in, or of the whole pages it spans,
    joined (decode.py's PAGES); where no such tile fits the page size, the rows are gathered through the table
    (ROWS). Every tile is masked: positions past a row's last visible one are hidden, and the latent and rotary rows
@@ -42,17 +43,19 @@ ROWS, PAGES = 0, 1  # GATHER: how a key tile is read (module docstring, 5)
 
 @ct.kernel
 def mla_decode_split(
-    QNope, QPe, CKV, KPE, BlockTable, CacheSeqlens, OutPart, LsePart, Out,
+    QNope, QPe, CKV, KPE, BlockTable, CacheSeqlens, Work, OutPart, LsePart, Out,
     qk_scale: float, kv_scale: float, split_len: int,
     HEADS: ConstInt, SQ: ConstInt, TILE_M: ConstInt, TILE_N: ConstInt, TILE_L: ConstInt, TILE_R: ConstInt,
     PAGE_SIZE: ConstInt, GATHER: ConstInt, SPLIT: ConstBool, LATENCY: ConstInt,
 ):
-    """Block (chunk, sequence): the HEADS x SQ query rows over one chunk of the sequence's latent cache. SPLIT:
-    write the chunk's normalised output (B, chunks, TILE_M, TILE_L) and log-sum-exp (B, chunks, TILE_M) float32;
-    otherwise (one chunk per sequence) the output rows themselves. ``qk_scale`` holds an fp8 cache's ``kv_scale``,
+    """Block ``item``: the HEADS x SQ query rows over one chunk of a sequence's latent cache, ``Work`` (items, 2)
+    holding the item's sequence and chunk (module docstring, 4). SPLIT: write the chunk's normalised output (B,
+    chunks, TILE_M, TILE_L) and log-sum-exp (B, chunks, TILE_M) float32; otherwise (one chunk per sequence) the
+    output rows themselves. ``qk_scale`` holds an fp8 cache's ``kv_scale``,
     which multiplies the output (1 for any other cache)."""
-    chunk = ct.bid(0)
-    batch = ct.bid(1)
+    item = ct.bid(0)
+    batch = ct.gather(Work, (item, 0)).item()
+    chunk = ct.gather(Work, (item, 1)).item()
     seq_len = ct.gather(CacheSeqlens, batch).item()
 
     rows = ct.arange(TILE_M, dtype=ct.int32)[None, :]  # the query rows are columns (module docstring, 3)

@@ -9,8 +9,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from impls._plans import PROGRAMS_PER_SM, combine_plan, split_plan
-from impls._registry import HALF, Prepared, Unsupported, check_grid_axis, register
+from impls._plans import PROGRAMS_PER_SM, combine_plan, split_plan, split_work_list
+from impls._registry import HALF, Prepared, Unsupported, register
 from impls.contract import UNBOUNDED, MLADecode
 from impls.cutile.config import device_sm_count, kernel_with_hints, needs_int64, tile_d
 from impls.cutile.launch import Launches, requires
@@ -51,20 +51,22 @@ MAX_ROWS = 32
 
 
 class MLACall(Launches):
-    """One MLA decode step with ``variant``: the split launch, and the paged decode's combine where a sequence has
-    more than one chunk. Construction touches no GPU (``sm_count`` is given), so CPU tests compile its launches."""
+    """One MLA decode step with ``variant``: the split launch, a block per chunk that holds keys (``work``, longest
+    first), and the paged decode's combine where a sequence has more than one chunk. Construction touches no GPU
+    (``sm_count`` is given), so CPU tests compile its launches."""
 
     def __init__(self, variant: MLAVariant, inputs: MLADecode, *, scale: float, sm_count: int) -> None:
         self.variant, self.out = variant, inputs.output_like()
         batch, sq, heads, _ = inputs.q_nope.shape
-        check_grid_axis(batch, "sequences")
         rows, tile_l, tile_r = heads * sq, tile_d(inputs.latent_dim), tile_d(inputs.rope_dim)
         tile_m = max(16, 1 << (rows - 1).bit_length())
         self.num_splits, self.split_len = split_plan(inputs.seqlens, 1, variant.tile_n, sm_count,
                                                      programs_per_sm=variant.plan_programs)
         split = self.num_splits > 1
-        parts = (batch, self.num_splits, tile_m) if split else (1, 1, 1)  # unused without a split
         device = inputs.q.device
+        # (sequence, chunk) of each block, built once as a server builds its step's metadata
+        self.work = torch.tensor(split_work_list(inputs.seqlens, self.split_len), dtype=torch.int32).to(device)
+        parts = (batch, self.num_splits, tile_m) if split else (1, 1, 1)  # unused without a split
         self.part = torch.empty((*parts, tile_l if split else 1), dtype=torch.float32, device=device)
         self.lse = torch.empty(parts, dtype=torch.float32, device=device)
         int64 = needs_int64(inputs.ckv, inputs.kpe)
@@ -75,10 +77,10 @@ class MLACall(Launches):
 
         gather = mla.PAGES if variant.read == "pages" else mla.ROWS
         kv_scale = float(inputs.kv_scale)  # folded into the score scale; multiplies the output once
-        self.launches = [((self.num_splits, batch, 1), kernel, (
-            inputs.q_nope, inputs.q_pe, inputs.ckv, inputs.kpe, inputs.block_table, inputs.cache_seqlens, self.part,
-            self.lse, self.out, scale * kv_scale, kv_scale, self.split_len, heads, sq, tile_m, variant.tile_n, tile_l,
-            tile_r, inputs.page_size, gather, split, variant.latency))]
+        self.launches = [((self.work.shape[0], 1, 1), kernel, (
+            inputs.q_nope, inputs.q_pe, inputs.ckv, inputs.kpe, inputs.block_table, inputs.cache_seqlens, self.work,
+            self.part, self.lse, self.out, scale * kv_scale, kv_scale, self.split_len, heads, sq, tile_m,
+            variant.tile_n, tile_l, tile_r, inputs.page_size, gather, split, variant.latency))]
         if split:  # the paged decode's combine: the heads are one kv head's GROUP, nothing windowed
             slice_l, chunks = combine_plan(self.num_splits, tile_l)
             combine = kernel_with_hints("paged_decode_combine", (("occupancy", COMBINE_OCCUPANCY),), module="decode")
@@ -87,7 +89,7 @@ class MLACall(Launches):
                 slice_l, chunks, variant.tile_n, False)))
 
     def prepared(self, **config) -> Prepared:
-        return super().prepared(num_splits=self.num_splits, split_len=self.split_len,
+        return super().prepared(num_splits=self.num_splits, split_len=self.split_len, work_items=self.work.shape[0],
                                 cache_indexing=self.cache_indexing, **config)
 
 
