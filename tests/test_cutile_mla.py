@@ -42,6 +42,7 @@ def test_a_split_step_compiles_with_the_paged_decodes_combine():
     assert call.num_splits > 1 and len(call.launches) == 2
     (grid, _, _), (combine_grid, combine, _) = call.launches
     split = named(call.launches[0])
+    assert split["Work"].tolist() == [[0, chunk] for chunk in range(call.num_splits)]  # each chunk holds keys
     assert grid == (call.num_splits, 1, 1) and split["GATHER"] == kernel.PAGES and split["SPLIT"] is True
     assert (split["TILE_M"], split["TILE_L"], split["TILE_R"]) == (16, 64, 16)
     assert call.part.shape == (1, call.num_splits, 16, 64) and call.lse.shape == (1, call.num_splits, 16)
@@ -134,3 +135,28 @@ def test_the_kernel_passes_the_oracle_when_emulated_on_cpu(case, tile_n):
     call = MLACall(replace(form, tile_n=tile_n or form.tile_n), inputs, scale=inputs.scale(None), sm_count=1)
     result = Oracle.serving(inputs).check(emulated(call))
     assert result.passed, result.message
+
+
+def test_a_long_tailed_batch_runs_only_its_chunks_with_keys_and_passes_the_oracle():
+    """Ragged caches of 300, 1, 77, 1 and 160 tokens cut into chunks of 7 tiles of 16 keys: a block per chunk that
+    holds keys (8 of the 15 a grid of chunks x sequences would launch), the combine merging just those, within the
+    oracle's tolerance. A sequence emptied after its checks (the contract has none: each holds its new token) keeps
+    one block, which writes nothing its combine reads: its output is zeros and the others' are unchanged."""
+    from impls.cutile.mla_serving import MLACall, mla_form
+
+    lengths = [300, 1, 77, 1, 160]
+    inputs = replace(mla(("", 4, 32, 8), len(lengths), 300, page_size=16).make_inputs("cpu"),
+                     cache_seqlens=torch.tensor(lengths, dtype=torch.int32))
+    form = replace(mla_form(inputs.page_size), tile_n=16)
+    call = MLACall(form, inputs, scale=inputs.scale(None), sm_count=1)
+    assert (call.num_splits, call.split_len, call.work.shape[0]) == (3, 112, 8)
+    out = emulated(call).clone()
+    result = Oracle.serving(inputs).check(out)
+    assert result.passed, result.message
+
+    inputs.cache_seqlens[1], inputs.seqlens = 0, (300, 0, 77, 1, 160)
+    emptied = MLACall(form, inputs, scale=inputs.scale(None), sm_count=1)
+    assert emptied.split_len == call.split_len and emptied.work.shape[0] == 8
+    again = emulated(emptied)
+    assert torch.equal(again[1], torch.zeros_like(again[1]))
+    assert torch.equal(again[[0, 2, 3, 4]], out[[0, 2, 3, 4]])

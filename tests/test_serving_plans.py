@@ -168,7 +168,7 @@ def test_split_work_list_holds_each_chunk_with_keys_once_full_chunks_first():
     assert split_work_list([300, 20], 320) == [(0, 0), (1, 0)]  # unsplit: a program a sequence, longest first
     # The `mla` preset's long-tailed batch (64 sequences, 1-8192 keys) on 132 SMs: 26 chunks of 320 keys, 1,664
     # programs as a grid of (chunk, sequence), of which 504 hold keys.
-    longtail = [c for c in preset("mla") if c.lengths == "longtail"][0].seqlens()
+    longtail = next(c for c in preset("mla") if c.lengths == "longtail").seqlens()
     splits, split_len = split_plan(longtail, 1, 64, 132)
     assert (splits, split_len, len(longtail)) == (26, 320, 64)
     assert len(split_work_list(longtail, split_len)) == sum(-(-n // split_len) for n in longtail) == 504

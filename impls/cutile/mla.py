@@ -51,8 +51,8 @@ def mla_decode_split(
     """Block ``item``: the HEADS x SQ query rows over one chunk of a sequence's latent cache, ``Work`` (items, 2)
     holding the item's sequence and chunk (module docstring, 4). SPLIT: write the chunk's normalised output (B,
     chunks, TILE_M, TILE_L) and log-sum-exp (B, chunks, TILE_M) float32; otherwise (one chunk per sequence) the
-    output rows themselves. ``qk_scale`` holds an fp8 cache's ``kv_scale``,
-    which multiplies the output (1 for any other cache)."""
+    output rows themselves. ``qk_scale`` holds an fp8 cache's ``kv_scale``, which multiplies the output (1 for any
+    other cache)."""
     item = ct.bid(0)
     batch = ct.gather(Work, (item, 0)).item()
     chunk = ct.gather(Work, (item, 1)).item()
