@@ -139,7 +139,7 @@ def emulator():
 
     return Emulator([(kernel, ("load_rows", "store_rows", "key_tiles", "mask_scores", "softmax_step", "finite")),
                      (backward_kernels, ("fwd_lse", "fold_key_tile", "bwd_delta", "bwd_dkdv", "bwd_dq", "query_tiles",
-                                         "add_query_tile", "add_key_tile", "load_row_values"))])
+                                         "add_query_tile", "add_key_tile", "query_tile", "load_row_values"))])
 
 
 def emulated(inputs: Backward) -> tuple[torch.Tensor, ...]:

@@ -58,11 +58,7 @@ def fwd_lse(
     """o and lse of one TILE_M tile of query rows of one (batch, query head); grid: query tiles x query heads x
     batch."""
     tile_m, head, batch = ct.bid(0), ct.bid(1), ct.bid(2)
-    kv_head = head // group  # GQA by index, as the forward
-    kv_len = K.shape[2]
-    scale_log2 = qk_scale * INV_LOG_2
-    offs_m = (tile_m * TILE_M + ct.arange(TILE_M, dtype=ct.int32))[:, None]
-    q = load_rows(Q, batch, head, tile_m, TILE_M, TILE_D, 0, None)
+    kv_head, kv_len, scale_log2, offs_m, q = query_tile(Q, K, batch, head, tile_m, group, qk_scale, TILE_M, TILE_D)
     m_i = ct.full((TILE_M, 1), -math.inf, dtype=ct.float32)
     l_i = ct.full((TILE_M, 1), 0.0, dtype=ct.float32)
     acc = ct.full((TILE_M, TILE_D), 0.0, dtype=ct.float32)
@@ -178,11 +174,7 @@ def bwd_dq(
 ):
     """dq of one TILE_M tile of query rows of one (batch, query head); grid: query tiles x query heads x batch."""
     tile_m, head, batch = ct.bid(0), ct.bid(1), ct.bid(2)
-    kv_head = head // group  # GQA by index, as the forward
-    kv_len = K.shape[2]
-    scale_log2 = qk_scale * INV_LOG_2
-    offs_m = (tile_m * TILE_M + ct.arange(TILE_M, dtype=ct.int32))[:, None]
-    q = load_rows(Q, batch, head, tile_m, TILE_M, TILE_D, 0, None)
+    kv_head, kv_len, scale_log2, offs_m, q = query_tile(Q, K, batch, head, tile_m, group, qk_scale, TILE_M, TILE_D)
     do = load_rows(DO, batch, head, tile_m, TILE_M, TILE_D, 0, None)
     lse_log2 = load_row_values(LSE, batch, head, tile_m, TILE_M).reshape((TILE_M, 1)) * INV_LOG_2
     delta = load_row_values(Delta, batch, head, tile_m, TILE_M).reshape((TILE_M, 1))
@@ -213,6 +205,16 @@ def add_key_tile(dq, q, do, lse_log2, delta, K, V, batch, kv_head, j, offs_m, sc
     dp = ct.mma(do, ct.transpose(v), ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32))
     ds = p * (dp - delta)
     return ct.mma(ds.astype(k.dtype), k, dq)
+
+
+def query_tile(Q, K, batch, head, tile_m, group, qk_scale, TILE_M, TILE_D):
+    """What a program over a tile of query rows reads first: its kv head (GQA by index, as the forward), the keys'
+    length, the scale in log2 units, the rows' positions and their q tile."""
+    kv_head = head // group
+    kv_len = K.shape[2]
+    scale_log2 = qk_scale * INV_LOG_2
+    offs_m = (tile_m * TILE_M + ct.arange(TILE_M, dtype=ct.int32))[:, None]
+    return kv_head, kv_len, scale_log2, offs_m, load_rows(Q, batch, head, tile_m, TILE_M, TILE_D, 0, None)
 
 
 def load_row_values(A, batch, head, tile_m, TILE_M):
